@@ -1,0 +1,112 @@
+"""One optimizer batch as Algorithm 1 sees it, in float64 NumPy (torch-free)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+def _float_list(array: np.ndarray) -> list:
+    """Nested lists with non-finite values spelled as strings, so JSON stays standard."""
+
+    def encode(value: float) -> float | str:
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return float(value)
+
+    return [[encode(v) for v in row] for row in array.tolist()]
+
+
+def _decode(rows: list) -> np.ndarray:
+    return np.array([[float(v) for v in row] for row in rows], dtype=np.float64).reshape(len(rows), -1)
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """Inputs of Algorithm 1 for one optimizer batch, shape [B, T].
+
+    ``valid`` is the loss mask; values at invalid positions are padding and may be anything,
+    NaN and inf included. ``tau`` is the second-moment budget.
+    """
+
+    logp: np.ndarray
+    behavior_logp: np.ndarray
+    advantages: np.ndarray
+    valid: np.ndarray
+    tau: float = 0.04
+
+    def __post_init__(self) -> None:
+        for name in ("logp", "behavior_logp", "advantages", "valid"):
+            value = getattr(self, name)
+            if not isinstance(value, np.ndarray):
+                raise TypeError(f"Batch.{name}: expected a numpy.ndarray, got {type(value).__name__}")
+            if value.ndim != 2:
+                raise ValueError(f"Batch.{name}: expected a 2-d array [B, T], got shape {value.shape}")
+            if value.shape != self.logp.shape:
+                raise ValueError(f"Batch.{name}: shape {value.shape} differs from logp's {self.logp.shape}")
+        for name in ("logp", "behavior_logp", "advantages"):
+            if getattr(self, name).dtype != np.float64:
+                raise ValueError(f"Batch.{name}: expected float64, got {getattr(self, name).dtype}")
+        if self.valid.dtype != np.bool_:
+            raise ValueError(f"Batch.valid: expected a bool array, got {self.valid.dtype}")
+        if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not math.isfinite(self.tau) or self.tau < 0:
+            raise ValueError(f"Batch.tau: expected a finite number >= 0, got {self.tau!r}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.logp.shape  # type: ignore[return-value]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "logp": _float_list(self.logp),
+            "behavior_logp": _float_list(self.behavior_logp),
+            "advantages": _float_list(self.advantages),
+            "valid": self.valid.astype(int).tolist(),
+            "tau": float(self.tau),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Batch":
+        missing = {"logp", "behavior_logp", "advantages", "valid"} - set(data)
+        if missing:
+            raise ValueError(f"batch: missing field(s) {sorted(missing)}")
+        valid_rows = data["valid"]
+        valid = np.array(valid_rows, dtype=np.int64).reshape(len(valid_rows), -1)
+        if not np.isin(valid, (0, 1)).all():
+            raise ValueError("batch.valid: expected 0/1 or true/false entries")
+        return cls(
+            logp=_decode(data["logp"]),
+            behavior_logp=_decode(data["behavior_logp"]),
+            advantages=_decode(data["advantages"]),
+            valid=valid.astype(bool),
+            tau=float(data.get("tau", 0.04)),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Batch":
+        return cls.from_dict(json.loads(text))
+
+    def with_padding(self, value: float) -> "Batch":
+        """The same batch with every invalid position of every float input set to ``value``."""
+        fill = lambda a: np.where(self.valid, a, value)  # noqa: E731
+        return Batch(fill(self.logp), fill(self.behavior_logp), fill(self.advantages), self.valid.copy(), self.tau)
+
+    def describe(self) -> str:
+        """A compact, copy-pasteable rendering for failure messages."""
+        with np.printoptions(precision=17, threshold=10_000, linewidth=120):
+            return (
+                f"Batch(tau={self.tau!r}, shape={self.shape},\n"
+                f"  logp={np.array2string(self.logp, separator=', ')},\n"
+                f"  behavior_logp={np.array2string(self.behavior_logp, separator=', ')},\n"
+                f"  advantages={np.array2string(self.advantages, separator=', ')},\n"
+                f"  valid={np.array2string(self.valid.astype(int), separator=', ')})"
+            )

@@ -1,0 +1,140 @@
+"""Algorithm 1 of M2PO, transcribed step by step in float64 NumPy.
+
+Spec: ``shared/spec/m2po-algorithm.md`` section 1. One function per step; no torch.
+Values at invalid (padding) positions are never read: every step masks them first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from m2po_oracle.batch import Batch
+from m2po_oracle.record import M2POResult
+
+
+# Step 1: log ratio and second moment.
+def log_ratio(logp: np.ndarray, behavior_logp: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """d = log r = logp - behavior_logp on valid tokens, 0 on padding."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.where(valid, logp - behavior_logp, 0.0)
+
+
+def second_moment(d: np.ndarray) -> np.ndarray:
+    """M2 = d^2 per token."""
+    with np.errstate(over="ignore"):
+        return d * d
+
+
+# Step 2: trust-region (candidate) tokens: PPO's active clipping quadrants.
+def trust_region(d: np.ndarray, advantages: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """T = valid & ((A > 0 & d > 0) | (A < 0 & d < 0)); A == 0 or d == 0 is never a candidate."""
+    a = np.where(valid, advantages, 0.0)
+    return valid & (((a > 0) & (d > 0)) | ((a < 0) & (d < 0)))
+
+
+# Step 3: selection, literally: remove the largest M2 while the remaining mean exceeds tau.
+def select_loop(m2: np.ndarray, trust: np.ndarray, tau: float) -> np.ndarray:
+    """Algorithm 1's loop. Returns the bool mask of removed (masked) tokens.
+
+    The mean is over the remaining trust-region tokens and is summed exactly (fsum), so
+    the oracle's own decisions carry no summation rounding. Among equal maxima the
+    lowest flat index is removed first (``argmax``).
+    """
+    masked = np.zeros(m2.shape, dtype=bool)
+    remaining = trust.copy()
+    while remaining.any() and math.fsum(m2[remaining]) / remaining.sum() > tau:
+        largest = np.argmax(np.where(remaining, m2, -np.inf))
+        index = np.unravel_index(largest, m2.shape)
+        remaining[index] = False
+        masked[index] = True
+    return masked
+
+
+# Step 4: the equivalent vectorised form.
+def sorted_candidates(m2: np.ndarray, trust: np.ndarray) -> np.ndarray:
+    """Flat indices of the trust-region tokens, M2 ascending.
+
+    Equal M2 values are ordered by descending index, so that the vectorised cut removes
+    the same token among ties as :func:`select_loop` does.
+    """
+    flat = np.flatnonzero(trust)
+    return flat[np.lexsort((-flat, m2.ravel()[flat]))]
+
+
+def prefix_means(sorted_m2: np.ndarray) -> np.ndarray:
+    """P_k = mean of the k smallest candidate M2, k = 1..n (non-decreasing)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.cumsum(sorted_m2) / np.arange(1, sorted_m2.size + 1)
+
+
+def select_sorted(m2: np.ndarray, trust: np.ndarray, tau: float) -> np.ndarray:
+    """Vectorised selection: keep the k* = #{k : P_k <= tau} smallest candidates."""
+    order = sorted_candidates(m2, trust)
+    kept_count = int(np.count_nonzero(prefix_means(m2.ravel()[order]) <= tau))
+    masked = np.zeros(m2.size, dtype=bool)
+    masked[order[kept_count:]] = True
+    return masked.reshape(m2.shape)
+
+
+# Objective: loss = -(1/N) sum keep * exp(d) * A, N = valid count before masking.
+def objective(d: np.ndarray, advantages: np.ndarray, keep: np.ndarray, valid_count: int) -> float:
+    if valid_count == 0:
+        return 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        terms = np.where(keep, np.exp(np.where(keep, d, 0.0)) * np.where(keep, advantages, 0.0), 0.0)
+    return -math.fsum(terms.ravel()) / valid_count
+
+
+def gradient(d: np.ndarray, advantages: np.ndarray, keep: np.ndarray, valid_count: int) -> np.ndarray:
+    """d loss / d logp = -(1/N) * keep * exp(d) * A; exactly 0 on masked and invalid tokens."""
+    if valid_count == 0:
+        return np.zeros(d.shape)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.where(keep, -np.exp(np.where(keep, d, 0.0)) * np.where(keep, advantages, 0.0) / valid_count, 0.0)
+
+
+def metrics(m2: np.ndarray, trust: np.ndarray, keep: np.ndarray, valid_count: int) -> dict[str, float | int]:
+    kept_trust = trust & keep
+    trust_count = int(trust.sum())
+    kept_trust_count = int(kept_trust.sum())
+    masked_count = trust_count - kept_trust_count
+    return {
+        "m2_before": math.fsum(m2[trust]) / trust_count if trust_count else 0.0,
+        "m2_after": math.fsum(m2[kept_trust]) / kept_trust_count if kept_trust_count else 0.0,
+        "masked_fraction": masked_count / valid_count if valid_count else 0.0,
+        "trust_region_fraction": trust_count / valid_count if valid_count else 0.0,
+        "valid_count": valid_count,
+        "trust_region_count": trust_count,
+        "kept_trust_region_count": kept_trust_count,
+    }
+
+
+def evaluate_with_mask(batch: Batch, keep: np.ndarray) -> M2POResult:
+    """The objective, gradient and metrics of Algorithm 1 for a given ``keep`` mask.
+
+    Used to judge an implementation's loss and gradient on the mask it actually chose
+    (ties and rounding may legitimately change the mask; see ``equivalence``).
+    """
+    keep = keep & batch.valid
+    d = log_ratio(batch.logp, batch.behavior_logp, batch.valid)
+    m2 = second_moment(d)
+    trust = trust_region(d, batch.advantages, batch.valid)
+    valid_count = int(batch.valid.sum())
+    return M2POResult(
+        loss=objective(d, batch.advantages, keep, valid_count),
+        keep=keep,
+        grad=gradient(d, batch.advantages, keep, valid_count),
+        **metrics(m2, trust, keep, valid_count),
+    )
+
+
+def m2po(batch: Batch, *, vectorised: bool = False) -> M2POResult:
+    """Algorithm 1 end to end: selection, then objective, gradient and metrics."""
+    d = log_ratio(batch.logp, batch.behavior_logp, batch.valid)
+    m2 = second_moment(d)
+    trust = trust_region(d, batch.advantages, batch.valid)
+    select = select_sorted if vectorised else select_loop
+    masked = select(m2, trust, batch.tau)
+    return evaluate_with_mask(batch, batch.valid & ~masked)

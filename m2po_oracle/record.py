@@ -1,0 +1,53 @@
+"""The one result record every M2PO computation is reduced to (torch-free).
+
+The oracle fills it with NumPy values, measured implementations are normalised into it by
+:mod:`m2po_oracle.contract`, and :mod:`m2po_oracle.equivalence` compares two of them field
+by field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+#: Scalar metrics of Algorithm 1, in the order reports show them.
+METRIC_FIELDS: tuple[str, ...] = (
+    "m2_before",
+    "m2_after",
+    "masked_fraction",
+    "trust_region_fraction",
+)
+#: Integer counts of Algorithm 1.
+COUNT_FIELDS: tuple[str, ...] = (
+    "valid_count",
+    "trust_region_count",
+    "kept_trust_region_count",
+)
+
+
+@dataclass(frozen=True)
+class M2POResult:
+    """Every quantity Algorithm 1 defines for one optimizer batch.
+
+    ``keep`` is a bool array shaped like the batch. ``grad`` is d loss / d logp (analytic
+    for the oracle, autograd for a measured implementation) or ``None`` where unknown.
+    Metrics and counts are ``None`` when an implementation does not report them.
+    """
+
+    loss: float
+    keep: np.ndarray
+    grad: np.ndarray | None = None
+    m2_before: float | None = None
+    m2_after: float | None = None
+    masked_fraction: float | None = None
+    trust_region_fraction: float | None = None
+    valid_count: int | None = None
+    trust_region_count: int | None = None
+    kept_trust_region_count: int | None = None
+
+    def reported(self) -> dict[str, Any]:
+        """Metrics and counts that are not ``None``."""
+        names = METRIC_FIELDS + COUNT_FIELDS
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in names and getattr(self, f.name) is not None}
