@@ -1,0 +1,117 @@
+"""The check battery: every property an implementation must satisfy on one batch.
+
+Checks are data (:data:`CHECKS`); :func:`run_battery` runs all of them on one batch and
+returns the mismatches, each naming its check. :func:`assert_battery_passes` turns them
+into one self-sufficient failure message (the one formatter in ``equivalence``).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from m2po_oracle.batch import Batch
+from m2po_oracle.contract import Implementation, Measurement, measure
+from m2po_oracle.equivalence import Mismatch, compare_to_oracle, compare_values, format_mismatches, tolerance
+
+#: Every check the battery runs, by the name failures carry, with what it asserts.
+CHECKS: dict[str, str] = {
+    "call": "the implementation returns a result under the contract (no exception, right types and shapes)",
+    "selection.keep_only_valid": "padding tokens are never kept",
+    "selection.only_trust_region_masked": "only trust-region tokens (A > 0 & d > 0 or A < 0 & d < 0) are ever masked",
+    "selection.budget": "after masking, the mean M2 of the kept trust-region tokens is <= tau",
+    "selection.minimal": "the mask is minimal: keeping the next removed token would break the budget",
+    "selection.largest_removed_first": "removed tokens have the largest M2 (any choice among ties)",
+    "loss": "loss equals -(1/N) sum keep * exp(d) * A on the implementation's own mask",
+    "gradient": "autograd d loss / d logp equals -(1/N) * keep * exp(d) * A",
+    "metrics.m2_before": "m2_before equals the mean M2 over the trust region",
+    "metrics.m2_after": "m2_after equals the mean M2 over the kept trust-region tokens",
+    "metrics.masked_fraction": "masked_fraction equals masked / N",
+    "metrics.trust_region_fraction": "trust_region_fraction equals |T| / N",
+    "metrics.valid_count": "valid_count equals N",
+    "metrics.trust_region_count": "trust_region_count equals |T|",
+    "metrics.kept_trust_region_count": "kept_trust_region_count equals the kept trust-region tokens",
+    "padding_immunity": "NaN/inf padding changes neither the mask, the loss nor the gradient",
+    "determinism": "the same input gives the same mask, loss and gradient",
+    "inputs_not_mutated": "the implementation does not modify its input tensors",
+}
+
+PADDING_PROBES = (float("nan"), float("inf"), float("-inf"))
+
+
+@dataclass(frozen=True)
+class BatteryOutcome:
+    batch: Batch  # the values the implementation received
+    measurement: Measurement
+    mismatches: tuple[Mismatch, ...] = field(default_factory=tuple)
+
+    @property
+    def passed(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def failed_checks(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(m.check for m in self.mismatches))
+
+
+def _same_output(check: str, label: str, reference: Measurement, other: Measurement, dtype: str, exact: bool) -> list[Mismatch]:
+    if other.finding is not None:
+        return [Mismatch(check, f"{label}: the call failed ({other.finding.kind}): {other.finding.message.splitlines()[-1]}")]
+    ref, res = reference.result, other.result
+    assert ref is not None and res is not None
+    found = []
+    if not np.array_equal(ref.keep, res.keep):
+        diff = np.flatnonzero(ref.keep.ravel() != res.keep.ravel())
+        index = tuple(int(i) for i in np.unravel_index(diff[0], ref.keep.shape))
+        found.append(Mismatch(check, f"{label}: keep differs at {diff.size} token(s), first at index {index}", field="keep", index=index,
+                              actual=bool(res.keep[index]), expected=bool(ref.keep[index])))
+    if exact:
+        loss_tol = grad_tol = tolerance("float64", "loss").__class__(rtol=0.0, atol=0.0)
+    else:
+        loss_tol, grad_tol = tolerance(dtype, "loss"), tolerance(dtype, "gradient")
+    for name, a, b, tol in (("loss", res.loss, ref.loss, loss_tol), ("grad", res.grad, ref.grad, grad_tol)):
+        mismatch = compare_values(check, name, a, b, tol)
+        if mismatch is not None:
+            found.append(Mismatch(check, f"{label}: {mismatch.summary}", mismatch.field, mismatch.index, mismatch.actual, mismatch.expected, mismatch.details))
+    return found
+
+
+def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> BatteryOutcome:
+    """Run every check on one batch. Never raises because of the implementation."""
+    first = measure(fn, batch, dtype=dtype, device=device)
+    if first.finding is not None:
+        return BatteryOutcome(first.batch, first, (Mismatch("call", f"{first.finding.kind}: {first.finding.message}"),))
+    assert first.result is not None
+    found: list[Mismatch] = []
+    if first.mutated_inputs:
+        found.append(Mismatch("inputs_not_mutated", f"the implementation modified its input tensor(s): {', '.join(first.mutated_inputs)}"))
+    found.extend(compare_to_oracle(first.batch, first.result, dtype, compute_dtype))
+    again = measure(fn, batch, dtype=dtype, device=device)
+    nondeterministic = _same_output("determinism", "second call on the same input", first, again, dtype, exact=True)
+    found.extend(nondeterministic)
+    # A nondeterministic implementation would also differ under the padding probes;
+    # comparing them would blame padding for what determinism already reports.
+    if not nondeterministic and not batch.valid.all():
+        for fill in PADDING_PROBES:
+            probe = measure(fn, batch.with_padding(fill), dtype=dtype, device=device)
+            found.extend(_same_output("padding_immunity", f"with padding set to {fill}", first, probe, dtype, exact=False))
+    return BatteryOutcome(first.batch, first, tuple(found))
+
+
+def replay_command(impl: str, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None) -> str:
+    parts = ["m2po-oracle", "replay", "--impl", impl, "--dtype", dtype]
+    if compute_dtype and compute_dtype != dtype:
+        parts += ["--compute-dtype", compute_dtype]
+    parts += ["--batch", batch.to_json()]
+    return shlex.join(parts)
+
+
+def assert_battery_passes(fn: Implementation, batch: Batch, *, impl: str, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> BatteryOutcome:
+    """Run the battery and raise AssertionError with the full failure message if any check fails."""
+    outcome = run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
+    if outcome.mismatches:
+        raise AssertionError(format_mismatches(list(outcome.mismatches), batch=batch, where=f"for implementation {impl!r} ({dtype})",
+                                               replay=replay_command(impl, batch, dtype=dtype, compute_dtype=compute_dtype)))
+    return outcome

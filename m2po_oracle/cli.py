@@ -1,0 +1,129 @@
+"""``m2po-oracle``: check an M2PO implementation against Algorithm 1.
+
+Exit status: 0 no divergence found; 1 divergence found; 2 the implementation could not be
+loaded or called at all, or a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from m2po_oracle import options
+
+EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_UNUSABLE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # usage errors exit 2, as documented
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_UNUSABLE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="m2po-oracle", description="Check an M2PO implementation against the Algorithm 1 oracle.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    compare = commands.add_parser("compare", help="run the check battery on generated batches")
+    compare.add_argument("--impl", required=True, help="built-in name (core, control:NAME), package.module:function or path/file.py:function")
+    options.add_to_argparse(compare)
+    compare.add_argument("--json", type=Path, default=None, help="write the JSON report here")
+
+    replay = commands.add_parser("replay", help="run the battery on one saved batch")
+    replay.add_argument("--impl", required=True, help="as for compare")
+    replay.add_argument("--batch", required=True, help="the batch as JSON text, or a path to a JSON file (a batch or a compare report)")
+    options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("dtype", "compute_dtype", "device")))
+
+    commands.add_parser("checks", help="list the checks of the battery")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=False)
+    if args.command == "checks":
+        from m2po_oracle.battery import CHECKS
+
+        table = Table("check", "asserts")
+        for name, description in CHECKS.items():
+            table.add_row(name, description)
+        console.print(table)
+        return EXIT_EQUIVALENT
+    from m2po_oracle.contract import load_implementation
+
+    try:
+        fn = load_implementation(args.impl)
+    except ValueError as error:
+        Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False, markup=True)
+        return EXIT_UNUSABLE
+    if args.command == "compare":
+        return _compare(args, fn, console)
+    return _replay(args, fn, console)
+
+
+def _compare(args: argparse.Namespace, fn, console: Console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from m2po_oracle.compare import run_compare
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task(f"checking {args.impl}", total=args.examples)
+        report = run_compare(fn, args.impl, examples=args.examples, seed=args.seed, dtype=args.dtype, compute_dtype=args.compute_dtype,
+                             tau=args.tau, device=args.device, on_example=lambda _: progress.advance(task))
+    table = Table(title=f"{args.impl} vs Algorithm 1 ({report.examples} batches, {args.dtype}, seed {args.seed})")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("failing batches", justify="right")
+    for name, tally in report.tallies.items():
+        table.add_row(name, "[red]FAIL[/]" if tally.failures else "[green]pass[/]", str(tally.failures))
+    console.print(table)
+    for counterexample in report.counterexamples:
+        from m2po_oracle.equivalence import format_mismatches
+
+        console.print(format_mismatches(list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {counterexample.check})",
+                                        replay=counterexample.replay), highlight=False, markup=False, soft_wrap=True)
+    colour = {"equivalent": "green", "divergent": "red", "unusable": "red"}[report.verdict]
+    console.print(f"verdict: [bold {colour}]{report.verdict}[/] in {report.duration_s:.1f} s")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report.to_json(), indent=2))
+        console.print(f"JSON report: {args.json}")
+    return report.exit_status
+
+
+def _replay(args: argparse.Namespace, fn, console: Console) -> int:
+    from m2po_oracle.batch import Batch
+    from m2po_oracle.battery import run_battery
+    from m2po_oracle.equivalence import format_mismatches
+
+    text = args.batch
+    path = Path(text)
+    try:
+        if not text.lstrip().startswith("{") and path.is_file():
+            text = path.read_text()
+        data = json.loads(text)
+        if "counterexamples" in data:  # a compare report: replay each of its counterexamples
+            batches = [Batch.from_dict(c["batch"]) for c in data["counterexamples"]]
+        else:
+            batches = [Batch.from_dict(data)]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        Console(stderr=True).print(f"error: batch: expected JSON of a batch or a compare report, or a path to one: {error}", highlight=False, markup=False)
+        return EXIT_UNUSABLE
+    status = EXIT_EQUIVALENT
+    for batch in batches:
+        outcome = run_battery(fn, batch, dtype=args.dtype, compute_dtype=args.compute_dtype, device=args.device)
+        if outcome.mismatches:
+            status = EXIT_DIVERGENT
+            console.print(format_mismatches(list(outcome.mismatches), batch=batch, where=f"for {args.impl!r}"), highlight=False, markup=False, soft_wrap=True)
+        else:
+            console.print(f"all checks pass on the batch of shape {batch.shape} (tau {batch.tau})")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Run the battery over many generated batches and shrink each failing check to a minimal batch."""
+
+from __future__ import annotations
+
+import platform
+import random
+import subprocess
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, find, settings
+from hypothesis import strategies as st
+from hypothesis.errors import NoSuchExample
+
+from m2po_oracle import __version__, strategies
+from m2po_oracle.batch import Batch
+from m2po_oracle.battery import CHECKS, BatteryOutcome, replay_command, run_battery
+from m2po_oracle.contract import Implementation
+from m2po_oracle.equivalence import Mismatch
+
+SCHEMA = "m2po-oracle/compare/1"
+
+
+@dataclass
+class CheckTally:
+    name: str
+    failures: int = 0
+    first_failure: Batch | None = None
+
+
+@dataclass
+class Counterexample:
+    check: str
+    batch: Batch
+    mismatches: tuple[Mismatch, ...]
+    replay: str
+
+
+@dataclass
+class CompareReport:
+    impl: str
+    dtype: str
+    compute_dtype: str
+    seed: int
+    examples: int
+    tallies: dict[str, CheckTally]
+    counterexamples: list[Counterexample] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def verdict(self) -> str:
+        if self.examples and self.tallies["call"].failures == self.examples:
+            return "unusable"
+        return "divergent" if any(t.failures for t in self.tallies.values()) else "equivalent"
+
+    @property
+    def exit_status(self) -> int:
+        return {"equivalent": 0, "divergent": 1, "unusable": 2}[self.verdict]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "verdict": self.verdict,
+            "implementation": self.impl,
+            "dtype": self.dtype,
+            "compute_dtype": self.compute_dtype,
+            "seed": self.seed,
+            "examples": self.examples,
+            "duration_s": round(self.duration_s, 3),
+            "checks": [
+                {"name": name, "description": CHECKS[name], "status": "fail" if t.failures else "pass", "failures": t.failures}
+                for name, t in self.tallies.items()
+            ],
+            "counterexamples": [
+                {
+                    "check": c.check,
+                    "batch": c.batch.to_dict(),
+                    "mismatches": [_mismatch_json(m) for m in c.mismatches],
+                    "replay": c.replay,
+                }
+                for c in self.counterexamples
+            ],
+            "environment": environment(),
+        }
+
+
+def _mismatch_json(m: Mismatch) -> dict[str, Any]:
+    plain = lambda v: v if v is None or isinstance(v, (bool, int, float, str)) else repr(v)  # noqa: E731
+    return {"check": m.check, "summary": m.summary, "field": m.field, "index": list(m.index) if m.index is not None else None,
+            "actual": plain(m.actual), "expected": plain(m.expected), "details": list(m.details)}
+
+
+def environment() -> dict[str, Any]:
+    import hypothesis
+    import torch
+
+    try:
+        revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        revision = None
+    return {"m2po_oracle": __version__, "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+            "hypothesis": hypothesis.__version__, "platform": platform.platform(), "git_revision": revision}
+
+
+def _strategy(tau: float | None) -> st.SearchStrategy[Batch]:
+    base = strategies.batches()
+    if tau is None:
+        return base
+    return base.map(lambda b: Batch(b.logp, b.behavior_logp, b.advantages, b.valid, tau))
+
+
+def _search_settings(examples: int) -> settings:
+    return settings(max_examples=examples, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def run_compare(
+    fn: Implementation,
+    impl: str,
+    *,
+    examples: int = 500,
+    seed: int = 0,
+    dtype: str = "float64",
+    compute_dtype: str | None = None,
+    tau: float | None = None,
+    device: str = "cpu",
+    on_example: Callable[[BatteryOutcome], None] | None = None,
+) -> CompareReport:
+    """Try ``examples`` generated batches; for each failing check, shrink a minimal batch."""
+    compute_dtype = compute_dtype or dtype
+    started = time.perf_counter()
+    tallies = {name: CheckTally(name) for name in CHECKS}
+    strategy = _strategy(tau)
+    tried = 0
+
+    def explore(batch: Batch) -> bool:
+        nonlocal tried
+        tried += 1
+        outcome = run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
+        for name in outcome.failed_checks:
+            tally = tallies[name]
+            tally.failures += 1
+            if tally.first_failure is None:
+                tally.first_failure = batch
+        if on_example is not None:
+            on_example(outcome)
+        return False
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            find(strategy, explore, settings=_search_settings(examples), random=random.Random(seed))
+        except NoSuchExample:
+            pass
+
+    counterexamples = []
+    for name, tally in tallies.items():
+        if tally.first_failure is None:
+            continue
+        counterexamples.append(_shrink(fn, impl, name, tally.first_failure, strategy, examples, seed, dtype, compute_dtype, device))
+    report = CompareReport(impl, dtype, compute_dtype, seed, tried, tallies, counterexamples)
+    report.duration_s = time.perf_counter() - started
+    return report
+
+
+def _shrink(fn, impl, check, fallback, strategy, examples, seed, dtype, compute_dtype, device) -> Counterexample:
+    """Replay the same search with "this check fails" as the goal; Hypothesis shrinks it."""
+
+    def fails(batch: Batch) -> bool:
+        return check in run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device).failed_checks
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            batch = find(strategy, fails, settings=_search_settings(examples), random=random.Random(seed))
+        except (NoSuchExample, Exception):  # a flaky check may not fail again: keep the first failing batch
+            batch = fallback
+    outcome = run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
+    mismatches = tuple(m for m in outcome.mismatches if m.check == check) or outcome.mismatches
+    return Counterexample(check, batch, mismatches, replay_command(impl, batch, dtype=dtype, compute_dtype=compute_dtype))

@@ -1,0 +1,242 @@
+"""The implementation contract, and calling an implementation under it.
+
+An implementation under test is a callable
+
+    fn(logp, behavior_logp, advantages, mask, *, tau) -> result
+
+on torch tensors of shape [B, T] (``mask`` bool, the others floating; gradient flows
+through ``logp`` only). ``result`` is a mapping or an object with ``loss`` (0-d tensor,
+differentiable w.r.t. ``logp``) and ``keep`` (bool, shape [B, T]), and optionally any of
+the metrics ``m2_before``, ``m2_after``, ``masked_fraction``, ``trust_region_fraction``
+and counts ``valid_count``, ``trust_region_count``, ``kept_trust_region_count`` (Python
+numbers or 0-d tensors).
+
+:func:`measure` calls an implementation and reduces whatever happens (a result, an
+exception, a wrong type, mutated inputs) to data; it never raises because of the
+implementation's behaviour.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from m2po_oracle.batch import Batch
+from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
+
+Implementation = Callable[..., Any]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something the implementation did that is not a valid result (``kind`` names it)."""
+
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one call of an implementation produced.
+
+    ``batch`` holds the values the implementation actually received (inputs rounded to
+    ``dtype``, back in float64): the oracle is evaluated on exactly these.
+    """
+
+    batch: Batch
+    dtype: str
+    result: M2POResult | None
+    finding: Finding | None = None
+    mutated_inputs: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _check_dtype_name(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def to_tensors(batch: Batch, dtype: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The contract's input tensors for ``batch`` (``logp`` requires grad)."""
+    torch_dtype = _check_dtype_name(dtype)
+    make = lambda a: torch.tensor(a, dtype=torch_dtype, device=device)  # noqa: E731
+    return {
+        "logp": make(batch.logp).requires_grad_(True),
+        "behavior_logp": make(batch.behavior_logp),
+        "advantages": make(batch.advantages),
+        "mask": torch.tensor(batch.valid, dtype=torch.bool, device=device),
+    }
+
+
+def rounded_batch(batch: Batch, dtype: str) -> Batch:
+    """``batch`` as an implementation receiving ``dtype`` tensors sees it, in float64."""
+    tensors = to_tensors(batch, dtype)
+    back = lambda t: t.detach().double().numpy()  # noqa: E731
+    return Batch(back(tensors["logp"]), back(tensors["behavior_logp"]), back(tensors["advantages"]), batch.valid.copy(), batch.tau)
+
+
+def _field(result: Any, name: str) -> Any:
+    if isinstance(result, Mapping):
+        return result.get(name)
+    return getattr(result, name, None)
+
+
+def _same(before: torch.Tensor, after: torch.Tensor) -> bool:
+    return before.shape == after.shape and before.dtype == after.dtype and bool(torch.equal(before.nan_to_num(0.5, 1.5, -1.5), after.nan_to_num(0.5, 1.5, -1.5)) and torch.equal(before.isnan(), after.isnan()))
+
+
+def _scalar(value: Any, name: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{name}: expected a number or 0-d tensor, got a tensor of shape {tuple(value.shape)}")
+        return float(value.detach().double().cpu().item())
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a number or 0-d tensor, got {type(value).__name__}")
+    return float(value)
+
+
+def _normalise(raw: Any, logp: torch.Tensor, shape: tuple[int, int]) -> tuple[M2POResult, tuple[str, ...]]:
+    """Reduce a raw result to an :class:`M2POResult`; raises TypeError/ValueError on misfit."""
+    notes: list[str] = []
+    loss = _field(raw, "loss")
+    keep = _field(raw, "keep")
+    if loss is None or keep is None:
+        raise TypeError(f"result: expected a mapping or object with 'loss' and 'keep', got {type(raw).__name__} {_preview(raw)}")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"loss: expected a 0-d torch.Tensor, got {type(loss).__name__} {_preview(loss)}")
+    if not loss.dtype.is_floating_point:
+        raise TypeError(f"loss: expected a floating tensor, got dtype {loss.dtype}")
+    if isinstance(keep, np.ndarray):
+        keep = torch.from_numpy(keep)
+    if not isinstance(keep, torch.Tensor):
+        raise TypeError(f"keep: expected a bool tensor of shape {shape}, got {type(keep).__name__}")
+    if tuple(keep.shape) != shape:
+        raise ValueError(f"keep: expected shape {shape}, got {tuple(keep.shape)}")
+    if keep.dtype != torch.bool:
+        raise TypeError(f"keep: expected dtype torch.bool, got {keep.dtype}")
+
+    if loss.requires_grad:
+        (grad,) = torch.autograd.grad(loss.reshape(()), logp, allow_unused=True)
+        if grad is None:
+            notes.append("loss has a graph that does not reach logp: gradient taken as zero")
+            grad = torch.zeros_like(logp)
+    else:
+        notes.append("loss carries no autograd graph: gradient taken as zero")
+        grad = torch.zeros_like(logp)
+
+    extras: dict[str, Any] = {}
+    for name in METRIC_FIELDS:
+        value = _field(raw, name)
+        if value is not None:
+            extras[name] = _scalar(value, name)
+    for name in COUNT_FIELDS:
+        value = _field(raw, name)
+        if value is not None:
+            number = _scalar(value, name)
+            if not number.is_integer():
+                raise TypeError(f"{name}: expected an integer count, got {number}")
+            extras[name] = int(number)
+    result = M2POResult(
+        loss=float(loss.detach().double().cpu().item()),
+        keep=keep.detach().cpu().numpy().copy(),
+        grad=grad.detach().double().cpu().numpy(),
+        **extras,
+    )
+    return result, tuple(notes)
+
+
+def _preview(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def measure(fn: Implementation, batch: Batch, *, dtype: str = "float64", device: str | torch.device = "cpu") -> Measurement:
+    """Call ``fn`` on ``batch`` under the contract and record everything it did."""
+    tensors = to_tensors(batch, dtype, device)
+    seen = rounded_batch(batch, dtype)
+    snapshot = {name: t.detach().clone() for name, t in tensors.items()}
+    try:
+        raw = fn(tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"], tau=batch.tau)
+    except Exception as error:  # the implementation's failure is a finding, not ours
+        return Measurement(seen, dtype, None, Finding("raised", _exception_text(error)))
+    mutated = tuple(name for name, before in snapshot.items() if not _same(before, tensors[name].detach()))
+    try:
+        result, notes = _normalise(raw, tensors["logp"], batch.shape)
+    except (TypeError, ValueError) as error:
+        return Measurement(seen, dtype, None, Finding("wrong_result", str(error)), mutated)
+    except Exception as error:
+        return Measurement(seen, dtype, None, Finding("raised_in_backward", _exception_text(error)), mutated)
+    return Measurement(seen, dtype, result, None, mutated, notes)
+
+
+def _exception_text(error: BaseException) -> str:
+    frames = traceback.format_exception(type(error), error, error.__traceback__, limit=-3)
+    return "".join(frames).rstrip()
+
+
+# --- resolving an implementation from its name -------------------------------------------
+
+def builtin_implementations() -> dict[str, Implementation]:
+    """Implementations shipped with the toolkit: the core and every negative control."""
+    from m2po_oracle import controls
+    from m2po_oracle.core import m2po_loss
+
+    found: dict[str, Implementation] = {"core": m2po_loss}
+    found.update({f"control:{c.name}": c.fn for c in controls.NEGATIVE_CONTROLS})
+    return found
+
+
+def load_implementation(spec: str) -> Implementation:
+    """Resolve ``spec``: a built-in name, ``package.module:function`` or ``path/file.py:function``."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"impl: expected a non-empty string, got {spec!r}")
+    builtins = builtin_implementations()
+    if spec in builtins:
+        return builtins[spec]
+    if ":" not in spec:
+        close = difflib.get_close_matches(spec, builtins, n=3, cutoff=0.5)
+        hint = f"; closest matches: {', '.join(close)}" if close else f"; built-in names: {', '.join(sorted(builtins))}"
+        raise ValueError(f"impl: unknown implementation {spec!r} (expected a built-in name, module:function or file.py:function){hint}")
+    target, _, attribute = spec.rpartition(":")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ValueError(f"impl: file {target!r} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"m2po_impl_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+        try:
+            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        except Exception as error:
+            raise ValueError(f"impl: importing {target!r} failed: {error!r}") from error
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as error:
+            raise ValueError(f"impl: importing module {target!r} failed: {error!r}") from error
+    fn = getattr(module, attribute, None)
+    if fn is None:
+        names = [n for n in dir(module) if not n.startswith("_")]
+        close = difflib.get_close_matches(attribute, names, n=3, cutoff=0.5)
+        hint = f"; closest matches: {', '.join(close)}" if close else ""
+        raise ValueError(f"impl: {target!r} has no attribute {attribute!r}{hint}")
+    if not callable(fn):
+        raise ValueError(f"impl: {spec!r} is a {type(fn).__name__}, not a callable")
+    return fn
+

@@ -1,0 +1,57 @@
+"""Options shared by the command line and (later) the pytest plugin, defined once."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+DTYPE_CHOICES = ("float64", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # long flag without dashes, e.g. "examples"
+    help: str
+    type: Any = str
+    default: Any = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _budget(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+COMPARE_OPTIONS: tuple[Option, ...] = (
+    Option("examples", "number of generated batches to try", _positive_int, 500),
+    Option("seed", "seed of the batch generator (same seed, same batches)", int, 0),
+    Option("dtype", "dtype of the input tensors given to the implementation", str, "float64", DTYPE_CHOICES),
+    Option("compute_dtype", "dtype the implementation computes its selection in (sets the rounding band; default: --dtype)", str, None, DTYPE_CHOICES),
+    Option("tau", "use this budget for every batch instead of drawing it", _budget, None),
+    Option("device", "torch device for the input tensors", str, "cpu"),
+)
+
+
+def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...] = COMPARE_OPTIONS) -> None:
+    for option in options:
+        parser.add_argument(option.flag, dest=option.name, type=option.type, default=option.default, choices=option.choices, help=option.help)

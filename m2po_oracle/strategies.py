@@ -1,0 +1,184 @@
+"""Public Hypothesis strategies for M2PO batches (reusable in users' own test suites).
+
+Positional arguments say what is drawn, keyword-only arguments shape how. Every strategy
+yields a :class:`m2po_oracle.batch.Batch` in float64; padding positions hold a drawn fill
+(0, NaN, +-inf, huge or random values) that an implementation must never read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from m2po_oracle.batch import Batch
+
+#: Scales of |log r| from a fresh rollout to an extremely stale one.
+STALENESS = (0.02, 0.1, 0.3, 1.0, 3.0, 10.0, 50.0)
+TAUS = (0.04, 0.04, 0.0, 0.01, 0.1, 0.5, 2.0)
+PADDING_FILLS = (0.0, float("nan"), float("inf"), float("-inf"), 1e30, -1e30, "random")
+#: Dyadic log ratios and budgets: every M2, sum and mean is exact in float64 and float32.
+DYADIC_LOG_RATIOS = (0.0, 0.125, -0.125, 0.25, -0.25, 0.375, -0.375, 0.5, -0.5, 0.75, -0.75)
+DYADIC_TAUS = (0.015625, 0.0625, 0.140625, 0.25, 0.0)
+
+
+def _check_range(name: str, value: int, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+
+
+@st.composite
+def _valid_mask(draw, rows: int, max_len: int) -> np.ndarray:
+    """Right-padded rows of drawn lengths (0 gives an all-padding row), sometimes ragged."""
+    lengths = draw(st.lists(st.integers(0, max_len), min_size=rows, max_size=rows), label="lengths")
+    width = max(1, max(lengths))
+    valid = np.arange(width)[None, :] < np.array(lengths)[:, None]
+    if draw(st.booleans(), label="interior holes") and valid.any():
+        holes = draw(hnp.arrays(np.bool_, valid.shape), label="holes")
+        valid &= ~holes
+    return valid
+
+
+@st.composite
+def _fill_padding(draw, values: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    fill = draw(st.sampled_from(PADDING_FILLS), label="padding fill")
+    if fill == "random":
+        noise = draw(hnp.arrays(np.float64, values.shape, elements=st.floats(-1e6, 1e6)), label="padding values")
+        return np.where(valid, values, noise)
+    return np.where(valid, values, fill)
+
+
+@st.composite
+def _log_ratios(draw, shape: tuple[int, int], staleness: float | None) -> np.ndarray:
+    scale = staleness if staleness is not None else draw(st.sampled_from(STALENESS), label="staleness")
+    # Cubing a uniform draw gives many small |log r| and a few outliers, the regime M2PO
+    # targets; it also shrinks towards 0.
+    u = draw(hnp.arrays(np.float64, shape, elements=st.floats(-1, 1) | st.just(0.0)), label="log ratio draw")
+    return scale * u**3
+
+
+@st.composite
+def _assemble(draw, d: np.ndarray, advantages: np.ndarray, valid: np.ndarray, tau: float | None, dyadic: bool = False) -> Batch:
+    if dyadic:
+        behavior = draw(hnp.arrays(np.float64, d.shape, elements=st.sampled_from((-0.5, -1.0, -2.0, -4.0, -0.25))), label="behavior_logp")
+    else:
+        behavior = draw(hnp.arrays(np.float64, d.shape, elements=st.floats(-8.0, 0.0)), label="behavior_logp")
+    logp = behavior + d
+    if tau is None:
+        tau = draw(st.sampled_from(DYADIC_TAUS if dyadic else TAUS) | (st.nothing() if dyadic else st.floats(0.0, 1.0)), label="tau")
+    return Batch(
+        logp=draw(_fill_padding(logp, valid)),
+        behavior_logp=draw(_fill_padding(behavior, valid)),
+        advantages=draw(_fill_padding(advantages, valid)),
+        valid=valid,
+        tau=float(tau),
+    )
+
+
+def _group_normalised(rewards: np.ndarray, group_size: int) -> np.ndarray:
+    grouped = rewards.reshape(-1, group_size)
+    std = grouped.std(axis=1, keepdims=True)
+    return ((grouped - grouped.mean(axis=1, keepdims=True)) / (std + 1e-6)).reshape(-1)
+
+
+@st.composite
+def grpo_batches(draw, *, max_groups: int = 3, max_group_size: int = 4, max_len: int = 12, staleness: float | None = None, tau: float | None = None) -> Batch:
+    """Realistic GRPO batches: groups of completions of one prompt with binary or graded
+    rewards, group-normalised sequence-constant advantages (a group with equal rewards has
+    A == 0), variable lengths, and staleness from mild to extreme."""
+    _check_range("max_groups", max_groups, 1)
+    _check_range("max_group_size", max_group_size, 1)
+    _check_range("max_len", max_len, 1)
+    groups = draw(st.integers(1, max_groups), label="groups")
+    group_size = draw(st.integers(1, max_group_size), label="group size")
+    reward = st.sampled_from((0.0, 1.0)) | st.floats(0.0, 1.0)
+    rewards = np.array(draw(st.lists(reward, min_size=groups * group_size, max_size=groups * group_size), label="rewards"))
+    valid = draw(_valid_mask(groups * group_size, max_len))
+    advantages = np.repeat(_group_normalised(rewards, group_size)[:, None], valid.shape[1], axis=1)
+    d = draw(_log_ratios(valid.shape, staleness))
+    return draw(_assemble(d, advantages, valid, tau))
+
+
+@st.composite
+def token_advantage_batches(draw, *, max_rows: int = 6, max_len: int = 12, staleness: float | None = None, tau: float | None = None) -> Batch:
+    """Per-token advantages (GAE-style), with exact zeros and both signs within a row."""
+    _check_range("max_rows", max_rows, 1)
+    _check_range("max_len", max_len, 1)
+    rows = draw(st.integers(1, max_rows), label="rows")
+    valid = draw(_valid_mask(rows, max_len))
+    advantages = draw(hnp.arrays(np.float64, valid.shape, elements=st.just(0.0) | st.floats(-3.0, 3.0)), label="advantages")
+    d = draw(_log_ratios(valid.shape, staleness))
+    return draw(_assemble(d, advantages, valid, tau))
+
+
+@st.composite
+def dyadic_batches(draw, *, max_rows: int = 4, max_len: int = 8) -> Batch:
+    """Exactly representable log ratios, advantages and budgets: many exact ties and prefix
+    means exactly equal to tau, which must be decided exactly (``<=`` keeps)."""
+    rows = draw(st.integers(1, max_rows), label="rows")
+    valid = draw(_valid_mask(rows, max_len))
+    d = draw(hnp.arrays(np.float64, valid.shape, elements=st.sampled_from(DYADIC_LOG_RATIOS)), label="dyadic log ratios")
+    advantages = draw(hnp.arrays(np.float64, valid.shape, elements=st.sampled_from((1.0, -1.0, 0.5, -2.0, 0.0))), label="advantages")
+    return draw(_assemble(d, advantages, valid, None, dyadic=True))
+
+
+@st.composite
+def tie_batches(draw, *, max_rows: int = 4, max_len: int = 10) -> Batch:
+    """Few distinct |log r| values, so many candidates share the M2 at the cut."""
+    rows = draw(st.integers(1, max_rows), label="rows")
+    valid = draw(_valid_mask(rows, max_len))
+    magnitudes = draw(st.lists(st.sampled_from((0.125, 0.25, 0.5, 1.0)), min_size=1, max_size=2, unique=True), label="magnitudes")
+    d = draw(hnp.arrays(np.float64, valid.shape, elements=st.sampled_from(tuple(magnitudes) + tuple(-m for m in magnitudes))), label="tied log ratios")
+    advantages = np.sign(d) * draw(st.sampled_from((1.0, 0.5)), label="advantage size")
+    return draw(_assemble(d, advantages, valid, None, dyadic=True))
+
+
+@st.composite
+def extreme_batches(draw, *, max_rows: int = 4, max_len: int = 10) -> Batch:
+    """|log r| up to 50 (exp(d) up to 5e21), well past any +-20 clamp."""
+    return draw(token_advantage_batches(max_rows=max_rows, max_len=max_len, staleness=50.0))
+
+
+@st.composite
+def degenerate_batches(draw) -> Batch:
+    """Everything masked, an empty trust region, a single token, all-padding rows."""
+    kind = draw(st.sampled_from(("everything masked", "empty trust region", "single token", "all-padding rows")), label="degenerate kind")
+    if kind == "single token":
+        return draw(token_advantage_batches(max_rows=1, max_len=1))
+    batch = draw(token_advantage_batches(max_rows=4, max_len=6))
+    if kind == "everything masked":
+        valid = np.zeros_like(batch.valid)
+        return Batch(batch.logp, batch.behavior_logp, batch.advantages, valid, batch.tau)
+    if kind == "all-padding rows":
+        valid = batch.valid.copy()
+        valid[::2] = False
+        return Batch(batch.logp, batch.behavior_logp, batch.advantages, valid, batch.tau)
+    # Empty trust region: every advantage opposes its log ratio (or is zero).
+    d = batch.logp - batch.behavior_logp
+    advantages = np.where(batch.valid, -np.sign(d) * np.abs(np.nan_to_num(batch.advantages, posinf=1.0, neginf=1.0)), batch.advantages)
+    return Batch(batch.logp, batch.behavior_logp, advantages, batch.valid, batch.tau)
+
+
+def adversarial_batches() -> st.SearchStrategy[Batch]:
+    """Ties, exact boundaries, extreme ratios and degenerate shapes."""
+    return st.one_of(dyadic_batches(), tie_batches(), extreme_batches(), degenerate_batches())
+
+
+def batches() -> st.SearchStrategy[Batch]:
+    """Every family: realistic GRPO, per-token advantages and the adversarial ones."""
+    return st.one_of(grpo_batches(), token_advantage_batches(), adversarial_batches())
+
+
+def random_grpo_batch(rng: np.random.Generator, rows: int, length: int, *, staleness: float = 0.3, group_size: int = 8, tau: float = 0.04) -> Batch:
+    """A large realistic batch from a NumPy generator (for sizes Hypothesis cannot draw,
+    e.g. 1M tokens): binary rewards, group-normalised advantages, heavy-tailed log ratios,
+    right padding filled with NaN."""
+    if rows % group_size:
+        raise ValueError(f"rows: expected a multiple of group_size={group_size}, got {rows}")
+    lengths = rng.integers(1, length + 1, size=rows)
+    valid = np.arange(length)[None, :] < lengths[:, None]
+    advantages = np.repeat(_group_normalised(rng.integers(0, 2, size=rows).astype(np.float64), group_size)[:, None], length, axis=1)
+    behavior = -rng.exponential(2.0, size=(rows, length))
+    d = staleness * rng.standard_t(3, size=(rows, length))
+    nan = np.float64("nan")
+    return Batch(np.where(valid, behavior + d, nan), np.where(valid, behavior, nan), np.where(valid, advantages, nan), valid, tau)
