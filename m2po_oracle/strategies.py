@@ -154,7 +154,8 @@ def degenerate_batches(draw) -> Batch:
         valid[::2] = False
         return Batch(batch.logp, batch.behavior_logp, batch.advantages, valid, batch.tau)
     # Empty trust region: every advantage opposes its log ratio (or is zero).
-    d = batch.logp - batch.behavior_logp
+    with np.errstate(invalid="ignore"):
+        d = batch.logp - batch.behavior_logp
     advantages = np.where(batch.valid, -np.sign(d) * np.abs(np.nan_to_num(batch.advantages, posinf=1.0, neginf=1.0)), batch.advantages)
     return Batch(batch.logp, batch.behavior_logp, advantages, batch.valid, batch.tau)
 

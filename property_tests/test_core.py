@@ -1,0 +1,176 @@
+"""The production torch core against the oracle, its gradient, and its fail-closed rules."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from m2po_oracle import oracle, strategies
+from m2po_oracle.batch import Batch
+from m2po_oracle.battery import assert_battery_passes
+from m2po_oracle.contract import rounded_batch, to_tensors
+from m2po_oracle.core import m2po_loss
+from m2po_oracle.equivalence import selection_bounds
+
+FAMILIES = {
+    "grpo": strategies.grpo_batches(),
+    "token_advantages": strategies.token_advantage_batches(),
+    "dyadic": strategies.dyadic_batches(),
+    "ties": strategies.tie_batches(),
+    "extreme": strategies.extreme_batches(),
+    "degenerate": strategies.degenerate_batches(),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@given(data=st.data())
+def test_core_equals_oracle_float64(family, data):
+    batch = data.draw(FAMILIES[family], label="batch")
+    assert_battery_passes(m2po_loss, batch, impl="core", dtype="float64")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@given(batch=strategies.batches())
+def test_core_equals_oracle_reduced_precision(dtype, batch):
+    # The core selects in float64 on the values it received, so its selection is held to
+    # float64 exactness; loss and gradient use the dtype's tolerances.
+    if dtype == "float16":
+        # float16 overflows above 65504: keep to batches whose valid values and exp(d) fit.
+        seen = rounded_batch(batch, dtype)
+        finite = np.isfinite(seen.logp[seen.valid]).all() and np.isfinite(seen.advantages[seen.valid]).all()
+        with np.errstate(invalid="ignore"):
+            assume(finite and np.abs(seen.logp - seen.behavior_logp, where=seen.valid, out=np.zeros(seen.shape)).max() < 10)
+    assert_battery_passes(m2po_loss, batch, impl="core", dtype=dtype, compute_dtype="float64")
+
+
+def _boundary_margin(batch: Batch) -> float:
+    """Distance of the selection from any decision a small perturbation of logp could flip."""
+    bounds = selection_bounds(batch)
+    d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
+    margins = [np.abs(d[batch.valid]).min(initial=math.inf)]
+    k = bounds.k_min
+    if k < bounds.prefix_means.size:
+        margins.append(abs(bounds.prefix_means[k] - batch.tau))
+    if k:
+        margins.append(abs(bounds.prefix_means[k - 1] - batch.tau))
+    if 0 < k < bounds.sorted_m2.size:
+        margins.append(bounds.sorted_m2[k] - bounds.sorted_m2[k - 1])
+    return float(min(margins))
+
+
+@st.composite
+def _batches_off_the_boundary(draw):
+    """|d| and |A| bounded away from 0, so gradcheck's perturbation cannot change T."""
+    shape = (draw(st.integers(1, 3)), draw(st.integers(1, 5)))
+    magnitude = hnp.arrays(np.float64, shape, elements=st.floats(0.02, 0.8))
+    signs = hnp.arrays(np.float64, shape, elements=st.sampled_from((-1.0, 1.0)))
+    d = draw(magnitude) * draw(signs)
+    advantages = draw(hnp.arrays(np.float64, shape, elements=st.floats(0.5, 2.0))) * draw(signs)
+    behavior = draw(hnp.arrays(np.float64, shape, elements=st.floats(-4.0, -0.1)))
+    return Batch(behavior + d, behavior, advantages, np.ones(shape, bool), draw(st.floats(0.0, 0.3)))
+
+
+@given(_batches_off_the_boundary())
+def test_gradcheck_away_from_the_selection_boundary(batch):
+    assume(_boundary_margin(batch) > 1e-4)
+    tensors = to_tensors(batch, "float64")
+    behavior, advantages, mask = tensors["behavior_logp"], tensors["advantages"], tensors["mask"]
+    logp = torch.where(mask, tensors["logp"].detach(), torch.zeros(())).requires_grad_(True)
+
+    def loss(x):
+        return m2po_loss(x, behavior, advantages, mask, tau=batch.tau).loss
+
+    assert torch.autograd.gradcheck(loss, (logp,), eps=1e-7, atol=1e-7, rtol=1e-5)
+
+
+@given(strategies.batches())
+def test_only_kept_tokens_carry_gradient_and_padding_never_reaches_it(batch):
+    tensors = to_tensors(batch.with_padding(float("nan")), "float32")
+    result = m2po_loss(**{k: v for k, v in tensors.items()}, tau=batch.tau)
+    (grad,) = torch.autograd.grad(result.loss, tensors["logp"], allow_unused=False)
+    assert torch.isfinite(grad).all(), f"non-finite gradient at {torch.nonzero(~torch.isfinite(grad))[:3].tolist()}"
+    assert torch.all(grad[~result.keep] == 0), "a masked or padding token carries gradient"
+    assert result.loss.dim() == 0 and result.keep.dtype == torch.bool and result.keep.shape == tensors["logp"].shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_spec_worked_example(dtype):
+    logp = torch.tensor([[0.1, 0.3], [0.2, 0.4]], dtype=dtype, requires_grad=True)
+    result = m2po_loss(logp, torch.zeros(2, 2, dtype=dtype), torch.ones(2, 2, dtype=dtype), torch.ones(2, 2, dtype=torch.bool), tau=0.04)
+    result.loss.backward()
+    assert result.keep.tolist() == [[True, False], [True, False]]
+    if dtype == torch.float32:
+        # The spec's figures are float32 results printed to 8 decimals.
+        assert np.round(logp.grad.double().numpy(), 8).tolist() == [[-0.27629274, 0.0], [-0.30535069, 0.0]]
+    else:
+        # Exact: -e^0.1/4 = -0.2762927295..., 1e-8 from the spec's float32 figure.
+        assert logp.grad.tolist() == [[-math.exp(0.1) / 4, 0.0], [-math.exp(0.2) / 4, 0.0]]
+    assert (result.valid_count.item(), result.trust_region_count.item(), result.kept_trust_region_count.item()) == (4, 4, 2)
+    assert math.isclose(result.m2_before.item(), 0.075, rel_tol=1e-6) and math.isclose(result.m2_after.item(), 0.025, rel_tol=1e-6)
+    assert result.masked_fraction.item() == 0.5
+
+
+def _inputs(**overrides):
+    base = {
+        "logp": torch.tensor([[-0.5, -1.0]], requires_grad=True),
+        "behavior_logp": torch.tensor([[-0.6, -1.0]]),
+        "advantages": torch.tensor([[1.0, -1.0]]),
+        "mask": torch.tensor([[True, True]]),
+    }
+    tau = overrides.pop("tau", 0.04)
+    base.update(overrides)
+    return base, tau
+
+
+FAIL_CLOSED = {
+    "behavior_logp missing": ({"behavior_logp": None}, "behavior_logp: required"),
+    "shape mismatch": ({"advantages": torch.ones(1, 3)}, "advantages: expected shape (1, 2)"),
+    "mask not boolean": ({"mask": torch.ones(1, 2)}, "mask: expected dtype torch.bool"),
+    "mask as int": ({"mask": torch.ones(1, 2, dtype=torch.int64)}, "mask: expected dtype torch.bool"),
+    "logp not a tensor": ({"logp": [[-0.5, -1.0]]}, "logp: expected a torch.Tensor"),
+    "integer advantages": ({"advantages": torch.ones(1, 2, dtype=torch.int64)}, "advantages: expected a floating dtype"),
+    "nan logp on a valid token": ({"logp": torch.tensor([[float("nan"), -1.0]])}, "logp: expected finite values on valid tokens"),
+    "inf behavior_logp on a valid token": ({"behavior_logp": torch.tensor([[-0.6, float("-inf")]])}, "behavior_logp: expected finite values on valid tokens"),
+    "nan advantage on a valid token": ({"advantages": torch.tensor([[1.0, float("nan")]])}, "advantages: expected finite values on valid tokens"),
+    "tau negative": ({"tau": -0.1}, "tau: expected a finite Python number >= 0"),
+    "tau nan": ({"tau": float("nan")}, "tau: expected a finite Python number >= 0"),
+    "tau inf": ({"tau": float("inf")}, "tau: expected a finite Python number >= 0"),
+    "tau a tensor": ({"tau": torch.tensor(0.04)}, "tau: expected a finite Python number >= 0"),
+    "tau a bool": ({"tau": True}, "tau: expected a finite Python number >= 0"),
+}
+if torch.cuda.is_available():
+    FAIL_CLOSED["device mismatch"] = ({"advantages": torch.tensor([[1.0, -1.0]], device="cuda")}, "advantages: expected device")
+
+
+@pytest.mark.parametrize("case", FAIL_CLOSED)
+def test_fails_closed_with_an_error_naming_the_argument(case):
+    overrides, message = FAIL_CLOSED[case]
+    inputs, tau = _inputs(**dict(overrides))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        m2po_loss(**inputs, tau=tau)
+
+
+def test_nan_on_padding_is_accepted():
+    inputs, tau = _inputs(logp=torch.tensor([[-0.5, float("nan")]], requires_grad=True), mask=torch.tensor([[True, False]]))
+    assert torch.isfinite(m2po_loss(**inputs, tau=tau).loss)
+
+
+def test_core_never_mutates_its_inputs():
+    inputs, tau = _inputs()
+    before = {k: v.detach().clone() for k, v in inputs.items()}
+    m2po_loss(**inputs, tau=tau)
+    for name, value in inputs.items():
+        assert torch.equal(value.detach(), before[name]), f"{name} was modified"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_core_on_cuda_equals_oracle_at_one_million_tokens(dtype):
+    batch = strategies.random_grpo_batch(np.random.default_rng(0), rows=1024, length=1024, staleness=0.3)
+    assert_battery_passes(m2po_loss, batch, impl="core", dtype=dtype, compute_dtype="float64", device="cuda")

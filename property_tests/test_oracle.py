@@ -1,0 +1,113 @@
+"""The oracle against itself and against the paper's definitions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from m2po_oracle import oracle, strategies
+from m2po_oracle.batch import Batch
+from m2po_oracle.equivalence import check_selection
+
+
+def _parts(batch: Batch):
+    d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
+    m2 = oracle.second_moment(d)
+    trust = oracle.trust_region(d, batch.advantages, batch.valid)
+    return d, m2, trust
+
+
+def test_importing_the_oracle_does_not_import_torch():
+    code = "import sys, m2po_oracle.oracle, m2po_oracle.equivalence, m2po_oracle.strategies; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False", "importing the oracle pulled in torch: the oracle must stay NumPy-only"
+
+
+@given(strategies.batches())
+def test_loop_equals_vectorised(batch):
+    _, m2, trust = _parts(batch)
+    loop = oracle.select_loop(m2, trust, batch.tau)
+    vectorised = oracle.select_sorted(m2, trust, batch.tau)
+    # The loop sums exactly (fsum), the sorted form by cumsum: they may differ only inside
+    # the float64 rounding band, and both must then still be admissible outcomes.
+    if not np.array_equal(loop, vectorised):
+        note(f"loop {loop}, vectorised {vectorised}")
+        assert check_selection(batch, batch.valid & ~vectorised) == []
+        assert check_selection(batch, batch.valid & ~loop) == []
+
+
+@given(strategies.batches())
+def test_loop_output_is_admissible(batch):
+    result = oracle.m2po(batch)
+    assert check_selection(batch, result.keep) == []
+
+
+@given(strategies.batches())
+def test_budget_holds_and_only_trust_region_is_masked(batch):
+    _, m2, trust = _parts(batch)
+    masked = oracle.select_loop(m2, trust, batch.tau)
+    assert not (masked & ~trust).any(), f"masked a non-trust-region token at {np.argwhere(masked & ~trust)[0]}"
+    kept = trust & ~masked
+    if kept.any():
+        assert m2[kept].mean() <= batch.tau * (1 + 1e-12), f"kept mean M2 {m2[kept].mean()} exceeds tau {batch.tau}"
+
+
+@given(strategies.batches())
+def test_mask_is_minimal(batch):
+    _, m2, trust = _parts(batch)
+    masked = oracle.select_loop(m2, trust, batch.tau)
+    if masked.any():
+        # Un-mask the smallest removed token: the budget must then be broken.
+        smallest = np.unravel_index(np.argmin(np.where(masked, m2, np.inf)), m2.shape)
+        kept = trust & ~masked
+        kept[smallest] = True
+        assert m2[kept].mean() > batch.tau * (1 - 1e-12), f"keeping {smallest} (M2 {m2[smallest]}) stays within tau {batch.tau}"
+
+
+@given(strategies.batches(), st.randoms(use_true_random=False))
+def test_permuting_tokens_permutes_the_mask(batch, rng):
+    permutation = np.arange(batch.logp.size)
+    rng.shuffle(permutation)
+    shuffle = lambda a: a.ravel()[permutation].reshape(a.shape)  # noqa: E731
+    shuffled = Batch(shuffle(batch.logp), shuffle(batch.behavior_logp), shuffle(batch.advantages), shuffle(batch.valid), batch.tau)
+    keep_shuffled = oracle.m2po(shuffled).keep
+    unshuffled = np.empty(batch.logp.size, dtype=bool)
+    unshuffled[permutation] = keep_shuffled.ravel()
+    # Equal up to ties: the un-permuted mask is an admissible outcome on the original batch.
+    assert check_selection(batch, unshuffled.reshape(batch.shape)) == []
+
+
+@given(strategies.batches())
+def test_analytic_gradient_matches_finite_differences_of_the_objective(batch):
+    result = oracle.m2po(batch)
+    d, _, _ = _parts(batch)
+    n = int(batch.valid.sum())
+    step = 1e-6
+    for index in np.argwhere(result.keep)[:4]:
+        index = tuple(index)
+        if abs(d[index]) > 30:
+            continue  # exp(d) so large that a central difference loses every digit
+        bumped = [d.copy(), d.copy()]
+        bumped[0][index] += step
+        bumped[1][index] -= step
+        numeric = (oracle.objective(bumped[0], batch.advantages, result.keep, n) - oracle.objective(bumped[1], batch.advantages, result.keep, n)) / (2 * step)
+        assert np.isclose(result.grad[index], numeric, rtol=1e-5, atol=1e-9), f"at {index}: analytic {result.grad[index]}, numeric {numeric}"
+
+
+@given(strategies.batches())
+def test_gradient_is_zero_on_masked_and_invalid_tokens(batch):
+    result = oracle.m2po(batch)
+    assert np.all(result.grad[~result.keep] == 0.0)
+    assert np.isfinite(result.grad).all(), "NaN/inf padding reached the oracle's gradient"
+    assert np.isfinite(result.loss)
+
+
+def test_equality_stops_the_loop():
+    # Spec: "Equality stops the loop (<= tau is satisfied)": dyadic, so exact.
+    batch = Batch(np.array([[-0.25, -0.25, -0.25]]), np.array([[-0.5, -0.5, -0.5]]), np.ones((1, 3)), np.ones((1, 3), bool), tau=0.0625)
+    assert oracle.m2po(batch).keep.all()
+    assert oracle.m2po(batch, vectorised=True).keep.all()
