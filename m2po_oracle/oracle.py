@@ -95,11 +95,14 @@ def gradient(d: np.ndarray, advantages: np.ndarray, keep: np.ndarray, valid_coun
         return np.where(keep, -np.exp(np.where(keep, d, 0.0)) * np.where(keep, advantages, 0.0) / valid_count, 0.0)
 
 
-def metrics(m2: np.ndarray, trust: np.ndarray, keep: np.ndarray, valid_count: int) -> dict[str, float | int]:
+def metrics(m2: np.ndarray, trust: np.ndarray, keep: np.ndarray, valid: np.ndarray) -> dict[str, float | int]:
+    """The logged metrics. ``masked`` counts every valid token not kept (for Algorithm 1's
+    own mask these are all trust-region tokens)."""
     kept_trust = trust & keep
+    valid_count = int(valid.sum())
     trust_count = int(trust.sum())
     kept_trust_count = int(kept_trust.sum())
-    masked_count = trust_count - kept_trust_count
+    masked_count = int((valid & ~keep).sum())
     return {
         "m2_before": math.fsum(m2[trust]) / trust_count if trust_count else 0.0,
         "m2_after": math.fsum(m2[kept_trust]) / kept_trust_count if kept_trust_count else 0.0,
@@ -126,7 +129,7 @@ def evaluate_with_mask(batch: Batch, keep: np.ndarray) -> M2POResult:
         loss=objective(d, batch.advantages, keep, valid_count),
         keep=keep,
         grad=gradient(d, batch.advantages, keep, valid_count),
-        **metrics(m2, trust, keep, valid_count),
+        **metrics(m2, trust, keep, batch.valid),
     )
 
 
