@@ -210,7 +210,7 @@ def load_implementation(spec: str) -> Implementation:
     builtins = builtin_implementations()
     if spec in builtins:
         return builtins[spec]
-    if ":" not in spec:
+    if ":" not in spec or spec.startswith("control:"):  # "control:" is the built-in namespace
         close = difflib.get_close_matches(spec, builtins, n=3, cutoff=0.5)
         hint = f"; closest matches: {', '.join(close)}" if close else f"; built-in names: {', '.join(sorted(builtins))}"
         raise ValueError(f"impl: unknown implementation {spec!r} (expected a built-in name, module:function or file.py:function){hint}")

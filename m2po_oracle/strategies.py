@@ -88,14 +88,28 @@ def _group_normalised(rewards: np.ndarray, group_size: int) -> np.ndarray:
     return ((grouped - grouped.mean(axis=1, keepdims=True)) / (std + 1e-6)).reshape(-1)
 
 
-@st.composite
-def grpo_batches(draw, *, max_groups: int = 3, max_group_size: int = 4, max_len: int = 12, staleness: float | None = None, tau: float | None = None) -> Batch:
+def _check_shape_args(**limits: int) -> None:
+    for name, value in limits.items():
+        _check_range(name, value, 1)
+
+
+def _check_optional_scale(name: str, value: float | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0):
+        raise ValueError(f"{name}: expected None or a finite number >= 0, got {value!r}")
+
+
+def grpo_batches(*, max_groups: int = 3, max_group_size: int = 4, max_len: int = 12, staleness: float | None = None, tau: float | None = None) -> st.SearchStrategy[Batch]:
     """Realistic GRPO batches: groups of completions of one prompt with binary or graded
     rewards, group-normalised sequence-constant advantages (a group with equal rewards has
-    A == 0), variable lengths, and staleness from mild to extreme."""
-    _check_range("max_groups", max_groups, 1)
-    _check_range("max_group_size", max_group_size, 1)
-    _check_range("max_len", max_len, 1)
+    A == 0), variable lengths, and staleness from mild to extreme (or ``staleness``)."""
+    _check_shape_args(max_groups=max_groups, max_group_size=max_group_size, max_len=max_len)
+    _check_optional_scale("staleness", staleness)
+    _check_optional_scale("tau", tau)
+    return _grpo_batches(max_groups, max_group_size, max_len, staleness, tau)
+
+
+@st.composite
+def _grpo_batches(draw, max_groups: int, max_group_size: int, max_len: int, staleness: float | None, tau: float | None) -> Batch:
     groups = draw(st.integers(1, max_groups), label="groups")
     group_size = draw(st.integers(1, max_group_size), label="group size")
     reward = st.sampled_from((0.0, 1.0)) | st.floats(0.0, 1.0)
@@ -106,11 +120,16 @@ def grpo_batches(draw, *, max_groups: int = 3, max_group_size: int = 4, max_len:
     return draw(_assemble(d, advantages, valid, tau))
 
 
-@st.composite
-def token_advantage_batches(draw, *, max_rows: int = 6, max_len: int = 12, staleness: float | None = None, tau: float | None = None) -> Batch:
+def token_advantage_batches(*, max_rows: int = 6, max_len: int = 12, staleness: float | None = None, tau: float | None = None) -> st.SearchStrategy[Batch]:
     """Per-token advantages (GAE-style), with exact zeros and both signs within a row."""
-    _check_range("max_rows", max_rows, 1)
-    _check_range("max_len", max_len, 1)
+    _check_shape_args(max_rows=max_rows, max_len=max_len)
+    _check_optional_scale("staleness", staleness)
+    _check_optional_scale("tau", tau)
+    return _token_advantage_batches(max_rows, max_len, staleness, tau)
+
+
+@st.composite
+def _token_advantage_batches(draw, max_rows: int, max_len: int, staleness: float | None, tau: float | None) -> Batch:
     rows = draw(st.integers(1, max_rows), label="rows")
     valid = draw(_valid_mask(rows, max_len))
     advantages = draw(hnp.arrays(np.float64, valid.shape, elements=st.just(0.0) | st.floats(-3.0, 3.0)), label="advantages")
@@ -118,10 +137,15 @@ def token_advantage_batches(draw, *, max_rows: int = 6, max_len: int = 12, stale
     return draw(_assemble(d, advantages, valid, tau))
 
 
-@st.composite
-def dyadic_batches(draw, *, max_rows: int = 4, max_len: int = 8) -> Batch:
+def dyadic_batches(*, max_rows: int = 4, max_len: int = 8) -> st.SearchStrategy[Batch]:
     """Exactly representable log ratios, advantages and budgets: many exact ties and prefix
     means exactly equal to tau, which must be decided exactly (``<=`` keeps)."""
+    _check_shape_args(max_rows=max_rows, max_len=max_len)
+    return _dyadic_batches(max_rows, max_len)
+
+
+@st.composite
+def _dyadic_batches(draw, max_rows: int, max_len: int) -> Batch:
     rows = draw(st.integers(1, max_rows), label="rows")
     valid = draw(_valid_mask(rows, max_len))
     d = draw(hnp.arrays(np.float64, valid.shape, elements=st.sampled_from(DYADIC_LOG_RATIOS)), label="dyadic log ratios")
@@ -129,9 +153,14 @@ def dyadic_batches(draw, *, max_rows: int = 4, max_len: int = 8) -> Batch:
     return draw(_assemble(d, advantages, valid, None, dyadic=True))
 
 
-@st.composite
-def tie_batches(draw, *, max_rows: int = 4, max_len: int = 10) -> Batch:
+def tie_batches(*, max_rows: int = 4, max_len: int = 10) -> st.SearchStrategy[Batch]:
     """Few distinct |log r| values, so many candidates share the M2 at the cut."""
+    _check_shape_args(max_rows=max_rows, max_len=max_len)
+    return _tie_batches(max_rows, max_len)
+
+
+@st.composite
+def _tie_batches(draw, max_rows: int, max_len: int) -> Batch:
     rows = draw(st.integers(1, max_rows), label="rows")
     valid = draw(_valid_mask(rows, max_len))
     magnitudes = draw(st.lists(st.sampled_from((0.125, 0.25, 0.5, 1.0)), min_size=1, max_size=2, unique=True), label="magnitudes")
@@ -140,10 +169,10 @@ def tie_batches(draw, *, max_rows: int = 4, max_len: int = 10) -> Batch:
     return draw(_assemble(d, advantages, valid, None, dyadic=True))
 
 
-@st.composite
-def extreme_batches(draw, *, max_rows: int = 4, max_len: int = 10) -> Batch:
+def extreme_batches(*, max_rows: int = 4, max_len: int = 10) -> st.SearchStrategy[Batch]:
     """|log r| up to 50 (exp(d) up to 5e21), well past any +-20 clamp."""
-    return draw(token_advantage_batches(max_rows=max_rows, max_len=max_len, staleness=50.0 / np.tan(0.45 * np.pi)))
+    # _log_ratios scales tan(0.45 pi u), at most ~6.3: this scale reaches |d| = 50.
+    return token_advantage_batches(max_rows=max_rows, max_len=max_len, staleness=50.0 / np.tan(0.45 * np.pi))
 
 
 @st.composite
