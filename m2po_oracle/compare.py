@@ -21,8 +21,9 @@ from m2po_oracle.batch import Batch
 from m2po_oracle.battery import CHECKS, BatteryOutcome, replay_command, run_battery
 from m2po_oracle.contract import Implementation
 from m2po_oracle.equivalence import Mismatch
+from m2po_oracle.record import M2POResult
+from m2po_oracle.report import SCHEMA, counterexample_json, tolerances_json
 
-SCHEMA = "m2po-oracle/compare/1"
 
 
 @dataclass
@@ -35,9 +36,10 @@ class CheckTally:
 @dataclass
 class Counterexample:
     check: str
-    batch: Batch
+    batch: Batch  # as the implementation received it
     mismatches: tuple[Mismatch, ...]
     replay: str
+    actual: M2POResult | None = None
 
 
 @dataclass
@@ -50,6 +52,8 @@ class CompareReport:
     tallies: dict[str, CheckTally]
     counterexamples: list[Counterexample] = field(default_factory=list)
     duration_s: float = 0.0
+    tau: float | None = None
+    device: str = "cpu"
 
     @property
     def verdict(self) -> str:
@@ -66,9 +70,7 @@ class CompareReport:
             "schema": SCHEMA,
             "verdict": self.verdict,
             "implementation": self.impl,
-            "dtype": self.dtype,
-            "compute_dtype": self.compute_dtype,
-            "seed": self.seed,
+            "options": {"examples": self.examples, "seed": self.seed, "dtype": self.dtype, "compute_dtype": self.compute_dtype, "tau": self.tau, "device": self.device},
             "examples": self.examples,
             "duration_s": round(self.duration_s, 3),
             "checks": [
@@ -76,22 +78,11 @@ class CompareReport:
                 for name, t in self.tallies.items()
             ],
             "counterexamples": [
-                {
-                    "check": c.check,
-                    "batch": c.batch.to_dict(),
-                    "mismatches": [_mismatch_json(m) for m in c.mismatches],
-                    "replay": c.replay,
-                }
-                for c in self.counterexamples
+                counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype) for c in self.counterexamples
             ],
+            "tolerances": tolerances_json(),
             "environment": environment(),
         }
-
-
-def _mismatch_json(m: Mismatch) -> dict[str, Any]:
-    plain = lambda v: v if v is None or isinstance(v, (bool, int, float, str)) else repr(v)  # noqa: E731
-    return {"check": m.check, "summary": m.summary, "field": m.field, "index": list(m.index) if m.index is not None else None,
-            "actual": plain(m.actual), "expected": plain(m.expected), "details": list(m.details)}
 
 
 def environment() -> dict[str, Any]:
@@ -161,7 +152,7 @@ def run_compare(
         if tally.first_failure is None:
             continue
         counterexamples.append(_shrink(fn, impl, name, tally.first_failure, strategy, examples, seed, dtype, compute_dtype, device))
-    report = CompareReport(impl, dtype, compute_dtype, seed, tried, tallies, counterexamples)
+    report = CompareReport(impl, dtype, compute_dtype, seed, tried, tallies, counterexamples, tau=tau, device=device)
     report.duration_s = time.perf_counter() - started
     return report
 
@@ -180,4 +171,4 @@ def _shrink(fn, impl, check, fallback, strategy, examples, seed, dtype, compute_
             batch = fallback
     outcome = run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
     mismatches = tuple(m for m in outcome.mismatches if m.check == check) or outcome.mismatches
-    return Counterexample(check, batch, mismatches, replay_command(impl, batch, dtype=dtype, compute_dtype=compute_dtype))
+    return Counterexample(check, outcome.batch, mismatches, replay_command(impl, batch, dtype=dtype, compute_dtype=compute_dtype), outcome.measurement.result)
