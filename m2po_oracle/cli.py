@@ -33,11 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--impl", required=True, help="built-in name (core, control:NAME), package.module:function or path/file.py:function")
     options.add_to_argparse(compare)
     compare.add_argument("--json", type=Path, default=None, help="write the JSON report here")
+    compare.add_argument("--html", type=Path, default=None, help="write the self-contained HTML report (rendered from the JSON) here")
 
     replay = commands.add_parser("replay", help="run the battery on one saved batch")
     replay.add_argument("--impl", required=True, help="as for compare")
     replay.add_argument("--batch", required=True, help="the batch as JSON text, or a path to a JSON file (a batch or a compare report)")
     options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("dtype", "compute_dtype", "device")))
+
+    selftest = commands.add_parser("selftest", help="run the battery against every shipped negative control")
+    selftest.add_argument("--only", default=None, help="comma-separated control names (default: all)")
+    options.add_to_argparse(selftest, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("examples", "seed")))
 
     commands.add_parser("checks", help="list the checks of the battery")
     return parser
@@ -54,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             table.add_row(name, description)
         console.print(table)
         return EXIT_EQUIVALENT
+    if args.command == "selftest":
+        return _selftest(args, console)
     from m2po_oracle.contract import load_implementation
 
     try:
@@ -87,13 +94,55 @@ def _compare(args: argparse.Namespace, fn, console: Console) -> int:
 
         console.print(format_mismatches(list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {counterexample.check})",
                                         replay=counterexample.replay), highlight=False, markup=False, soft_wrap=True)
+    _print_diagnosis(console, report.diagnosis)
     colour = {"equivalent": "green", "divergent": "red", "unusable": "red"}[report.verdict]
     console.print(f"verdict: [bold {colour}]{report.verdict}[/] in {report.duration_s:.1f} s")
+    record = report.to_json()
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report.to_json(), indent=2))
+        args.json.write_text(json.dumps(record, indent=2))
         console.print(f"JSON report: {args.json}")
+    if args.html is not None:
+        from m2po_oracle.html_report import write_html
+
+        write_html(record, args.html)
+        console.print(f"HTML report: {args.html}")
     return report.exit_status
+
+
+def _selftest(args: argparse.Namespace, console: Console) -> int:
+    from m2po_oracle.selftest import run_selftest, select_controls
+
+    try:
+        controls = select_controls(args.only.split(",") if args.only else None)
+    except ValueError as error:
+        Console(stderr=True).print(f"error: {error}", highlight=False, markup=False)
+        return EXIT_UNUSABLE
+    table = Table(title=f"selftest: {len(controls)} negative controls, {args.examples} examples each, seed {args.seed}")
+    for column in ("control", "status", "first failing example", "caught by", "diagnosis", "seconds"):
+        table.add_column(column)
+    with console.status("running the battery against the negative controls") as status:
+        def show(row):
+            status.update(f"{row.control}: {row.status}")
+            table.add_row(row.control, row.status if row.status != "ok" else "[green]ok[/]", str(row.examples_needed or "-"),
+                          ", ".join(row.caught_by) or "-", ", ".join(row.diagnosis) or "-", f"{row.seconds:.1f}")
+        rows = run_selftest(controls, examples=args.examples, seed=args.seed, on_row=show)
+    console.print(table)
+    bad = [r for r in rows if r.status != "ok"]
+    total = sum(r.seconds for r in rows)
+    console.print(f"{len(rows) - len(bad)}/{len(rows)} controls caught and correctly diagnosed in {total:.1f} s", highlight=False)
+    return EXIT_DIVERGENT if bad else EXIT_EQUIVALENT
+
+
+def _print_diagnosis(console: Console, diagnosis: dict) -> None:
+    if diagnosis.get("status") == "matched":
+        console.print(f"diagnosis: explained by {', '.join(m['variant'] for m in diagnosis['matches'])}", highlight=False, soft_wrap=True)
+        for m in diagnosis["matches"]:
+            console.print(f"  - {m['variant']}: {m['description']} [{m['source']}] ({m.get('evidence', '')})", highlight=False, markup=False, soft_wrap=True)
+    elif diagnosis.get("status") == "no_known_variant":
+        console.print(f"diagnosis: no known variant reproduces the implementation on {diagnosis['examples_compared']} examples; closest:", highlight=False, soft_wrap=True)
+        for c in diagnosis["closest"]:
+            console.print(f"  - {c['variant']}: agreed on {c['agreed']}/{c['of']}; first difference: {c['first_difference']}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _replay(args: argparse.Namespace, fn, console: Console) -> int:

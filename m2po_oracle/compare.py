@@ -20,6 +20,7 @@ from m2po_oracle import __version__, strategies
 from m2po_oracle.batch import Batch
 from m2po_oracle.battery import CHECKS, BatteryOutcome, replay_command, run_battery
 from m2po_oracle.contract import Implementation
+from m2po_oracle.diagnosis import Observation, diagnose
 from m2po_oracle.equivalence import Mismatch
 from m2po_oracle.record import M2POResult
 from m2po_oracle.report import SCHEMA, counterexample_json, tolerances_json
@@ -31,6 +32,7 @@ class CheckTally:
     name: str
     failures: int = 0
     first_failure: Batch | None = None
+    first_failure_at: int | None = None  # 1-based number of the first failing example
 
 
 @dataclass
@@ -54,6 +56,7 @@ class CompareReport:
     duration_s: float = 0.0
     tau: float | None = None
     device: str = "cpu"
+    diagnosis: dict[str, Any] = field(default_factory=dict)
 
     @property
     def verdict(self) -> str:
@@ -74,12 +77,14 @@ class CompareReport:
             "examples": self.examples,
             "duration_s": round(self.duration_s, 3),
             "checks": [
-                {"name": name, "description": CHECKS[name], "status": "fail" if t.failures else "pass", "failures": t.failures}
+                {"name": name, "description": CHECKS[name], "status": "fail" if t.failures else "pass", "failures": t.failures,
+                 "first_failure_at": t.first_failure_at}
                 for name, t in self.tallies.items()
             ],
             "counterexamples": [
                 counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype) for c in self.counterexamples
             ],
+            "diagnosis": self.diagnosis,
             "tolerances": tolerances_json(),
             "environment": environment(),
         }
@@ -95,6 +100,13 @@ def environment() -> dict[str, Any]:
         revision = None
     return {"m2po_oracle": __version__, "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
             "hypothesis": hypothesis.__version__, "platform": platform.platform(), "git_revision": revision}
+
+
+#: Checks about behaviour rather than the values computed; they do not make an
+#: observation evidence for an output variant.
+BEHAVIOURAL_CHECKS = frozenset({"call", "padding_immunity", "determinism", "inputs_not_mutated"})
+#: Observations kept for diagnosis: half from failing examples, half from passing ones.
+DIAGNOSIS_EXAMPLES = 60
 
 
 def _strategy(tau: float | None) -> st.SearchStrategy[Batch]:
@@ -126,6 +138,8 @@ def run_compare(
     tallies = {name: CheckTally(name) for name in CHECKS}
     strategy = _strategy(tau)
     tried = 0
+    failing_observations: list[Observation] = []
+    passing_observations: list[Observation] = []
 
     def explore(batch: Batch) -> bool:
         nonlocal tried
@@ -135,7 +149,13 @@ def run_compare(
             tally = tallies[name]
             tally.failures += 1
             if tally.first_failure is None:
-                tally.first_failure = batch
+                tally.first_failure, tally.first_failure_at = batch, tried
+        result = outcome.measurement.result
+        if result is not None:
+            values_diverge = any(name not in BEHAVIOURAL_CHECKS for name in outcome.failed_checks)
+            kept = failing_observations if values_diverge else passing_observations
+            if len(kept) < DIAGNOSIS_EXAMPLES // 2:
+                kept.append(Observation(outcome.batch, result))
         if on_example is not None:
             on_example(outcome)
         return False
@@ -153,6 +173,10 @@ def run_compare(
             continue
         counterexamples.append(_shrink(fn, impl, name, tally.first_failure, strategy, examples, seed, dtype, compute_dtype, device))
     report = CompareReport(impl, dtype, compute_dtype, seed, tried, tallies, counterexamples, tau=tau, device=device)
+    shrunk = [Observation(c.batch, c.actual) for c in counterexamples if c.actual is not None and c.check not in BEHAVIOURAL_CHECKS]
+    divergent_values = shrunk + failing_observations
+    report.diagnosis = diagnose(divergent_values + passing_observations if divergent_values else [], [n for n, t in tallies.items() if t.failures],
+                                dtype=dtype, divergent=report.verdict == "divergent")
     report.duration_s = time.perf_counter() - started
     return report
 

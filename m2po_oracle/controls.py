@@ -10,32 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 
-
-@dataclass(frozen=True)
-class Deviation:
-    """Knobs of :func:`planted`; the defaults are Algorithm 1."""
-
-    candidates: str = "trust_region"  # all_valid | swapped_quadrants | zero_advantage_included | first_token_sign
-    strict_stop: bool = False  # keep while mean < tau (instead of <=)
-    mean_over_valid: bool = False  # budget mean over remaining valid tokens, non-candidates included
-    per_sequence: bool = False  # select each row on its own
-    extra_removed: int = 0  # remove this many more than needed whenever any is removed
-    denominator: str = "valid"  # valid | kept | padded
-    ppo_clip: float | None = None  # PPO's epsilon-clip still applied to kept tokens
-    ratio_inverted: bool = False  # d = behavior_logp - logp
-    apply_mask: bool = True  # False: mask computed, then not applied to the loss
-    masked_keep_value: bool = False  # masked tokens keep their loss value, zero gradient
-    zero_padding_by_multiplying: bool = False  # keep * term instead of where(): 0 * nan = nan
-    clamp_log_ratio: float | None = None  # straight-through clamp of d
-    sanitise_inputs_in_place: bool = False  # writes 0 into the caller's padding
-    m2_after_over_valid: bool = False  # metric: mean M2 over every kept valid token
-    random_tie_break: bool = False  # ties at the cut broken by fresh random noise
+from m2po_oracle.deviations import Deviation, variant
 
 
 def _candidates(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
@@ -72,6 +53,7 @@ def _select_flat(m2: torch.Tensor, candidate: torch.Tensor, fixed: torch.Tensor,
     within = means < tau if dev.strict_stop else means <= tau
     within[0] = True  # an empty remainder is within budget
     kept = int(torch.nonzero(within).max())  # the loop stops at the largest k within budget
+    kept = max(kept, min(dev.min_kept, n))
     if kept < n:
         kept = max(kept - dev.extra_removed, 0)
     removed = torch.zeros_like(candidate)
@@ -93,7 +75,8 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
     m2 = d * d
     candidate = _candidates(d, a, mask, dev.candidates)
     fixed = (mask & ~candidate) if dev.mean_over_valid else torch.zeros_like(mask)
-    scopes = [slice(i, i + 1) for i in range(mask.shape[0])] if dev.per_sequence else [slice(None)]
+    step = dev.scope_rows or mask.shape[0]
+    scopes = [slice(i, i + step) for i in range(0, mask.shape[0], step)] or [slice(None)]
     removed = torch.zeros_like(mask)
     for rows in scopes:
         flat = _select_flat(m2[rows].reshape(-1), candidate[rows].reshape(-1), fixed[rows].reshape(-1), tau, dev)
@@ -155,33 +138,35 @@ class NegativeControl:
         object.__setattr__(self, "fn", partial(planted, deviation=self.deviation))
 
 
-_ALGORITHM_1 = Deviation()
-
-
-def _control(name: str, bug: str, caught_by: tuple[str, ...], **knobs: Any) -> NegativeControl:
-    return NegativeControl(name, bug, replace(_ALGORITHM_1, **knobs), caught_by)
+def _control(name: str, caught_by: tuple[str, ...]) -> NegativeControl:
+    """A control plants exactly the deviation of the diagnosis variant of the same name."""
+    known = variant(name)
+    return NegativeControl(name, known.description, known.deviation, caught_by)
 
 
 NEGATIVE_CONTROLS: tuple[NegativeControl, ...] = (
-    _control("all_valid_candidates", "every valid token is a candidate (AReaL-style)", ("selection.only_trust_region_masked", "metrics.masked_fraction"), candidates="all_valid"),
-    _control("swapped_quadrants", "candidates are the inactive quadrants (A > 0 & d < 0, A < 0 & d > 0)", ("selection.only_trust_region_masked", "selection.budget"), candidates="swapped_quadrants"),
-    _control("zero_advantage_candidate", "A == 0 with d > 0 counted as a candidate", ("selection.only_trust_region_masked",), candidates="zero_advantage_included"),
-    _control("first_token_advantage_sign", "advantage sign taken from each row's first valid token", ("selection.only_trust_region_masked", "selection.budget", "selection.minimal", "selection.largest_removed_first"), candidates="first_token_sign"),
-    _control("strict_stop", "stops only when the mean is < tau: equality keeps removing", ("selection.minimal",), strict_stop=True),
-    _control("mean_over_valid", "budget mean over remaining valid tokens, non-candidates included (SkyRL fork)", ("selection.budget", "selection.minimal"), mean_over_valid=True),
-    _control("per_sequence_selection", "selection run per sequence instead of per optimizer batch", ("selection.minimal", "selection.largest_removed_first"), per_sequence=True),
-    _control("one_extra_removed", "off by one: removes one more token than needed", ("selection.minimal",), extra_removed=1),
-    _control("kept_count_denominator", "loss divided by the kept-token count instead of N before masking", ("loss", "gradient"), denominator="kept"),
-    _control("padded_denominator", "loss divided by B*T, padding included", ("loss", "gradient"), denominator="padded"),
-    _control("ppo_clip_still_applied", "PPO epsilon-clip (0.2) still applied to kept tokens", ("gradient", "loss"), ppo_clip=0.2),
-    _control("ratio_inverted", "log ratio taken as behavior_logp - logp", ("selection.only_trust_region_masked", "loss", "gradient", "metrics.m2_before", "metrics.trust_region_fraction", "metrics.trust_region_count", "metrics.kept_trust_region_count"), ratio_inverted=True),
-    _control("mask_not_applied", "mask computed but the loss sums every valid token", ("gradient", "loss"), apply_mask=False),
-    _control("masked_keep_value", "masked tokens keep their loss value (zero gradient only)", ("loss",), masked_keep_value=True),
-    _control("nan_padding_leak", "padding zeroed by multiplying with the mask: 0 * nan = nan", ("padding_immunity",), zero_padding_by_multiplying=True),
-    _control("clamped_log_ratio", "straight-through clamp of d to +-20 (documented ms-swift guard)", ("gradient", "loss", "metrics.m2_before", "selection.budget", "selection.minimal", "selection.largest_removed_first"), clamp_log_ratio=20.0),
-    _control("mutates_inputs", "zeroes the caller's advantage padding in place", ("inputs_not_mutated",), sanitise_inputs_in_place=True),
-    _control("m2_after_over_valid", "m2_after averaged over every kept valid token", ("metrics.m2_after",), m2_after_over_valid=True),
-    _control("random_tie_break", "ties at the cut broken by fresh random noise on each call", ("determinism",), random_tie_break=True),
+    _control("all_valid_candidates", ("selection.only_trust_region_masked", "metrics.masked_fraction")),
+    _control("swapped_quadrants", ("selection.only_trust_region_masked", "selection.budget")),
+    _control("zero_advantage_candidate", ("selection.only_trust_region_masked",)),
+    _control("first_token_advantage_sign", ("selection.only_trust_region_masked", "selection.budget", "selection.minimal", "selection.largest_removed_first")),
+    _control("strict_stop", ("selection.minimal",)),
+    _control("mean_over_valid", ("selection.budget", "selection.minimal")),
+    _control("per_sequence_selection", ("selection.minimal", "selection.largest_removed_first")),
+    _control("one_extra_removed", ("selection.minimal",)),
+    _control("kept_count_denominator", ("loss", "gradient")),
+    _control("padded_denominator", ("loss", "gradient")),
+    _control("ppo_clip_still_applied", ("gradient", "loss")),
+    # Inverting the ratio swaps the trust region: every selection and trust-region metric can show it.
+    _control("ratio_inverted", ("selection.only_trust_region_masked", "selection.budget", "selection.minimal", "selection.largest_removed_first",
+                                "loss", "gradient", "metrics.m2_before", "metrics.m2_after", "metrics.masked_fraction",
+                                "metrics.trust_region_fraction", "metrics.trust_region_count", "metrics.kept_trust_region_count")),
+    _control("mask_not_applied", ("gradient", "loss")),
+    _control("masked_keep_value", ("loss",)),
+    _control("nan_padding_leak", ("padding_immunity",)),
+    _control("clamped_log_ratio", ("gradient", "loss", "metrics.m2_before", "selection.budget", "selection.minimal", "selection.largest_removed_first")),
+    _control("mutates_inputs", ("inputs_not_mutated",)),
+    _control("m2_after_over_valid", ("metrics.m2_after",)),
+    _control("random_tie_break", ("determinism",)),
 )
 
 

@@ -229,6 +229,16 @@ def check_selection(batch: Batch, keep: np.ndarray, compute_dtype: str = "float6
     return found
 
 
+def same_up_to_ties(keep: np.ndarray, other: np.ndarray, m2: np.ndarray) -> bool:
+    """True if the masks differ only in which of several equal-M2 tokens are kept."""
+    differ = keep != other
+    for value in np.unique(m2[differ]):
+        level = m2 == value
+        if int((keep & level).sum()) != int((other & level).sum()):
+            return False
+    return True
+
+
 def _range(bounds: SelectionBounds) -> int | str:
     return bounds.k_min if bounds.k_min == bounds.k_max else f"{bounds.k_min}..{bounds.k_max} (rounding band)"
 

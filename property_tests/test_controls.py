@@ -16,7 +16,8 @@ from hypothesis.errors import Flaky, NoSuchExample
 
 from m2po_oracle import strategies
 from m2po_oracle.battery import CHECKS, assert_battery_passes, run_battery
-from m2po_oracle.controls import NEGATIVE_CONTROLS, Deviation, planted
+from m2po_oracle.controls import NEGATIVE_CONTROLS, planted
+from m2po_oracle.deviations import Deviation
 
 # Detection only: shrinking is what `m2po-oracle compare` does for reports, not needed here.
 SEARCH = settings(max_examples=2000, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))

@@ -1,0 +1,513 @@
+"""Render a compare report (schema ``m2po-oracle/compare/1``) as one self-contained HTML page.
+
+The page is drawn only from the JSON dict, never by re-running the oracle, so a report
+file saved on one machine renders identically anywhere. Every string in the report may
+come from the implementation under test (names, exception text), so the template is
+rendered with autoescaping on and nothing here builds markup by hand: this module only
+turns the dict into plain numbers and strings (a "view model") that the template prints.
+
+The dict is treated as untrusted and possibly partial (older or newer schema, a failed
+implementation with no results): every lookup has a default, so rendering never raises
+on odd content.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jinja2
+
+__all__ = ["render_html", "write_html"]
+
+_TEMPLATE = "report.html.j2"
+
+# Token-table highlighting is a visual cue only; the checks themselves use the tolerance
+# table. 1e-9 relative is far above float64 rounding yet flags any real difference.
+_GRAD_RTOL = 1e-9
+
+# Removal-curve geometry in SVG user units; the SVG scales with its container.
+_W, _H = 680, 300
+_ML, _MR, _MT, _MB = 78, 20, 18, 48
+_PW, _PH = _W - _ML - _MR, _H - _MT - _MB
+# Past this many points the markers would merge into a smear; draw the line only.
+_MAX_MARKERS = 80
+# A y spread wider than this is unreadable on a linear axis.
+_LOG_SPREAD = 1e3
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    # Built lazily so importing the module stays cheap for CLI paths that never render.
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("m2po_oracle", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,  # a typo in the template should fail tests, not render blank
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["num"] = _fmt
+    env.filters["short"] = _fmt_short
+    return env
+
+
+def render_html(report: Mapping[str, Any]) -> str:
+    """The report as a standalone HTML document (inline CSS and SVG, no scripts, no network)."""
+    return _environment().get_template(_TEMPLATE).render(r=_view(report))
+
+
+def write_html(report: Mapping[str, Any], path: pathlib.Path) -> None:
+    """Write :func:`render_html` of ``report`` to ``path`` as UTF-8, creating parent folders."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_html(report), encoding="utf-8")
+
+
+# --- scalar helpers ------------------------------------------------------------------------
+
+def _as_float(value: Any) -> float | None:
+    """A report number as a float; the strings "nan"/"inf"/"-inf" are how JSON carries non-finite values."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:  # a huge int from a hand-edited report
+            return math.inf if value > 0 else -math.inf
+    if isinstance(value, str) and value.strip().lower() in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
+        return float(value.strip())
+    return None
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        return int(value)
+    return None
+
+
+def _fmt(value: Any) -> str:
+    """Full precision: shortest round-trip repr, so two printed values differ iff the numbers do."""
+    if value is None:
+        return "\u2014"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (int, str)):
+        return str(value)
+    if isinstance(value, Sequence):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return str(value)
+
+
+def _fmt_short(value: Any) -> str:
+    """Six significant digits for dense tables; the full value goes in a tooltip."""
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.6g}"
+    return _fmt(value)
+
+
+def _index(value: Any) -> str:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return "(" + ", ".join(_fmt(v) for v in value) + ")"
+    return _fmt(value)
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) else []
+
+
+def _text(value: Any, default: str = "") -> str:
+    return default if value is None else _fmt(value)
+
+
+# --- comparisons for highlighting ----------------------------------------------------------
+
+def _numbers_differ(actual: Any, expected: Any, rtol: float = _GRAD_RTOL) -> bool:
+    """True when a reader should look twice: one side missing, or values apart by more than ``rtol``."""
+    if actual is None and expected is None:
+        return False
+    a, e = _as_float(actual), _as_float(expected)
+    if a is None or e is None:
+        return actual != expected
+    if math.isnan(a) or math.isnan(e):
+        return not (math.isnan(a) and math.isnan(e))
+    if math.isinf(a) or math.isinf(e):
+        return a != e
+    return abs(a - e) > rtol * max(abs(a), abs(e))
+
+
+def _keep_differs(actual: Any, expected: Any) -> bool:
+    # A missing actual keep (the call failed) counts as different: there is no agreement to show.
+    return actual is None or expected is None or bool(actual) != bool(expected)
+
+
+# --- view model ----------------------------------------------------------------------------
+
+_VERDICT_CLASS = {"equivalent": "ok", "divergent": "bad", "unusable": "bad"}
+_VERDICT_TEXT = {
+    "equivalent": "no divergence from Algorithm 1 was found",
+    "divergent": "the implementation diverges from Algorithm 1",
+    "unusable": "the implementation never returned a usable result",
+}
+_PROBE_CLASS = {"rejected": "ok", "accepted": "warn", "hung": "bad", "crashed": "bad"}
+_PROBE_NOTE = {
+    "rejected": "rejected as it should be",
+    "accepted": "WARNING: silently accepted invalid input",
+    "hung": "hung",
+    "crashed": "crashed instead of raising a clean error",
+}
+_DIAGNOSIS_TEXT = {
+    "not_needed": "No diagnosis needed: no divergence was found.",
+    "matched": "The implementation behaves like these known variants of Algorithm 1:",
+    "no_known_variant": "The implementation matches no known variant; the closest ones are:",
+}
+# The order a reader expects; unknown extra metrics follow in report order.
+_METRIC_ORDER = ("loss", "m2_before", "m2_after", "masked_fraction", "trust_region_fraction", "valid_count", "trust_region_count", "kept_trust_region_count")
+
+
+def _view(report: Mapping[str, Any]) -> dict[str, Any]:
+    report = _mapping(report)
+    options = _mapping(report.get("options"))
+    verdict = _text(report.get("verdict"), "unknown")
+    examples = report.get("examples", options.get("examples"))
+    counterexamples = [_counterexample(i, cx) for i, cx in enumerate(_list(report.get("counterexamples")), start=1) if isinstance(cx, Mapping)]
+    first_cx: dict[str, str] = {}
+    for cx in counterexamples:
+        first_cx.setdefault(cx["check"], cx["anchor"])
+    checks = []
+    for check in _list(report.get("checks")):
+        check = _mapping(check)
+        name = _text(check.get("name"), "?")
+        status = _text(check.get("status"), "?")
+        checks.append({"name": name, "description": _text(check.get("description")), "status": status, "failed": status != "pass",
+                       "failures": _fmt(check.get("failures")), "anchor": first_cx.get(name)})
+    failed = sum(1 for c in checks if c["failed"])
+    return {
+        "schema": _text(report.get("schema"), "unknown schema"),
+        "verdict": verdict,
+        "verdict_class": _VERDICT_CLASS.get(verdict, "neutral"),
+        "verdict_text": _VERDICT_TEXT.get(verdict, "the report does not state a known verdict"),
+        "implementation": _text(report.get("implementation"), "(unnamed implementation)"),
+        "summary": [
+            ("implementation", _text(report.get("implementation"), "\u2014")),
+            ("dtype", _text(options.get("dtype"), "\u2014")),
+            ("compute dtype", _text(options.get("compute_dtype"), "\u2014")),
+            ("examples tried", _fmt(examples)),
+            ("seed", _fmt(options.get("seed"))),
+            ("tau", "drawn per batch" if options.get("tau") is None else _fmt(options.get("tau"))),
+            ("device", _text(options.get("device"), "\u2014")),
+            ("duration", _duration(report.get("duration_s"))),
+        ],
+        "checks": checks,
+        "checks_failed": failed,
+        "counterexamples": counterexamples,
+        "diagnosis": _diagnosis(report.get("diagnosis")) if "diagnosis" in report else None,
+        "validation": _validation(report.get("validation")) if "validation" in report else None,
+        "tolerances": [
+            {"dtype": _text(t.get("dtype")), "quantity": _text(t.get("quantity")), "rtol": _fmt(t.get("rtol")), "atol": _fmt(t.get("atol"))}
+            for t in map(_mapping, _list(report.get("tolerances")))
+        ],
+        "environment": [(_text(k), _text(v, "\u2014")) for k, v in _mapping(report.get("environment")).items()],
+    }
+
+
+def _duration(value: Any) -> str:
+    seconds = _as_float(value)
+    if seconds is None or not math.isfinite(seconds):
+        return _fmt(value)
+    return f"{seconds:.1f} s"
+
+
+def _diagnosis(raw: Any) -> dict[str, Any]:
+    d = _mapping(raw)
+    status = _text(d.get("status"), "unknown")
+    return {
+        "status": status,
+        "status_class": {"not_needed": "ok", "matched": "bad", "no_known_variant": "warn"}.get(status, "neutral"),
+        "text": _DIAGNOSIS_TEXT.get(status, "Diagnosis status not recognised."),
+        "examples_compared": _fmt(d.get("examples_compared")),
+        "matches": [{"variant": _text(m.get("variant")), "description": _text(m.get("description")), "source": _text(m.get("source")),
+                     "evidence": _text(m.get("evidence"))}
+                    for m in map(_mapping, _list(d.get("matches")))],
+        "closest": [{"variant": _text(c.get("variant")), "description": _text(c.get("description")), "source": _text(c.get("source")),
+                     "agreed": _fmt(c.get("agreed")), "of": _fmt(c.get("of")), "first_difference": _text(c.get("first_difference"))}
+                    for c in map(_mapping, _list(d.get("closest")))],
+    }
+
+
+def _validation(raw: Any) -> dict[str, Any]:
+    v = _mapping(raw)
+    probes = []
+    for p in map(_mapping, _list(v.get("probes"))):
+        status = _text(p.get("status"), "unknown")
+        probes.append({"probe": _text(p.get("probe")), "description": _text(p.get("description")), "status": status,
+                       "status_class": _PROBE_CLASS.get(status, "neutral"), "note": _PROBE_NOTE.get(status, status),
+                       "message": _text(p.get("message"))})
+    strict = v.get("strict")
+    return {
+        "strict": "yes" if strict is True else "no" if strict is False else _fmt(strict),
+        "probes": probes,
+        "accepted": sum(1 for p in probes if p["status"] == "accepted"),
+        "bad": sum(1 for p in probes if p["status_class"] == "bad"),
+    }
+
+
+def _counterexample(number: int, raw: Mapping[str, Any]) -> dict[str, Any]:
+    expected = _mapping(raw.get("expected"))
+    on_mask = _mapping(raw.get("expected_on_actual_mask"))
+    actual = _mapping(raw.get("actual"))
+    names = [n for n in _METRIC_ORDER if n in expected or n in on_mask or n in actual]
+    names += [n for src in (expected, on_mask, actual) for n in src if n not in names]
+    names = list(dict.fromkeys(names))
+    metrics = [{
+        "name": _text(name),
+        "expected": _fmt(expected.get(name)),
+        "on_mask": _fmt(on_mask.get(name)),
+        "actual": _fmt(actual.get(name)),
+        # The loss and metric checks compare against Algorithm 1 evaluated on the
+        # implementation's own mask, so that is the reference for the highlight.
+        "differs": _numbers_differ(actual.get(name), on_mask.get(name) if name in on_mask else expected.get(name)),
+    } for name in names]
+    tokens = []
+    for t in map(_mapping, _list(raw.get("tokens"))):
+        tokens.append({
+            "index": _index(t.get("index")),
+            "padding": t.get("valid") is False,
+            "valid": _fmt(t.get("valid")),
+            "log_ratio": t.get("log_ratio"),
+            "advantage": t.get("advantage"),
+            "m2": t.get("m2"),
+            "trust_region": _fmt(t.get("trust_region")),
+            "expected_keep": _keep_label(t.get("expected_keep")),
+            "actual_keep": _keep_label(t.get("actual_keep")),
+            "keep_differs": _keep_differs(t.get("actual_keep"), t.get("expected_keep")),
+            "expected_grad": _fmt(t.get("expected_grad")),
+            "actual_grad": _fmt(t.get("actual_grad")),
+            "grad_differs": _numbers_differ(t.get("actual_grad"), t.get("expected_grad")),
+        })
+    mismatches = [{
+        "check": _text(m.get("check")),
+        "summary": _text(m.get("summary")),
+        "field": _text(m.get("field")),
+        "index": _index(m.get("index")) if m.get("index") is not None else "",
+        "actual": _fmt(m.get("actual")),
+        "expected": _fmt(m.get("expected")),
+        "has_values": m.get("actual") is not None or m.get("expected") is not None,
+        "details": [_text(d) for d in _list(m.get("details"))],
+    } for m in map(_mapping, _list(raw.get("mismatches")))]
+    shape = _list(raw.get("shape"))
+    return {
+        "number": number,
+        "anchor": f"cx-{number}",
+        "check": _text(raw.get("check"), "?"),
+        "summary": _text(raw.get("summary")),
+        "replay": _text(raw.get("replay")),
+        "shape": " \u00d7 ".join(_fmt(s) for s in shape) if shape else "\u2014",
+        "tau": _fmt(_mapping(raw.get("batch")).get("tau", _mapping(raw.get("removal_curve")).get("tau"))),
+        "mismatches": mismatches,
+        "metrics": metrics,
+        "no_actual": not actual,
+        "tokens": tokens,
+        "tokens_truncated": raw.get("tokens_truncated") is True,
+        "tokens_differ": sum(1 for t in tokens if t["keep_differs"] or t["grad_differs"]),
+        "curve": _removal_curve(raw.get("removal_curve")),
+    }
+
+
+def _keep_label(value: Any) -> str:
+    if value is None:
+        return "\u2014"
+    return "keep" if value else "mask"
+
+
+# --- removal curve -------------------------------------------------------------------------
+
+def _nice_step(span: float, target: int) -> float:
+    """A 1-2-5 step giving about ``target`` intervals over ``span``."""
+    raw = span / max(target, 1)
+    if not math.isfinite(raw) or raw <= 0:
+        return 1.0
+    magnitude = 10.0 ** math.floor(math.log10(raw))
+    for m in (1.0, 2.0, 5.0, 10.0):
+        if raw <= m * magnitude:
+            return m * magnitude
+    return 10.0 * magnitude
+
+
+def _tick_label(value: float) -> str:
+    if value == 0:
+        return "0"
+    return f"{value:.3g}"
+
+
+def _removal_curve(raw: Any) -> dict[str, Any]:
+    """Plot geometry for the M2 removal curve of one counterexample.
+
+    Algorithm 1 removes trust-region tokens largest-M2 first while the mean M2 of those
+    left exceeds tau. With n candidates sorted by M2 ascending and P_k the mean of the k
+    smallest, removing r tokens leaves k = n - r, so the curve is (r, P_{n-r}) for
+    r = 0 .. n-1; r = n (everything removed) has no mean and only carries the stop markers.
+    The oracle may stop anywhere in n - k_max .. n - k_min (rounding ambiguity), drawn as a band.
+    """
+    rc = _mapping(raw)
+    means = _list(rc.get("prefix_means"))
+    n = _as_int(rc.get("candidates"))
+    if n is None or n < 0:
+        n = len(means)
+    tau = _as_float(rc.get("tau"))
+    kmin, kmax, kimpl = (_as_int(rc.get(key)) for key in ("oracle_kept_min", "oracle_kept_max", "implementation_kept"))
+    info = {
+        "empty": n == 0,
+        "n": n,
+        "tau": _fmt(rc.get("tau")) if "tau" in rc else "\u2014",
+        "oracle_kept": _kept_text(kmin, kmax),
+        "implementation_kept": _fmt(kimpl) if kimpl is not None else "no result",
+        "truncated": 0 < len(means) < n,
+        "shown": min(len(means), n),
+        "rows": [],
+    }
+    if n == 0:
+        return info
+
+    # (removed, P_k) pairs; values may be None (missing), nan or +-inf.
+    points = []
+    for r in range(n):
+        k = n - r
+        value = _as_float(means[k - 1]) if k - 1 < len(means) else None
+        points.append((r, k, value))
+        info["rows"].append({"removed": r, "kept": k, "mean": _fmt(means[k - 1]) if k - 1 < len(means) else "\u2014",
+                             "within": value is not None and tau is not None and value <= tau})
+
+    finite = [v for _, _, v in points if v is not None and math.isfinite(v)]
+    if tau is not None and math.isfinite(tau):
+        finite.append(tau)
+    log = False
+    positives = [v for v in finite if v > 0]
+    if positives and all(v >= 0 for v in finite) and max(positives) / min(positives) > _LOG_SPREAD:
+        log = True
+        lo_exp = math.floor(math.log10(min(positives)))
+        hi_exp = math.ceil(math.log10(max(positives)))
+        if hi_exp == lo_exp:
+            hi_exp += 1
+        lo, hi = float(lo_exp), float(hi_exp)
+        stride = max(1, math.ceil((hi_exp - lo_exp) / 6))
+        y_ticks = [(float(e), f"1e{e}") for e in range(lo_exp, hi_exp + 1, stride)]
+    else:
+        if finite:
+            lo, hi = min(min(finite), 0.0), max(max(finite), 0.0)
+        else:
+            lo, hi = 0.0, 1.0
+        if hi == lo:
+            hi = 1.0
+        # Halves keep the arithmetic finite for values near +-1.8e308.
+        step = 2.0 * _nice_step(hi / 2 - lo / 2, 5)
+        rounded_lo, rounded_hi = math.floor(lo / step) * step, math.ceil(hi / step) * step
+        lo = rounded_lo if math.isfinite(rounded_lo) else lo
+        hi = rounded_hi if math.isfinite(rounded_hi) else hi
+        y_ticks = []
+        for i in range(21):
+            tick = lo + i * step
+            if not math.isfinite(tick) or tick > hi + step * 1e-9:
+                break
+            y_ticks.append((tick, _tick_label(tick)))
+
+    def y_scaled(v: float) -> float:
+        return _MT + _PH - (v / 2 - lo / 2) / (hi / 2 - lo / 2) * _PH
+
+    def y_of(value: float | None) -> tuple[float | None, str]:
+        """SVG y of a data value, clamped to the plot, with why it was clamped."""
+        if value is None or math.isnan(value):
+            return None, ""
+        if value == math.inf:
+            return _MT, "above"
+        if value == -math.inf:
+            return _MT + _PH, "below"
+        if log:
+            if value <= 0:
+                return _MT + _PH, "below"
+            v = math.log10(value)
+        else:
+            v = value
+        y = y_scaled(v)
+        if y < _MT - 1e-9:
+            return _MT, "above"
+        if y > _MT + _PH + 1e-9:
+            return _MT + _PH, "below"
+        return y, ""
+
+    def x_of(removed: float) -> float:
+        return _ML + (removed / n) * _PW
+
+    segments: list[list[tuple[float, float]]] = [[]]
+    markers, clipped = [], []
+    for r, k, value in points:
+        y, clip = y_of(value)
+        if y is None or clip:
+            if segments[-1]:
+                segments.append([])
+            if y is not None:
+                clipped.append({"x": _r(x_of(r)), "y": _r(y), "up": clip == "above", "label": _fmt_short(value), "removed": r})
+            continue
+        segments[-1].append((x_of(r), y))
+        markers.append({"x": _r(x_of(r)), "y": _r(y), "within": None if tau is None or math.isnan(tau) else value <= tau,
+                        "title": f"removed {r}, kept {k}: mean M2 {_fmt(value)}"})
+    polylines = [" ".join(f"{_r(x)},{_r(y)}" for x, y in seg) for seg in segments if len(seg) > 1]
+
+    x_step = max(1, int(_nice_step(n, 8)))
+    x_ticks = [(_r(x_of(t)), str(t)) for t in range(0, n + 1, x_step)]
+    if x_ticks[-1][1] != str(n):
+        x_ticks.append((_r(x_of(n)), str(n)))
+
+    tau_y, tau_clip = y_of(tau)
+    oracle = None
+    if kmin is not None and kmax is not None:
+        a, b = sorted((_clamp(n - kmax, 0, n), _clamp(n - kmin, 0, n)))
+        oracle = {"x1": _r(x_of(a)), "x2": _r(x_of(b)), "band": a != b, "removed": a if a == b else f"{a}-{b}",
+                  "width": _r(max(x_of(b) - x_of(a), 0.0))}
+    impl = None
+    if kimpl is not None:
+        removed = n - kimpl
+        impl = {"x": _r(x_of(_clamp(removed, 0, n))), "removed": removed, "outside": not 0 <= removed <= n}
+
+    info.update({
+        "width": _W, "height": _H,
+        "plot": {"left": _ML, "top": _MT, "right": _ML + _PW, "bottom": _MT + _PH, "width": _PW, "height": _PH},
+        "log": log,
+        "polylines": polylines,
+        "markers": markers if len(markers) <= _MAX_MARKERS else [],
+        "clipped": clipped[:_MAX_MARKERS],
+        "x_ticks": x_ticks,
+        "y_ticks": [(_r(y_scaled(v)), label) for v, label in y_ticks],
+        "tau_y": _r(tau_y) if tau_y is not None else None,
+        "tau_clipped": tau_clip,
+        "oracle": oracle,
+        "impl": impl,
+    })
+    return info
+
+
+def _kept_text(kmin: int | None, kmax: int | None) -> str:
+    if kmin is None or kmax is None:
+        return "\u2014"
+    return str(kmin) if kmin == kmax else f"{kmin} to {kmax}"
+
+
+def _clamp(value: int, low: int, high: int) -> int:
+    return max(low, min(high, value))
+
+
+def _r(value: float) -> float:
+    # Two decimals keep the SVG small without visible error.
+    return round(value, 2)
