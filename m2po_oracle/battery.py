@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from m2po_oracle.batch import Batch
-from m2po_oracle.contract import Implementation, Measurement, measure
+from m2po_oracle.contract import Implementation, Measurement, as_runner
 from m2po_oracle import oracle
 from m2po_oracle.equivalence import Mismatch, Tolerance, compare_to_oracle, compare_values, format_mismatches, same_up_to_ties, tolerance
 
@@ -110,8 +110,12 @@ def _padding_immunity(first: Measurement, probe: Measurement, fill: float, dtype
 
 
 def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> BatteryOutcome:
-    """Run every check on one batch. Never raises because of the implementation."""
-    first = measure(fn, batch, dtype=dtype, device=device)
+    """Run every check on one batch. Never raises because of the implementation.
+
+    ``fn`` is an implementation callable (called in this process) or a runner such as
+    :class:`m2po_oracle.isolation.Isolated` (called in a worker process with a timeout)."""
+    runner = as_runner(fn)
+    first = runner.measure(batch, dtype=dtype, device=device)
     if first.finding is not None:
         return BatteryOutcome(first.batch, first, (Mismatch("call", f"{first.finding.kind}: {first.finding.message}"),))
     assert first.result is not None
@@ -119,14 +123,14 @@ def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", com
     if first.mutated_inputs:
         found.append(Mismatch("inputs_not_mutated", f"the implementation modified its input tensor(s): {', '.join(first.mutated_inputs)}"))
     found.extend(compare_to_oracle(first.batch, first.result, dtype, compute_dtype))
-    again = measure(fn, batch, dtype=dtype, device=device)
+    again = runner.measure(batch, dtype=dtype, device=device)
     nondeterministic = _determinism(first, again)
     found.extend(nondeterministic)
     # A nondeterministic implementation would also differ under the padding probes;
     # comparing them would blame padding for what determinism already reports.
     if not nondeterministic and not batch.valid.all():
         for fill in PADDING_PROBES:
-            found.extend(_padding_immunity(first, measure(fn, batch.with_padding(fill), dtype=dtype, device=device), fill, dtype))
+            found.extend(_padding_immunity(first, runner.measure(batch.with_padding(fill), dtype=dtype, device=device), fill, dtype))
     return BatteryOutcome(first.batch, first, tuple(found))
 
 

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay = commands.add_parser("replay", help="run the battery on one saved batch")
     replay.add_argument("--impl", required=True, help="as for compare")
     replay.add_argument("--batch", required=True, help="the batch as JSON text, or a path to a JSON file (a batch or a compare report)")
-    options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("dtype", "compute_dtype", "device")))
+    options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("dtype", "compute_dtype", "device", "timeout", "in_process")))
 
     selftest = commands.add_parser("selftest", help="run the battery against every shipped negative control")
     selftest.add_argument("--only", default=None, help="comma-separated control names (default: all)")
@@ -63,14 +63,18 @@ def main(argv: list[str] | None = None) -> int:
         return _selftest(args, console)
     from m2po_oracle.contract import load_implementation
 
+    from m2po_oracle.isolation import ImplementationLoadError, Isolated
+
     try:
-        fn = load_implementation(args.impl)
-    except ValueError as error:
-        Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False, markup=True)
+        fn = load_implementation(args.impl)  # here first, for a fast error with closest matches
+        if args.in_process:
+            return _compare(args, fn, console) if args.command == "compare" else _replay(args, fn, console)
+        with Isolated(args.impl, timeout_s=args.timeout) as runner:
+            runner.start()
+            return _compare(args, runner, console) if args.command == "compare" else _replay(args, runner, console)
+    except (ValueError, ImplementationLoadError) as error:
+        Console(stderr=True).print(f"error: {error}", highlight=False, markup=False)
         return EXIT_UNUSABLE
-    if args.command == "compare":
-        return _compare(args, fn, console)
-    return _replay(args, fn, console)
 
 
 def _compare(args: argparse.Namespace, fn, console: Console) -> int:

@@ -102,6 +102,14 @@ def environment() -> dict[str, Any]:
             "hypothesis": hypothesis.__version__, "platform": platform.platform(), "git_revision": revision}
 
 
+#: Exploration stops after this many timed-out calls.
+MAX_TIMEOUTS = 2
+
+
+class _StopExploring(BaseException):  # BaseException: Hypothesis must not shrink it
+    pass
+
+
 #: Checks about behaviour rather than the values computed; they do not make an
 #: observation evidence for an output variant.
 BEHAVIOURAL_CHECKS = frozenset({"call", "padding_immunity", "determinism", "inputs_not_mutated"})
@@ -132,7 +140,9 @@ def run_compare(
     device: str = "cpu",
     on_example: Callable[[BatteryOutcome], None] | None = None,
 ) -> CompareReport:
-    """Try ``examples`` generated batches; for each failing check, shrink a minimal batch."""
+    """Try ``examples`` generated batches; for each failing check, shrink a minimal batch.
+
+    ``fn`` is an implementation callable or a runner (``isolation.Isolated``)."""
     compute_dtype = compute_dtype or dtype
     started = time.perf_counter()
     tallies = {name: CheckTally(name) for name in CHECKS}
@@ -158,18 +168,23 @@ def run_compare(
                 kept.append(Observation(outcome.batch, result))
         if on_example is not None:
             on_example(outcome)
+        if getattr(fn, "timeouts", 0) >= MAX_TIMEOUTS:
+            raise _StopExploring  # every further call would likely wait out the timeout too
         return False
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             find(strategy, explore, settings=_search_settings(examples), random=random.Random(seed))
-        except NoSuchExample:
+        except (NoSuchExample, _StopExploring):
             pass
 
     counterexamples = []
     for name, tally in tallies.items():
         if tally.first_failure is None:
+            continue
+        if getattr(fn, "timeouts", 0):  # shrinking would wait out the timeout on every try
+            counterexamples.append(_unshrunk(fn, impl, name, tally.first_failure, dtype, compute_dtype, device))
             continue
         counterexamples.append(_shrink(fn, impl, name, tally.first_failure, strategy, examples, seed, dtype, compute_dtype, device))
     report = CompareReport(impl, dtype, compute_dtype, seed, tried, tallies, counterexamples, tau=tau, device=device)
@@ -179,6 +194,12 @@ def run_compare(
                                 dtype=dtype, divergent=report.verdict == "divergent")
     report.duration_s = time.perf_counter() - started
     return report
+
+
+def _unshrunk(fn, impl, check, batch, dtype, compute_dtype, device) -> Counterexample:
+    outcome = run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
+    mismatches = tuple(m for m in outcome.mismatches if m.check == check) or outcome.mismatches
+    return Counterexample(check, outcome.batch, mismatches, replay_command(impl, batch, dtype=dtype, compute_dtype=compute_dtype), outcome.measurement.result)
 
 
 def _shrink(fn, impl, check, fallback, strategy, examples, seed, dtype, compute_dtype, device) -> Counterexample:

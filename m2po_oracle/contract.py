@@ -191,6 +191,22 @@ def _exception_text(error: BaseException) -> str:
     return "".join(frames).rstrip()
 
 
+class InProcess:
+    """Calls an implementation in this process (no timeout: a hang hangs the caller)."""
+
+    def __init__(self, fn: Implementation) -> None:
+        self.fn = fn
+
+    def measure(self, batch: Batch, *, dtype: str = "float64", device: str = "cpu") -> Measurement:
+        return measure(self.fn, batch, dtype=dtype, device=device)
+
+
+def as_runner(target: Any) -> Any:
+    """A runner (anything with ``measure(batch, *, dtype, device)``) for ``target``, which is
+    either already one (e.g. ``isolation.Isolated``) or a plain implementation callable."""
+    return target if hasattr(target, "measure") and not callable(target) else InProcess(target)
+
+
 # --- resolving an implementation from its name -------------------------------------------
 
 def builtin_implementations() -> dict[str, Implementation]:

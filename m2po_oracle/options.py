@@ -16,6 +16,7 @@ class Option:
     type: Any = str
     default: Any = None
     choices: tuple[str, ...] | None = None
+    switch: bool = False  # a flag without a value (store_true)
 
     @property
     def flag(self) -> str:
@@ -29,6 +30,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
     return value
 
 
@@ -49,9 +60,14 @@ COMPARE_OPTIONS: tuple[Option, ...] = (
     Option("compute_dtype", "dtype the implementation computes its selection in (sets the rounding band; default: --dtype)", str, None, DTYPE_CHOICES),
     Option("tau", "use this budget for every batch instead of drawing it", _budget, None),
     Option("device", "torch device for the input tensors", str, "cpu"),
+    Option("timeout", "per-call timeout in seconds; the implementation runs in a worker process and a call past it is a finding", _positive_seconds, 60.0),
+    Option("in_process", "call the implementation in this process (faster; no timeout, a crash or hang takes the tool down)", bool, False, switch=True),
 )
 
 
 def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...] = COMPARE_OPTIONS) -> None:
     for option in options:
-        parser.add_argument(option.flag, dest=option.name, type=option.type, default=option.default, choices=option.choices, help=option.help)
+        if option.switch:
+            parser.add_argument(option.flag, dest=option.name, action="store_true", help=option.help)
+        else:
+            parser.add_argument(option.flag, dest=option.name, type=option.type, default=option.default, choices=option.choices, help=option.help)

@@ -1,0 +1,140 @@
+"""Calling an implementation in a worker process, so that a hang or a crash is a finding.
+
+The worker loads the implementation from its spec (built-in name, module:function or
+file.py:function) and serves one :func:`m2po_oracle.contract.measure` per request. A call
+that takes longer than ``timeout_s`` gets the worker killed and a ``timeout`` finding; a
+worker that dies (segfault, ``os._exit``) gives a ``crashed`` finding. A fresh worker is
+started for the next call. Worker processes come from a forkserver that has torch
+preloaded, so a restart costs a fraction of a second after the first.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import time
+from typing import Any
+
+from m2po_oracle.batch import Batch
+from m2po_oracle.contract import Finding, Measurement, load_implementation, measure, rounded_batch
+
+#: Starting a worker imports torch and the implementation: allow for that separately.
+STARTUP_TIMEOUT_S = 180.0
+_context: Any = None
+
+
+def _forkserver() -> Any:
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(["torch", "numpy", "m2po_oracle.contract", "m2po_oracle.core"])
+    return _context
+
+
+def _serve(spec: str, connection: multiprocessing.connection.Connection) -> None:
+    try:
+        fn = load_implementation(spec)
+    except Exception as error:  # reported to the parent as a load failure
+        connection.send(("load_error", str(error)))
+        return
+    connection.send(("ready", None))
+    while True:
+        try:
+            request = connection.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        batch_dict, dtype, device = request
+        connection.send(("result", measure(fn, Batch.from_dict(batch_dict), dtype=dtype, device=device)))
+
+
+class ImplementationLoadError(RuntimeError):
+    pass
+
+
+class Isolated:
+    """A runner: ``measure(batch, *, dtype, device)`` in a worker process, with a timeout."""
+
+    def __init__(self, spec: str, *, timeout_s: float = 60.0) -> None:
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+            raise ValueError(f"timeout_s: expected a number > 0, got {timeout_s!r}")
+        self.spec = spec
+        self.timeout_s = float(timeout_s)
+        self.timeouts = 0
+        self.crashes = 0
+        self._process: Any = None
+        self._connection: Any = None
+
+    def start(self) -> None:
+        """Start the worker and wait until it has loaded the implementation.
+
+        Raises :class:`ImplementationLoadError` if the spec cannot be loaded there."""
+        context = _forkserver()
+        parent, child = context.Pipe()
+        process = context.Process(target=_serve, args=(self.spec, child), daemon=True, name=f"m2po-impl:{self.spec}")
+        process.start()
+        child.close()
+        if not parent.poll(STARTUP_TIMEOUT_S):
+            self._kill(process)
+            raise ImplementationLoadError(f"impl: the worker for {self.spec!r} did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        try:
+            kind, detail = parent.recv()
+        except EOFError:
+            self._kill(process)
+            raise ImplementationLoadError(f"impl: the worker for {self.spec!r} died while loading it (exit code {process.exitcode})") from None
+        if kind == "load_error":
+            self._kill(process)
+            raise ImplementationLoadError(detail)
+        self._process, self._connection = process, parent
+
+    def measure(self, batch: Batch, *, dtype: str = "float64", device: str = "cpu") -> Measurement:
+        if self._process is None:
+            self.start()
+        started = time.monotonic()
+        try:
+            self._connection.send((batch.to_dict(), dtype, device))
+            if self._connection.poll(self.timeout_s):
+                kind, payload = self._connection.recv()
+                return payload
+            timed_out = True
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
+            timed_out = False  # the pipe closed under us: the worker died
+        seen = rounded_batch(batch, dtype)
+        if timed_out:
+            self.timeouts += 1
+            self._restart()
+            return Measurement(seen, dtype, None, Finding("timeout", f"no result within the per-call timeout of {self.timeout_s:g} s (worker killed)"))
+        self.crashes += 1
+        self._process.join(5)
+        code = self._process.exitcode
+        self._restart()
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return Measurement(seen, dtype, None, Finding("crashed", f"the implementation's process died after {time.monotonic() - started:.2f} s ({how})"))
+
+    def _restart(self) -> None:
+        self._kill(self._process)
+        self._process = self._connection = None
+
+    @staticmethod
+    def _kill(process: Any) -> None:
+        if process is None:
+            return
+        process.kill()
+        process.join(5)
+
+    def close(self) -> None:
+        if self._process is not None:
+            try:
+                self._connection.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self._process.join(2)
+            self._kill(self._process)
+            self._process = self._connection = None
+
+    def __enter__(self) -> "Isolated":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
