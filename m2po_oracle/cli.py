@@ -85,7 +85,8 @@ def _compare(args: argparse.Namespace, fn, console: Console) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as progress:
         task = progress.add_task(f"checking {args.impl}", total=args.examples)
         report = run_compare(fn, args.impl, examples=args.examples, seed=args.seed, dtype=args.dtype, compute_dtype=args.compute_dtype,
-                             tau=args.tau, device=args.device, on_example=lambda _: progress.advance(task))
+                             tau=args.tau, device=args.device, strict_validation=args.strict_validation,
+                             on_example=lambda _: progress.advance(task))
     table = Table(title=f"{args.impl} vs Algorithm 1 ({report.examples} batches, {args.dtype}, seed {args.seed})")
     table.add_column("check")
     table.add_column("result")
@@ -99,6 +100,7 @@ def _compare(args: argparse.Namespace, fn, console: Console) -> int:
         console.print(format_mismatches(list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {counterexample.check})",
                                         replay=counterexample.replay), highlight=False, markup=False, soft_wrap=True)
     _print_diagnosis(console, report.diagnosis)
+    _print_validation(console, report)
     colour = {"equivalent": "green", "divergent": "red", "unusable": "red"}[report.verdict]
     console.print(f"verdict: [bold {colour}]{report.verdict}[/] in {report.duration_s:.1f} s")
     record = report.to_json()
@@ -136,6 +138,17 @@ def _selftest(args: argparse.Namespace, console: Console) -> int:
     total = sum(r.seconds for r in rows)
     console.print(f"{len(rows) - len(bad)}/{len(rows)} controls caught and correctly diagnosed in {total:.1f} s", highlight=False)
     return EXIT_DIVERGENT if bad else EXIT_EQUIVALENT
+
+
+def _print_validation(console: Console, report) -> None:
+    warnings = report.validation_warnings
+    if not warnings:
+        console.print(f"validation: all {len(report.validation)} invalid-input probes were rejected (fails closed)", highlight=False)
+        return
+    label = "counted as divergence (--strict-validation)" if report.strict_validation else "warnings; the verdict is unchanged (use --strict-validation to count them)"
+    console.print(f"validation: {len(warnings)} of {len(report.validation)} invalid-input probes were not rejected, {label}:", highlight=False, soft_wrap=True)
+    for p in warnings:
+        console.print(f"  - {p.probe} ({p.description}): {p.status}: {p.message}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _print_diagnosis(console: Console, diagnosis: dict) -> None:

@@ -19,11 +19,12 @@ from hypothesis.errors import NoSuchExample
 from m2po_oracle import __version__, strategies
 from m2po_oracle.batch import Batch
 from m2po_oracle.battery import CHECKS, BatteryOutcome, replay_command, run_battery
-from m2po_oracle.contract import Implementation
+from m2po_oracle.contract import Implementation, as_runner
 from m2po_oracle.diagnosis import Observation, diagnose
 from m2po_oracle.equivalence import Mismatch
 from m2po_oracle.record import M2POResult
 from m2po_oracle.report import SCHEMA, counterexample_json, tolerances_json
+from m2po_oracle.validation import PROBES, ProbeResult
 
 
 
@@ -57,12 +58,20 @@ class CompareReport:
     tau: float | None = None
     device: str = "cpu"
     diagnosis: dict[str, Any] = field(default_factory=dict)
+    validation: list[ProbeResult] = field(default_factory=list)
+    strict_validation: bool = False
+
+    @property
+    def validation_warnings(self) -> list[ProbeResult]:
+        return [p for p in self.validation if p.status != "rejected"]
 
     @property
     def verdict(self) -> str:
         if self.examples and self.tallies["call"].failures == self.examples:
             return "unusable"
-        return "divergent" if any(t.failures for t in self.tallies.values()) else "equivalent"
+        if any(t.failures for t in self.tallies.values()) or (self.strict_validation and self.validation_warnings):
+            return "divergent"
+        return "equivalent"
 
     @property
     def exit_status(self) -> int:
@@ -73,7 +82,8 @@ class CompareReport:
             "schema": SCHEMA,
             "verdict": self.verdict,
             "implementation": self.impl,
-            "options": {"examples": self.examples, "seed": self.seed, "dtype": self.dtype, "compute_dtype": self.compute_dtype, "tau": self.tau, "device": self.device},
+            "options": {"examples": self.examples, "seed": self.seed, "dtype": self.dtype, "compute_dtype": self.compute_dtype, "tau": self.tau,
+                        "device": self.device, "strict_validation": self.strict_validation},
             "examples": self.examples,
             "duration_s": round(self.duration_s, 3),
             "checks": [
@@ -85,6 +95,7 @@ class CompareReport:
                 counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype) for c in self.counterexamples
             ],
             "diagnosis": self.diagnosis,
+            "validation": {"strict": self.strict_validation, "probes": [p.to_json() for p in self.validation]},
             "tolerances": tolerances_json(),
             "environment": environment(),
         }
@@ -138,6 +149,7 @@ def run_compare(
     compute_dtype: str | None = None,
     tau: float | None = None,
     device: str = "cpu",
+    strict_validation: bool = False,
     on_example: Callable[[BatteryOutcome], None] | None = None,
 ) -> CompareReport:
     """Try ``examples`` generated batches; for each failing check, shrink a minimal batch.
@@ -187,7 +199,10 @@ def run_compare(
             counterexamples.append(_unshrunk(fn, impl, name, tally.first_failure, dtype, compute_dtype, device))
             continue
         counterexamples.append(_shrink(fn, impl, name, tally.first_failure, strategy, examples, seed, dtype, compute_dtype, device))
-    report = CompareReport(impl, dtype, compute_dtype, seed, tried, tallies, counterexamples, tau=tau, device=device)
+    runner = as_runner(fn)
+    probes = [runner.probe(p.name, dtype=dtype, device=device) for p in PROBES]
+    report = CompareReport(impl, dtype, compute_dtype, seed, tried, tallies, counterexamples, tau=tau, device=device,
+                           validation=probes, strict_validation=strict_validation)
     shrunk = [Observation(c.batch, c.actual) for c in counterexamples if c.actual is not None and c.check not in BEHAVIOURAL_CHECKS]
     divergent_values = shrunk + failing_observations
     report.diagnosis = diagnose(divergent_values + passing_observations if divergent_values else [], [n for n, t in tallies.items() if t.failures],

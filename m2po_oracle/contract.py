@@ -200,6 +200,11 @@ class InProcess:
     def measure(self, batch: Batch, *, dtype: str = "float64", device: str = "cpu") -> Measurement:
         return measure(self.fn, batch, dtype=dtype, device=device)
 
+    def probe(self, name: str, *, dtype: str = "float64", device: str = "cpu") -> Any:
+        from m2po_oracle.validation import run_probe
+
+        return run_probe(self.fn, name, dtype=dtype, device=device)
+
 
 def as_runner(target: Any) -> Any:
     """A runner (anything with ``measure(batch, *, dtype, device)``) for ``target``, which is

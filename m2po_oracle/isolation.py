@@ -45,8 +45,13 @@ def _serve(spec: str, connection: multiprocessing.connection.Connection) -> None
             return
         if request is None:
             return
-        batch_dict, dtype, device = request
-        connection.send(("result", measure(fn, Batch.from_dict(batch_dict), dtype=dtype, device=device)))
+        kind, payload, dtype, device = request
+        if kind == "probe":
+            from m2po_oracle.validation import run_probe
+
+            connection.send(("result", run_probe(fn, payload, dtype=dtype, device=device)))
+        else:
+            connection.send(("result", measure(fn, Batch.from_dict(payload), dtype=dtype, device=device)))
 
 
 class ImplementationLoadError(RuntimeError):
@@ -89,28 +94,44 @@ class Isolated:
         self._process, self._connection = process, parent
 
     def measure(self, batch: Batch, *, dtype: str = "float64", device: str = "cpu") -> Measurement:
+        reply, problem = self._call(("measure", batch.to_dict(), dtype, device))
+        if problem is None:
+            return reply
+        return Measurement(rounded_batch(batch, dtype), dtype, None, problem)
+
+    def probe(self, name: str, *, dtype: str = "float64", device: str = "cpu") -> Any:
+        """One validation probe (``validation.run_probe``) in the worker."""
+        from m2po_oracle.validation import ProbeResult, probe
+
+        reply, problem = self._call(("probe", name, dtype, device))
+        if problem is None:
+            return reply
+        described = probe(name)
+        return ProbeResult(name, described.description, "hung" if problem.kind == "timeout" else "crashed", problem.message)
+
+    def _call(self, request: tuple) -> tuple[Any, Finding | None]:
+        """Send one request; the reply, or a timeout/crashed finding (worker replaced)."""
         if self._process is None:
             self.start()
         started = time.monotonic()
         try:
-            self._connection.send((batch.to_dict(), dtype, device))
+            self._connection.send(request)
             if self._connection.poll(self.timeout_s):
-                kind, payload = self._connection.recv()
-                return payload
+                _, payload = self._connection.recv()
+                return payload, None
             timed_out = True
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
             timed_out = False  # the pipe closed under us: the worker died
-        seen = rounded_batch(batch, dtype)
         if timed_out:
             self.timeouts += 1
             self._restart()
-            return Measurement(seen, dtype, None, Finding("timeout", f"no result within the per-call timeout of {self.timeout_s:g} s (worker killed)"))
+            return None, Finding("timeout", f"no result within the per-call timeout of {self.timeout_s:g} s (worker killed)")
         self.crashes += 1
         self._process.join(5)
         code = self._process.exitcode
         self._restart()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return Measurement(seen, dtype, None, Finding("crashed", f"the implementation's process died after {time.monotonic() - started:.2f} s ({how})"))
+        return None, Finding("crashed", f"the implementation's process died after {time.monotonic() - started:.2f} s ({how})")
 
     def _restart(self) -> None:
         self._kill(self._process)

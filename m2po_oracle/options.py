@@ -61,6 +61,7 @@ COMPARE_OPTIONS: tuple[Option, ...] = (
     Option("tau", "use this budget for every batch instead of drawing it", _budget, None),
     Option("device", "torch device for the input tensors", str, "cpu"),
     Option("timeout", "per-call timeout in seconds; the implementation runs in a worker process and a call past it is a finding", _positive_seconds, 60.0),
+    Option("strict_validation", "count silently accepted invalid input (see 'validation' in the report) as a divergence", bool, False, switch=True),
     Option("in_process", "call the implementation in this process (faster; no timeout, a crash or hang takes the tool down)", bool, False, switch=True),
 )
 

@@ -1,0 +1,93 @@
+"""Does an implementation fail closed on invalid input?
+
+Each probe starts from one clean batch and breaks one thing (a NaN on a valid token, a
+missing ``behavior_logp``, a float mask, ...). An implementation should raise; one that
+returns a result has silently accepted invalid input. These are warnings, reported apart
+from equivalence, unless the user asks for strict validation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from m2po_oracle.batch import Batch
+from m2po_oracle.contract import Implementation, to_tensors
+
+#: The clean batch every probe starts from: two rows, one padded.
+CLEAN = Batch(
+    logp=np.array([[-0.9, -1.2, -0.4], [-2.0, -0.7, np.nan]]),
+    behavior_logp=np.array([[-1.0, -1.0, -0.5], [-1.8, -0.9, np.nan]]),
+    advantages=np.array([[1.0, 1.0, 1.0], [-1.0, -1.0, np.nan]]),
+    valid=np.array([[True, True, True], [True, True, False]]),
+    tau=0.04,
+)
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    description: str
+    corrupt: Callable[[dict[str, Any]], None]  # edits the keyword arguments in place
+
+
+def _set(name: str, index: tuple[int, int], value: float) -> Callable[[dict[str, Any]], None]:
+    def corrupt(kwargs: dict[str, Any]) -> None:
+        tensor = kwargs[name].detach().clone()
+        tensor[index] = value
+        kwargs[name] = tensor.requires_grad_(name == "logp")
+    return corrupt
+
+
+def _replace(name: str, make: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], None]:
+    def corrupt(kwargs: dict[str, Any]) -> None:
+        kwargs[name] = make(kwargs)
+    return corrupt
+
+
+PROBES: tuple[Probe, ...] = (
+    Probe("behavior_logp_missing", "behavior_logp is None (rollout log-probs missing)", _replace("behavior_logp", lambda kw: None)),
+    Probe("nan_logp_on_valid_token", "NaN in logp on a valid token", _set("logp", (0, 1), math.nan)),
+    Probe("inf_behavior_logp_on_valid_token", "-inf in behavior_logp on a valid token", _set("behavior_logp", (1, 0), -math.inf)),
+    Probe("nan_advantage_on_valid_token", "NaN advantage on a valid token", _set("advantages", (0, 2), math.nan)),
+    Probe("mask_not_boolean", "mask given as float 0/1 instead of bool", _replace("mask", lambda kw: kw["mask"].float())),
+    Probe("shape_mismatch", "advantages with one column more than logp", _replace("advantages", lambda kw: torch.zeros(kw["logp"].shape[0], kw["logp"].shape[1] + 1, dtype=kw["logp"].dtype))),
+    Probe("negative_tau", "tau = -0.1", _replace("tau", lambda kw: -0.1)),
+    Probe("nan_tau", "tau = NaN", _replace("tau", lambda kw: math.nan)),
+)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    probe: str
+    description: str
+    status: str  # rejected | accepted | hung | crashed
+    message: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"probe": self.probe, "description": self.description, "status": self.status, "message": self.message}
+
+
+def probe(name: str) -> Probe:
+    for p in PROBES:
+        if p.name == name:
+            return p
+    raise ValueError(f"probe: unknown name {name!r}; known: {', '.join(p.name for p in PROBES)}")
+
+
+def run_probe(fn: Implementation, name: str, *, dtype: str = "float64", device: str = "cpu") -> ProbeResult:
+    """Call ``fn`` once with the probe's invalid input; never raises because of ``fn``."""
+    p = probe(name)
+    kwargs: dict[str, Any] = dict(to_tensors(CLEAN, dtype, device), tau=CLEAN.tau)
+    p.corrupt(kwargs)
+    tau = kwargs.pop("tau")
+    try:
+        fn(kwargs["logp"], kwargs["behavior_logp"], kwargs["advantages"], kwargs["mask"], tau=tau)
+    except Exception as error:
+        return ProbeResult(p.name, p.description, "rejected", f"{type(error).__name__}: {error}")
+    return ProbeResult(p.name, p.description, "accepted", "returned a result instead of raising: the invalid input was silently accepted")

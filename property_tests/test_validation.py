@@ -1,0 +1,61 @@
+"""Fail-closed probes: reported apart from equivalence, counted only when asked to."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, main
+from m2po_oracle.compare import run_compare
+from m2po_oracle.contract import InProcess
+from m2po_oracle.controls import planted
+from m2po_oracle.core import m2po_loss
+from m2po_oracle.deviations import Deviation
+from m2po_oracle.isolation import Isolated
+from m2po_oracle.validation import PROBES
+
+
+def _permissive(*args, **kwargs):
+    """Algorithm 1 without any input validation."""
+    return planted(*args, **kwargs, deviation=Deviation())
+
+
+@pytest.mark.parametrize("probe", [p.name for p in PROBES])
+def test_the_core_rejects_every_invalid_input(probe):
+    result = InProcess(m2po_loss).probe(probe)
+    assert result.status == "rejected", f"{probe}: {result.message}"
+    assert result.message.startswith("ValueError: "), f"{probe}: expected a ValueError naming the argument, got {result.message}"
+
+
+def test_accepted_invalid_input_is_a_warning_unless_strict():
+    lenient = run_compare(_permissive, "permissive", examples=15)
+    assert lenient.verdict == "equivalent" and lenient.exit_status == 0
+    accepted = {p.probe for p in lenient.validation_warnings}
+    assert {"nan_logp_on_valid_token", "negative_tau", "nan_tau"} <= accepted
+    strict = run_compare(_permissive, "permissive", examples=15, strict_validation=True)
+    assert strict.verdict == "divergent" and strict.exit_status == 1
+    assert strict.to_json()["validation"]["strict"] is True
+
+
+def test_a_probe_that_hangs_is_reported_not_waited_for(tmp_path):
+    source = tmp_path / "hangs_on_bad_tau.py"
+    source.write_text(textwrap.dedent("""
+        import math, time
+        from m2po_oracle.core import m2po_loss
+        def port(logp, behavior_logp, advantages, mask, *, tau):
+            if not tau >= 0:
+                time.sleep(600)
+            return m2po_loss(logp, behavior_logp, advantages, mask, tau=tau)
+    """))
+    with Isolated(f"{source}:port", timeout_s=1.0) as runner:
+        assert runner.probe("negative_tau").status == "hung"
+        assert runner.probe("nan_logp_on_valid_token").status == "rejected"
+
+
+def test_cli_strict_validation_exit_status(tmp_path):
+    source = tmp_path / "permissive.py"
+    source.write_text("from m2po_oracle.controls import planted\nfrom m2po_oracle.deviations import Deviation\n"
+                      "def port(*a, **k):\n    return planted(*a, **k, deviation=Deviation())\n")
+    assert main(["compare", "--impl", f"{source}:port", "--examples", "10", "--in-process"]) == EXIT_EQUIVALENT
+    assert main(["compare", "--impl", f"{source}:port", "--examples", "10", "--in-process", "--strict-validation"]) == EXIT_DIVERGENT
