@@ -214,6 +214,21 @@ def as_runner(target: Any) -> Any:
 
 # --- resolving an implementation from its name -------------------------------------------
 
+ENTRY_POINT_GROUP = "m2po_oracle.implementations"
+#: Set to 1 to ignore implementations registered by other installed packages.
+NO_PLUGINS_ENV = "M2PO_ORACLE_NO_PLUGINS"
+
+
+def _registered() -> dict[str, Any]:
+    """Implementations other packages register in the ``m2po_oracle.implementations`` group."""
+    import os
+    from importlib.metadata import entry_points
+
+    if os.environ.get(NO_PLUGINS_ENV) == "1":
+        return {}
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
 def builtin_implementations() -> dict[str, Implementation]:
     """Implementations shipped with the toolkit: the core and every negative control."""
     from m2po_oracle import controls
@@ -225,13 +240,25 @@ def builtin_implementations() -> dict[str, Implementation]:
 
 
 def load_implementation(spec: str) -> Implementation:
-    """Resolve ``spec``: a built-in name, ``package.module:function`` or ``path/file.py:function``."""
+    """Resolve ``spec``: a built-in name, a name registered in the ``m2po_oracle.implementations``
+    entry-point group, ``package.module:function`` or ``path/file.py:function``."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"impl: expected a non-empty string, got {spec!r}")
     builtins = builtin_implementations()
     if spec in builtins:
         return builtins[spec]
+    registered = _registered()
+    if spec in registered:
+        try:
+            fn = registered[spec].load()
+        except Exception as error:
+            raise ValueError(f"impl: loading the registered implementation {spec!r} ({registered[spec].value}) failed: {error!r}") from error
+        if not callable(fn):
+            raise ValueError(f"impl: the registered implementation {spec!r} is a {type(fn).__name__}, not a callable")
+        return fn
     if ":" not in spec or spec.startswith("control:"):  # "control:" is the built-in namespace
+        known = list(builtins) + list(registered)
+        builtins = dict.fromkeys(known)
         close = difflib.get_close_matches(spec, builtins, n=3, cutoff=0.5)
         hint = f"; closest matches: {', '.join(close)}" if close else f"; built-in names: {', '.join(sorted(builtins))}"
         raise ValueError(f"impl: unknown implementation {spec!r} (expected a built-in name, module:function or file.py:function){hint}")

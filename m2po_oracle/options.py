@@ -66,6 +66,17 @@ COMPARE_OPTIONS: tuple[Option, ...] = (
 )
 
 
+def add_to_pytest(group: Any, options: tuple[Option, ...] = COMPARE_OPTIONS, prefix: str = "m2po") -> None:
+    """Register the same options as ``--m2po-NAME`` on a pytest option group."""
+    for option in options:
+        flag = f"--{prefix}-{option.name.replace('_', '-')}"
+        dest = f"{prefix}_{option.name}"
+        if option.switch:
+            group.addoption(flag, dest=dest, action="store_true", default=False, help=option.help)
+        else:
+            group.addoption(flag, dest=dest, type=option.type, default=option.default, choices=option.choices, help=option.help)
+
+
 def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...] = COMPARE_OPTIONS) -> None:
     for option in options:
         if option.switch:

@@ -11,6 +11,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+pytest_plugins = ["pytester"]
+
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", parent=settings.get_profile("default"), max_examples=60, **_COMMON)
 settings.register_profile("ci", parent=settings.get_profile("default"), max_examples=60, derandomize=True, database=None, print_blob=True, **_COMMON)

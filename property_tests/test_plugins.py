@@ -1,0 +1,64 @@
+"""The pytest plugin and implementations registered through entry points."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from m2po_oracle.battery import CHECKS
+
+
+def test_pytest_plugin_passes_the_core(pytester):
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "core", "--m2po-examples", "25", "--m2po-in-process")
+    result.assert_outcomes(passed=len(CHECKS) + 1)
+
+
+def test_pytest_plugin_fails_a_control_on_its_check_with_a_replay_command(pytester):
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "control:one_extra_removed", "--m2po-examples", "60",
+                                           "--m2po-in-process")
+    result.assert_outcomes(failed=1, passed=len(CHECKS))
+    result.stdout.fnmatch_lines(["*replay: m2po-oracle replay --impl control:one_extra_removed*", "*FAILED*m2po[[]control:one_extra_removed[]]::selection.minimal*"])
+
+
+def test_pytest_plugin_strict_validation_and_unloadable_impl(pytester):
+    strict = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "control:m2_after_over_valid", "--m2po-examples", "5",
+                                           "--m2po-in-process", "--m2po-strict-validation")
+    strict.stdout.fnmatch_lines(["*FAILED*::validation*"])
+    missing = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "cor", "--m2po-in-process")
+    missing.assert_outcomes(failed=len(CHECKS) + 1)
+    missing.stdout.fnmatch_lines(["*could not be loaded*closest matches: core*"])
+
+
+def test_pytest_plugin_is_inert_without_the_option(pytester):
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def _fake_distribution(root) -> None:
+    """An installed package that registers an implementation under the entry-point group."""
+    (root / "fake_port.py").write_text(textwrap.dedent("""
+        from m2po_oracle.core import m2po_loss
+        def loss(*args, **kwargs):
+            return m2po_loss(*args, **kwargs)
+    """))
+    info = root / "fake_port-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-port\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[m2po_oracle.implementations]\nfake-port = fake_port:loss\n")
+
+
+def _cli(root, *args, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": str(root), **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "m2po_oracle.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_an_entry_point_registered_implementation_is_found_by_name(tmp_path):
+    _fake_distribution(tmp_path)
+    done = _cli(tmp_path, "compare", "--impl", "fake-port", "--examples", "10", "--in-process")
+    assert done.returncode == 0, done.stdout + done.stderr
+    typo = _cli(tmp_path, "compare", "--impl", "fake-prot", "--in-process")
+    assert typo.returncode == 2 and "closest matches: fake-port" in typo.stderr
+    off = _cli(tmp_path, "compare", "--impl", "fake-port", "--in-process", env_extra={"M2PO_ORACLE_NO_PLUGINS": "1"})
+    assert off.returncode == 2 and "unknown implementation 'fake-port'" in off.stderr
