@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay = commands.add_parser("replay", help="run the battery on one saved batch")
     replay.add_argument("--impl", required=True, help="as for compare")
-    replay.add_argument("--batch", required=True, help="the batch as JSON text, or a path to a JSON file (a batch or a compare report)")
+    replay.add_argument("source", nargs="?", default=None, help="a compare JSON report or a batch JSON file (or JSON text)")
+    replay.add_argument("--batch", default=None, help="the batch as JSON text or a file path (alternative to SOURCE)")
     options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("dtype", "compute_dtype", "device", "timeout", "in_process")))
 
     selftest = commands.add_parser("selftest", help="run the battery against every shipped negative control")
@@ -167,7 +168,10 @@ def _replay(args: argparse.Namespace, fn, console: Console) -> int:
     from m2po_oracle.battery import run_battery
     from m2po_oracle.equivalence import format_mismatches
 
-    text = args.batch
+    text = args.source if args.source is not None else args.batch
+    if text is None or (args.source is not None and args.batch is not None):
+        Console(stderr=True).print("error: replay: give exactly one of SOURCE or --batch", highlight=False, markup=False)
+        return EXIT_UNUSABLE
     path = Path(text)
     try:
         if not text.lstrip().startswith("{") and path.is_file():

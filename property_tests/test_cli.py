@@ -32,7 +32,9 @@ def test_compare_a_control_is_divergent_with_a_replayable_minimal_counterexample
     replay = shlex.split(counterexample["replay"])
     assert replay[:2] == ["m2po-oracle", "replay"]
     assert main(replay[1:]) == EXIT_DIVERGENT
-    assert main(["replay", "--impl", "core", "--batch", str(report)]) == EXIT_EQUIVALENT
+    assert main(["replay", str(report), "--impl", "core"]) == EXIT_EQUIVALENT
+    assert main(["replay", str(report), "--impl", "control:strict_stop", "--in-process"]) == EXIT_DIVERGENT
+    assert main(["replay", "--impl", "core"]) == EXIT_UNUSABLE
     assert "[selection.minimal]" in capsys.readouterr().out
 
 
