@@ -174,7 +174,7 @@ def measure(fn: Implementation, batch: Batch, *, dtype: str = "float64", device:
     snapshot = {name: t.detach().clone() for name, t in tensors.items()}
     try:
         raw = fn(tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"], tau=batch.tau)
-    except Exception as error:  # the implementation's failure is a finding, not ours
+    except (Exception, SystemExit) as error:  # the implementation's failure is a finding, not ours
         return Measurement(seen, dtype, None, Finding("raised", _exception_text(error)))
     mutated = tuple(name for name, before in snapshot.items() if not _same(before, tensors[name].detach()))
     try:

@@ -88,6 +88,6 @@ def run_probe(fn: Implementation, name: str, *, dtype: str = "float64", device: 
     tau = kwargs.pop("tau")
     try:
         fn(kwargs["logp"], kwargs["behavior_logp"], kwargs["advantages"], kwargs["mask"], tau=tau)
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         return ProbeResult(p.name, p.description, "rejected", f"{type(error).__name__}: {error}")
     return ProbeResult(p.name, p.description, "accepted", "returned a result instead of raising: the invalid input was silently accepted")

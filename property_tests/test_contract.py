@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import numpy as np
@@ -29,6 +30,7 @@ def _raises(*args, **kwargs):
 
 MISBEHAVIOURS = {
     "raises": (_raises, "call", "raised"),
+    "calls sys.exit": (lambda *a, **k: sys.exit(3), "call", "SystemExit"),
     "returns None": (_core_then(lambda r, x: None), "call", "expected a mapping or object with 'loss' and 'keep'"),
     "returns a tuple": (_core_then(lambda r, x: (r.loss, r.keep)), "call", "expected a mapping or object"),
     "keep as float": (_core_then(lambda r, x: {"loss": r.loss, "keep": r.keep.float()}), "call", "keep: expected dtype torch.bool"),
