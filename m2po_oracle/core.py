@@ -8,7 +8,9 @@ dtype; the objective runs in at least float32. Follows the implementation contra
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,27 +69,177 @@ def _validate(logp, behavior_logp, advantages, mask, tau) -> None:
             )
 
 
-def select(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float):
-    """Algorithm 1's selection on detached float64 inputs (padding already zeroed).
+@dataclass(frozen=True)
+class Selection:
+    """The mask Algorithm 1 chose for some tokens, with the optimizer batch's global counts.
 
-    Returns ``(keep, trust_region, m2)``. Sorts candidates' M2 ascending and keeps the
-    longest prefix whose mean is <= tau; non-candidates sort last as +inf.
+    ``keep`` has the shape of the tokens it was computed for; counts and metrics are over
+    the whole optimizer batch (every micro-batch, every rank of ``group``), so a loss built
+    from any part of it uses the global denominator ``valid_count``.
     """
+
+    keep: torch.Tensor
+    valid_count: torch.Tensor
+    trust_region_count: torch.Tensor
+    kept_trust_region_count: torch.Tensor
+    m2_before: torch.Tensor
+    m2_after: torch.Tensor
+    masked_fraction: torch.Tensor
+    trust_region_fraction: torch.Tensor
+
+
+def _check_group(group: Any) -> None:
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group: torch.distributed is not initialised; pass group=None for single-process selection")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group: expected a torch.distributed.ProcessGroup (the pure data-parallel group) or None, got {type(group).__name__}")
+
+
+def _gather_sorted_candidates(local_sorted: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's ascending candidate M2, concatenated in rank order, and each entry's rank."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    count = torch.tensor([local_sorted.numel()], dtype=torch.int64, device=local_sorted.device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    sizes = [int(c.item()) for c in counts]
+    # gloo's all_gather needs equal sizes: pad with +inf to the largest rank's count.
+    padded = torch.full((max(sizes + [1]),), math.inf, dtype=torch.float64, device=local_sorted.device)
+    padded[: local_sorted.numel()] = local_sorted
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    values = torch.cat([g[:n] for g, n in zip(gathered, sizes)])
+    owners = torch.cat([torch.full((n,), r, dtype=torch.int64, device=values.device) for r, n in enumerate(sizes)])
+    return values, owners
+
+
+def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float, group: Any) -> Selection:
+    """Selection over 1-d float64 tokens (padding zeroed); see :func:`select_tokens`."""
     trust = mask & (((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
     m2 = d * d
-    flat_trust = trust.reshape(-1)
-    sort_key = torch.where(flat_trust, m2.reshape(-1), torch.full_like(m2.reshape(-1), math.inf))
-    sorted_m2, order = torch.sort(sort_key, stable=True)
-    candidate_count = flat_trust.sum()
-    position = torch.arange(1, sorted_m2.numel() + 1, device=d.device)
-    prefix_sum = torch.cumsum(torch.where(position <= candidate_count, sorted_m2, torch.zeros_like(sorted_m2)), 0)
-    within_budget = (prefix_sum / position <= tau) & (position <= candidate_count)
-    kept_count = within_budget.sum()
-    kept_sorted = position <= kept_count
-    removed = torch.zeros_like(flat_trust)
-    removed[order] = ~kept_sorted & (position <= candidate_count)
-    keep = mask & ~removed.reshape(mask.shape)
-    return keep, trust, m2
+    candidate_index = torch.nonzero(trust).reshape(-1)
+    local_sorted, local_order = torch.sort(m2[candidate_index], stable=True)
+    valid_count = mask.sum()
+    if group is None:
+        values, owners, me = local_sorted, torch.zeros_like(candidate_index), 0
+    else:
+        import torch.distributed as dist
+
+        values, owners = _gather_sorted_candidates(local_sorted, group)
+        me = dist.get_rank(group)
+        dist.all_reduce(valid_count, group=group)
+    # Stable global order: ascending M2, ties by rank, then by each rank's own order; every
+    # rank computes the same cut from the same gathered values.
+    global_sorted, global_order = torch.sort(values, stable=True)
+    position = torch.arange(1, global_sorted.numel() + 1, device=d.device)
+    prefix_sum = torch.cumsum(global_sorted, 0)
+    kept_count = int((prefix_sum / position <= tau).sum())
+    my_kept = int((owners[global_order[:kept_count]] == me).sum())
+    removed = torch.zeros_like(mask)
+    removed[candidate_index[local_order[my_kept:]]] = True
+
+    zero = torch.zeros((), dtype=torch.float64, device=d.device)
+    trust_count = torch.tensor(global_sorted.numel(), device=d.device)
+    total = prefix_sum[-1] if global_sorted.numel() else zero
+    kept_total = prefix_sum[kept_count - 1] if kept_count else zero
+    valid_denominator = valid_count.clamp(min=1).double()
+    return Selection(
+        keep=mask & ~removed,
+        valid_count=valid_count,
+        trust_region_count=trust_count,
+        kept_trust_region_count=torch.tensor(kept_count, device=d.device),
+        m2_before=total / max(global_sorted.numel(), 1),
+        m2_after=kept_total / max(kept_count, 1),
+        masked_fraction=(trust_count - kept_count).double() / valid_denominator,
+        trust_region_fraction=trust_count.double() / valid_denominator,
+    )
+
+
+def _selection_inputs(logp, behavior_logp, advantages, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    zero = torch.zeros((), dtype=torch.float64, device=logp.device)
+    d = torch.where(mask, logp.detach().double() - behavior_logp.detach().double(), zero)
+    return d, torch.where(mask, advantages.detach().double(), zero)
+
+
+def select_tokens(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                  tau: float = 0.04, group: Any = None) -> Selection:
+    """Algorithm 1's selection for one optimizer batch.
+
+    With ``group`` (a pure data-parallel ProcessGroup) every rank passes its own tokens and
+    all ranks agree on one global cut over the union; N and the metrics are global.
+    Tensor- and context-parallel replicas must not be in ``group`` (they would be counted
+    twice): select over the pure DP group on CP-reconstructed tensors.
+    """
+    _validate(logp, behavior_logp, advantages, mask, tau)
+    _check_group(group)
+    d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
+    with torch.no_grad():
+        flat = _select_flat(d.reshape(-1), a.reshape(-1), mask.reshape(-1), float(tau), group)
+    return _reshape(flat, mask.shape)
+
+
+def _reshape(selection: Selection, shape: torch.Size) -> Selection:
+    return Selection(selection.keep.reshape(shape), *(getattr(selection, f) for f in (
+        "valid_count", "trust_region_count", "kept_trust_region_count", "m2_before", "m2_after", "masked_fraction", "trust_region_fraction")))
+
+
+def select_micro_batches(micro_batches: Sequence[Sequence[torch.Tensor]], *, tau: float = 0.04, group: Any = None) -> list[Selection]:
+    """One selection over every micro-batch of an optimizer step (each ``(logp,
+    behavior_logp, advantages, mask)``, shapes may differ, empty ones allowed).
+
+    Returns one :class:`Selection` per micro-batch; all share the optimizer batch's counts,
+    so ``loss_from_selection`` on each and summing gives the full-batch loss whatever the
+    split.
+    """
+    if not isinstance(micro_batches, Sequence) or not micro_batches:
+        raise ValueError(f"micro_batches: expected a non-empty sequence of (logp, behavior_logp, advantages, mask), got {type(micro_batches).__name__}")
+    flats_d, flats_a, flats_mask, shapes = [], [], [], []
+    for i, parts in enumerate(micro_batches):
+        if len(parts) != 4:
+            raise ValueError(f"micro_batches[{i}]: expected (logp, behavior_logp, advantages, mask), got {len(parts)} items")
+        logp, behavior_logp, advantages, mask = parts
+        _validate(logp, behavior_logp, advantages, mask, tau)
+        d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
+        flats_d.append(d.reshape(-1))
+        flats_a.append(a.reshape(-1))
+        flats_mask.append(mask.reshape(-1))
+        shapes.append(mask.shape)
+    devices = {m.device for m in flats_mask}
+    if len(devices) > 1:
+        raise ValueError(f"micro_batches: expected every micro-batch on one device, got {sorted(map(str, devices))}")
+    _check_group(group)
+    with torch.no_grad():
+        whole = _select_flat(torch.cat(flats_d), torch.cat(flats_a), torch.cat(flats_mask), float(tau), group)
+    parts, start = [], 0
+    for flat_mask, shape in zip(flats_mask, shapes):
+        end = start + flat_mask.numel()
+        parts.append(_reshape(Selection(whole.keep[start:end], *(getattr(whole, f) for f in (
+            "valid_count", "trust_region_count", "kept_trust_region_count", "m2_before", "m2_after", "masked_fraction", "trust_region_fraction"))), shape))
+        start = end
+    return parts
+
+
+def loss_from_selection(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
+                        valid_count: torch.Tensor | int) -> torch.Tensor:
+    """``-(1/N) * sum(keep * exp(logp - behavior_logp) * advantages)`` with the given global N.
+
+    ``keep`` may be a part of a selection (a micro-batch, a context-parallel shard): only
+    its kept tokens carry gradient, and padding never meets the backward pass.
+    """
+    compute_dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
+    zero = torch.zeros((), dtype=compute_dtype, device=logp.device)
+    # where() routes gradient only to kept tokens, so padding NaN/inf never meets a zero
+    # weight in the backward pass (0 * nan would poison the gradient).
+    logp_kept = torch.where(keep, logp.to(compute_dtype), zero)
+    behavior_kept = torch.where(keep, behavior_logp.detach().to(compute_dtype), zero)
+    advantages_kept = torch.where(keep, advantages.detach().to(compute_dtype), zero)
+    denominator = torch.as_tensor(valid_count, device=logp.device).clamp(min=1).to(compute_dtype)
+    return -(torch.exp(logp_kept - behavior_kept) * advantages_kept).sum() / denominator
 
 
 def m2po_loss(
@@ -97,44 +249,17 @@ def m2po_loss(
     mask: torch.Tensor,
     *,
     tau: float = 0.04,
+    group: Any = None,
 ) -> CoreResult:
     """M2PO loss for one optimizer batch (Algorithm 1).
 
     ``loss = -(1/N) * sum(keep * exp(logp - behavior_logp) * advantages)`` with N the valid
     token count before masking. Values at positions where ``mask`` is False may be NaN or
-    inf: they reach neither the loss nor its gradient.
+    inf: they reach neither the loss nor its gradient. With ``group`` (pure data-parallel)
+    the selection and N are global and each rank's loss is its share: the rank losses sum
+    to the global loss (under DDP, which averages gradients, scale by the group size).
     """
-    _validate(logp, behavior_logp, advantages, mask, tau)
-    zero = torch.zeros((), dtype=torch.float64, device=logp.device)
-    d_selection = torch.where(mask, logp.detach().double() - behavior_logp.double(), zero)
-    advantages_selection = torch.where(mask, advantages.double(), zero)
-    with torch.no_grad():
-        keep, trust, m2 = select(d_selection, advantages_selection, mask, float(tau))
-
-    compute_dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
-    valid_count = mask.sum()
-    # where() routes gradient only to kept tokens, so padding NaN/inf never meets a zero
-    # weight in the backward pass (0 * nan would poison the gradient).
-    logp_kept = torch.where(keep, logp.to(compute_dtype), torch.zeros((), dtype=compute_dtype, device=logp.device))
-    behavior_kept = torch.where(keep, behavior_logp.detach().to(compute_dtype), torch.zeros_like(logp_kept))
-    advantages_kept = torch.where(keep, advantages.detach().to(compute_dtype), torch.zeros_like(logp_kept))
-    objective_sum = (torch.exp(logp_kept - behavior_kept) * advantages_kept).sum()
-    loss = -objective_sum / valid_count.clamp(min=1).to(compute_dtype)
-
-    with torch.no_grad():
-        trust_count = trust.sum()
-        kept_trust = trust & keep
-        kept_trust_count = kept_trust.sum()
-        valid_denominator = valid_count.clamp(min=1).double()
-        result = CoreResult(
-            loss=loss,
-            keep=keep,
-            m2_before=torch.where(trust, m2, zero).sum() / trust_count.clamp(min=1),
-            m2_after=torch.where(kept_trust, m2, zero).sum() / kept_trust_count.clamp(min=1),
-            masked_fraction=(trust_count - kept_trust_count).double() / valid_denominator,
-            trust_region_fraction=trust_count.double() / valid_denominator,
-            valid_count=valid_count,
-            trust_region_count=trust_count,
-            kept_trust_region_count=kept_trust_count,
-        )
-    return result
+    selection = select_tokens(logp, behavior_logp, advantages, mask, tau=tau, group=group)
+    loss = loss_from_selection(logp, behavior_logp, advantages, selection.keep, selection.valid_count)
+    return CoreResult(loss=loss, **{f: getattr(selection, f) for f in (
+        "keep", "m2_before", "m2_after", "masked_fraction", "trust_region_fraction", "valid_count", "trust_region_count", "kept_trust_region_count")})
