@@ -90,7 +90,9 @@ DISTRIBUTED_BUILTINS: dict[str, Any] = {
     "control:local_denominator": local_denominator,
 }
 DISTRIBUTED_CONTROLS: dict[str, str] = {
-    "control:dp_cp_group_double_count": "distributed.replica_masks_identical",
+    # N and the counts double on most batches; replicas diverge only when the cut falls
+    # between a token's two copies (the spec's two-rank example, tested on its own).
+    "control:dp_cp_group_double_count": "distributed.metrics",
     "control:local_shard_selection": "distributed.global_selection",
     "control:local_denominator": "distributed.shard_gradient",
 }

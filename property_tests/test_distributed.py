@@ -1,0 +1,137 @@
+"""Distributed selection over dp x cp x tp worlds on gloo, with its negative controls.
+
+Worlds are kept warm per topology (module-scoped), so Hypothesis can drive many steps
+through the same ranks. All tests share one xdist group: several worlds at once would
+oversubscribe the two cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from m2po_oracle import strategies
+from m2po_oracle.batch import Batch
+from m2po_oracle.distributed import World, WorldError, fail_on, smoke
+from m2po_oracle.distributed_checks import DistributedRunner
+from m2po_oracle.distributed_impls import DISTRIBUTED_CONTROLS
+from m2po_oracle.topology import Topology
+
+pytestmark = pytest.mark.xdist_group("distributed")
+
+TOPOLOGIES = [Topology(dp, cp, tp) for dp, cp, tp in itertools.product(range(1, 5), repeat=3) if dp * cp * tp <= 8]
+SPEC_EXAMPLE = Batch(np.array([[0.1, 0.2, 0.4, 0.3]]), np.zeros((1, 4)), np.ones((1, 4)), np.ones((1, 4), bool), 0.04)
+FEW = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+
+
+def _leftover_ranks() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("m2po-rank:")]
+
+
+@pytest.mark.parametrize("topology", [Topology(2, 2, 2), Topology(1, 2, 1), Topology(2, 1, 2), Topology(1, 4, 2)], ids=str)
+def test_groups_follow_megatron_order(topology):
+    with World(topology, timeout_s=60) as world:
+        outcomes = world.run(smoke)
+    for outcome in outcomes:
+        for kind, value in outcome.value.items():
+            members = range(topology.world_size) if kind == "world" else topology.group_of(outcome.rank, kind)
+            assert value == sum(r + 1 for r in members), f"rank {outcome.rank}: all_reduce over its {kind} group gave {value}, members {list(members)}"
+    assert not _leftover_ranks()
+
+
+def test_a_raising_and_a_hanging_rank_tear_the_world_down_with_every_rank_reported():
+    with pytest.raises(WorldError) as info:
+        with World(Topology(2, 1, 2), timeout_s=5) as world:
+            world.run(fail_on, {"raise": [1], "hang": [3]})
+    text = str(info.value)
+    assert "rank 1 (dp=0, cp=0, tp=1) raised" in text and "planted failure on rank 1" in text
+    assert "rank 3 (dp=1, cp=0, tp=1) did not finish in time; its stack" in text and "fail_on" in text
+    assert len(info.value.outcomes) == 4
+    assert not _leftover_ranks(), "ranks were left behind"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_spec_two_rank_example(dtype):
+    with DistributedRunner("core", Topology(1, 2, 1), timeout_s=60) as runner:
+        step = runner.step(SPEC_EXAMPLE, dtype=dtype)
+    assert step.mismatches == []
+    rank0, rank1 = (o.value["result"] for o in step.outcomes)
+    # Rank 0 holds positions 0 and 3 (log r 0.1, 0.3), rank 1 positions 1 and 2 (0.2, 0.4).
+    assert rank0.keep.tolist() == rank1.keep.tolist() == [[True, True, False, False]]
+    shard_grads = [[rank0.grad[0, 0], rank0.grad[0, 3]], [rank1.grad[0, 1], rank1.grad[0, 2]]]
+    if dtype == "float32":
+        assert np.round(np.array(shard_grads), 8).tolist() == [[-0.27629274, 0.0], [-0.30535069, 0.0]]
+    else:
+        np.testing.assert_allclose(shard_grads, [[-np.exp(0.1) / 4, 0.0], [-np.exp(0.2) / 4, 0.0]], rtol=1e-12)
+    for result in (rank0, rank1):
+        assert (result.valid_count, result.trust_region_count, result.kept_trust_region_count) == (4, 4, 2)
+        assert result.m2_before == pytest.approx(0.075, rel=1e-6) and result.m2_after == pytest.approx(0.025, rel=1e-6)
+        assert result.masked_fraction == 0.5
+
+
+def test_the_spec_double_counting_control_gives_replica_divergent_masks():
+    with DistributedRunner("control:dp_cp_group_double_count", Topology(1, 2, 1), timeout_s=60) as runner:
+        step = runner.step(SPEC_EXAMPLE, dtype="float32")
+    masks = [o.value["result"].keep[0] for o in step.outcomes]
+    ordered = [[bool(m[i]) for i in (0, 1, 3, 2)] for m in masks]  # log r 0.1, 0.2, 0.3, 0.4
+    assert sorted(ordered) == [[True, True, False, False], [True, True, True, False]]
+    assert "distributed.replica_masks_identical" in {m.check for m in step.mismatches}
+
+
+@pytest.fixture(scope="module")
+def runners():
+    opened: dict[tuple, DistributedRunner] = {}
+
+    def get(spec: str, topology: Topology) -> DistributedRunner:
+        key = (spec, topology)
+        if key not in opened:
+            for other in list(opened):  # one world at a time: two cores
+                opened.pop(other).close()
+            opened[key] = DistributedRunner(spec, topology, timeout_s=60)
+        return opened[key]
+
+    yield get
+    for runner in opened.values():
+        runner.close()
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=str)
+def test_core_equals_the_oracle_on_every_topology(topology, runners):
+    runner = runners("core", topology)
+
+    @FEW
+    @given(strategies.batches())
+    def check(batch):
+        step = runner.step(batch, dtype="float64")
+        assert step.mismatches == [], "\n".join(f"[{m.check}] {m.summary}" for m in step.mismatches)
+
+    check()
+
+
+CONTROL_TOPOLOGIES = {
+    "control:dp_cp_group_double_count": Topology(2, 2, 1),
+    "control:local_shard_selection": Topology(2, 2, 1),
+    "control:local_denominator": Topology(1, 2, 2),
+}
+
+
+@pytest.mark.parametrize("spec", sorted(DISTRIBUTED_CONTROLS))
+def test_distributed_control_is_caught_by_its_check_with_the_rank_named(spec, runners):
+    runner = runners(spec, CONTROL_TOPOLOGIES[spec])
+    check = DISTRIBUTED_CONTROLS[spec]
+    found = []
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+    @given(strategies.batches())
+    def search(batch):
+        step = runner.step(batch, dtype="float64")
+        found.extend(m for m in step.mismatches if m.check == check)
+
+    search()
+    assert found, f"{spec} escaped {check}"
+    assert all("rank" in m.summary for m in found if m.check != "distributed.global_selection"), "every per-rank failure names its rank"
