@@ -56,7 +56,13 @@ def _fill_padding(draw, values: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 @st.composite
 def _log_ratios(draw, shape: tuple[int, int], staleness: float | None) -> np.ndarray:
-    scale = staleness if staleness is not None else draw(st.sampled_from(STALENESS), label="staleness")
+    if staleness is not None:
+        scale = staleness
+    elif draw(st.booleans(), label="staleness per sequence"):
+        # Sequences from rollouts of different ages (partial rollouts) in one batch.
+        scale = np.array(draw(st.lists(st.sampled_from(STALENESS), min_size=shape[0], max_size=shape[0]), label="row staleness"))[:, None]
+    else:
+        scale = draw(st.sampled_from(STALENESS), label="staleness")
     # tan of a uniform draw is Cauchy-like: mostly |log r| below the scale and a few
     # outliers up to ~6x it, the regime M2PO targets; it also shrinks towards 0.
     u = draw(hnp.arrays(np.float64, shape, elements=st.floats(-1, 1) | st.just(0.0)), label="log ratio draw")
