@@ -38,6 +38,10 @@ CHECKS: dict[str, str] = {
     "determinism": "the same input gives the same mask, loss and gradient",
     "inputs_not_mutated": "the implementation does not modify its input tensors",
 }
+# A distributed step (compare --topology) adds its per-rank checks.
+from m2po_oracle.distributed_checks_names import DISTRIBUTED_CHECKS  # noqa: E402
+
+CHECKS.update(DISTRIBUTED_CHECKS)
 
 PADDING_PROBES = (float("nan"), float("inf"), float("-inf"))
 
@@ -47,6 +51,7 @@ class BatteryOutcome:
     batch: Batch  # the values the implementation received
     measurement: Measurement
     mismatches: tuple[Mismatch, ...] = field(default_factory=tuple)
+    ranks: tuple[dict, ...] = ()  # per-rank results and collectives of a distributed step
 
     @property
     def passed(self) -> bool:
@@ -114,6 +119,8 @@ def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", com
 
     ``fn`` is an implementation callable (called in this process) or a runner such as
     :class:`m2po_oracle.isolation.Isolated` (called in a worker process with a timeout)."""
+    if hasattr(fn, "distributed_battery"):  # a distributed.DistributedRunner: the world runs the step
+        return fn.distributed_battery(batch, dtype=dtype, compute_dtype=compute_dtype)
     runner = as_runner(fn)
     first = runner.measure(batch, dtype=dtype, device=device)
     if first.finding is not None:

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--impl", required=True, help="as for compare")
     replay.add_argument("source", nargs="?", default=None, help="a compare JSON report or a batch JSON file (or JSON text)")
     replay.add_argument("--batch", default=None, help="the batch as JSON text or a file path (alternative to SOURCE)")
-    options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("dtype", "compute_dtype", "device", "timeout", "in_process")))
+    options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("dtype", "compute_dtype", "device", "timeout", "in_process", "topology", "backend")))
 
     selftest = commands.add_parser("selftest", help="run the battery against every shipped negative control")
     selftest.add_argument("--only", default=None, help="comma-separated control names (default: all)")
@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     from m2po_oracle.isolation import ImplementationLoadError, Isolated
 
     try:
+        if args.topology is not None:
+            return _distributed(args, console)
         fn = load_implementation(args.impl)  # here first, for a fast error with closest matches
         if args.in_process:
             return _compare(args, fn, console) if args.command == "compare" else _replay(args, fn, console)
@@ -117,6 +119,21 @@ def _compare(args: argparse.Namespace, fn, console: Console) -> int:
     return report.exit_status
 
 
+def _distributed(args: argparse.Namespace, console: Console) -> int:
+    from m2po_oracle.distributed import WorldError
+    from m2po_oracle.distributed_checks import DistributedRunner
+    from m2po_oracle.distributed_impls import load_distributed_implementation
+
+    load_distributed_implementation(args.impl)  # a fast error with closest matches
+    try:
+        with DistributedRunner(args.impl, args.topology, backend=args.backend, timeout_s=args.timeout) as runner:
+            runner.world.start()
+            return _compare(args, runner, console) if args.command == "compare" else _replay(args, runner, console)
+    except WorldError as error:
+        Console(stderr=True).print(f"error: the world of {args.topology} could not run: {error}", highlight=False, markup=False)
+        return EXIT_UNUSABLE
+
+
 def _selftest(args: argparse.Namespace, console: Console) -> int:
     from m2po_oracle.selftest import run_selftest, select_controls
 
@@ -143,6 +160,9 @@ def _selftest(args: argparse.Namespace, console: Console) -> int:
 
 def _print_validation(console: Console, report) -> None:
     warnings = report.validation_warnings
+    if not report.validation:
+        console.print("validation: not run (invalid-input probes are single-process calls)", highlight=False)
+        return
     if not warnings:
         console.print(f"validation: all {len(report.validation)} invalid-input probes were rejected (fails closed)", highlight=False)
         return

@@ -43,6 +43,7 @@ class Counterexample:
     mismatches: tuple[Mismatch, ...]
     replay: str
     actual: M2POResult | None = None
+    ranks: tuple[dict, ...] = ()
 
 
 @dataclass
@@ -60,6 +61,8 @@ class CompareReport:
     diagnosis: dict[str, Any] = field(default_factory=dict)
     validation: list[ProbeResult] = field(default_factory=list)
     strict_validation: bool = False
+    topology: dict[str, Any] | None = None  # dp, cp, tp, backend of a distributed run
+    collectives: list[dict[str, Any]] = field(default_factory=list)  # per rank, for one step
 
     @property
     def validation_warnings(self) -> list[ProbeResult]:
@@ -92,10 +95,12 @@ class CompareReport:
                 for name, t in self.tallies.items()
             ],
             "counterexamples": [
-                counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype) for c in self.counterexamples
+                {**counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype), **({"ranks": list(c.ranks)} if c.ranks else {})}
+                for c in self.counterexamples
             ],
             "diagnosis": self.diagnosis,
             "validation": {"strict": self.strict_validation, "probes": [p.to_json() for p in self.validation]},
+            **({"topology": self.topology, "collectives_per_step": self.collectives} if self.topology else {}),
             "tolerances": tolerances_json(),
             "environment": environment(),
         }
@@ -161,6 +166,7 @@ def run_compare(
     strategy = _strategy(tau)
     tried = 0
     failing_observations: list[Observation] = []
+    collectives: list[dict[str, Any]] = []
     passing_observations: list[Observation] = []
 
     def explore(batch: Batch) -> bool:
@@ -178,6 +184,8 @@ def run_compare(
             kept = failing_observations if values_diverge else passing_observations
             if len(kept) < DIAGNOSIS_EXAMPLES // 2:
                 kept.append(Observation(outcome.batch, result))
+        if outcome.ranks and not collectives:
+            collectives.extend({"rank": r["rank"], "coords": r["coords"], "collectives": r["collectives"]} for r in outcome.ranks)
         if on_example is not None:
             on_example(outcome)
         if getattr(fn, "timeouts", 0) >= MAX_TIMEOUTS:
@@ -199,10 +207,12 @@ def run_compare(
             counterexamples.append(_unshrunk(fn, impl, name, tally.first_failure, dtype, compute_dtype, device))
             continue
         counterexamples.append(_shrink(fn, impl, name, tally.first_failure, strategy, examples, seed, dtype, compute_dtype, device))
-    runner = as_runner(fn)
-    probes = [runner.probe(p.name, dtype=dtype, device=device) for p in PROBES]
+    distributed = hasattr(fn, "distributed_battery")
+    # Invalid-input probes are single-process calls; a distributed run skips them.
+    probes = [] if distributed else [as_runner(fn).probe(p.name, dtype=dtype, device=device) for p in PROBES]
     report = CompareReport(impl, dtype, compute_dtype, seed, tried, tallies, counterexamples, tau=tau, device=device,
-                           validation=probes, strict_validation=strict_validation)
+                           validation=probes, strict_validation=strict_validation, collectives=collectives,
+                           topology={"dp": fn.topology.dp, "cp": fn.topology.cp, "tp": fn.topology.tp, "backend": fn.world.backend} if distributed else None)
     shrunk = [Observation(c.batch, c.actual) for c in counterexamples if c.actual is not None and c.check not in BEHAVIOURAL_CHECKS]
     divergent_values = shrunk + failing_observations
     report.diagnosis = diagnose(divergent_values + passing_observations if divergent_values else [], [n for n, t in tallies.items() if t.failures],
@@ -214,7 +224,14 @@ def run_compare(
 def _unshrunk(fn, impl, check, batch, dtype, compute_dtype, device) -> Counterexample:
     outcome = run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
     mismatches = tuple(m for m in outcome.mismatches if m.check == check) or outcome.mismatches
-    return Counterexample(check, outcome.batch, mismatches, replay_command(impl, batch, dtype=dtype, compute_dtype=compute_dtype), outcome.measurement.result)
+    return Counterexample(check, outcome.batch, mismatches, _replay(fn, impl, batch, dtype, compute_dtype), outcome.measurement.result, outcome.ranks)
+
+
+def _replay(fn, impl, batch, dtype, compute_dtype) -> str:
+    command = replay_command(impl, batch, dtype=dtype, compute_dtype=compute_dtype)
+    if hasattr(fn, "topology"):
+        command = command.replace(" --dtype ", f" --topology {fn.topology} --dtype ", 1)
+    return command
 
 
 def _shrink(fn, impl, check, fallback, strategy, examples, seed, dtype, compute_dtype, device) -> Counterexample:
@@ -231,4 +248,4 @@ def _shrink(fn, impl, check, fallback, strategy, examples, seed, dtype, compute_
             batch = fallback
     outcome = run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
     mismatches = tuple(m for m in outcome.mismatches if m.check == check) or outcome.mismatches
-    return Counterexample(check, outcome.batch, mismatches, replay_command(impl, batch, dtype=dtype, compute_dtype=compute_dtype), outcome.measurement.result)
+    return Counterexample(check, outcome.batch, mismatches, _replay(fn, impl, batch, dtype, compute_dtype), outcome.measurement.result, outcome.ranks)

@@ -32,13 +32,7 @@ from m2po_oracle.equivalence import Mismatch, check_selection, compare_to_oracle
 from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 from m2po_oracle.topology import Topology, cp_token_indices, dp_row_slices
 
-DISTRIBUTED_CHECKS: dict[str, str] = {
-    "distributed.replica_masks_identical": "tensor- and context-parallel replicas keep identical masks",
-    "distributed.global_selection": "the mask assembled over the DP ranks is an outcome of Algorithm 1 on the whole optimizer batch",
-    "distributed.loss_sum": "the rank losses of one replica set add up to the global loss",
-    "distributed.shard_gradient": "each rank's gradient is the analytic gradient (global N) on its rows and CP shard, zero elsewhere",
-    "distributed.metrics": "every rank reports the global metrics and counts",
-}
+from m2po_oracle.distributed_checks_names import DISTRIBUTED_CHECKS  # noqa: E402,F401
 
 _loaded: dict[str, Any] = {}
 
@@ -192,6 +186,13 @@ class DistributedRunner:
             step.mismatches.append(Mismatch("call", str(error).splitlines()[0], details=(str(error),)))
             return step
         return check_step(seen, self.topology, outcomes, dtype)
+
+    def distributed_battery(self, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None) -> Any:
+        """The battery outcome of one step (used by ``battery.run_battery``)."""
+        from m2po_oracle.battery import BatteryOutcome
+
+        step = self.step(batch, dtype=dtype)
+        return BatteryOutcome(step.batch, as_measurement(step, dtype), tuple(step.mismatches), tuple(step.ranks_json()))
 
     def close(self) -> None:
         self.world.close()

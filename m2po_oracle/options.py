@@ -43,6 +43,15 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _topology(text: str) -> Any:
+    from m2po_oracle.topology import Topology
+
+    try:
+        return Topology.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _budget(text: str) -> float:
     try:
         value = float(text)
@@ -61,6 +70,8 @@ COMPARE_OPTIONS: tuple[Option, ...] = (
     Option("tau", "use this budget for every batch instead of drawing it", _budget, None),
     Option("device", "torch device for the input tensors", str, "cpu"),
     Option("timeout", "per-call timeout in seconds; the implementation runs in a worker process and a call past it is a finding", _positive_seconds, 60.0),
+    Option("topology", "run distributed: ranks as dp=N,cp=N,tp=N (Megatron order); the implementation takes parallel=", _topology, None),
+    Option("backend", "collective backend of a distributed run", str, "gloo", ("gloo", "nccl")),
     Option("strict_validation", "count silently accepted invalid input (see 'validation' in the report) as a divergence", bool, False, switch=True),
     Option("in_process", "call the implementation in this process (faster; no timeout, a crash or hang takes the tool down)", bool, False, switch=True),
 )

@@ -135,3 +135,20 @@ def test_distributed_control_is_caught_by_its_check_with_the_rank_named(spec, ru
     search()
     assert found, f"{spec} escaped {check}"
     assert all("rank" in m.summary for m in found if m.check != "distributed.global_selection"), "every per-rank failure names its rank"
+
+
+def test_compare_with_a_topology_reports_ranks_and_collectives(tmp_path):
+    import json
+
+    from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, main
+
+    assert main(["compare", "--impl", "core", "--topology", "dp=2,cp=2,tp=1", "--examples", "20"]) == EXIT_EQUIVALENT
+    report = tmp_path / "local.json"
+    assert main(["compare", "--impl", "control:local_denominator", "--topology", "dp=1,cp=2,tp=2", "--examples", "30", "--json", str(report)]) == EXIT_DIVERGENT
+    data = json.loads(report.read_text())
+    assert data["topology"] == {"dp": 1, "cp": 2, "tp": 2, "backend": "gloo"}
+    per_rank = {entry["rank"]: entry["collectives"] for entry in data["collectives_per_step"]}
+    assert set(per_rank) == {0, 1, 2, 3} and per_rank[0]["all_gather"]["calls"] == 2 and per_rank[0]["all_reduce"]["calls"] == 1
+    shard = next(c for c in data["counterexamples"] if c["check"] == "distributed.shard_gradient")
+    assert len(shard["ranks"]) == 4 and "--topology dp=1,cp=2,tp=2" in shard["replay"]
+    assert any("rank" in m["summary"] for m in shard["mismatches"])
