@@ -99,6 +99,22 @@ class RankContext:
     counter: CollectiveCounter
 
 
+def make_context(rank: int, topology: Topology, backend: str, device: str) -> RankContext:
+    """Build every Megatron-order group (collectively: all ranks must call this) and install
+    the collective counter, in an initialised process group."""
+    import torch.distributed as dist
+
+    groups: dict[str, Any] = {}
+    for kind in GROUP_KINDS:  # every rank creates every group, in the same order
+        for ranks in topology.groups(kind):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                groups[kind] = group
+    counter = CollectiveCounter()
+    _install_counter(counter)
+    return RankContext(rank, topology, topology.coords(rank), groups, backend, device, counter)
+
+
 def _rank_main(rank: int, topology: Topology, backend: str, store_path: str, stack_path: str, connection: Any, timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
@@ -113,15 +129,8 @@ def _rank_main(rank: int, topology: Topology, backend: str, store_path: str, sta
                 device = f"cuda:{rank % torch.cuda.device_count()}"
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, store=store, rank=rank, world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
-            groups: dict[str, Any] = {}
-            for kind in GROUP_KINDS:  # every rank creates every group, in the same order
-                for ranks in topology.groups(kind):
-                    group = dist.new_group(ranks)
-                    if rank in ranks:
-                        groups[kind] = group
-            counter = CollectiveCounter()
-            _install_counter(counter)
-            context = RankContext(rank, topology, topology.coords(rank), groups, backend, device, counter)
+            context = make_context(rank, topology, backend, device)
+            counter = context.counter
             connection.send(("ready", None))
         except BaseException:
             connection.send(("error", traceback.format_exc()))

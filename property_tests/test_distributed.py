@@ -152,3 +152,24 @@ def test_compare_with_a_topology_reports_ranks_and_collectives(tmp_path):
     shard = next(c for c in data["counterexamples"] if c["check"] == "distributed.shard_gradient")
     assert len(shard["ranks"]) == 4 and "--topology dp=1,cp=2,tp=2" in shard["replay"]
     assert any("rank" in m["summary"] for m in shard["mismatches"])
+
+
+def test_the_same_checks_run_under_torchrun(tmp_path):
+    """The cluster path (each torchrun process one rank; gloo here, NCCL on GPUs)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun") or str(__import__("pathlib").Path(sys.executable).with_name("torchrun"))
+    report = tmp_path / "torchrun.json"
+    command = [torchrun, "--standalone", "--nproc-per-node", "4", "-m", "m2po_oracle.torchrun", "--impl", "core", "--topology", "dp=2,cp=2,tp=1",
+               "--examples", "15", "--json", str(report)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    data = json.loads(report.read_text())
+    assert data["verdict"] == "equivalent" and data["topology"]["dp"] == 2 and len(data["collectives_per_step"]) == 4
+    control = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "m2po_oracle.torchrun", "--impl", "control:dp_cp_group_double_count",
+                              "--topology", "dp=1,cp=2,tp=1", "--examples", "30"],
+                             capture_output=True, text=True, timeout=300)
+    assert control.returncode != 0 and "divergent" in control.stdout, control.stdout[-2000:]
