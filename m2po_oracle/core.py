@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from m2po_oracle.fast_selection import kept_candidates
+
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -123,16 +125,15 @@ def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
     trust = mask & (((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
     m2 = d * d
     candidate_index = torch.nonzero(trust).reshape(-1)
-    local_sorted, local_order = torch.sort(m2[candidate_index], stable=True)
     valid_count = mask.sum()
     if group is None:
-        values, owners, me = local_sorted, torch.zeros_like(candidate_index), 0
-    else:
-        import torch.distributed as dist
+        return _select_local(m2[candidate_index], candidate_index, mask, valid_count, tau)
+    import torch.distributed as dist
 
-        values, owners = _gather_sorted_candidates(local_sorted, group)
-        me = dist.get_rank(group)
-        dist.all_reduce(valid_count, group=group)
+    local_sorted, local_order = torch.sort(m2[candidate_index], stable=True)
+    values, owners = _gather_sorted_candidates(local_sorted, group)
+    me = dist.get_rank(group)
+    dist.all_reduce(valid_count, group=group)
     # Stable global order: ascending M2, ties by rank, then by each rank's own order; every
     # rank computes the same cut from the same gathered values.
     global_sorted, global_order = torch.sort(values, stable=True)
@@ -155,6 +156,26 @@ def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
         kept_trust_region_count=torch.tensor(kept_count, device=d.device),
         m2_before=total / max(global_sorted.numel(), 1),
         m2_after=kept_total / max(kept_count, 1),
+        masked_fraction=(trust_count - kept_count).double() / valid_denominator,
+        trust_region_fraction=trust_count.double() / valid_denominator,
+    )
+
+
+def _select_local(candidate_m2: torch.Tensor, candidate_index: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, tau: float) -> Selection:
+    """Single-process selection without sorting (``fast_selection``)."""
+    kept = kept_candidates(candidate_m2, tau)
+    removed = torch.zeros_like(mask)
+    removed[candidate_index[~kept]] = True
+    kept_count = kept.sum()
+    trust_count = torch.tensor(candidate_m2.numel(), device=mask.device)
+    valid_denominator = valid_count.clamp(min=1).double()
+    return Selection(
+        keep=mask & ~removed,
+        valid_count=valid_count,
+        trust_region_count=trust_count,
+        kept_trust_region_count=kept_count,
+        m2_before=candidate_m2.sum() / trust_count.clamp(min=1),
+        m2_after=torch.where(kept, candidate_m2, torch.zeros_like(candidate_m2)).sum() / kept_count.clamp(min=1),
         masked_fraction=(trust_count - kept_count).double() / valid_denominator,
         trust_region_fraction=trust_count.double() / valid_denominator,
     )

@@ -1,0 +1,84 @@
+"""Exact M2PO selection without sorting all candidates (torch, any device).
+
+Algorithm 1 keeps the k smallest candidates where k is the longest prefix (ascending M2)
+whose mean is <= tau. Prefix means are non-decreasing, so the cut can be located by
+radix refinement over the float64 bit patterns of M2 (monotone for non-negative values):
+per 16-bit digit, one pass of counts and sums per bucket, the cumulative mean up to each
+bucket, and only the bucket where it first exceeds tau is refined. What is left after
+four digits (or under ``small`` values) is sorted. Among equal values the lowest indices
+are kept, as a stable sort would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DIGIT_BITS = 16
+BUCKETS = 1 << DIGIT_BITS
+#: Below this many values, sorting the rest is cheaper than another pass.
+SMALL = 4096
+
+
+def kept_candidates(m2: torch.Tensor, tau: float, *, small: int = SMALL) -> torch.Tensor:
+    """Bool mask over candidate M2 values (1-d float64, >= 0): Algorithm 1's kept set.
+
+    Keys are M2's own bit patterns (monotone for non-negative floats); per bucket, counts
+    and sums give the prefix mean up to each bucket without any sort.
+    """
+    keys = m2.view(torch.int64)
+    subset: torch.Tensor | None = None  # None: all candidates (no gather at level 0)
+    kept_sum = torch.zeros((), dtype=torch.float64, device=m2.device)  # of the candidates decided kept
+    kept_count = torch.zeros((), dtype=torch.float64, device=m2.device)
+    prefix, fixed_bits = 0, 0
+    ones = torch.ones((), dtype=torch.float64, device=m2.device)
+    for level in range(64 // DIGIT_BITS):
+        size = m2.numel() if subset is None else subset.numel()
+        if size <= small:
+            break
+        shift = 64 - DIGIT_BITS * (level + 1)
+        sub_keys = keys if subset is None else keys[subset]
+        sub_m2 = m2 if subset is None else m2[subset]
+        # The sign bit is 0, so the top digit needs no mask.
+        digit = sub_keys >> shift if level == 0 else (sub_keys >> shift) & (BUCKETS - 1)
+        zeros = torch.zeros(BUCKETS, dtype=torch.float64, device=m2.device)
+        sums = torch.cumsum(zeros.index_add(0, digit, sub_m2), 0) + kept_sum
+        counts = torch.cumsum(zeros.index_add(0, digit, ones.expand(size)), 0) + kept_count
+        # Prefix means are non-decreasing: the first bucket whose cumulative mean exceeds tau
+        # holds the cut. (Sum then divide, as the sorting baseline does: no overflow of tau*count.)
+        over = sums / counts > tau
+        if not bool(over.any()):  # everything still undecided fits
+            return _below(keys, prefix + 1, fixed_bits)
+        crossing = int(torch.argmax(over.to(torch.uint8)))
+        if crossing:
+            kept_sum, kept_count = sums[crossing - 1], counts[crossing - 1]
+        prefix = (prefix << DIGIT_BITS) | crossing
+        fixed_bits += DIGIT_BITS
+        chosen = torch.nonzero(digit == crossing).reshape(-1)
+        subset = chosen if subset is None else subset[chosen]
+    kept = _below(keys, prefix, fixed_bits)
+    rest = torch.arange(m2.numel(), device=m2.device) if subset is None else subset
+    values, order = torch.sort(m2[rest], stable=True)
+    position = torch.arange(1, values.numel() + 1, device=m2.device, dtype=torch.float64)
+    fits = int(((torch.cumsum(values, 0) + kept_sum) / (position + kept_count) <= tau).sum())
+    kept[rest[order[:fits]]] = True
+    return kept
+
+
+def _below(keys: torch.Tensor, prefix: int, fixed_bits: int) -> torch.Tensor:
+    """Candidates whose top ``fixed_bits`` key bits are < ``prefix``: one comparison."""
+    if fixed_bits == 0:
+        return torch.full(keys.shape, prefix > 0, dtype=torch.bool, device=keys.device)
+    threshold = prefix << (64 - fixed_bits)
+    if threshold > torch.iinfo(torch.int64).max:  # above every key (keys are non-negative)
+        return torch.ones(keys.shape, dtype=torch.bool, device=keys.device)
+    return keys < threshold
+
+
+def kept_candidates_by_sorting(m2: torch.Tensor, tau: float) -> torch.Tensor:
+    """The sort-and-prefix-sum baseline every public port uses (for tests and the benchmark)."""
+    values, order = torch.sort(m2, stable=True)
+    prefix = torch.cumsum(values, 0) / torch.arange(1, values.numel() + 1, device=m2.device, dtype=values.dtype)
+    kept_count = int((prefix <= tau).sum())
+    kept = torch.zeros(m2.shape, dtype=torch.bool, device=m2.device)
+    kept[order[:kept_count]] = True
+    return kept

@@ -1,0 +1,77 @@
+"""The sort-free exact selection equals the sort-and-prefix-sum one, edge cases included.
+
+``small=0`` forces the radix levels on every input (by default they only run above 4096
+candidates, which Hypothesis-sized batches never reach).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from m2po_oracle import oracle, strategies
+from m2po_oracle.fast_selection import kept_candidates, kept_candidates_by_sorting
+
+SMALLS = [0, 1, 7, 4096]
+
+
+def _candidates(batch) -> torch.Tensor:
+    d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
+    trust = oracle.trust_region(d, batch.advantages, batch.valid)
+    return torch.from_numpy(oracle.second_moment(d)[trust].copy())
+
+
+@pytest.mark.parametrize("small", SMALLS)
+@given(batch=strategies.batches())
+def test_equals_the_sorting_baseline_on_every_strategy(small, batch):
+    m2 = _candidates(batch)
+    fast, baseline = kept_candidates(m2, batch.tau, small=small), kept_candidates_by_sorting(m2, batch.tau)
+    if not torch.equal(fast, baseline):
+        # Only a decision within float64 rounding of tau may differ: both must be Algorithm 1's.
+        values = np.sort(m2.numpy())
+        k = int(fast.sum())
+        assert int(baseline.sum()) in (k - 1, k, k + 1)
+        boundary = values[: max(int(fast.sum()), int(baseline.sum()))].mean()
+        assert math.isclose(boundary, batch.tau, rel_tol=1e-12, abs_tol=1e-300), f"fast kept {k}, baseline {int(baseline.sum())} far from the boundary"
+
+
+EDGE_VALUES = {
+    "all equal": [0.0625] * 50,
+    "all equal above tau": [0.25] * 50,
+    "zeros": [0.0] * 10 + [1.0] * 5,
+    "subnormals": [5e-324, 1e-310, 2.2250738585072014e-308, 0.5, 0.7],
+    "straddling a bucket edge": [np.nextafter(0.5, 0.0), 0.5, np.nextafter(0.5, 1.0), 0.25, np.nextafter(0.25, 0.0), 1.0, 2.0],
+    "one inf": [0.01, 0.02, math.inf],
+    "huge": [1e300, 1e300, 1e-3],
+    "exact boundary": [0.0625, 0.0625, 0.140625, 0.25, 0.25],
+    "empty": [],
+}
+
+
+@pytest.mark.parametrize("small", SMALLS)
+@pytest.mark.parametrize("case", EDGE_VALUES)
+@pytest.mark.parametrize("tau", [0.0, 0.04, 0.0625, 0.140625, 1.0, 1e308])
+def test_edge_values(case, tau, small):
+    m2 = torch.tensor(EDGE_VALUES[case], dtype=torch.float64)
+    for order in (torch.arange(m2.numel()), torch.arange(m2.numel() - 1, -1, -1)):
+        values = m2[order]
+        assert torch.equal(kept_candidates(values, tau, small=small), kept_candidates_by_sorting(values, tau)), f"{case}, tau {tau}"
+
+
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(5000, 60000), scale=st.sampled_from([0.05, 0.3, 3.0]), tau=st.sampled_from([0.0, 0.04, 0.5]))
+def test_large_random_batches_take_the_radix_path_and_agree(seed, n, scale, tau):
+    rng = np.random.default_rng(seed)
+    d = scale * rng.standard_t(3, size=n)
+    d[rng.integers(0, n, size=n // 10)] = 0.125  # a block of exact ties
+    m2 = torch.from_numpy(d * d)
+    assert torch.equal(kept_candidates(m2, tau), kept_candidates_by_sorting(m2, tau))
+
+
+def test_ties_keep_the_lowest_indices():
+    m2 = torch.tensor([0.25, 0.0, 0.25, 0.25, 0.0], dtype=torch.float64)  # tau 0.1: 0, 0, then one 0.25 fits
+    assert kept_candidates(m2, 0.1, small=0).tolist() == [True, True, False, False, True]
