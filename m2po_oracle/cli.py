@@ -45,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     selftest.add_argument("--only", default=None, help="comma-separated control names (default: all)")
     options.add_to_argparse(selftest, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("examples", "seed")))
 
+    bench = commands.add_parser("bench", help="time the exact selection against sorting and a streaming pass, side by side")
+    bench.add_argument("--sizes", default="20,22", help="comma-separated log2 token counts (default 20,22: 1M and 4M)")
+    bench.add_argument("--scaling", action="store_true", help="the scaling series 2^12 .. 2^24 instead of --sizes")
+    bench.add_argument("--repeats", type=options._positive_int, default=7, help="interleaved repeats per size (median reported)")
+    bench.add_argument("--device", default="cpu", help="cpu or cuda")
+    bench.add_argument("--threads", type=options._positive_int, default=None, help="torch CPU threads (default: torch's)")
+    bench.add_argument("--json", type=Path, default=None)
+    bench.add_argument("--html", type=Path, default=None)
+
     commands.add_parser("checks", help="list the checks of the battery")
     return parser
 
@@ -62,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_EQUIVALENT
     if args.command == "selftest":
         return _selftest(args, console)
+    if args.command == "bench":
+        return _bench(args, console)
     from m2po_oracle.contract import load_implementation
 
     from m2po_oracle.isolation import ImplementationLoadError, Isolated
@@ -132,6 +143,45 @@ def _distributed(args: argparse.Namespace, console: Console) -> int:
     except WorldError as error:
         Console(stderr=True).print(f"error: the world of {args.topology} could not run: {error}", highlight=False, markup=False)
         return EXIT_UNUSABLE
+
+
+def _bench(args: argparse.Namespace, console: Console) -> int:
+    import torch
+
+    from m2po_oracle.bench import render_bench_html, run_bench
+
+    try:
+        exponents = list(range(12, 25, 2)) if args.scaling else [int(x) for x in args.sizes.split(",")]
+    except ValueError:
+        Console(stderr=True).print(f"error: --sizes: expected comma-separated integers (log2 of token counts), got {args.sizes!r}", highlight=False, markup=False)
+        return EXIT_UNUSABLE
+    if any(not 1 <= e <= 30 for e in exponents):
+        Console(stderr=True).print(f"error: --sizes: expected log2 token counts between 1 and 30, got {exponents}", highlight=False, markup=False)
+        return EXIT_UNUSABLE
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    table = Table(title=f"selection on {args.device}, {torch.get_num_threads()} thread(s): median of {args.repeats} interleaved repeats")
+    for column in ("tokens", "candidates", "sort ms", "radix ms", "floor ms", "sort / radix", "radix / floor", "identical"):
+        table.add_column(column, justify="right")
+
+    def show(row):
+        m = row["median_ms"]
+        table.add_row(f"{row['tokens']:,}", f"{row['candidates']:,}", f"{m['sort']:.2f}", f"{m['radix']:.2f}", f"{m['floor']:.3f}",
+                      f"{row['sort_over_radix']:.1f}x", f"{row['radix_over_floor']:.1f}x", "yes" if row["identical"] else "[red]NO[/]")
+
+    try:
+        record = run_bench([1 << e for e in exponents], repeats=args.repeats, device=args.device, on_size=show)
+    except ValueError as error:
+        Console(stderr=True).print(f"error: {error}", highlight=False, markup=False)
+        return EXIT_UNUSABLE
+    console.print(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2))
+    if args.html:
+        args.html.parent.mkdir(parents=True, exist_ok=True)
+        args.html.write_text(render_bench_html(record))
+    return EXIT_EQUIVALENT if all(r["identical"] for r in record["rows"]) else EXIT_DIVERGENT
 
 
 def _selftest(args: argparse.Namespace, console: Console) -> int:

@@ -1,0 +1,143 @@
+"""``m2po-oracle bench``: the selection's speed, measured side by side in one run.
+
+For each size: float32 log-probs (half the tokens trust-region candidates), their M2 in
+float64, then three methods timed in rotating order on the same values, each repeat:
+
+* ``sort``: the sort-and-prefix-sum selection every public port uses;
+* ``radix``: the core's exact selection without sorting (``fast_selection``);
+* ``floor``: one streaming pass over the values (their sum): no selection can beat it.
+
+Medians and the ratios sort/radix and radix/floor are printed and written as JSON; the
+HTML page plots the scaling series log-log. Results of sort and radix must be identical.
+Performance is asserted nowhere but here: timed unit tests lie on a shared machine.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from m2po_oracle.fast_selection import kept_candidates, kept_candidates_by_sorting
+
+SCHEMA = "m2po-oracle/bench/1"
+METHODS = ("sort", "radix", "floor")
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def candidate_m2(tokens: int, *, device: str = "cpu", seed: int = 0, staleness: float = 0.3) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    behavior = -torch.empty(tokens).exponential_(0.5, generator=generator)
+    d = staleness * torch.distributions.StudentT(3.0).sample((tokens,))
+    logp = (behavior + d).float()
+    log_ratio = logp.double() - behavior.float().double()
+    advantages = torch.where(torch.rand(tokens, generator=generator) < 0.5, 1.0, -1.0).double()
+    trust = ((advantages > 0) & (log_ratio > 0)) | ((advantages < 0) & (log_ratio < 0))
+    return (log_ratio[trust] ** 2).contiguous().to(device)
+
+
+def measure_size(tokens: int, *, repeats: int, device: str, tau: float) -> dict[str, Any]:
+    m2 = candidate_m2(tokens, device=device)
+    methods: dict[str, Callable[[], Any]] = {
+        "sort": lambda: kept_candidates_by_sorting(m2, tau),
+        "radix": lambda: kept_candidates(m2, tau),
+        "floor": lambda: m2.sum(),
+    }
+    identical = bool(torch.equal(methods["sort"](), methods["radix"]()))
+    times: dict[str, list[float]] = {name: [] for name in METHODS}
+    for repeat in range(repeats):
+        # Rotate the order so drift on a shared machine hits every method alike.
+        for name in METHODS[repeat % 3:] + METHODS[: repeat % 3]:
+            _synchronize(device)
+            started = time.perf_counter()
+            methods[name]()
+            _synchronize(device)
+            times[name].append(time.perf_counter() - started)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "tokens": tokens, "candidates": m2.numel(), "identical": identical,
+        "median_ms": {name: medians[name] * 1e3 for name in METHODS},
+        "sort_over_radix": medians["sort"] / medians["radix"],
+        "radix_over_floor": medians["radix"] / medians["floor"],
+    }
+
+
+def run_bench(sizes: list[int], *, repeats: int = 7, device: str = "cpu", tau: float = 0.04,
+              on_size: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 2 for s in sizes):
+        raise ValueError(f"sizes: expected token counts >= 2, got {sizes!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: expected an int >= 1, got {repeats!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested but CUDA is not available")
+    rows = []
+    for tokens in sizes:
+        rows.append(measure_size(tokens, repeats=repeats, device=device, tau=tau))
+        if on_size is not None:
+            on_size(rows[-1])
+    return {
+        "schema": SCHEMA, "device": device, "tau": tau, "repeats": repeats, "rows": rows,
+        "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "platform": platform.platform(),
+                        "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None},
+    }
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>m2po-oracle bench</title>
+<style>
+body{font:14px/1.45 system-ui,sans-serif;margin:2rem;color:#1d2430}
+table{border-collapse:collapse;margin:1rem 0}th,td{border:1px solid #ccd3dd;padding:.3rem .6rem;text-align:right}
+th{background:#f1f4f8}.bad{background:#fde8e8}svg text{font:12px system-ui,sans-serif}
+</style></head><body>
+<h1>Selection benchmark ({{ device }}, {{ threads }} thread(s))</h1>
+<p>Median of {{ repeats }} interleaved repeats; tau = {{ tau }}. sort: sort and prefix sums; radix: the core's exact selection without sorting; floor: one streaming pass over the values.</p>
+<table><tr><th>tokens</th><th>candidates</th><th>sort ms</th><th>radix ms</th><th>floor ms</th><th>sort / radix</th><th>radix / floor</th><th>identical</th></tr>
+{% for r in rows %}<tr{% if not r.identical %} class="bad"{% endif %}><td>{{ r.tokens }}</td><td>{{ r.candidates }}</td><td>{{ "%.3f"|format(r.median_ms.sort) }}</td><td>{{ "%.3f"|format(r.median_ms.radix) }}</td><td>{{ "%.3f"|format(r.median_ms.floor) }}</td><td>{{ "%.1f"|format(r.sort_over_radix) }}x</td><td>{{ "%.1f"|format(r.radix_over_floor) }}x</td><td>{{ "yes" if r.identical else "NO" }}</td></tr>
+{% endfor %}</table>
+<svg width="{{ plot.width }}" height="{{ plot.height }}" role="img" aria-label="median time against tokens, log-log">
+<rect x="{{ plot.left }}" y="{{ plot.top }}" width="{{ plot.inner_w }}" height="{{ plot.inner_h }}" fill="none" stroke="#8a94a6"/>
+{% for t in plot.xticks %}<text x="{{ t.x }}" y="{{ plot.height - 8 }}" text-anchor="middle">{{ t.label }}</text>{% endfor %}
+{% for t in plot.yticks %}<text x="{{ plot.left - 6 }}" y="{{ t.y + 4 }}" text-anchor="end">{{ t.label }}</text><line x1="{{ plot.left }}" x2="{{ plot.left + plot.inner_w }}" y1="{{ t.y }}" y2="{{ t.y }}" stroke="#e3e7ee"/>{% endfor %}
+{% for s in plot.series %}<polyline fill="none" stroke="{{ s.colour }}" stroke-width="2" points="{{ s.points }}"/><text x="{{ plot.left + plot.inner_w + 8 }}" y="{{ s.label_y }}" fill="{{ s.colour }}">{{ s.name }}</text>{% endfor %}
+<text x="{{ plot.left + plot.inner_w / 2 }}" y="{{ plot.height - 24 }}" text-anchor="middle">tokens (log)</text>
+</svg>
+<p>Environment: torch {{ torch }}, {{ platform }}{% if gpu %}, {{ gpu }}{% endif %}.</p>
+</body></html>
+"""
+
+
+def _plot(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    width, height, left, top, right, bottom = 760, 380, 70, 20, 90, 50
+    inner_w, inner_h = width - left - right, height - top - bottom
+    xs = [math.log2(r["tokens"]) for r in rows]
+    ys = [math.log10(max(r["median_ms"][m], 1e-6)) for r in rows for m in METHODS]
+    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+    y0, y1 = math.floor(min(ys)), math.ceil(max(ys)) if math.ceil(max(ys)) > math.floor(min(ys)) else math.floor(min(ys)) + 1
+    px = lambda x: left + (x - x0) / (x1 - x0) * inner_w  # noqa: E731
+    py = lambda y: top + inner_h - (y - y0) / (y1 - y0) * inner_h  # noqa: E731
+    colours = {"sort": "#c0392b", "radix": "#1f6feb", "floor": "#6b7785"}
+    series = []
+    for m in METHODS:
+        points = [(px(math.log2(r["tokens"])), py(math.log10(max(r["median_ms"][m], 1e-6)))) for r in rows]
+        series.append({"name": m, "colour": colours[m], "points": " ".join(f"{x:.1f},{y:.1f}" for x, y in points), "label_y": points[-1][1] + 4})
+    return {"width": width, "height": height, "left": left, "top": top, "inner_w": inner_w, "inner_h": inner_h, "series": series,
+            "xticks": [{"x": px(math.log2(r["tokens"])), "label": f"2^{int(round(math.log2(r['tokens'])))}"} for r in rows],
+            "yticks": [{"y": py(v), "label": f"{10.0 ** v:g} ms"} for v in range(y0, y1 + 1)]}
+
+
+def render_bench_html(record: dict[str, Any]) -> str:
+    import jinja2
+
+    template = jinja2.Environment(autoescape=True).from_string(_PAGE)
+    env = record.get("environment", {})
+    return template.render(device=record["device"], threads=env.get("threads"), repeats=record["repeats"], tau=record["tau"], rows=record["rows"],
+                           plot=_plot(record["rows"]), torch=env.get("torch"), platform=env.get("platform"), gpu=env.get("gpu"))
