@@ -141,3 +141,46 @@ def render_bench_html(record: dict[str, Any]) -> str:
     env = record.get("environment", {})
     return template.render(device=record["device"], threads=env.get("threads"), repeats=record["repeats"], tau=record["tau"], rows=record["rows"],
                            plot=_plot(record["rows"]), torch=env.get("torch"), platform=env.get("platform"), gpu=env.get("gpu"))
+
+
+def bench_across_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """World handler: histogram rounds vs all-gather on every rank's own candidates.
+
+    Times both (barrier before each, rotating order), counts the collectives and bytes
+    each sends, and checks that both keep the same tokens on this rank."""
+    import torch.distributed as dist
+
+    from m2po_oracle.fast_selection import kept_candidates_across, kept_candidates_across_by_gathering
+
+    group = ctx.groups["dp"]
+    m2 = candidate_m2(payload["tokens"], seed=payload["seed"] + ctx.rank)
+    if payload.get("ties"):
+        m2[: m2.numel() // 4] = 0.0625  # a block of exact ties straddling the cut
+    tau = payload["tau"]
+    methods = {"histogram": lambda: kept_candidates_across(m2, tau, group), "all_gather": lambda: kept_candidates_across_by_gathering(m2, tau, group)}
+    results, traffic = {}, {}
+    for name, method in methods.items():
+        ctx.counter.reset()
+        results[name] = method()
+        traffic[name] = ctx.counter.snapshot()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for repeat in range(payload["repeats"]):
+        for name in list(methods)[repeat % 2:] + list(methods)[: repeat % 2]:
+            dist.barrier(group=group)
+            started = time.perf_counter()
+            methods[name]()
+            times[name].append(time.perf_counter() - started)
+    return {"identical": bool(torch.equal(results["histogram"], results["all_gather"])), "kept": int(results["histogram"].sum()),
+            "median_ms": {name: statistics.median(v) * 1e3 if v else None for name, v in times.items()}, "traffic": traffic}
+
+
+def run_bench_across(world_size: int, tokens_per_rank: int, *, repeats: int = 5, tau: float = 0.04, ties: bool = False, timeout_s: float = 600.0) -> dict[str, Any]:
+    from m2po_oracle.distributed import World
+    from m2po_oracle.topology import Topology
+
+    with World(Topology(world_size, 1, 1), timeout_s=timeout_s) as world:
+        outcomes = world.run(bench_across_ranks, {"tokens": tokens_per_rank, "seed": 0, "tau": tau, "repeats": repeats, "ties": ties})
+    per_rank = [o.value for o in outcomes]
+    slowest = {name: max(r["median_ms"][name] for r in per_rank) if repeats else None for name in ("histogram", "all_gather")}
+    return {"world_size": world_size, "tokens_per_rank": tokens_per_rank, "identical": all(r["identical"] for r in per_rank),
+            "median_ms": slowest, "traffic_rank0": per_rank[0]["traffic"], "per_rank": per_rank}

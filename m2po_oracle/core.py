@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from m2po_oracle.fast_selection import kept_candidates
+from m2po_oracle.fast_selection import kept_candidates, kept_candidates_across
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -101,25 +101,6 @@ def _check_group(group: Any) -> None:
         raise ValueError(f"group: expected a torch.distributed.ProcessGroup (the pure data-parallel group) or None, got {type(group).__name__}")
 
 
-def _gather_sorted_candidates(local_sorted: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's ascending candidate M2, concatenated in rank order, and each entry's rank."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    count = torch.tensor([local_sorted.numel()], dtype=torch.int64, device=local_sorted.device)
-    counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    sizes = [int(c.item()) for c in counts]
-    # gloo's all_gather needs equal sizes: pad with +inf to the largest rank's count.
-    padded = torch.full((max(sizes + [1]),), math.inf, dtype=torch.float64, device=local_sorted.device)
-    padded[: local_sorted.numel()] = local_sorted
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
-    values = torch.cat([g[:n] for g, n in zip(gathered, sizes)])
-    owners = torch.cat([torch.full((n,), r, dtype=torch.int64, device=values.device) for r, n in enumerate(sizes)])
-    return values, owners
-
-
 def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float, group: Any) -> Selection:
     """Selection over 1-d float64 tokens (padding zeroed); see :func:`select_tokens`."""
     trust = mask & (((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
@@ -130,34 +111,25 @@ def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
         return _select_local(m2[candidate_index], candidate_index, mask, valid_count, tau)
     import torch.distributed as dist
 
-    local_sorted, local_order = torch.sort(m2[candidate_index], stable=True)
-    values, owners = _gather_sorted_candidates(local_sorted, group)
-    me = dist.get_rank(group)
-    dist.all_reduce(valid_count, group=group)
-    # Stable global order: ascending M2, ties by rank, then by each rank's own order; every
-    # rank computes the same cut from the same gathered values.
-    global_sorted, global_order = torch.sort(values, stable=True)
-    position = torch.arange(1, global_sorted.numel() + 1, device=d.device)
-    prefix_sum = torch.cumsum(global_sorted, 0)
-    kept_count = int((prefix_sum / position <= tau).sum())
-    my_kept = int((owners[global_order[:kept_count]] == me).sum())
+    candidate_m2 = m2[candidate_index]
+    kept = kept_candidates_across(candidate_m2, tau, group)
+    # Global counts and sums for N and the metrics: one all-reduce of four numbers.
+    totals = torch.stack([valid_count.double(), torch.tensor(float(candidate_m2.numel()), dtype=torch.float64, device=d.device),
+                          kept.sum().double(), candidate_m2.sum(), torch.where(kept, candidate_m2, torch.zeros_like(candidate_m2)).sum()])
+    dist.all_reduce(totals, group=group)
+    global_valid, trust_count, kept_count, total, kept_total = (totals[i] for i in range(5))
     removed = torch.zeros_like(mask)
-    removed[candidate_index[local_order[my_kept:]]] = True
-
-    zero = torch.zeros((), dtype=torch.float64, device=d.device)
-    trust_count = torch.tensor(global_sorted.numel(), device=d.device)
-    total = prefix_sum[-1] if global_sorted.numel() else zero
-    kept_total = prefix_sum[kept_count - 1] if kept_count else zero
-    valid_denominator = valid_count.clamp(min=1).double()
+    removed[candidate_index[~kept]] = True
+    valid_denominator = global_valid.clamp(min=1)
     return Selection(
         keep=mask & ~removed,
-        valid_count=valid_count,
-        trust_region_count=trust_count,
-        kept_trust_region_count=torch.tensor(kept_count, device=d.device),
-        m2_before=total / max(global_sorted.numel(), 1),
-        m2_after=kept_total / max(kept_count, 1),
-        masked_fraction=(trust_count - kept_count).double() / valid_denominator,
-        trust_region_fraction=trust_count.double() / valid_denominator,
+        valid_count=global_valid.to(torch.int64),
+        trust_region_count=trust_count.to(torch.int64),
+        kept_trust_region_count=kept_count.to(torch.int64),
+        m2_before=total / trust_count.clamp(min=1),
+        m2_after=kept_total / kept_count.clamp(min=1),
+        masked_fraction=(trust_count - kept_count) / valid_denominator,
+        trust_region_fraction=trust_count / valid_denominator,
     )
 
 

@@ -89,3 +89,87 @@ def kept_candidates_by_sorting(m2: torch.Tensor, tau: float) -> torch.Tensor:
     kept = torch.zeros(m2.shape, dtype=torch.bool, device=m2.device)
     kept[order[:kept_count]] = True
     return kept
+
+
+#: Distributed rounds use narrower digits: each round all-reduces 2 x 2**12 float64 (64 KiB).
+GROUP_DIGIT_BITS = 12
+
+
+def kept_candidates_across(m2: torch.Tensor, tau: float, group: object) -> torch.Tensor:
+    """Algorithm 1's kept set over the candidates of every rank of ``group``, without
+    moving any candidate: per 12-bit digit, counts and sums per bucket are all-reduced
+    (a fixed number of rounds, bytes independent of the token count), the crossing bucket
+    is refined until all 64 bits are fixed, and the tied values at the cut are split in
+    rank order (one all-gather of one count per rank). Returns this rank's kept mask.
+    """
+    import torch.distributed as dist
+
+    device = m2.device
+    keys = m2.view(torch.int64)
+    subset = torch.arange(m2.numel(), device=device)
+    kept = torch.zeros(m2.shape, dtype=torch.bool, device=device)
+    kept_sum = torch.zeros((), dtype=torch.float64, device=device)
+    kept_count = torch.zeros((), dtype=torch.float64, device=device)
+    fixed, prefix, tied_total = 0, 0, 0
+    while fixed < 64:
+        bits = min(GROUP_DIGIT_BITS, 64 - fixed)
+        digit = (keys[subset] >> (64 - fixed - bits)) & ((1 << bits) - 1)
+        histogram = torch.zeros(2, 1 << bits, dtype=torch.float64, device=device)
+        histogram[0].scatter_add_(0, digit, m2[subset])
+        histogram[1].scatter_add_(0, digit, torch.ones((), dtype=torch.float64, device=device).expand(subset.numel()))
+        dist.all_reduce(histogram, group=group)  # every rank now decides identically
+        sums = torch.cumsum(histogram[0], 0) + kept_sum
+        counts = torch.cumsum(histogram[1], 0) + kept_count
+        over = sums / counts > tau
+        if not bool(over.any()):
+            kept[subset] = True
+            return kept
+        crossing = int(torch.argmax(over.to(torch.uint8)))
+        if crossing:
+            kept_sum, kept_count = sums[crossing - 1], counts[crossing - 1]
+        kept[subset[digit < crossing]] = True
+        subset = subset[digit == crossing]
+        tied_total = int(histogram[1][crossing])
+        prefix = (prefix << bits) | crossing
+        fixed += bits
+    # Every remaining value, on every rank, is the float whose bits are ``prefix``.
+    tied = torch.tensor(prefix, dtype=torch.int64).view(torch.float64).to(device)
+    r = torch.arange(1, tied_total + 1, dtype=torch.float64, device=device)
+    fits = int(((kept_sum + r * tied) / (kept_count + r) <= tau).sum())
+    # Ties at the cut go to lower ranks first (then lower indices): one count per rank.
+    mine = torch.tensor([subset.numel()], dtype=torch.int64, device=device)
+    by_rank = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(by_rank, mine, group=group)
+    lower = sum(int(c) for c in by_rank[: dist.get_rank(group)])
+    kept[subset[: max(0, min(subset.numel(), fits - lower))]] = True
+    return kept
+
+
+def kept_candidates_across_by_gathering(m2: torch.Tensor, tau: float, group: object) -> torch.Tensor:
+    """The all-gather baseline public ports use: every rank receives every candidate's M2
+    (bytes grow with the token count), sorts them all, and keeps its share of the cut
+    (ties by rank, then index). For the benchmark and cross-checks."""
+    import math
+
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    local_sorted, local_order = torch.sort(m2, stable=True)
+    count = torch.tensor([m2.numel()], dtype=torch.int64, device=m2.device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    sizes = [int(c.item()) for c in counts]
+    # gloo's all_gather needs equal sizes: pad with +inf to the largest rank's count.
+    padded = torch.full((max(sizes + [1]),), math.inf, dtype=torch.float64, device=m2.device)
+    padded[: m2.numel()] = local_sorted
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    values = torch.cat([g[:n] for g, n in zip(gathered, sizes)])
+    owners = torch.cat([torch.full((n,), r, dtype=torch.int64, device=m2.device) for r, n in enumerate(sizes)])
+    global_sorted, global_order = torch.sort(values, stable=True)
+    position = torch.arange(1, global_sorted.numel() + 1, device=m2.device, dtype=torch.float64)
+    kept_count = int((torch.cumsum(global_sorted, 0) / position <= tau).sum())
+    mine = int((owners[global_order[:kept_count]] == dist.get_rank(group)).sum())
+    kept = torch.zeros(m2.shape, dtype=torch.bool, device=m2.device)
+    kept[local_order[:mine]] = True
+    return kept
