@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=options._positive_int, default=7, help="interleaved repeats per size (median reported)")
     bench.add_argument("--device", default="cpu", help="cpu or cuda")
     bench.add_argument("--threads", type=options._positive_int, default=None, help="torch CPU threads (default: torch's)")
+    bench.add_argument("--ranks", type=options._positive_int, default=None,
+                       help="also compare distributed selection on a gloo world of this many ranks (tokens per rank: the largest --sizes)")
     bench.add_argument("--json", type=Path, default=None)
     bench.add_argument("--html", type=Path, default=None)
 
@@ -175,13 +177,26 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         Console(stderr=True).print(f"error: {error}", highlight=False, markup=False)
         return EXIT_UNUSABLE
     console.print(table)
+    if args.ranks:
+        from m2po_oracle.bench import run_bench_across
+
+        across = run_bench_across(args.ranks, 1 << max(exponents), repeats=args.repeats)
+        record["across_ranks"] = across
+        sent = {name: sum(v["bytes"] for v in t.values()) for name, t in across["traffic_rank0"].items()}
+        calls = {name: sum(v["calls"] for v in t.values()) for name, t in across["traffic_rank0"].items()}
+        m = across["median_ms"]
+        console.print(f"{args.ranks} ranks x {1 << max(exponents):,} tokens (gloo): histogram rounds {m['histogram']:.1f} ms, "
+                      f"{calls['histogram']} collectives, {sent['histogram']:,} bytes/rank; all-gather {m['all_gather']:.1f} ms, "
+                      f"{calls['all_gather']} collectives, {sent['all_gather']:,} bytes/rank; ratio {m['all_gather'] / m['histogram']:.1f}x; "
+                      f"identical: {'yes' if across['identical'] else 'NO'}", highlight=False, soft_wrap=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2))
     if args.html:
         args.html.parent.mkdir(parents=True, exist_ok=True)
         args.html.write_text(render_bench_html(record))
-    return EXIT_EQUIVALENT if all(r["identical"] for r in record["rows"]) else EXIT_DIVERGENT
+    identical = all(r["identical"] for r in record["rows"]) and record.get("across_ranks", {}).get("identical", True)
+    return EXIT_EQUIVALENT if identical else EXIT_DIVERGENT
 
 
 def _selftest(args: argparse.Namespace, console: Console) -> int:
