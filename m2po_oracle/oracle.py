@@ -6,6 +6,7 @@ Values at invalid (padding) positions are never read: every step masks them firs
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -38,18 +39,49 @@ def trust_region(d: np.ndarray, advantages: np.ndarray, valid: np.ndarray) -> np
 def select_loop(m2: np.ndarray, trust: np.ndarray, tau: float) -> np.ndarray:
     """Algorithm 1's loop. Returns the bool mask of removed (masked) tokens.
 
-    The mean is over the remaining trust-region tokens and is summed exactly (fsum), so
-    the oracle's own decisions carry no summation rounding. Among equal maxima the
-    lowest flat index is removed first (``argmax``).
+    "The largest remaining M2" comes from a heap (ties: lowest flat index first, as
+    ``argmax`` would), and the remaining sum is kept exactly (:class:`ExactSum`), so each
+    ``mean > tau`` test is decided without rounding and the loop stays O(n log n).
     """
-    masked = np.zeros(m2.shape, dtype=bool)
-    remaining = trust.copy()
-    while remaining.any() and math.fsum(m2[remaining]) / remaining.sum() > tau:
-        largest = np.argmax(np.where(remaining, m2, -np.inf))
-        index = np.unravel_index(largest, m2.shape)
-        remaining[index] = False
+    flat = m2.ravel()
+    remaining = [(-flat[i], int(i)) for i in np.flatnonzero(trust)]
+    heapq.heapify(remaining)
+    total = ExactSum(flat[trust.ravel()])
+    masked = np.zeros(flat.size, dtype=bool)
+    while remaining and total.mean_exceeds(tau, len(remaining)):
+        _, index = heapq.heappop(remaining)
+        total.remove(flat[index])
         masked[index] = True
-    return masked
+    return masked.reshape(m2.shape)
+
+
+class ExactSum:
+    """A sum of non-negative float64 values held exactly, as an integer count of 2**-1074
+    (the smallest subnormal), so values can be removed without rounding error."""
+
+    _SCALE = 1074
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.infinite = int(np.isinf(values).sum())
+        self.scaled = sum(self._scaled(float(v)) for v in values if math.isfinite(v))
+
+    @classmethod
+    def _scaled(cls, value: float) -> int:
+        numerator, denominator = value.as_integer_ratio()  # denominator is a power of two
+        return numerator * ((1 << cls._SCALE) // denominator)
+
+    def remove(self, value: float) -> None:
+        if math.isinf(value):
+            self.infinite -= 1
+        else:
+            self.scaled -= self._scaled(float(value))
+
+    def mean_exceeds(self, tau: float, count: int) -> bool:
+        """sum / count > tau, decided exactly."""
+        if self.infinite:
+            return True
+        numerator, denominator = float(tau).as_integer_ratio()
+        return self.scaled * denominator > numerator * count * (1 << self._SCALE)
 
 
 # Step 4: the equivalent vectorised form.

@@ -121,3 +121,29 @@ def test_finite_differences_survive_a_huge_term_elsewhere():
     # Found by the thorough profile: a non-candidate with d = 50 makes the sum ~5e21.
     batch = Batch(np.array([[-1.35986381, 47.9608058]]), np.array([[-1.35986381, -2.0391942]]), -np.ones((1, 2)), np.ones((1, 2), bool), 0.04)
     test_analytic_gradient_matches_finite_differences_of_the_objective.hypothesis.inner_test(batch)
+
+
+def test_the_literal_loop_handles_a_hundred_thousand_tokens():
+    from m2po_oracle.strategies import random_grpo_batch
+
+    batch = random_grpo_batch(np.random.default_rng(1), 400, 250, staleness=0.3)
+    _, m2, trust = _parts(batch)
+    loop = oracle.select_loop(m2, trust, batch.tau)
+    assert loop.any() and np.array_equal(loop, oracle.select_sorted(m2, trust, batch.tau))
+
+
+@given(st.lists(st.floats(0, 1e6, allow_subnormal=True), min_size=1, max_size=30), st.floats(0, 1e6), st.data())
+def test_exact_sum_decides_like_exact_rational_arithmetic(values, tau, data):
+    from fractions import Fraction
+
+    total = oracle.ExactSum(np.array(values))
+    removed = data.draw(st.integers(0, len(values) - 1), label="removed")
+    for v in values[:removed]:
+        total.remove(v)
+    rest = values[removed:]
+    exact = sum(Fraction(v) for v in rest) / len(rest) > Fraction(tau)
+    assert total.mean_exceeds(tau, len(rest)) is exact
+
+
+def test_exact_sum_handles_inf():
+    assert oracle.ExactSum(np.array([1.0, np.inf])).mean_exceeds(1e308, 2) is True
