@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--impl", required=True, help="as for compare")
     replay.add_argument("source", nargs="?", default=None, help="a compare JSON report or a batch JSON file (or JSON text)")
     replay.add_argument("--batch", default=None, help="the batch as JSON text or a file path (alternative to SOURCE)")
-    options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("dtype", "compute_dtype", "device", "timeout", "in_process", "topology", "backend")))
+    options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("dtype", "compute_dtype", "device", "timeout", "in_process", "topology", "backend", "adapter")))
 
     selftest = commands.add_parser("selftest", help="run the battery against every shipped negative control")
     selftest.add_argument("--only", default=None, help="comma-separated control names (default: all)")
@@ -82,10 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.topology is not None:
             return _distributed(args, console)
-        fn = load_implementation(args.impl)  # here first, for a fast error with closest matches
+        from m2po_oracle.adapters import adapt
+
+        fn = adapt(load_implementation(args.impl), args.adapter)  # here first, for a fast error with closest matches
         if args.in_process:
             return _compare(args, fn, console) if args.command == "compare" else _replay(args, fn, console)
-        with Isolated(args.impl, timeout_s=args.timeout) as runner:
+        with Isolated(args.impl, timeout_s=args.timeout, adapter=args.adapter) as runner:
             runner.start()
             return _compare(args, runner, console) if args.command == "compare" else _replay(args, runner, console)
     except (ValueError, ImplementationLoadError) as error:
@@ -103,6 +105,12 @@ def _compare(args: argparse.Namespace, fn, console: Console) -> int:
         report = run_compare(fn, args.impl, examples=args.examples, seed=args.seed, dtype=args.dtype, compute_dtype=args.compute_dtype,
                              tau=args.tau, device=args.device, strict_validation=args.strict_validation,
                              on_example=lambda _: progress.advance(task))
+    if args.adapter:
+        from m2po_oracle.adapters import ADAPTERS
+
+        adapter = ADAPTERS[args.adapter]
+        report.adapter = {"name": adapter.name, "signature": adapter.signature, "checked": list(adapter.checked)}
+        console.print(f"adapter {adapter.name} ({adapter.signature}): checks {', '.join(adapter.checked)}; the rest is supplied by the adapter", highlight=False, soft_wrap=True)
     table = Table(title=f"{args.impl} vs Algorithm 1 ({report.examples} batches, {args.dtype}, seed {args.seed})")
     table.add_column("check")
     table.add_column("result")

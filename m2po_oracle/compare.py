@@ -62,6 +62,7 @@ class CompareReport:
     validation: list[ProbeResult] = field(default_factory=list)
     strict_validation: bool = False
     topology: dict[str, Any] | None = None  # dp, cp, tp, backend of a distributed run
+    adapter: dict[str, Any] | None = None  # name, signature and the fields the port supplies
     collectives: list[dict[str, Any]] = field(default_factory=list)  # per rank, for one step
 
     @property
@@ -101,6 +102,7 @@ class CompareReport:
             "diagnosis": self.diagnosis,
             "validation": {"strict": self.strict_validation, "probes": [p.to_json() for p in self.validation]},
             **({"topology": self.topology, "collectives_per_step": self.collectives} if self.topology else {}),
+            **({"adapter": self.adapter} if self.adapter else {}),
             "tolerances": tolerances_json(),
             "environment": environment(),
         }
@@ -229,6 +231,9 @@ def _unshrunk(fn, impl, check, batch, dtype, compute_dtype, device) -> Counterex
 
 def _replay(fn, impl, batch, dtype, compute_dtype) -> str:
     command = replay_command(impl, batch, dtype=dtype, compute_dtype=compute_dtype)
+    adapter = getattr(fn, "adapter", None)
+    if isinstance(adapter, str):
+        command = command.replace(" --dtype ", f" --adapter {adapter} --dtype ", 1)
     if hasattr(fn, "topology"):
         command = command.replace(" --dtype ", f" --topology {fn.topology} --dtype ", 1)
     return command

@@ -31,9 +31,11 @@ def _forkserver() -> Any:
     return _context
 
 
-def _serve(spec: str, connection: multiprocessing.connection.Connection) -> None:
+def _serve(spec: str, adapter: str | None, connection: multiprocessing.connection.Connection) -> None:
     try:
-        fn = load_implementation(spec)
+        from m2po_oracle.adapters import adapt
+
+        fn = adapt(load_implementation(spec), adapter)
     except Exception as error:  # reported to the parent as a load failure
         connection.send(("load_error", str(error)))
         return
@@ -61,10 +63,11 @@ class ImplementationLoadError(RuntimeError):
 class Isolated:
     """A runner: ``measure(batch, *, dtype, device)`` in a worker process, with a timeout."""
 
-    def __init__(self, spec: str, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, spec: str, *, timeout_s: float = 60.0, adapter: str | None = None) -> None:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
             raise ValueError(f"timeout_s: expected a number > 0, got {timeout_s!r}")
         self.spec = spec
+        self.adapter = adapter
         self.timeout_s = float(timeout_s)
         self.timeouts = 0
         self.crashes = 0
@@ -77,7 +80,7 @@ class Isolated:
         Raises :class:`ImplementationLoadError` if the spec cannot be loaded there."""
         context = _forkserver()
         parent, child = context.Pipe()
-        process = context.Process(target=_serve, args=(self.spec, child), daemon=True, name=f"m2po-impl:{self.spec}")
+        process = context.Process(target=_serve, args=(self.spec, self.adapter, child), daemon=True, name=f"m2po-impl:{self.spec}")
         process.start()
         child.close()
         if not parent.poll(STARTUP_TIMEOUT_S):

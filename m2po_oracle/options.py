@@ -70,6 +70,8 @@ COMPARE_OPTIONS: tuple[Option, ...] = (
     Option("tau", "use this budget for every batch instead of drawing it", _budget, None),
     Option("device", "torch device for the input tensors", str, "cpu"),
     Option("timeout", "per-call timeout in seconds; the implementation runs in a worker process and a call past it is a finding", _positive_seconds, 60.0),
+    Option("adapter", "the port's signature family when it is not the contract's: mask_only, mask_function or policy_loss", str, None,
+           ("mask_only", "mask_function", "policy_loss")),
     Option("topology", "run distributed: ranks as dp=N,cp=N,tp=N (Megatron order); the implementation takes parallel=", _topology, None),
     Option("backend", "collective backend of a distributed run", str, "gloo", ("gloo", "nccl")),
     Option("strict_validation", "count silently accepted invalid input (see 'validation' in the report) as a divergence", bool, False, switch=True),

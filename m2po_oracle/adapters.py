@@ -1,0 +1,106 @@
+"""Adapters: check ports whose signature differs from the contract, without a user shim.
+
+Each adapter turns a function of one signature family into a contract implementation
+and says which fields of the result come from the port (and so are checked) and which
+the adapter supplies itself:
+
+* ``mask_only``: ``fn(log_ratio, advantages, mask, tau) -> keep``. The port chooses the
+  mask; the adapter builds Algorithm 1's objective on it. Checked: the selection.
+* ``mask_function``: ``fn(behavior_logp, proximal_logp, loss_mask, threshold) -> loss_mask``
+  (no advantages: every valid token is a candidate in such ports). Checked: the selection.
+* ``policy_loss``: ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+  config) -> loss`` or ``(loss, ...)``, verl's policy-loss registry shape; the mask is not
+  returned, so it is inferred from the gradient: a valid token whose gradient is exactly
+  zero (and whose advantage is not zero) was masked. Checked: the inferred selection, the
+  loss and the gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from m2po_oracle.contract import Implementation
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    signature: str
+    checked: tuple[str, ...]  # fields whose values come from the port
+    wrap: Callable[[Implementation], Implementation]
+
+
+def _objective(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    from m2po_oracle.core import loss_from_selection
+
+    return loss_from_selection(logp, behavior_logp, advantages, keep, mask.sum())
+
+
+def _as_keep(value: Any, mask: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
+    if tuple(value.shape) != tuple(mask.shape):
+        raise ValueError(f"{what}: expected shape {tuple(mask.shape)}, got {tuple(value.shape)}")
+    # Masks are often float 0/1 in these ports; a value other than 0/1 is not a mask.
+    if value.dtype != torch.bool:
+        if not bool(((value == 0) | (value == 1)).all()):
+            raise ValueError(f"{what}: expected a bool or 0/1 mask, got values other than 0 and 1")
+        value = value != 0
+    return value & mask
+
+
+def _mask_only(fn: Implementation) -> Implementation:
+    def implementation(logp, behavior_logp, advantages, mask, *, tau):
+        log_ratio = torch.where(mask, logp.detach() - behavior_logp, torch.zeros_like(logp))
+        keep = _as_keep(fn(log_ratio, advantages, mask, tau), mask, "keep returned by the mask-only function")
+        return {"loss": _objective(logp, behavior_logp, advantages, mask, keep), "keep": keep}
+    return implementation
+
+
+def _mask_function(fn: Implementation) -> Implementation:
+    def implementation(logp, behavior_logp, advantages, mask, *, tau):
+        keep = _as_keep(fn(behavior_logp, logp.detach(), mask, tau), mask, "loss_mask returned by the mask function")
+        return {"loss": _objective(logp, behavior_logp, advantages, mask, keep), "keep": keep}
+    return implementation
+
+
+def policy_loss_config(tau: float) -> SimpleNamespace:
+    """The config object handed to a policy-loss function: the budget under the names ports use."""
+    return SimpleNamespace(tau=tau, m2_threshold=tau, m2po_tau=tau, clip_ratio=0.2, loss_agg_mode="token-mean")
+
+
+def _policy_loss(fn: Implementation) -> Implementation:
+    def implementation(logp, behavior_logp, advantages, mask, *, tau):
+        returned = fn(behavior_logp, logp, advantages, mask.to(logp.dtype), "token-mean", policy_loss_config(tau))
+        loss = returned[0] if isinstance(returned, (tuple, list)) else returned
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            raise TypeError("the policy loss: expected a differentiable tensor as the (first) return value")
+        (grad,) = torch.autograd.grad(loss, logp, retain_graph=True, allow_unused=True)
+        grad = torch.zeros_like(logp) if grad is None else grad
+        # A kept token with A == 0 has zero gradient too: count it as kept.
+        keep = mask & ((grad != 0) | (advantages == 0))
+        return {"loss": loss, "keep": keep}
+    return implementation
+
+
+ADAPTERS: dict[str, Adapter] = {
+    "mask_only": Adapter("mask_only", "fn(log_ratio, advantages, mask, tau) -> keep", ("selection",), _mask_only),
+    "mask_function": Adapter("mask_function", "fn(behavior_logp, proximal_logp, loss_mask, threshold) -> loss_mask", ("selection",), _mask_function),
+    "policy_loss": Adapter("policy_loss", "fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) -> loss | (loss, ...)",
+                           ("selection (inferred from zero gradients)", "loss", "gradient"), _policy_loss),
+}
+
+
+def adapt(fn: Implementation, kind: str | None) -> Implementation:
+    if kind is None:
+        return fn
+    if kind not in ADAPTERS:
+        raise ValueError(f"adapter: expected one of {sorted(ADAPTERS)}, got {kind!r}")
+    wrapped = ADAPTERS[kind].wrap(fn)
+    wrapped.adapter = kind  # type: ignore[attr-defined]  # read back by replay commands
+    return wrapped
