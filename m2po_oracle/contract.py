@@ -112,7 +112,7 @@ def _scalar(value: Any, name: str) -> float:
     return float(value)
 
 
-def _normalise(raw: Any, logp: torch.Tensor, shape: tuple[int, int]) -> tuple[M2POResult, tuple[str, ...]]:
+def normalise_result(raw: Any, logp: torch.Tensor, shape: tuple[int, int]) -> tuple[M2POResult, tuple[str, ...]]:
     """Reduce a raw result to an :class:`M2POResult`; raises TypeError/ValueError on misfit."""
     notes: list[str] = []
     loss = _field(raw, "loss")
@@ -178,7 +178,7 @@ def measure(fn: Implementation, batch: Batch, *, dtype: str = "float64", device:
         return Measurement(seen, dtype, None, Finding("raised", _exception_text(error)))
     mutated = tuple(name for name, before in snapshot.items() if not _same(before, tensors[name].detach()))
     try:
-        result, notes = _normalise(raw, tensors["logp"], batch.shape)
+        result, notes = normalise_result(raw, tensors["logp"], batch.shape)
     except (TypeError, ValueError) as error:
         return Measurement(seen, dtype, None, Finding("wrong_result", str(error)), mutated)
     except Exception as error:

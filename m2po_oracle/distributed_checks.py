@@ -28,7 +28,7 @@ from m2po_oracle import oracle
 from m2po_oracle.batch import Batch
 from m2po_oracle.contract import Finding, Measurement, rounded_batch
 from m2po_oracle.distributed import RankContext, RankOutcome, World, WorldError
-from m2po_oracle.equivalence import Mismatch, check_selection, compare_to_oracle, compare_values, tolerance
+from m2po_oracle.equivalence import Mismatch, check_selection, compare_values, tolerance
 from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 from m2po_oracle.topology import Topology, cp_token_indices, dp_row_slices
 
@@ -49,7 +49,7 @@ def pad_for_cp(batch: Batch, cp: int) -> Batch:
 
 def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
     """Runs in every rank: the implementation on this rank's rows; never raises for it."""
-    from m2po_oracle.contract import _normalise, to_tensors
+    from m2po_oracle.contract import normalise_result, to_tensors
     from m2po_oracle.distributed_impls import ParallelState, load_distributed_implementation
 
     spec, dtype = payload["spec"], payload["dtype"]
@@ -62,7 +62,7 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
         tensors = to_tensors(local, dtype, ctx.device)
         parallel = ParallelState(ctx.topology, ctx.coords, ctx.groups["dp"], ctx.groups["dp_cp"], ctx.groups["cp"], ctx.groups["tp"])
         raw = _loaded[spec](tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"], tau=batch.tau, parallel=parallel)
-        result, _ = _normalise(raw, tensors["logp"], local.shape)
+        result, _ = normalise_result(raw, tensors["logp"], local.shape)
     except Exception:
         return {"rows": (rows.start, rows.stop), "error": traceback.format_exc(limit=-4)}
     return {"rows": (rows.start, rows.stop), "result": result}
@@ -162,8 +162,6 @@ def check_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome], dt
                                                 name, None, value, want_value))
     metrics = {name: getattr(results[0], name) for name in METRIC_FIELDS + COUNT_FIELDS}
     step.result = M2POResult(loss=loss, keep=keep, grad=grad, **metrics)
-    # Values the single-process battery would also flag (e.g. a wrong global loss) are
-    # already covered above with the rank named; keep only the per-rank findings.
     return step
 
 
@@ -209,5 +207,3 @@ def as_measurement(step: DistributedStep, dtype: str) -> Measurement:
         return Measurement(step.batch, dtype, None, Finding("raised", step.mismatches[0].summary if step.mismatches else "no result"))
     return Measurement(step.batch, dtype, step.result)
 
-
-__all__ = ["DISTRIBUTED_CHECKS", "DistributedRunner", "DistributedStep", "check_step", "compare_to_oracle", "pad_for_cp", "rank_step"]

@@ -184,7 +184,6 @@ def check_selection(batch: Batch, keep: np.ndarray, compute_dtype: str = "float6
     """Every way ``keep`` fails to be an outcome of Algorithm 1 (empty list: admissible)."""
     valid = batch.valid
     d = oracle.log_ratio(batch.logp, batch.behavior_logp, valid)
-    m2 = oracle.second_moment(d)
     trust = oracle.trust_region(d, batch.advantages, valid)
     found: list[Mismatch] = []
     kept_padding = keep & ~valid

@@ -14,7 +14,7 @@ from hypothesis import given
 from m2po_oracle import strategies
 from m2po_oracle.adapters import ADAPTERS, adapt
 from m2po_oracle.battery import assert_battery_passes, run_battery
-from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
+from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, main
 from m2po_oracle.core import loss_from_selection, select_tokens
 
 

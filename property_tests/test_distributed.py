@@ -13,7 +13,6 @@ import multiprocessing
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from m2po_oracle import strategies
 from m2po_oracle.batch import Batch
