@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from m2po_oracle.fast_selection import kept_candidates, kept_candidates_across
+from m2po_oracle.fast_selection import kept_candidates, kept_candidates_across, kept_candidates_without_sync
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -105,8 +105,10 @@ def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
     """Selection over 1-d float64 tokens (padding zeroed); see :func:`select_tokens`."""
     trust = mask & (((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
     m2 = d * d
-    candidate_index = torch.nonzero(trust).reshape(-1)
     valid_count = mask.sum()
+    if group is None and d.is_cuda:
+        return _select_on_device(m2, trust, mask, valid_count, tau)
+    candidate_index = torch.nonzero(trust).reshape(-1)
     if group is None:
         return _select_local(m2[candidate_index], candidate_index, mask, valid_count, tau)
     import torch.distributed as dist
@@ -130,6 +132,26 @@ def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
         m2_after=kept_total / kept_count.clamp(min=1),
         masked_fraction=(trust_count - kept_count) / valid_denominator,
         trust_region_fraction=trust_count / valid_denominator,
+    )
+
+
+def _select_on_device(m2: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, tau: float) -> Selection:
+    """Single-process selection with no host synchronisation (used on CUDA): fixed shapes
+    throughout, counts and metrics stay on the device."""
+    kept = kept_candidates_without_sync(m2, tau, candidates=trust)
+    zero = torch.zeros((), dtype=torch.float64, device=m2.device)
+    trust_count = trust.sum()
+    kept_count = kept.sum()
+    valid_denominator = valid_count.clamp(min=1).double()
+    return Selection(
+        keep=mask & ~(trust & ~kept),
+        valid_count=valid_count,
+        trust_region_count=trust_count,
+        kept_trust_region_count=kept_count,
+        m2_before=torch.where(trust, m2, zero).sum() / trust_count.clamp(min=1),
+        m2_after=torch.where(kept, m2, zero).sum() / kept_count.clamp(min=1),
+        masked_fraction=(trust_count - kept_count).double() / valid_denominator,
+        trust_region_fraction=trust_count.double() / valid_denominator,
     )
 
 

@@ -173,3 +173,43 @@ def kept_candidates_across_by_gathering(m2: torch.Tensor, tau: float, group: obj
     kept = torch.zeros(m2.shape, dtype=torch.bool, device=m2.device)
     kept[local_order[:mine]] = True
     return kept
+
+
+def kept_candidates_without_sync(m2: torch.Tensor, tau: float, candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """The same kept set with no host synchronisation (for GPUs): every shape is fixed.
+
+    Four levels over the full tensor; "still in the crossing bucket" is a boolean mask
+    instead of a gathered subset, and the crossing bucket is chosen on the device. After
+    64 bits every value still alive is the same float, so each is kept when its rank among
+    them (index order) still fits: ``(kept_sum + rank * v) / (kept_count + rank) <= tau``.
+    With ``candidates`` (a bool mask over ``m2``) only those compete and only they can be
+    kept, so callers need no ``nonzero`` either.
+    """
+    device = m2.device
+    keys = m2.view(torch.int64)
+    alive = torch.ones(m2.shape, dtype=torch.bool, device=device) if candidates is None else candidates.clone()
+    kept = torch.zeros(m2.shape, dtype=torch.bool, device=device)
+    kept_sum = torch.zeros((), dtype=torch.float64, device=device)
+    kept_count = torch.zeros((), dtype=torch.float64, device=device)
+    ones = torch.ones((), dtype=torch.float64, device=device).expand(m2.shape)
+    for level in range(64 // DIGIT_BITS):
+        digit = (keys >> (64 - DIGIT_BITS * (level + 1))) & (BUCKETS - 1)
+        # Values no longer alive go to one extra bucket past the end, ignored below.
+        bucket = torch.where(alive, digit, torch.full_like(digit, BUCKETS))
+        sums = torch.zeros(BUCKETS + 1, dtype=torch.float64, device=device).scatter_add_(0, bucket, m2)[:BUCKETS]
+        counts = torch.zeros(BUCKETS + 1, dtype=torch.float64, device=device).scatter_add_(0, bucket, ones)[:BUCKETS]
+        cumulative_sum = torch.cumsum(sums, 0) + kept_sum
+        cumulative_count = torch.cumsum(counts, 0) + kept_count
+        over = cumulative_sum / cumulative_count > tau
+        crosses = over.any()
+        # No crossing: everything alive fits (crossing = BUCKETS keeps every alive digit).
+        crossing = torch.where(crosses, torch.argmax(over.to(torch.uint8)), torch.tensor(BUCKETS, device=device))
+        kept |= alive & (digit < crossing)
+        below = (crossing - 1).clamp(min=0)
+        has_below = crosses & (crossing > 0)
+        kept_sum = torch.where(has_below, cumulative_sum[below], kept_sum)
+        kept_count = torch.where(has_below, cumulative_count[below], kept_count)
+        alive &= (digit == crossing) & crosses
+    rank = torch.cumsum(alive.to(torch.float64), 0)
+    kept |= alive & ((kept_sum + rank * m2) / (kept_count + rank) <= tau)
+    return kept

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from m2po_oracle import oracle, strategies
-from m2po_oracle.fast_selection import kept_candidates, kept_candidates_by_sorting
+from m2po_oracle.fast_selection import kept_candidates, kept_candidates_by_sorting, kept_candidates_without_sync
 
 SMALLS = [0, 1, 7, 4096]
 
@@ -75,3 +75,46 @@ def test_large_random_batches_take_the_radix_path_and_agree(seed, n, scale, tau)
 def test_ties_keep_the_lowest_indices():
     m2 = torch.tensor([0.25, 0.0, 0.25, 0.25, 0.0], dtype=torch.float64)  # tau 0.1: 0, 0, then one 0.25 fits
     assert kept_candidates(m2, 0.1, small=0).tolist() == [True, True, False, False, True]
+
+
+@given(batch=strategies.batches())
+def test_the_sync_free_variant_equals_the_radix_one_on_every_strategy(batch):
+    m2 = _candidates(batch)
+    assert torch.equal(kept_candidates_without_sync(m2, batch.tau), kept_candidates(m2, batch.tau, small=0))
+
+
+@pytest.mark.parametrize("case", EDGE_VALUES)
+@pytest.mark.parametrize("tau", [0.0, 0.04, 0.0625, 0.140625, 1.0, 1e308])
+def test_the_sync_free_variant_on_edge_values(case, tau):
+    m2 = torch.tensor(EDGE_VALUES[case], dtype=torch.float64)
+    assert torch.equal(kept_candidates_without_sync(m2, tau), kept_candidates_by_sorting(m2, tau)), f"{case}, tau {tau}"
+
+
+def test_the_sync_free_variant_on_a_large_batch_with_ties():
+    rng = np.random.default_rng(3)
+    d = 0.3 * rng.standard_t(3, size=50000)
+    d[::7] = 0.25
+    m2 = torch.from_numpy(d * d)
+    for tau in (0.0, 0.04, 0.0625, 0.5):
+        assert torch.equal(kept_candidates_without_sync(m2, tau), kept_candidates_by_sorting(m2, tau))
+
+
+@given(batch=strategies.batches())
+def test_the_cuda_selection_path_equals_the_cpu_one(batch):
+    """The core's no-sync path (taken on CUDA) run on CPU against its default path."""
+    from m2po_oracle.contract import to_tensors
+    from m2po_oracle.core import _select_local, _select_on_device, _selection_inputs
+
+    t = to_tensors(batch, "float64")
+    d, a = _selection_inputs(t["logp"], t["behavior_logp"], t["advantages"], t["mask"])
+    d, a, mask = d.reshape(-1), a.reshape(-1), t["mask"].reshape(-1)
+    trust = mask & (((a > 0) & (d > 0)) | ((a < 0) & (d < 0)))
+    m2 = d * d
+    index = torch.nonzero(trust).reshape(-1)
+    device_path = _select_on_device(m2, trust, mask, mask.sum(), batch.tau)
+    cpu_path = _select_local(m2[index], index, mask, mask.sum(), batch.tau)
+    assert torch.equal(device_path.keep, cpu_path.keep)
+    for name in ("valid_count", "trust_region_count", "kept_trust_region_count"):
+        assert int(getattr(device_path, name)) == int(getattr(cpu_path, name))
+    for name in ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction"):
+        assert float(getattr(device_path, name)) == pytest.approx(float(getattr(cpu_path, name)), rel=1e-12, abs=1e-300)
