@@ -19,7 +19,9 @@ import pytest
 
 from m2po_oracle.compare import run_compare
 from m2po_oracle.contract import load_implementation
+from m2po_oracle.distributed_checks import DistributedRunner
 from m2po_oracle.html_report import render_html, write_html
+from m2po_oracle.topology import Topology
 
 SCRIPT = "<script>alert(1)</script>"
 BREAKOUT = '"><img src=x onerror=alert(1)>'
@@ -357,6 +359,281 @@ def test_the_renderer_does_not_import_torch():
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
+# --- distributed runs ----------------------------------------------------------------------
+# Reports of real worlds (gloo, in-process runner) share the distributed tests' xdist group:
+# several worlds at once oversubscribe the cores. The synthetic reports below need no world.
+
+DISTRIBUTED = pytest.mark.xdist_group("distributed")
+# Two controls that each fail one way only, so shrinking takes few world steps (the built-in
+# controls fail five checks each and take several times longer).
+IMPLS = f"""
+from m2po_oracle.distributed_impls import core_distributed
+
+
+def diverging(logp, behavior_logp, advantages, mask, *, tau, parallel):
+    result = core_distributed(logp, behavior_logp, advantages, mask, tau=tau, parallel=parallel)
+    if parallel.coords.cp == 1:  # this CP replica reports its mask one kept token short
+        keep = result["keep"].clone()
+        kept = keep.nonzero()
+        if len(kept):
+            keep[tuple(kept[-1])] = False
+        result["keep"] = keep
+    return result
+
+
+def raising(logp, behavior_logp, advantages, mask, *, tau, parallel):
+    if parallel.coords.cp == 1:
+        raise RuntimeError({PAYLOAD!r})
+    return core_distributed(logp, behavior_logp, advantages, mask, tau=tau, parallel=parallel)
+"""
+
+
+def _distributed(spec: str, topology: Topology, examples: int) -> dict[str, Any]:
+    with DistributedRunner(spec, topology, timeout_s=60) as runner:
+        return run_compare(runner, spec, examples=examples).to_json()
+
+
+@pytest.fixture(scope="module")
+def dist_impls(tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("impls") / "dist_controls.py"
+    path.write_text(IMPLS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dist_divergent(dist_impls) -> dict[str, Any]:
+    """CP rank 1 keeps one token fewer than its replica (seeded search, so every run alike)."""
+    return _distributed(f"{dist_impls}:diverging", Topology(1, 2, 1), 10)
+
+
+@pytest.fixture(scope="module")
+def dist_equivalent() -> dict[str, Any]:
+    """The core on four ranks: every rank calls collectives."""
+    return _distributed("core", Topology(2, 1, 2), 10)
+
+
+@pytest.fixture(scope="module")
+def dist_raising(dist_impls) -> dict[str, Any]:
+    """CP rank 1 raises with the payload as its message: a real rank traceback."""
+    return _distributed(f"{dist_impls}:raising", Topology(1, 2, 1), 3)
+
+
+def _dist_rank(rank: int, dp: int, cp: int, tp: int, keep: Any, **extra: Any) -> dict[str, Any]:
+    return {"rank": rank, "coords": {"dp": dp, "cp": cp, "tp": tp}, "rows": [dp, dp + 1], "keep": keep, "loss": -0.25, "metrics": {},
+            "collectives": {}, "error": None, "stack": None, **extra}
+
+
+MASK = [[1, 1, 0, 0]]
+ODD_MASK = [[1, 0, 0, 0]]  # rank 2's: one token differs from its replicas'
+TRACEBACK = "Traceback (most recent call last):\n  File \"impl.py\", line 3, in fn\n    raise RuntimeError(msg)\nRuntimeError: " + PAYLOAD
+STACK = "Thread 0x1 (most recent call first):\n  File \"impl.py\", line 9 in " + PAYLOAD
+
+
+def _synthetic_distributed(base: dict[str, Any]) -> dict[str, Any]:
+    """Eight ranks dp=2 x cp=2 x tp=2. In dp=0 rank 2 keeps another mask than ranks 0, 1, 3;
+    dp=1 agrees. A second counterexample has a raising rank and a hung one."""
+    report = copy.deepcopy(base)
+    report["topology"] = {"dp": 2, "cp": 2, "tp": 2, "backend": "gloo"}
+    coords = [(r // 4, r // 2 % 2, r % 2) for r in range(8)]
+    sizes = [16, 1536, 3 * 1024 * 1024, 0, 16, 16, 16, 16]
+    report["collectives_per_step"] = [
+        {"rank": r, "coords": dict(zip(("dp", "cp", "tp"), c)),
+         "collectives": {"all_gather": {"calls": 2, "bytes": sizes[r]}, **({"all_reduce": {"calls": 1, "bytes": 8}} if r != 3 else {})}}
+        for r, c in enumerate(coords)]
+    report["validation"] = {"strict": False, "probes": []}
+    cx = report["counterexamples"][0]
+    cx["check"] = "distributed.replica_masks_identical"
+    cx["ranks"] = [_dist_rank(r, *c, ODD_MASK if r == 2 else MASK if c[0] == 0 else [[0, 1, 1, 0]]) for r, c in enumerate(coords)]
+    failing = copy.deepcopy(cx)
+    failing["check"] = "call"
+    failing["ranks"] = [_dist_rank(r, *c, MASK) for r, c in enumerate(coords)]
+    failing["ranks"][5].update(keep=None, loss=None, error=TRACEBACK)
+    failing["ranks"][6].update(keep=None, loss=None, stack=STACK)
+    report["counterexamples"] = [cx, failing]
+    return report
+
+
+def _mask_cells(html: str) -> list[list[str]]:
+    """Per row of each ranks table: the classes of its mask cells, in order."""
+    rows = re.findall(r'<tr class="rank[^"]*">(.*?)</tr>', html, re.DOTALL)
+    return [re.findall(r'<span class="(c [^"]*)">', row) for row in rows]
+
+
+def _replica_divergent(ranks: list[dict[str, Any]]) -> list[bool]:
+    """Independently of the renderer: does each rank share its dp with a rank keeping another mask?"""
+    return [r["keep"] is not None and any(o["coords"]["dp"] == r["coords"]["dp"] and o["keep"] is not None and o["keep"] != r["keep"] for o in ranks)
+            for r in ranks]
+
+
+@DISTRIBUTED
+def test_distributed_report_shows_topology_ranks_and_highlights_replica_divergence(dist_divergent, equivalent):
+    html = render_html(dist_divergent)
+    assert "<dt>topology</dt><dd>dp=1, cp=2, tp=1 on gloo, 2 ranks</dd>" in html
+    assert "<dt>topology</dt>" not in render_html(equivalent), "a single-process report has no topology"
+    assert "Not run in a distributed run" in html and 'class="probes"' not in html
+    with_ranks = [cx for cx in dist_divergent["counterexamples"] if cx.get("ranks")]
+    assert with_ranks
+    # Every ranks table lists every rank; a row is highlighted exactly when its replicas keep another mask.
+    tables = re.findall(r'<table class="ranks">.*?</table>', html, re.DOTALL)
+    assert len(tables) == len(with_ranks)
+    for cx, table in zip(with_ranks, tables):
+        rows = _tables(table)["ranks"][1:]
+        assert [cells[0][1] for _, cells in rows] == [str(r["rank"]) for r in cx["ranks"]]
+        assert [(cells[1][1], cells[2][1], cells[3][1]) for _, cells in rows] == [
+            tuple(str(r["coords"][a]) for a in ("dp", "cp", "tp")) for r in cx["ranks"]]
+        assert ["diverge" in cls.split() for cls, _ in rows] == _replica_divergent(cx["ranks"]), cx["check"]
+        for (_, cells), r, mask in zip(rows, cx["ranks"], _mask_cells(table)):
+            assert cells[6][1] == f"{sum(map(sum, r['keep']))} / {sum(map(len, r['keep']))}"
+            assert [c.split()[1] for c in mask] == [f"k{bit}" for row in r["keep"] for bit in row]
+    # The shrunk replica counterexample of this control does diverge.
+    (replica,) = [cx for cx in with_ranks if cx["check"] == "distributed.replica_masks_identical"]
+    assert any(_replica_divergent(replica["ranks"])) and "replicas disagree" in html
+
+
+def test_synthetic_replica_divergence_is_highlighted_rank_by_rank_and_cell_by_cell(divergent):
+    html = render_html(_synthetic_distributed(divergent))
+    assert "<dt>topology</dt><dd>dp=2, cp=2, tp=2 on gloo, 8 ranks</dd>" in html
+    table = re.search(r'<table class="ranks">.*?</table>', html, re.DOTALL).group(0)
+    rows = _tables(table)["ranks"][1:]
+    assert ["diverge" in cls.split() for cls, _ in rows] == [True] * 4 + [False] * 4
+    masks = _mask_cells(table)
+    assert [["d" in c.split() for c in row] for row in masks] == [
+        [False] * 4, [False] * 4, [False, True, False, False], [False] * 4] + [[False] * 4] * 4
+    assert re.findall(r'<span class="variant"[^>]*>(\w)</span>', table) == ["A", "A", "B", "A"]
+    assert "DP rank 0 (ranks 0, 1, 2, 3) keeps 2 different masks" in html and "DP rank 1" not in html
+    assert "1 token(s) differ from mask A" in table
+    # Padding (from the token table) is marked in the mask too.
+    padded = {tuple(t["index"]) for t in divergent["counterexamples"][0]["tokens"] if t["valid"] is False}
+    drawn = {(0, i) for i, c in enumerate(masks[0]) if "p" in c.split()}  # rank 0 holds row 0
+    assert drawn == {p for p in padded if p[0] == 0}
+
+
+def test_rank_errors_and_stacks_are_collapsible_and_escaped(divergent):
+    html = render_html(_synthetic_distributed(divergent))
+    _assert_no_injection(html)
+    escaped = str(markupsafe.escape(TRACEBACK))
+    assert re.search(r'<details class="rank-failure" id="cx-2-rank-5">\s*<summary>rank 5 \(dp=1, cp=0, tp=1\) raised: ', html)
+    assert f'<pre class="trace error">{escaped}</pre>' in html
+    assert f'<pre class="trace stack">{markupsafe.escape(STACK)}</pre>' in html
+    table = re.findall(r'<table class="ranks">.*?</table>', html, re.DOTALL)[1]
+    rows = _tables(table)["ranks"][1:]
+    assert [cells[7][1] for _, cells in rows] == ["returned"] * 5 + ["error", "hung", "returned"]
+    assert ["fail" in cls.split() for cls, _ in rows] == [False] * 5 + [True, True, False]
+    assert '<a href="#cx-2-rank-5"><span class="badge bad">error</span></a>' in table
+
+
+@DISTRIBUTED
+def test_a_real_rank_traceback_with_markup_is_escaped(dist_raising):
+    html = render_html(dist_raising)
+    _assert_no_injection(html)
+    assert dist_raising["verdict"] == "unusable"
+    cx = dist_raising["counterexamples"][0]
+    (failed,) = [r for r in cx["ranks"] if r["error"]]
+    assert failed["coords"]["cp"] == 1 and SCRIPT in failed["error"] and "Traceback" in failed["error"]
+    assert f'<pre class="trace error">{markupsafe.escape(failed["error"])}</pre>' in html
+    assert "<dt>topology</dt><dd>dp=1, cp=2, tp=1 on gloo, 2 ranks</dd>" in html
+
+
+@DISTRIBUTED
+def test_collectives_table_has_every_rank_and_a_total(dist_equivalent):
+    html = render_html(dist_equivalent)
+    assert 'class="verdict ok"' in html and '<a href="#collectives">' in html
+    per_step = dist_equivalent["collectives_per_step"]
+    assert len(per_step) == 4
+    kinds = sorted({k for entry in per_step for k in entry["collectives"]})
+    assert kinds, "the core calls collectives"
+    ((_, head), (_, sub), *rows, (total_cls, total)) = _tables(html)["collectives"]
+    assert [text for _, text in head][4:] == kinds and [text for _, text in sub] == ["calls", "bytes"] * len(kinds)
+    assert [[text for _, text in cells[:4]] for _, cells in rows] == [
+        [str(e["rank"]), *(str(e["coords"][a]) for a in ("dp", "cp", "tp"))] for e in per_step]
+    for (_, cells), entry in zip(rows, per_step):
+        for i, kind in enumerate(kinds):
+            assert cells[4 + 2 * i][1] == str(entry["collectives"][kind]["calls"])
+            assert _parse_bytes(cells[5 + 2 * i][1]) == pytest.approx(entry["collectives"][kind]["bytes"], rel=0.05)
+    row_html = re.findall(r'<tr class="rank">.*?</tr>', re.search(r'<table class="collectives">.*?</table>', html, re.DOTALL).group(0), re.DOTALL)
+    for tr, entry in zip(row_html, per_step):
+        assert re.findall(r'title="(\d+) bytes"', tr) == [str(entry["collectives"][k]["bytes"]) for k in kinds], "exact bytes on hover"
+    assert total_cls == "total" and [text for _, text in total][1::2] == [str(sum(e["collectives"][k]["calls"] for e in per_step)) for k in kinds]
+
+
+def _parse_bytes(text: str) -> float:
+    number, unit = text.split()
+    return float(number) * 1024 ** ["B", "KiB", "MiB", "GiB"].index(unit)
+
+
+def test_collectives_bytes_are_human_readable_and_missing_kinds_shown_as_dashes(divergent):
+    html = render_html(_synthetic_distributed(divergent))
+    ((_, head), _, *rows, (_, total)) = _tables(html)["collectives"]
+    assert [text for _, text in head][4:] == ["all_gather", "all_reduce"] and len(rows) == 8
+    assert [cells[5][1] for _, cells in rows[:3]] == ["16 B", "1.5 KiB", "3.0 MiB"]
+    assert '<td class="num" title="1536 bytes">1.5 KiB</td>' in html
+    assert [cells[6][1] for _, cells in rows][3] == "\u2014"
+    assert [text for _, text in total][1:] == ["16", "3.0 MiB", "7", "56 B"]
+
+
+def test_large_masks_are_cut_with_a_note_but_hidden_differences_still_counted(divergent):
+    report = _synthetic_distributed(divergent)
+    big = [[(r + c) % 2 for c in range(40)] for r in range(20)]
+    odd = copy.deepcopy(big)
+    odd[15][30] ^= 1  # outside the drawn 12 x 16 corner
+    cx = report["counterexamples"][0]
+    cx["ranks"] = [_dist_rank(0, 0, 0, 0, big, rows=[0, 20]), _dist_rank(1, 0, 0, 1, odd, rows=[0, 20])]
+    html = render_html(report)
+    table = re.search(r'<table class="ranks">.*?</table>', html, re.DOTALL).group(0)
+    assert [len(m) for m in _mask_cells(table)] == [12 * 16] * 2
+    assert table.count("first 12 rows × 16 tokens of 20 × 40 shown") == 2
+    assert ["diverge" in cls.split() for cls, _ in _tables(table)["ranks"][1:]] == [True, True]
+    assert "1 token(s) differ from mask A" in table and not any("d" in c.split() for m in _mask_cells(table) for c in m)
+
+
+def test_validation_of_a_single_process_run_is_unchanged(divergent):
+    report = copy.deepcopy(divergent)
+    report["validation"] = {"strict": False, "probes": []}
+    html = render_html(report)
+    assert "No probes were run." in html and "Not run in a distributed run" not in html
+
+
+def _dist_junk_ranks(report: dict[str, Any]) -> dict[str, Any]:
+    report["counterexamples"][0]["ranks"] = [None, 3, "x", {"keep": "x", "coords": None, "rows": "?", "loss": {"a": 1}, "error": 42, "stack": []},
+                                             {"keep": [[2, "a", None, True]], "coords": {"dp": [1]}, "rows": [0, "x"]},
+                                             {"keep": [[1, 0], 5], "coords": {"dp": 0}, "rows": [0, 1]},
+                                             {"keep": [[1.0, 0.0]], "coords": {"dp": 0}, "rows": [3, 1], "loss": "nan"},
+                                             {"keep": [], "coords": {"dp": 0}, "rows": []}]
+    return report
+
+
+DIST_ODD = {
+    "ranks missing": lambda r: (r["counterexamples"][0].pop("ranks"), r)[1],
+    "ranks not a list": lambda r: (r["counterexamples"][0].update(ranks="junk"), r)[1],
+    "ranks null": lambda r: (r["counterexamples"][0].update(ranks=None), r)[1],
+    "junk rank entries": _dist_junk_ranks,
+    "topology not a mapping": lambda r: {**r, "topology": "weird"},
+    "topology odd sizes": lambda r: {**r, "topology": {"dp": "x", "tp": 0, "backend": None}},
+    "collectives junk": lambda r: {**r, "collectives_per_step": [None, {"collectives": {"all_gather": "x"}}, {"rank": PAYLOAD,
+                                   "collectives": {"all_gather": {"calls": "many", "bytes": -5}, 7: None}}]},
+    "collectives not a list": lambda r: {**r, "collectives_per_step": {"rank": 0}},
+    "no collectives": lambda r: {**r, "collectives_per_step": []},
+}
+
+
+@pytest.mark.parametrize("case", DIST_ODD)
+def test_rendering_tolerates_odd_distributed_data(divergent, case):
+    html = render_html(DIST_ODD[case](_synthetic_distributed(divergent)))
+    assert html.startswith("<!DOCTYPE html>") and html.rstrip().endswith("</html>")
+    assert 'id="verdict"' in html and 'id="environment"' in html
+    _assert_no_injection(html)
+    if case == "ranks missing":
+        assert html.count('<table class="ranks">') == 1  # only the second counterexample's
+    if case in ("ranks not a list", "junk rank entries"):
+        assert "rank entries are unreadable" in html
+    if case == "junk rank entries":
+        assert "unreadable mask" in html and '<span class="c ku">?</span>' in html
+    if case == "topology not a mapping":
+        assert "<dt>topology</dt><dd>weird</dd>" in html
+    if case in ("collectives not a list", "no collectives"):
+        assert "No rank called a collective" in html
+
+
 # --- in a real browser ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -466,6 +743,36 @@ def test_browser_runs_no_hostile_markup(browser, divergent, hostile, tmp_path):
         try:
             assert page.locator("script").count() == 0 and page.locator("img").count() == 0
             assert PAYLOAD in page.locator("#implementation").inner_text(), "the hostile name is shown as text"
+        finally:
+            page.close()
+        assert seen["errors"] == [] and seen["dialogs"] == [], name
+        assert seen["requests"] == [path.as_uri()], name
+
+
+@DISTRIBUTED
+def test_browser_shows_a_distributed_report_offline(browser, dist_divergent, tmp_path):
+    # The synthetic layout is laid over the real distributed report (no single-process run needed here).
+    for name, report in (("real", dist_divergent), ("synthetic", _synthetic_distributed(dist_divergent))):
+        path = tmp_path / f"{name}.html"
+        write_html(report, path)
+        page, seen = _open(browser, path)
+        try:
+            assert page.locator("script").count() == 0 and page.locator("img").count() == 0
+            ranks = page.locator("table.ranks").first
+            assert ranks.is_visible() and page.locator("#collectives table").is_visible()
+            backgrounds = [row.locator("td").nth(1).evaluate("e => getComputedStyle(e).backgroundColor")
+                           for row in ranks.locator("tbody tr").all()]
+            highlighted = [bg == "rgb(255, 235, 233)" for bg in backgrounds]
+            assert highlighted == ["diverge" in (row.get_attribute("class") or "").split() for row in ranks.locator("tbody tr").all()]
+            assert any(highlighted), name
+            cell = ranks.locator(".mask .c").first.bounding_box()
+            assert cell and 10 <= cell["width"] <= 30 and 10 <= cell["height"] <= 30, "mask cells should be small squares"
+            if name == "synthetic":
+                failure = page.locator("details.rank-failure").first
+                trace = failure.locator("pre")
+                assert not trace.is_visible(), "tracebacks start collapsed"
+                failure.locator("summary").click()
+                assert trace.is_visible() and PAYLOAD in trace.inner_text()
         finally:
             page.close()
         assert seen["errors"] == [] and seen["dialogs"] == [], name
