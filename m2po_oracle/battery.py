@@ -52,6 +52,7 @@ class BatteryOutcome:
     measurement: Measurement
     mismatches: tuple[Mismatch, ...] = field(default_factory=tuple)
     ranks: tuple[dict, ...] = ()  # per-rank results and collectives of a distributed step
+    explained_by: tuple[str, ...] | None = None  # distributed variants reproducing a failing step
 
     @property
     def passed(self) -> bool:

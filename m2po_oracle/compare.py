@@ -169,6 +169,8 @@ def run_compare(
     tried = 0
     failing_observations: list[Observation] = []
     collectives: list[dict[str, Any]] = []
+    distributed_matches: set[str] | None = None  # variants reproducing every failing step so far
+    failing_steps = 0
     passing_observations: list[Observation] = []
 
     def explore(batch: Batch) -> bool:
@@ -186,6 +188,11 @@ def run_compare(
             kept = failing_observations if values_diverge else passing_observations
             if len(kept) < DIAGNOSIS_EXAMPLES // 2:
                 kept.append(Observation(outcome.batch, result))
+        nonlocal distributed_matches, failing_steps
+        if outcome.explained_by is not None:
+            failing_steps += 1
+            found = set(outcome.explained_by)
+            distributed_matches = found if distributed_matches is None else distributed_matches & found
         if outcome.ranks and not collectives:
             collectives.extend({"rank": r["rank"], "coords": r["coords"], "collectives": r["collectives"]} for r in outcome.ranks)
         if on_example is not None:
@@ -219,6 +226,13 @@ def run_compare(
     divergent_values = shrunk + failing_observations
     report.diagnosis = diagnose(divergent_values + passing_observations if divergent_values else [], [n for n, t in tallies.items() if t.failures],
                                 dtype=dtype, divergent=report.verdict == "divergent")
+    if distributed_matches:
+        from m2po_oracle.distributed_diagnosis import DESCRIPTIONS
+
+        report.diagnosis["matches"] = [
+            {"variant": name, "description": DESCRIPTIONS[name], "source": "spec section 3 / production PR (distributed scope)",
+             "evidence": f"reproduces all {failing_steps} failing steps"} for name in sorted(distributed_matches)] + report.diagnosis["matches"]
+        report.diagnosis["status"] = "matched"
     report.duration_s = time.perf_counter() - started
     return report
 

@@ -81,6 +81,7 @@ class DistributedStep:
     outcomes: list[RankOutcome]
     mismatches: list[Mismatch] = field(default_factory=list)
     result: M2POResult | None = None  # assembled over the world
+    explained_by: list[dict[str, Any]] = field(default_factory=list)  # distributed variants reproducing it
 
     def ranks_json(self) -> list[dict[str, Any]]:
         from m2po_oracle.report import number
@@ -162,6 +163,10 @@ def check_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome], dt
                                                 name, None, value, want_value))
     metrics = {name: getattr(results[0], name) for name in METRIC_FIELDS + COUNT_FIELDS}
     step.result = M2POResult(loss=loss, keep=keep, grad=grad, **metrics)
+    if step.mismatches:
+        from m2po_oracle.distributed_diagnosis import diagnose_step
+
+        step.explained_by = diagnose_step(batch, topology, outcomes, dtype)
     return step
 
 
@@ -190,7 +195,8 @@ class DistributedRunner:
         from m2po_oracle.battery import BatteryOutcome
 
         step = self.step(batch, dtype=dtype)
-        return BatteryOutcome(step.batch, as_measurement(step, dtype), tuple(step.mismatches), tuple(step.ranks_json()))
+        explained = tuple(v["variant"] for v in step.explained_by) if step.mismatches else None
+        return BatteryOutcome(step.batch, as_measurement(step, dtype), tuple(step.mismatches), tuple(step.ranks_json()), explained)
 
     def close(self) -> None:
         self.world.close()

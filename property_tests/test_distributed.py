@@ -197,3 +197,13 @@ def test_histogram_bytes_do_not_grow_with_tokens_while_all_gather_bytes_do():
     small, large = sent(20000), sent(200000)
     assert large["histogram"] <= small["histogram"] + 16, (small, large)
     assert large["all_gather"] > 5 * small["all_gather"], (small, large)
+
+
+@pytest.mark.parametrize("spec", sorted(DISTRIBUTED_CONTROLS))
+def test_distributed_controls_are_diagnosed_as_their_own_deviation(spec, runners):
+    from m2po_oracle.compare import run_compare
+
+    runner = runners(spec, CONTROL_TOPOLOGIES[spec])
+    report = run_compare(runner, spec, examples=60)
+    assert report.verdict == "divergent"
+    assert spec.split(":", 1)[1] in [m["variant"] for m in report.diagnosis["matches"]], report.diagnosis

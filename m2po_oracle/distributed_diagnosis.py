@@ -1,0 +1,91 @@
+"""Diagnosis of a distributed step: which known distributed deviation reproduces it.
+
+Each variant is computed from the batch and the topology alone (never fitted to the
+implementation's output) and compared with what every rank returned:
+
+* ``local_shard_selection``: each rank runs Algorithm 1 on its own CP shard of its rows;
+* ``local_denominator``: the global mask, but each rank's gradient divided by its own
+  shard's valid count;
+* ``dp_cp_group_double_count``: selection over the DP x CP group after CP reconstruction,
+  i.e. over the batch with every token counted once per CP replica (N and counts x cp).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from m2po_oracle import oracle
+from m2po_oracle.batch import Batch
+from m2po_oracle.distributed import RankOutcome
+from m2po_oracle.equivalence import compare_values, same_up_to_ties, tolerance
+from m2po_oracle.topology import Topology, cp_token_indices
+
+DESCRIPTIONS = {
+    "local_shard_selection": "each rank selects over its own CP shard only, without communication",
+    "local_denominator": "the global mask, but each rank's loss divided by its own valid count",
+    "dp_cp_group_double_count": "selection over the DP x CP group after CP reconstruction: every token counted once per CP replica",
+}
+
+
+def _shard_columns(batch: Batch, topology: Topology, cp_rank: int) -> np.ndarray:
+    return cp_token_indices(batch.shape[1], topology.cp, cp_rank)
+
+
+def _sub(batch: Batch, rows: slice, columns: np.ndarray | slice = slice(None)) -> Batch:
+    pick = lambda a: a[rows][:, columns]  # noqa: E731
+    return Batch(pick(batch.logp), pick(batch.behavior_logp), pick(batch.advantages), pick(batch.valid), batch.tau)
+
+
+def _first_difference(variant: str, batch: Batch, topology: Topology, outcomes: list[RankOutcome], dtype: str) -> str | None:
+    grad_tol = tolerance(dtype, "gradient")
+    global_result = oracle.m2po(batch)
+    n_global = int(batch.valid.sum())
+    for o in outcomes:
+        result = o.value["result"]
+        rows = slice(*o.value["rows"])
+        columns = _shard_columns(batch, topology, o.coords.cp)
+        local = _sub(batch, rows)
+        if variant == "local_shard_selection":
+            shard = _sub(batch, rows, columns)
+            expected = oracle.m2po(shard)
+            d = oracle.log_ratio(shard.logp, shard.behavior_logp, shard.valid)
+            if not same_up_to_ties(expected.keep, result.keep[:, columns], np.where(shard.valid, d * d, np.nan)):
+                return f"rank {o.rank}: its shard's mask is not Algorithm 1 on the shard alone"
+            # ... and its loss divided by the shard's own valid count.
+            want = np.zeros(local.shape)
+            want[:, columns] = oracle.evaluate_with_mask(shard, result.keep[:, columns]).grad
+            if compare_values("diagnosis", "grad", result.grad, want, grad_tol, float(np.abs(want).max(initial=0)) * grad_tol.rtol):
+                return f"rank {o.rank}: gradient is not the shard-alone one"
+            continue
+        if variant == "local_denominator":
+            keep = global_result.keep[rows]
+            if not np.array_equal(result.keep, keep):
+                return f"rank {o.rank}: mask differs from the global selection"
+            n_local = int(local.valid[:, columns].sum())
+            want = np.zeros(local.shape)
+            on_shard = oracle.evaluate_with_mask(local, keep)
+            want[:, columns] = on_shard.grad[:, columns] * int(local.valid.sum()) / max(n_local, 1)
+            if compare_values("diagnosis", "grad", result.grad, want, grad_tol, float(np.abs(want).max(initial=0)) * grad_tol.rtol):
+                return f"rank {o.rank}: gradient is not the shard-local-denominator one"
+            continue
+        if variant == "dp_cp_group_double_count":
+            # Every token appears cp times in the group; valid count and trust-region
+            # counts scale by cp, and the global cut is taken over the doubled multiset.
+            if result.valid_count is not None and result.valid_count != topology.cp * n_global:
+                return f"rank {o.rank}: valid_count {result.valid_count}, the double count is {topology.cp * n_global}"
+            doubled = Batch(*(np.concatenate([a] * topology.cp) for a in (batch.logp, batch.behavior_logp, batch.advantages, batch.valid)), batch.tau)
+            expected = oracle.m2po(doubled)
+            if result.kept_trust_region_count is not None and result.kept_trust_region_count != expected.kept_trust_region_count:
+                return f"rank {o.rank}: kept {result.kept_trust_region_count} trust-region tokens, the double count keeps {expected.kept_trust_region_count}"
+            continue
+    return None
+
+
+def diagnose_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome], dtype: str) -> list[dict[str, Any]]:
+    """The distributed variants that reproduce this step (empty if none or if a rank failed)."""
+    if any(not (o.value or {}).get("result") for o in outcomes):
+        return []
+    return [{"variant": name, "description": DESCRIPTIONS[name], "source": "spec section 3 / production PR (distributed scope)"}
+            for name in DESCRIPTIONS if _first_difference(name, batch, topology, outcomes, dtype) is None]
