@@ -157,11 +157,13 @@ def run_compare(
     tau: float | None = None,
     device: str = "cpu",
     strict_validation: bool = False,
+    shrink: bool = True,
     on_example: Callable[[BatteryOutcome], None] | None = None,
 ) -> CompareReport:
     """Try ``examples`` generated batches; for each failing check, shrink a minimal batch.
 
-    ``fn`` is an implementation callable or a runner (``isolation.Isolated``)."""
+    ``fn`` is an implementation callable or a runner (``isolation.Isolated``). With
+    ``shrink=False`` each counterexample is the first failing batch, as generated."""
     compute_dtype = compute_dtype or dtype
     started = time.perf_counter()
     tallies = {name: CheckTally(name) for name in CHECKS}
@@ -212,7 +214,7 @@ def run_compare(
     for name, tally in tallies.items():
         if tally.first_failure is None:
             continue
-        if getattr(fn, "timeouts", 0):  # shrinking would wait out the timeout on every try
+        if not shrink or getattr(fn, "timeouts", 0):  # shrinking would wait out the timeout on every try
             counterexamples.append(_unshrunk(fn, impl, name, tally.first_failure, dtype, compute_dtype, device))
             continue
         counterexamples.append(_shrink(fn, impl, name, tally.first_failure, strategy, examples, seed, dtype, compute_dtype, device))
