@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -195,12 +195,7 @@ def select_tokens(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
     with torch.no_grad():
         flat = _select_flat(d.reshape(-1), a.reshape(-1), mask.reshape(-1), float(tau), group)
-    return _reshape(flat, mask.shape)
-
-
-def _reshape(selection: Selection, shape: torch.Size) -> Selection:
-    return Selection(selection.keep.reshape(shape), *(getattr(selection, f) for f in (
-        "valid_count", "trust_region_count", "kept_trust_region_count", "m2_before", "m2_after", "masked_fraction", "trust_region_fraction")))
+    return replace(flat, keep=flat.keep.reshape(mask.shape))
 
 
 def select_micro_batches(micro_batches: Sequence[Sequence[torch.Tensor]], *, tau: float = 0.04, group: Any = None) -> list[Selection]:
@@ -233,8 +228,7 @@ def select_micro_batches(micro_batches: Sequence[Sequence[torch.Tensor]], *, tau
     parts, start = [], 0
     for flat_mask, shape in zip(flats_mask, shapes):
         end = start + flat_mask.numel()
-        parts.append(_reshape(Selection(whole.keep[start:end], *(getattr(whole, f) for f in (
-            "valid_count", "trust_region_count", "kept_trust_region_count", "m2_before", "m2_after", "masked_fraction", "trust_region_fraction"))), shape))
+        parts.append(replace(whole, keep=whole.keep[start:end].reshape(shape)))
         start = end
     return parts
 
@@ -276,5 +270,4 @@ def m2po_loss(
     """
     selection = select_tokens(logp, behavior_logp, advantages, mask, tau=tau, group=group)
     loss = loss_from_selection(logp, behavior_logp, advantages, selection.keep, selection.valid_count)
-    return CoreResult(loss=loss, **{f: getattr(selection, f) for f in (
-        "keep", "m2_before", "m2_after", "masked_fraction", "trust_region_fraction", "valid_count", "trust_region_count", "kept_trust_region_count")})
+    return CoreResult(loss=loss, **{f.name: getattr(selection, f.name) for f in fields(selection)})
