@@ -60,14 +60,18 @@ def _validate(logp, behavior_logp, advantages, mask, tau) -> None:
         raise ValueError(f"mask: expected dtype torch.bool, got {mask.dtype} (convert explicitly, e.g. mask.bool())")
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau < 0:
         raise ValueError(f"tau: expected a finite Python number >= 0, got {tau!r}")
-    for name in ("logp", "behavior_logp", "advantages"):
-        values = tensors[name].detach()
-        bad = mask & ~torch.isfinite(values)
+    names = ("logp", "behavior_logp", "advantages")
+    finite = [torch.isfinite(tensors[name].detach()) for name in names]
+    # One host synchronisation in the common case; the per-argument detail only on failure.
+    if not bool((mask & ~(finite[0] & finite[1] & finite[2])).any()):
+        return
+    for name, ok in zip(names, finite):
+        bad = mask & ~ok
         if bool(bad.any()):
             index = tuple(int(i) for i in bad.nonzero()[0])
             raise ValueError(
                 f"{name}: expected finite values on valid tokens (mask True), "
-                f"got {values[index].item()} at index {index} ({int(bad.sum())} such tokens)"
+                f"got {tensors[name].detach()[index].item()} at index {index} ({int(bad.sum())} such tokens)"
             )
 
 

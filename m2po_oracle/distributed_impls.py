@@ -14,7 +14,7 @@ the global loss), metrics optional.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -40,27 +40,37 @@ class ParallelState:
         return x[:, self.shard_columns(x.shape[1]).to(x.device)]
 
 
-def _metrics(selection: Any) -> dict[str, Any]:
-    return {f: getattr(selection, f) for f in ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction", "valid_count",
-                                               "trust_region_count", "kept_trust_region_count")}
+def _result(selection: Any, keep: torch.Tensor, loss: torch.Tensor) -> dict[str, Any]:
+    return {"loss": loss, "keep": keep, **{f.name: getattr(selection, f.name) for f in fields(selection) if f.name != "keep"}}
+
+
+def _select_then_shard_loss(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState, group: Any,
+                            local_denominator: bool = False) -> dict[str, Any]:
+    """Select on the reconstructed tensors over ``group``, then this rank's CP-shard loss
+    (with the selection's N, or with the shard's own valid count)."""
+    selection = select_tokens(logp, behavior_logp, advantages, mask, tau=tau, group=group)
+    shard = parallel.shard
+    denominator = shard(mask).sum() if local_denominator else selection.valid_count
+    loss = loss_from_selection(shard(logp), shard(behavior_logp), shard(advantages), shard(selection.keep), denominator)
+    return _result(selection, selection.keep, loss)
 
 
 def core_distributed(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
     """The core, as a Megatron trainer calls it: select over the pure DP group on the
     reconstructed tensors, then the loss of this rank's CP shard with the global N."""
-    selection = select_tokens(logp, behavior_logp, advantages, mask, tau=tau, group=parallel.dp_group)
-    shard = parallel.shard
-    loss = loss_from_selection(shard(logp), shard(behavior_logp), shard(advantages), shard(selection.keep), selection.valid_count)
-    return {"loss": loss, "keep": selection.keep, **_metrics(selection)}
+    return _select_then_shard_loss(logp, behavior_logp, advantages, mask, tau=tau, parallel=parallel, group=parallel.dp_group)
 
 
 def dp_cp_group_double_count(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
     """Control: selects over the DP x CP group after CP reconstruction (the production
     port's earlier head): every token is counted once per CP replica."""
-    selection = select_tokens(logp, behavior_logp, advantages, mask, tau=tau, group=parallel.dp_cp_group)
-    shard = parallel.shard
-    loss = loss_from_selection(shard(logp), shard(behavior_logp), shard(advantages), shard(selection.keep), selection.valid_count)
-    return {"loss": loss, "keep": selection.keep, **_metrics(selection)}
+    return _select_then_shard_loss(logp, behavior_logp, advantages, mask, tau=tau, parallel=parallel, group=parallel.dp_cp_group)
+
+
+def local_denominator(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
+    """Control: the right global mask, but the loss divides by this rank's own valid count."""
+    return _select_then_shard_loss(logp, behavior_logp, advantages, mask, tau=tau, parallel=parallel, group=parallel.dp_group,
+                                   local_denominator=True)
 
 
 def local_shard_selection(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
@@ -70,16 +80,7 @@ def local_shard_selection(logp, behavior_logp, advantages, mask, *, tau: float, 
     keep = torch.zeros_like(mask)
     keep[:, parallel.shard_columns(mask.shape[1])] = selection.keep
     loss = loss_from_selection(shard(logp), shard(behavior_logp), shard(advantages), selection.keep, selection.valid_count)
-    return {"loss": loss, "keep": keep, **_metrics(selection)}
-
-
-def local_denominator(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
-    """Control: the right global mask, but the loss divides by this rank's own valid count."""
-    selection = select_tokens(logp, behavior_logp, advantages, mask, tau=tau, group=parallel.dp_group)
-    shard = parallel.shard
-    local_n = shard(mask).sum()
-    loss = loss_from_selection(shard(logp), shard(behavior_logp), shard(advantages), shard(selection.keep), local_n)
-    return {"loss": loss, "keep": selection.keep, **_metrics(selection)}
+    return _result(selection, keep, loss)
 
 
 #: Built-in distributed implementations by name, with the check that must catch each control.
