@@ -42,6 +42,10 @@ CHECKS: dict[str, str] = {
 from m2po_oracle.distributed_checks_names import DISTRIBUTED_CHECKS  # noqa: E402
 
 CHECKS.update(DISTRIBUTED_CHECKS)
+# A whole training step (compare --impl trainer) adds its model-level checks.
+from m2po_oracle.trainer_checks_names import TRAINER_CHECKS  # noqa: E402
+
+CHECKS.update(TRAINER_CHECKS)
 
 PADDING_PROBES = (float("nan"), float("inf"), float("-inf"))
 
@@ -52,7 +56,9 @@ class BatteryOutcome:
     measurement: Measurement
     mismatches: tuple[Mismatch, ...] = field(default_factory=tuple)
     ranks: tuple[dict, ...] = ()  # per-rank results and collectives of a distributed step
-    explained_by: tuple[str, ...] | None = None  # distributed variants reproducing a failing step
+    explained_by: tuple[str, ...] | None = None  # step-level variants (distributed, trainer) reproducing a failing step
+    evidenced: tuple[str, ...] | None = None  # those of them that differ from Algorithm 1 on it (None: all of them)
+    case: dict | None = None  # the input of a step runner that is not a batch (a trainer case), as JSON
 
     @property
     def passed(self) -> bool:
@@ -120,8 +126,8 @@ def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", com
 
     ``fn`` is an implementation callable (called in this process) or a runner such as
     :class:`m2po_oracle.isolation.Isolated` (called in a worker process with a timeout)."""
-    if hasattr(fn, "distributed_battery"):  # a distributed.DistributedRunner: the world runs the step
-        return fn.distributed_battery(batch, dtype=dtype, compute_dtype=compute_dtype)
+    if hasattr(fn, "step_battery"):  # a runner that owns the whole step (a distributed world, a trainer)
+        return fn.step_battery(batch, dtype=dtype, compute_dtype=compute_dtype)
     runner = as_runner(fn)
     first = runner.measure(batch, dtype=dtype, device=device)
     if first.finding is not None:

@@ -84,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             return _distributed(args, console)
         from m2po_oracle.adapters import adapt
 
-        fn = adapt(load_implementation(args.impl), args.adapter)  # here first, for a fast error with closest matches
+        loaded = load_implementation(args.impl)  # here first, for a fast error with closest matches
+        if hasattr(loaded, "step_battery"):  # a whole training step: our own code, run in this process
+            if args.adapter:
+                raise ValueError(f"adapter: {args.impl!r} is a training step, not a loss function; --adapter does not apply")
+            return _compare(args, loaded, console) if args.command == "compare" else _replay(args, loaded, console)
+        fn = adapt(loaded, args.adapter)
         if args.in_process:
             return _compare(args, fn, console) if args.command == "compare" else _replay(args, fn, console)
         with Isolated(args.impl, timeout_s=args.timeout, adapter=args.adapter) as runner:
@@ -270,10 +275,13 @@ def _replay(args: argparse.Namespace, fn, console: Console) -> int:
         if not text.lstrip().startswith("{") and path.is_file():
             text = path.read_text()
         data = json.loads(text)
+        # A step runner whose input is not a batch (the trainer) replays its own input records.
+        parse = fn.parse_input if hasattr(fn, "parse_input") else Batch.from_dict
+        key = "trainer_case" if hasattr(fn, "parse_input") else "batch"
         if "counterexamples" in data:  # a compare report: replay each of its counterexamples
-            batches = [Batch.from_dict(c["batch"]) for c in data["counterexamples"]]
+            batches = [parse(c[key]) for c in data["counterexamples"]]
         else:
-            batches = [Batch.from_dict(data)]
+            batches = [parse(data)]
     except (OSError, ValueError, KeyError, TypeError) as error:
         Console(stderr=True).print(f"error: batch: expected JSON of a batch or a compare report, or a path to one: {error}", highlight=False, markup=False)
         return EXIT_UNUSABLE
@@ -282,9 +290,11 @@ def _replay(args: argparse.Namespace, fn, console: Console) -> int:
         outcome = run_battery(fn, batch, dtype=args.dtype, compute_dtype=args.compute_dtype, device=args.device)
         if outcome.mismatches:
             status = EXIT_DIVERGENT
-            console.print(format_mismatches(list(outcome.mismatches), batch=batch, where=f"for {args.impl!r}"), highlight=False, markup=False, soft_wrap=True)
+            console.print(format_mismatches(list(outcome.mismatches), batch=outcome.batch, where=f"for {args.impl!r}"), highlight=False, markup=False, soft_wrap=True)
+            if outcome.explained_by:
+                console.print(f"explained by: {', '.join(outcome.explained_by)}", highlight=False)
         else:
-            console.print(f"all checks pass on the batch of shape {batch.shape} (tau {batch.tau})")
+            console.print(f"all checks pass on the batch of shape {outcome.batch.shape} (tau {outcome.batch.tau})")
     return status
 
 

@@ -23,6 +23,7 @@ from m2po_oracle.contract import Implementation, as_runner
 from m2po_oracle.diagnosis import Observation, diagnose
 from m2po_oracle.equivalence import Mismatch
 from m2po_oracle.record import M2POResult
+from m2po_oracle.trainer_checks_names import TRAINER_CHECKS
 from m2po_oracle.report import SCHEMA, counterexample_json, tolerances_json
 from m2po_oracle.validation import PROBES, ProbeResult
 
@@ -44,6 +45,7 @@ class Counterexample:
     replay: str
     actual: M2POResult | None = None
     ranks: tuple[dict, ...] = ()
+    case: dict | None = None  # a trainer case: the step's input (the batch is what the trainer produced)
 
 
 @dataclass
@@ -96,7 +98,8 @@ class CompareReport:
                 for name, t in self.tallies.items()
             ],
             "counterexamples": [
-                {**counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype), **({"ranks": list(c.ranks)} if c.ranks else {})}
+                {**counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype), **({"ranks": list(c.ranks)} if c.ranks else {}),
+                 **({"trainer_case": c.case} if c.case else {})}
                 for c in self.counterexamples
             ],
             "diagnosis": self.diagnosis,
@@ -129,8 +132,9 @@ class _StopExploring(BaseException):  # BaseException: Hypothesis must not shrin
 
 
 #: Checks about behaviour rather than the values computed; they do not make an
-#: observation evidence for an output variant.
-BEHAVIOURAL_CHECKS = frozenset({"call", "padding_immunity", "determinism", "inputs_not_mutated"})
+#: observation evidence for an output variant. A trainer's own checks are about the step
+#: around the loss (which model, how accumulated); trainer variants explain those.
+BEHAVIOURAL_CHECKS = frozenset({"call", "padding_immunity", "determinism", "inputs_not_mutated"}) | frozenset(TRAINER_CHECKS)
 #: Observations kept for diagnosis: half from failing examples, half from passing ones.
 DIAGNOSIS_EXAMPLES = 60
 
@@ -165,14 +169,18 @@ def run_compare(
     ``fn`` is an implementation callable or a runner (``isolation.Isolated``). With
     ``shrink=False`` each counterexample is the first failing batch, as generated."""
     compute_dtype = compute_dtype or dtype
+    if dtype not in getattr(fn, "dtypes", (dtype,)):
+        raise ValueError(f"dtype: {impl!r} runs in one of {list(fn.dtypes)}, got {dtype!r}")
     started = time.perf_counter()
-    tallies = {name: CheckTally(name) for name in CHECKS}
-    strategy = _strategy(tau)
+    # A step runner (distributed world, trainer) says which checks it runs and what it explores.
+    tallies = {name: CheckTally(name) for name in getattr(fn, "checks", CHECKS)}
+    strategy = fn.strategy(tau) if hasattr(fn, "strategy") else _strategy(tau)
     tried = 0
     failing_observations: list[Observation] = []
     collectives: list[dict[str, Any]] = []
-    distributed_matches: set[str] | None = None  # variants reproducing every failing step so far
+    step_matches: set[str] | None = None  # variants reproducing every failing step so far
     failing_steps = 0
+    evidenced: set[str] = set()  # variants that differ from Algorithm 1 on some failing step they reproduce
     passing_observations: list[Observation] = []
 
     def explore(batch: Batch) -> bool:
@@ -190,11 +198,12 @@ def run_compare(
             kept = failing_observations if values_diverge else passing_observations
             if len(kept) < DIAGNOSIS_EXAMPLES // 2:
                 kept.append(Observation(outcome.batch, result))
-        nonlocal distributed_matches, failing_steps
+        nonlocal step_matches, failing_steps
         if outcome.explained_by is not None:
             failing_steps += 1
             found = set(outcome.explained_by)
-            distributed_matches = found if distributed_matches is None else distributed_matches & found
+            step_matches = found if step_matches is None else step_matches & found
+            evidenced.update(found if outcome.evidenced is None else outcome.evidenced)
         if outcome.ranks and not collectives:
             collectives.extend({"rank": r["rank"], "coords": r["coords"], "collectives": r["collectives"]} for r in outcome.ranks)
         if on_example is not None:
@@ -211,16 +220,26 @@ def run_compare(
             pass
 
     counterexamples = []
+    # A step runner's step costs a model or a world: a minimal input already found for one
+    # check also serves every other check it fails, instead of a new search per check.
+    reuse = hasattr(fn, "step_battery")
+    shrunk_outcomes: list[tuple[Any, BatteryOutcome]] = []
     for name, tally in tallies.items():
         if tally.first_failure is None:
             continue
         if not shrink or getattr(fn, "timeouts", 0):  # shrinking would wait out the timeout on every try
             counterexamples.append(_unshrunk(fn, impl, name, tally.first_failure, dtype, compute_dtype, device))
             continue
-        counterexamples.append(_shrink(fn, impl, name, tally.first_failure, strategy, examples, seed, dtype, compute_dtype, device))
-    distributed = hasattr(fn, "distributed_battery")
-    # Invalid-input probes are single-process calls; a distributed run skips them.
-    probes = [] if distributed else [as_runner(fn).probe(p.name, dtype=dtype, device=device) for p in PROBES]
+        prior = next(((found, outcome) for found, outcome in shrunk_outcomes if name in outcome.failed_checks), None) if reuse else None
+        if prior is not None:
+            counterexamples.append(_counterexample(fn, impl, name, prior[0], prior[1], dtype, compute_dtype))
+            continue
+        found, outcome = _shrink(fn, name, tally.first_failure, strategy, examples, seed, dtype, compute_dtype, device)
+        shrunk_outcomes.append((found, outcome))
+        counterexamples.append(_counterexample(fn, impl, name, found, outcome, dtype, compute_dtype))
+    distributed = hasattr(fn, "topology")
+    # Invalid-input probes are single-process calls of a loss function; a step runner skips them.
+    probes = [] if hasattr(fn, "step_battery") else [as_runner(fn).probe(p.name, dtype=dtype, device=device) for p in PROBES]
     report = CompareReport(impl, dtype, compute_dtype, seed, tried, tallies, counterexamples, tau=tau, device=device,
                            validation=probes, strict_validation=strict_validation, collectives=collectives,
                            topology={"dp": fn.topology.dp, "cp": fn.topology.cp, "tp": fn.topology.tp, "backend": fn.world.backend} if distributed else None)
@@ -228,24 +247,35 @@ def run_compare(
     divergent_values = shrunk + failing_observations
     report.diagnosis = diagnose(divergent_values + passing_observations if divergent_values else [], [n for n, t in tallies.items() if t.failures],
                                 dtype=dtype, divergent=report.verdict == "divergent")
-    if distributed_matches:
+    # A variant that coincides with Algorithm 1 on every failing step reproduces them trivially.
+    step_matches = (step_matches or set()) & evidenced
+    if step_matches:
         from m2po_oracle.distributed_diagnosis import DESCRIPTIONS
 
+        descriptions = getattr(fn, "variant_descriptions", DESCRIPTIONS)
+        source = getattr(fn, "variant_source", "spec section 3 / production PR (distributed scope)")
         report.diagnosis["matches"] = [
-            {"variant": name, "description": DESCRIPTIONS[name], "source": "spec section 3 / production PR (distributed scope)",
-             "evidence": f"reproduces all {failing_steps} failing steps"} for name in sorted(distributed_matches)] + report.diagnosis["matches"]
+            {"variant": name, "description": descriptions[name], "source": source,
+             "evidence": f"reproduces all {failing_steps} failing steps"} for name in sorted(step_matches)] + report.diagnosis["matches"]
         report.diagnosis["status"] = "matched"
     report.duration_s = time.perf_counter() - started
     return report
 
 
-def _unshrunk(fn, impl, check, batch, dtype, compute_dtype, device) -> Counterexample:
-    outcome = run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
+def _counterexample(fn, impl, check, found, outcome: BatteryOutcome, dtype, compute_dtype) -> Counterexample:
     mismatches = tuple(m for m in outcome.mismatches if m.check == check) or outcome.mismatches
-    return Counterexample(check, outcome.batch, mismatches, _replay(fn, impl, batch, dtype, compute_dtype), outcome.measurement.result, outcome.ranks)
+    return Counterexample(check, outcome.batch, mismatches, _replay(fn, impl, found, dtype, compute_dtype), outcome.measurement.result, outcome.ranks,
+                          outcome.case)
+
+
+def _unshrunk(fn, impl, check, found, dtype, compute_dtype, device) -> Counterexample:
+    outcome = run_battery(fn, found, dtype=dtype, compute_dtype=compute_dtype, device=device)
+    return _counterexample(fn, impl, check, found, outcome, dtype, compute_dtype)
 
 
 def _replay(fn, impl, batch, dtype, compute_dtype) -> str:
+    if hasattr(fn, "replay_command"):  # a step runner whose input is not a batch
+        return fn.replay_command(batch, dtype=dtype, compute_dtype=compute_dtype)
     command = replay_command(impl, batch, dtype=dtype, compute_dtype=compute_dtype)
     adapter = getattr(fn, "adapter", None)
     if isinstance(adapter, str):
@@ -255,7 +285,7 @@ def _replay(fn, impl, batch, dtype, compute_dtype) -> str:
     return command
 
 
-def _shrink(fn, impl, check, fallback, strategy, examples, seed, dtype, compute_dtype, device) -> Counterexample:
+def _shrink(fn, check, fallback, strategy, examples, seed, dtype, compute_dtype, device) -> tuple[Any, BatteryOutcome]:
     """Replay the same search with "this check fails" as the goal; Hypothesis shrinks it."""
 
     def fails(batch: Batch) -> bool:
@@ -267,6 +297,4 @@ def _shrink(fn, impl, check, fallback, strategy, examples, seed, dtype, compute_
             batch = find(strategy, fails, settings=_search_settings(examples), random=random.Random(seed))
         except (NoSuchExample, Exception):  # a flaky check may not fail again: keep the first failing batch
             batch = fallback
-    outcome = run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
-    mismatches = tuple(m for m in outcome.mismatches if m.check == check) or outcome.mismatches
-    return Counterexample(check, outcome.batch, mismatches, _replay(fn, impl, batch, dtype, compute_dtype), outcome.measurement.result, outcome.ranks)
+    return batch, run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device)

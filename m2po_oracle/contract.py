@@ -247,6 +247,10 @@ def load_implementation(spec: str) -> Implementation:
     builtins = builtin_implementations()
     if spec in builtins:
         return builtins[spec]
+    if spec == "trainer" or spec.startswith("trainer:"):  # the whole GRPO training step, or one of its controls
+        from m2po_oracle.trainer_checks import TrainerRunner
+
+        return TrainerRunner(spec.partition(":")[2] or None)
     registered = _registered()
     if spec in registered:
         try:
@@ -257,7 +261,9 @@ def load_implementation(spec: str) -> Implementation:
             raise ValueError(f"impl: the registered implementation {spec!r} is a {type(fn).__name__}, not a callable")
         return fn
     if ":" not in spec or spec.startswith("control:"):  # "control:" is the built-in namespace
-        known = list(builtins) + list(registered)
+        from m2po_oracle.trainer_checks_names import TRAINER_IMPLEMENTATIONS
+
+        known = list(builtins) + list(TRAINER_IMPLEMENTATIONS) + list(registered)
         builtins = dict.fromkeys(known)
         close = difflib.get_close_matches(spec, builtins, n=3, cutoff=0.5)
         hint = f"; closest matches: {', '.join(close)}" if close else f"; built-in names: {', '.join(sorted(builtins))}"

@@ -190,7 +190,7 @@ class DistributedRunner:
             return step
         return check_step(seen, self.topology, outcomes, dtype)
 
-    def distributed_battery(self, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None) -> Any:
+    def step_battery(self, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None) -> Any:
         """The battery outcome of one step (used by ``battery.run_battery``)."""
         from m2po_oracle.battery import BatteryOutcome
 
