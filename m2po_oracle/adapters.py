@@ -11,8 +11,9 @@ the adapter supplies itself:
 * ``policy_loss``: ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
   config) -> loss`` or ``(loss, ...)``, verl's policy-loss registry shape; the mask is not
   returned, so it is inferred from the gradient: a valid token whose gradient is exactly
-  zero (and whose advantage is not zero) was masked. Checked: the inferred selection, the
-  loss and the gradient.
+  zero was masked. Where a kept token's gradient would be zero too (A == 0, or exp(d) * A
+  underflows) the port's choice is unobservable; the core's choice completes the mask
+  there. Checked: the inferred selection, the loss and the gradient.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from m2po_oracle.contract import Implementation
+from m2po_oracle.core import select_tokens
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,15 @@ def _policy_loss(fn: Implementation) -> Implementation:
             raise TypeError("the policy loss: expected a differentiable tensor as the (first) return value")
         (grad,) = torch.autograd.grad(loss, logp, retain_graph=True, allow_unused=True)
         grad = torch.zeros_like(logp) if grad is None else grad
-        # A kept token with A == 0 has zero gradient too: count it as kept.
-        keep = mask & ((grad != 0) | (advantages == 0))
+        # A kept token's gradient -exp(d) * A / N is zero too when A == 0 or the product
+        # underflows: the port's choice for such a token is unobservable (it changes neither
+        # loss nor gradient), so it is completed with the core's choice and not judged.
+        with torch.no_grad():
+            valid_count = mask.sum().clamp(min=1)
+            kept_gradient = torch.where(mask, torch.exp(logp.detach() - behavior_logp) * advantages, torch.zeros_like(logp)) / valid_count
+            observable = kept_gradient != 0
+            completion = select_tokens(logp.detach(), behavior_logp, advantages, mask, tau=tau).keep if not bool(observable[mask].all()) else mask
+        keep = mask & torch.where(observable, grad != 0, completion)
         return {"loss": loss, "keep": keep}
     return implementation
 

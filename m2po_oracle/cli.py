@@ -241,13 +241,15 @@ def _print_validation(console: Console, report) -> None:
     if not report.validation:
         console.print("validation: not run (invalid-input probes are single-process calls)", highlight=False)
         return
+    warned = [p.probe for p in report.validation if p.expected == "warned"]
     if not warnings:
-        console.print(f"validation: all {len(report.validation)} invalid-input probes were rejected (fails closed)", highlight=False)
+        also = f"; {', '.join(warned)} allowed with a warning, as required" if warned else ""
+        console.print(f"validation: all {len(report.validation) - len(warned)} invalid-input probes were rejected (fails closed){also}", highlight=False, soft_wrap=True)
         return
     label = "counted as divergence (--strict-validation)" if report.strict_validation else "warnings; the verdict is unchanged (use --strict-validation to count them)"
-    console.print(f"validation: {len(warnings)} of {len(report.validation)} invalid-input probes were not rejected, {label}:", highlight=False, soft_wrap=True)
+    console.print(f"validation: {len(warnings)} of {len(report.validation)} probes were not handled as required, {label}:", highlight=False, soft_wrap=True)
     for p in warnings:
-        console.print(f"  - {p.probe} ({p.description}): {p.status}: {p.message}", highlight=False, markup=False, soft_wrap=True)
+        console.print(f"  - {p.probe} ({p.description}): {p.status} (expected: {p.expected}): {p.message}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _print_diagnosis(console: Console, diagnosis: dict) -> None:

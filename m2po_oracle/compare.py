@@ -69,7 +69,7 @@ class CompareReport:
 
     @property
     def validation_warnings(self) -> list[ProbeResult]:
-        return [p for p in self.validation if p.status != "rejected"]
+        return [p for p in self.validation if not p.as_expected]
 
     @property
     def verdict(self) -> str:
@@ -238,8 +238,12 @@ def run_compare(
         shrunk_outcomes.append((found, outcome))
         counterexamples.append(_counterexample(fn, impl, name, found, outcome, dtype, compute_dtype))
     distributed = hasattr(fn, "topology")
-    # Invalid-input probes are single-process calls of a loss function; a step runner skips them.
-    probes = [] if hasattr(fn, "step_battery") else [as_runner(fn).probe(p.name, dtype=dtype, device=device) for p in PROBES]
+    # Invalid-input probes are single-process calls of a loss function; a step runner has its
+    # own (the trainer's fail-closed rules) or none (a distributed world).
+    if hasattr(fn, "validation_probes"):
+        probes = fn.validation_probes(dtype=dtype)
+    else:
+        probes = [] if hasattr(fn, "step_battery") else [as_runner(fn).probe(p.name, dtype=dtype, device=device) for p in PROBES]
     report = CompareReport(impl, dtype, compute_dtype, seed, tried, tallies, counterexamples, tau=tau, device=device,
                            validation=probes, strict_validation=strict_validation, collectives=collectives,
                            topology={"dp": fn.topology.dp, "cp": fn.topology.cp, "tp": fn.topology.tp, "backend": fn.world.backend} if distributed else None)

@@ -14,6 +14,7 @@ on odd content.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -165,9 +166,10 @@ _VERDICT_TEXT = {
     "divergent": "the implementation diverges from Algorithm 1",
     "unusable": "the implementation never returned a usable result",
 }
-_PROBE_CLASS = {"rejected": "ok", "accepted": "warn", "hung": "bad", "crashed": "bad"}
+_PROBE_CLASS = {"rejected": "ok", "warned": "ok", "accepted": "warn", "hung": "bad", "crashed": "bad"}
 _PROBE_NOTE = {
     "rejected": "rejected as it should be",
+    "warned": "allowed with a warning, as it should be",
     "accepted": "WARNING: silently accepted invalid input",
     "hung": "hung",
     "crashed": "crashed instead of raising a clean error",
@@ -260,8 +262,11 @@ def _validation(raw: Any, distributed: bool = False) -> dict[str, Any]:
     probes = []
     for p in map(_mapping, _list(v.get("probes"))):
         status = _text(p.get("status"), "unknown")
+        status_class, note = _PROBE_CLASS.get(status, "neutral"), _PROBE_NOTE.get(status, status)
+        if p.get("expected") == "warned" and status == "rejected":
+            status_class, note = "warn", "refused a setting that should be allowed with a warning"
         probes.append({"probe": _text(p.get("probe")), "description": _text(p.get("description")), "status": status,
-                       "status_class": _PROBE_CLASS.get(status, "neutral"), "note": _PROBE_NOTE.get(status, status),
+                       "status_class": status_class, "note": note,
                        "message": _text(p.get("message"))})
     strict = v.get("strict")
     return {
@@ -334,7 +339,27 @@ def _counterexample(number: int, raw: Mapping[str, Any]) -> dict[str, Any]:
         "tokens_differ": sum(1 for t in tokens if t["keep_differs"] or t["grad_differs"]),
         "curve": _removal_curve(raw.get("removal_curve")),
         "ranks": _ranks(raw.get("ranks"), number, _padding(raw.get("tokens"))) if "ranks" in raw else None,
+        "trainer_case": _trainer_case(raw.get("trainer_case")) if "trainer_case" in raw else None,
     }
+
+
+_CASE_LABELS = (("seed", "seed"), ("prompts", "prompts"), ("group_size", "completions per prompt"), ("prompt_len", "prompt tokens"),
+                ("max_new_tokens", "max new tokens"), ("lags", "worker lag per prompt (optimizer steps)"), ("staleness_lr", "staleness lr"),
+                ("tau", "tau"), ("split", "rows per micro-batch"))
+
+
+def _trainer_case(raw: Any) -> list[tuple[str, str]]:
+    """The training step a trainer counterexample came from, as (label, value) rows."""
+    case = _mapping(raw)
+    rows = [(label, _text(json.dumps(case[key]) if isinstance(case.get(key), list) else _fmt(case[key]))) for key, label in _CASE_LABELS if key in case]
+    step = _mapping(case.get("trainer"))
+    if "loss" in step:
+        rows.append(("step loss", _fmt(step["loss"])))
+    if "tokens" in step:
+        rows.append(("valid tokens", _fmt(step["tokens"])))
+    if isinstance(step.get("rewards"), list):
+        rows.append(("rewards", ", ".join(_fmt(r) for r in step["rewards"][:32])))
+    return rows or [("case", _text(raw))]
 
 
 def _keep_label(value: Any) -> str:

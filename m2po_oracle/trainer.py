@@ -244,7 +244,7 @@ def stochastic_layers(model: Any) -> list[str]:
     return found
 
 
-def check_training_setup(config: TrainerConfig, policy: Any, rollout: Rollout) -> None:
+def check_training_setup(config: TrainerConfig, policy: Any, rollout: Rollout, *, require_deterministic: bool = True) -> None:
     """Reject, with an error naming the setting, any setup that would silently change the
     M2PO objective; warn for a non-zero KL coefficient."""
     if config.rollout_backend not in ROLLOUT_BACKENDS:
@@ -268,7 +268,7 @@ def check_training_setup(config: TrainerConfig, policy: Any, rollout: Rollout) -
                          "needs training-engine behaviour log-probs this trainer does not retain; it would correct the same ratio twice")
     if isinstance(config.tau, bool) or not isinstance(config.tau, (int, float)) or not math.isfinite(config.tau) or config.tau < 0:
         raise ValueError(f"tau: expected a finite number >= 0, got {config.tau!r}")
-    stochastic = stochastic_layers(policy)
+    stochastic = stochastic_layers(policy) if require_deterministic else []
     if stochastic:
         raise ValueError("model: the mask prepass must be deterministic, but the policy has stochastic layers: "
                          f"{', '.join(stochastic)}; set them to 0 (LoRA: lora_dropout 0)")
@@ -327,10 +327,9 @@ class GRPOTrainer:
         """One optimizer step over ``rollout`` split into micro-batches of ``split`` rows."""
         policy, faults = self.policy, self.faults
         parts = _check_split(split, rollout.rows)
-        if not faults.skip_determinism_check:
-            check_training_setup(self.config, policy, rollout)
         if self.config.beta != 0 and self.reference is None:
             raise ValueError("reference: beta != 0 needs a reference model for the KL term")
+        check_training_setup(self.config, policy, rollout, require_deterministic=not faults.skip_determinism_check)
         behavior_logp = self._behavior_logp(rollout).to(torch.float64)
         token_advantages = group_advantages(rollout.rewards, rollout.group_size)[:, None].expand_as(behavior_logp).clone()
         bounds = [0]

@@ -122,6 +122,11 @@ class TrainerControl:
     faults: dict[str, bool]
     caught_by: tuple[str, ...]
     model_dropout: float = 0.0
+    diagnosed_as: str = ""  # the trainer variant the diagnosis must name (default: the control's name)
+
+    @property
+    def variant(self) -> str:
+        return self.diagnosed_as or self.name
 
 
 TRAINER_CONTROLS: tuple[TrainerControl, ...] = (
@@ -132,7 +137,7 @@ TRAINER_CONTROLS: tuple[TrainerControl, ...] = (
     TrainerControl("per_micro_batch_denominator", "each micro-batch divides by its own valid count (then by k), not the optimizer batch's",
                    {"per_micro_batch_denominator": True}, ("trainer.accumulation", "gradient")),
     TrainerControl("dropout_left_on", "attention dropout 0.1 stays on: the mask prepass and the loss pass see different forwards",
-                   {"skip_determinism_check": True}, ("trainer.policy_logp",), model_dropout=0.1),
+                   {"skip_determinism_check": True}, ("trainer.policy_logp",), model_dropout=0.1, diagnosed_as="stochastic_forward"),
     TrainerControl("optimizer_step_per_micro_batch", "optimizer.step() runs after every micro-batch instead of once per optimizer batch",
                    {"optimizer_step_per_micro_batch": True}, ("trainer.optimizer_step",)),
 )
@@ -406,6 +411,64 @@ def explain(step: TrainerStep) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(consistent), tuple(evidenced)
 
 
+# --- fail-closed probes ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainerProbe:
+    """A setup the trainer must refuse (or, for ``expected="warned"``, allow with a warning)."""
+
+    name: str
+    description: str
+    argument: str  # the setting the error (or warning) must name
+    config: dict[str, Any] = field(default_factory=dict)  # TrainerConfig fields
+    backend: str = "hf"  # the rollout's engine
+    record_logp: bool = True  # whether the engine returned behaviour log-probs
+    model_dropout: float = 0.0
+    expected: str = "rejected"
+
+
+TRAINER_PROBES: tuple[TrainerProbe, ...] = (
+    TrainerProbe("deployment_behavior_logp_missing", "deployment-backed rollout returned no behaviour log-probs", "behavior_logp",
+                 {"rollout_backend": "deployment"}, backend="deployment", record_logp=False),
+    TrainerProbe("deployment_behavior_logp_from_trainer", "deployment-backed rollout, behaviour log-probs recomputed by the trainer", "behavior_logp_source",
+                 {"rollout_backend": "deployment", "behavior_logp_source": "trainer"}, backend="deployment"),
+    TrainerProbe("stochastic_mask_prepass", "policy with attention dropout 0.1 (mask prepass and loss pass would differ)", "model",
+                 model_dropout=0.1),
+    TrainerProbe("sequence_level_is", "importance_sampling_level='sequence'", "importance_sampling_level", {"importance_sampling_level": "sequence"}),
+    TrainerProbe("rollout_is_correction", "an extra rollout-IS correction (rollout_importance_sampling_mode='token_tis')",
+                 "rollout_importance_sampling_mode", {"rollout_importance_sampling_mode": "token_tis"}),
+    TrainerProbe("kl_coefficient", "beta=0.01: a KL term on top of M2PO", "beta", {"beta": 0.01}, expected="warned"),
+)
+PROBE_CASE = TrainerCase(seed=7, prompts=2, group_size=2, prompt_len=2, max_new_tokens=4, lags=(1, 2), staleness_lr=0.02, tau=0.04, split=(4,))
+
+
+def run_trainer_probe(probe: TrainerProbe, *, dtype: str = "float64", faults: dict[str, bool] | None = None) -> Any:
+    """One step of the trainer under ``probe``'s setup; never raises because of the trainer."""
+    import warnings
+
+    from m2po_oracle.trainer import GRPOTrainer, M2POKLWarning, TrainerConfig, TrainerFaults, make_policy_versions, sample_rollout
+    from m2po_oracle.validation import ProbeResult
+
+    case = PROBE_CASE
+    versions = make_policy_versions(case.seed, steps=max(case.lags), lr=case.staleness_lr, dtype=TRAINER_DTYPES[dtype], dropout=probe.model_dropout)
+    samplers = [versions[-1 - lag] for lag in case.lags]
+    rollout = sample_rollout(samplers, prompts=case.prompts, group_size=case.group_size, prompt_len=case.prompt_len,
+                             max_new_tokens=case.max_new_tokens, seed=case.seed, backend=probe.backend, record_logp=probe.record_logp)
+    config = TrainerConfig(**{"tau": case.tau, "lr": STEP_LR, **probe.config})
+    trainer = GRPOTrainer(versions[-1], config, faults=TrainerFaults(**(faults or {})), behaviour=samplers, reference=versions[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.step(rollout)
+        except (Exception, SystemExit) as error:
+            return ProbeResult(probe.name, probe.description, "rejected", f"{type(error).__name__}: {error}", probe.expected)
+    warned = [w for w in caught if issubclass(w.category, M2POKLWarning)]
+    if warned:
+        return ProbeResult(probe.name, probe.description, "warned", f"{warned[0].category.__name__}: {warned[0].message}", probe.expected)
+    return ProbeResult(probe.name, probe.description, "accepted", "the step ran without an error or a warning", probe.expected)
+
+
 # --- the runner ---------------------------------------------------------------------------
 
 
@@ -450,6 +513,9 @@ class TrainerRunner:
 
     def replay_command(self, case: TrainerCase, *, dtype: str = "float64", compute_dtype: str | None = None) -> str:
         return shlex.join(["m2po-oracle", "replay", "--impl", self.spec, "--dtype", dtype, "--batch", json.dumps(case.to_dict())])
+
+    def validation_probes(self, *, dtype: str = "float64") -> list[Any]:
+        return [run_trainer_probe(p, dtype=dtype, faults=self.control.faults if self.control else None) for p in TRAINER_PROBES]
 
     def parse_input(self, data: dict[str, Any]) -> TrainerCase:
         return TrainerCase.from_dict({k: v for k, v in data.items() if k != "trainer"})

@@ -66,11 +66,16 @@ PROBES: tuple[Probe, ...] = (
 class ProbeResult:
     probe: str
     description: str
-    status: str  # rejected | accepted | hung | crashed
+    status: str  # rejected | warned | accepted | hung | crashed
     message: str
+    expected: str = "rejected"  # "warned" for a setting that is allowed, but only with a warning
+
+    @property
+    def as_expected(self) -> bool:
+        return self.status == self.expected
 
     def to_json(self) -> dict[str, str]:
-        return {"probe": self.probe, "description": self.description, "status": self.status, "message": self.message}
+        return {"probe": self.probe, "description": self.description, "status": self.status, "expected": self.expected, "message": self.message}
 
 
 def probe(name: str) -> Probe:

@@ -19,6 +19,11 @@ settings.register_profile("ci", parent=settings.get_profile("default"), max_exam
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("M2PO_HYPOTHESIS_PROFILE", "dev"))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # xdist workers already fill the cores; a second intra-op thread per worker makes small
+    # kernels (the trainer's tiny model, scatter-heavy selection) stall on each other.
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -13,6 +13,10 @@ from m2po_oracle import oracle, strategies
 from m2po_oracle.equivalence import selection_bounds
 
 SEARCH = settings(max_examples=400, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+#: Features in under 1 % of draws (a tie at the cut: about 3 in 400); 2000 draws miss one
+#: with probability below 1e-6, where 400 missed it under pytest's random stream.
+RARE = {"tie at the cut"}
+RARE_SEARCH = settings(SEARCH, max_examples=2000)
 
 
 def _d(batch):
@@ -63,7 +67,7 @@ def test_strategy_produces(feature):
     strategy, has_feature = FEATURES[feature]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        find(strategy, has_feature, settings=SEARCH, random=random.Random(0))
+        find(strategy, has_feature, settings=RARE_SEARCH if feature in RARE else SEARCH, random=random.Random(0))
 
 
 @given(strategies.batches())

@@ -1,0 +1,219 @@
+"""The GRPO trainer behind ``compare --impl trainer``: the correct step passes the battery,
+every planted trainer bug is caught and named, and every fail-closed rule holds."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+import numpy as np
+import pytest
+import torch
+
+from m2po_oracle import oracle
+from m2po_oracle.batch import Batch
+from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
+from m2po_oracle.compare import run_compare
+from m2po_oracle.html_report import render_html
+from m2po_oracle.trainer import (GRPOTrainer, M2POKLWarning, TrainerConfig, group_advantages, make_policy_versions, sample_rollout,
+                                 stochastic_layers, valid_until_eos)
+from m2po_oracle.trainer_checks import (CONTROLS_BY_NAME, PROBE_CASE, TRAINER_CONTROLS, TRAINER_PROBES, TrainerCase, TrainerRunner,
+                                        run_case, run_trainer_probe)
+from m2po_oracle.trainer_checks_names import TRAINER_CHECKS, TRAINER_IMPLEMENTATIONS
+
+
+def _probe_setup(dtype=torch.float64, **rollout_options):
+    case = PROBE_CASE
+    versions = make_policy_versions(case.seed, steps=max(case.lags), lr=case.staleness_lr, dtype=dtype)
+    samplers = [versions[-1 - lag] for lag in case.lags]
+    rollout = sample_rollout(samplers, prompts=case.prompts, group_size=case.group_size, prompt_len=case.prompt_len,
+                             max_new_tokens=case.max_new_tokens, seed=case.seed, **rollout_options)
+    return versions, samplers, rollout
+
+
+# --- the whole step against the oracle ---------------------------------------------------------
+
+
+def test_the_correct_trainer_passes_every_check_on_steps_that_mask_and_accumulate():
+    seen = {"masked": 0, "accumulated": 0}
+
+    def count(outcome):
+        result = outcome.measurement.result
+        seen["masked"] += int(result is not None and bool((outcome.batch.valid & ~result.keep).any()))
+        seen["accumulated"] += int(len(outcome.case["split"]) > 1)
+
+    report = run_compare(TrainerRunner(), "trainer", examples=40, seed=0, shrink=False, on_example=count)
+    failing = {name: t.failures for name, t in report.tallies.items() if t.failures}
+    assert report.verdict == "equivalent", (failing, [c.mismatches for c in report.counterexamples])
+    assert set(TRAINER_CHECKS) <= set(report.tallies), "the trainer checks did not run"
+    assert "determinism" not in report.tallies, "checks a trainer does not run must not be reported as passed"
+    # Not vacuous: the battery saw steps where Algorithm 1 masked tokens and steps split into micro-batches.
+    assert seen["masked"] >= 5 and seen["accumulated"] >= 10, seen
+    assert [p.status for p in report.validation] == [p.expected for p in TRAINER_PROBES]
+
+
+def test_the_correct_trainer_passes_in_float32():
+    report = run_compare(TrainerRunner(), "trainer", examples=12, seed=1, dtype="float32", shrink=False)
+    assert report.verdict == "equivalent", {n: t.failures for n, t in report.tallies.items() if t.failures}
+
+
+@pytest.mark.parametrize("control", TRAINER_CONTROLS, ids=lambda c: c.name)
+def test_every_trainer_control_is_caught_by_its_check_and_named_by_the_diagnosis(control):
+    report = run_compare(TrainerRunner(control.name), f"trainer:{control.name}", examples=60, seed=0, shrink=False)
+    failed = {name for name, t in report.tallies.items() if t.failures}
+    assert report.verdict == "divergent"
+    assert set(control.caught_by) <= failed, f"{control.name} escaped {set(control.caught_by) - failed}; failed: {sorted(failed)}"
+    assert report.diagnosis["status"] == "matched"
+    trainer_matches = [m["variant"] for m in report.diagnosis["matches"] if m["source"].startswith("trainer-level")]
+    assert trainer_matches == [control.variant], report.diagnosis["matches"]
+
+
+def test_a_trainer_counterexample_carries_the_step_and_renders(tmp_path):
+    path = tmp_path / "behaviour.json"
+    assert main(["compare", "--impl", "trainer:current_policy_as_behavior", "--examples", "10", "--json", str(path)]) == EXIT_DIVERGENT
+    data = json.loads(path.read_text())
+    (cx,) = data["counterexamples"]
+    assert cx["check"] == "trainer.behavior_logp"
+    case = TrainerCase.from_dict({k: v for k, v in cx["trainer_case"].items() if k != "trainer"})
+    assert case.prompts == 1 and case.max_new_tokens == 1, f"not shrunk: {case}"
+    assert "trainer.behavior_logp" in cx["summary"] or any("behavior_logp" in m["summary"] for m in cx["mismatches"])
+    # The replay command re-runs the same step: it fails for the control, passes for the trainer.
+    command = shlex.split(cx["replay"])
+    assert command[:4] == ["m2po-oracle", "replay", "--impl", "trainer:current_policy_as_behavior"]
+    assert main(command[1:]) == EXIT_DIVERGENT
+    assert main(["replay", str(path), "--impl", "trainer"]) == EXIT_EQUIVALENT
+    html = render_html(data)
+    assert "Training step" in html and "worker lag per prompt" in html
+
+
+def test_compare_trainer_cli_is_equivalent_and_reports_the_fail_closed_probes(tmp_path, capsys):
+    path = tmp_path / "trainer.json"
+    assert main(["compare", "--impl", "trainer", "--examples", "8", "--json", str(path)]) == EXIT_EQUIVALENT
+    data = json.loads(path.read_text())
+    assert {c["name"] for c in data["checks"]} >= set(TRAINER_CHECKS)
+    assert [p["status"] for p in data["validation"]["probes"]] == [p.expected for p in TRAINER_PROBES]
+    out = capsys.readouterr().out
+    assert "kl_coefficient allowed with a warning" in out and "verdict: equivalent" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compare", "--impl", "trainer", "--adapter", "mask_only"], "adapter"),
+    (["compare", "--impl", "trainer", "--dtype", "bfloat16"], "dtype"),
+    (["compare", "--impl", "trainer:no_such_control"], "unknown trainer control"),
+    (["compare", "--impl", "trainr"], "trainer"),
+    (["replay", "--impl", "trainer", "--batch", '{"kind": "trainer_case", "seed": 0}'], "trainer case"),
+])
+def test_trainer_usage_errors_exit_2_naming_the_problem(argv, message, capsys):
+    assert main(argv) == EXIT_UNUSABLE
+    assert message in capsys.readouterr().err
+
+
+def test_every_trainer_name_loads():
+    from m2po_oracle.contract import load_implementation
+
+    assert [load_implementation(name).spec for name in TRAINER_IMPLEMENTATIONS] == list(TRAINER_IMPLEMENTATIONS)
+    assert {f"trainer:{c.name}" for c in TRAINER_CONTROLS} == set(TRAINER_IMPLEMENTATIONS) - {"trainer"}
+
+
+# --- fail-closed rules --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("probe", TRAINER_PROBES, ids=lambda p: p.name)
+def test_each_fail_closed_rule_rejects_with_an_error_naming_the_setting(probe):
+    result = run_trainer_probe(probe)
+    assert result.status == probe.expected, result
+    assert result.message.split(": ", 1)[1].startswith(probe.argument), result.message
+
+
+def test_a_trainer_that_skips_the_determinism_rule_is_caught_by_the_probe():
+    stochastic = next(p for p in TRAINER_PROBES if p.name == "stochastic_mask_prepass")
+    result = run_trainer_probe(stochastic, faults=CONTROLS_BY_NAME["dropout_left_on"].faults)
+    assert result.status == "accepted" and not result.as_expected
+
+
+def test_stochastic_layers_finds_config_dropout_dropout_modules_and_batch_norm():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.2), torch.nn.BatchNorm1d(2), torch.nn.Dropout(0.0))
+    found = stochastic_layers(model)
+    assert found == ["1: Dropout(p=0.2)", "2: BatchNorm1d"]
+    versions = make_policy_versions(0, steps=0, lr=0.01, dropout=0.05)
+    assert stochastic_layers(versions[0]) == ["config.attention_dropout=0.05"]
+    assert stochastic_layers(make_policy_versions(0, steps=0, lr=0.01)[0]) == []
+
+
+def test_a_kl_coefficient_warns_and_adds_exactly_beta_times_kl():
+    versions, samplers, rollout = _probe_setup()
+    trainer = GRPOTrainer(versions[-1], TrainerConfig(beta=0.25), behaviour=samplers, reference=versions[0])
+    with pytest.warns(M2POKLWarning, match="beta=0.25"):
+        record = trainer.step(rollout)
+    assert record.kl_term > 0
+    # The M2PO part is Algorithm 1's loss on the trainer's own batch and mask.
+    seen = Batch(record.logp.numpy(), record.behavior_logp.numpy(), record.advantages.numpy(), record.valid.numpy(), record.tau)
+    assert record.loss - 0.25 * record.kl_term == pytest.approx(oracle.evaluate_with_mask(seen, record.keep.numpy()).loss, rel=1e-10, abs=1e-15)
+    with pytest.raises(ValueError, match="^reference"):
+        GRPOTrainer(versions[-1], TrainerConfig(beta=0.25), behaviour=samplers).step(rollout)
+
+
+def test_synchronous_hf_generation_may_recompute_behaviour_logp_in_the_trainer():
+    _, samplers, recorded = _probe_setup()
+    _, _, bare = _probe_setup(record_logp=False)
+    assert bare.behavior_logp is None and torch.equal(bare.completion_ids, recorded.completion_ids)
+    versions = make_policy_versions(PROBE_CASE.seed, steps=max(PROBE_CASE.lags), lr=PROBE_CASE.staleness_lr, dtype=torch.float64)
+    record = GRPOTrainer(versions[-1], TrainerConfig(behavior_logp_source="trainer"), behaviour=samplers).step(bare)
+    valid = recorded.valid
+    # The rollout engine's float32 record and the trainer's float64 recomputation agree to float32 precision.
+    np.testing.assert_allclose(record.behavior_logp[valid].numpy(), recorded.behavior_logp[valid].numpy(), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="^behavior_logp: the rollout carries no behaviour log-probs"):
+        GRPOTrainer(versions[-1], TrainerConfig(), behaviour=samplers).step(bare)
+
+
+@pytest.mark.parametrize("split, message", [([1], "split"), ([5, -1], "split"), ([2.0, 2], "split")])
+def test_a_bad_micro_batch_split_is_rejected(split, message):
+    versions, samplers, rollout = _probe_setup()
+    with pytest.raises(ValueError, match=f"^{message}: expected non-negative row counts summing to the 4 rollouts"):
+        GRPOTrainer(versions[-1], TrainerConfig(), behaviour=samplers).step(rollout, split)
+
+
+@pytest.mark.parametrize("changes, argument", [
+    ({"prompts": 0}, "prompts"), ({"lags": (1,)}, "lags"), ({"split": (3,)}, "split"), ({"tau": float("nan")}, "tau"),
+    ({"staleness_lr": 0.0}, "staleness_lr"), ({"prompt_len": 40, "max_new_tokens": 40}, "prompt_len + max_new_tokens"),
+])
+def test_a_bad_trainer_case_names_its_field(changes, argument):
+    fields = {**PROBE_CASE.to_dict(), **changes}
+    with pytest.raises(ValueError, match=f"^{re.escape(argument)}: expected"):
+        TrainerCase.from_dict(fields)
+
+
+def test_trainer_case_round_trips_through_json():
+    assert TrainerCase.from_dict(json.loads(json.dumps(PROBE_CASE.to_dict()))) == PROBE_CASE
+
+
+# --- the pieces of the step ----------------------------------------------------------------------
+
+
+def test_group_advantages_are_normalised_within_each_group():
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.4], dtype=torch.float64), 2)
+    assert advantages.reshape(3, 2).sum(dim=1).abs().max() < 1e-12
+    assert advantages[2] == advantages[3] == 0  # equal rewards: no signal
+    assert advantages[0] > 0 > advantages[1]
+    with pytest.raises(ValueError, match="^group_size"):
+        group_advantages(torch.zeros(5), 2)
+
+
+def test_valid_tokens_end_at_the_first_eos():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0]])
+    assert valid_until_eos(ids).tolist() == [[True, True, False, False], [True] * 4, [True, False, False, False]]
+
+
+def test_behaviour_logp_are_recorded_at_sampling_from_the_raw_logits():
+    step = run_case(TrainerCase(seed=3, prompts=2, group_size=3, prompt_len=2, max_new_tokens=6, lags=(2, 0), staleness_lr=0.02, tau=0.04,
+                                split=(2, 0, 4)))
+    recorded = step.rollout.behavior_logp
+    assert torch.isnan(recorded[~step.rollout.valid]).all(), "padding must not look like a sample"
+    # Each group was sampled by its own worker: the lagging group's log-probs differ from the current policy's.
+    from m2po_oracle.trainer import behaviour_logp_of
+
+    current = behaviour_logp_of(step.policy_before, step.rollout)
+    valid = step.rollout.valid
+    assert (recorded[:3] - current[:3])[valid[:3]].abs().max() > 1e-3
+    assert (recorded[3:] - current[3:])[valid[3:]].abs().max() < 1e-6
