@@ -69,6 +69,7 @@ class TrainerFaults:
     per_micro_batch_denominator: bool = False  # each micro-batch divides by its own N, then 1/k
     skip_determinism_check: bool = False  # trains with whatever stochastic layers the model has
     optimizer_step_per_micro_batch: bool = False  # optimizer.step() after every micro-batch
+    drop_gradient_of: str | None = None  # a parameter whose gradient is zeroed before the step (a mis-wired freeze)
 
 
 @dataclass(frozen=True)
@@ -367,6 +368,10 @@ class GRPOTrainer:
             total_loss += float(loss.detach())
             logps.append(logp.detach())
             token_grads.append(logp.grad.detach() if logp.grad is not None else torch.zeros_like(logp))
+        if faults.drop_gradient_of is not None:
+            dropped = dict(policy.named_parameters())[faults.drop_gradient_of]
+            if dropped.grad is not None:
+                dropped.grad.zero_()
         param_grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in policy.named_parameters()}
         if not faults.optimizer_step_per_micro_batch:
             self.optimizer.step()

@@ -140,6 +140,8 @@ TRAINER_CONTROLS: tuple[TrainerControl, ...] = (
                    {"skip_determinism_check": True}, ("trainer.policy_logp",), model_dropout=0.1, diagnosed_as="stochastic_forward"),
     TrainerControl("optimizer_step_per_micro_batch", "optimizer.step() runs after every micro-batch instead of once per optimizer batch",
                    {"optimizer_step_per_micro_batch": True}, ("trainer.optimizer_step",)),
+    TrainerControl("embedding_gradient_dropped", "the input embedding's gradient is zeroed before the step (a freeze wired to the wrong parameter)",
+                   {"drop_gradient_of": "model.embed_tokens.weight"}, ("trainer.parameter_gradient",), diagnosed_as="parameters_without_gradient"),
 )
 CONTROLS_BY_NAME = {c.name: c for c in TRAINER_CONTROLS}
 
@@ -376,6 +378,17 @@ def _test_optimizer_step_per_micro_batch(step: TrainerStep) -> tuple[bool, bool]
     return same(step.record.params_after, replayed), not same(_optimizer_replay(step), replayed)
 
 
+def _test_parameters_without_gradient(step: TrainerStep) -> tuple[bool, bool]:
+    """Some parameters report an all-zero gradient where the pulled-back gradient is not
+    zero, and every other parameter's gradient is right."""
+    expected = _pullback(copy.deepcopy(step.policy_before), step.rollout, oracle.evaluate_with_mask(step.batch, step.record.keep.numpy()).grad)
+    reported = step.record.param_grads
+    silent = {n for n, g in reported.items() if not bool(g.any()) and bool(expected[n].any())}
+    rest_right = _compare_params("diagnosis", {n: g for n, g in reported.items() if n not in silent},
+                                 {n: g for n, g in expected.items() if n not in silent}, step.dtype, "") is None
+    return bool(silent) and rest_right, bool(silent)
+
+
 @dataclass(frozen=True)
 class TrainerVariant:
     name: str
@@ -391,6 +404,8 @@ TRAINER_VARIANTS: tuple[TrainerVariant, ...] = (
                    "recomputation and the model has stochastic layers", _test_stochastic_forward),
     TrainerVariant("optimizer_step_per_micro_batch", CONTROLS_BY_NAME["optimizer_step_per_micro_batch"].description,
                    _test_optimizer_step_per_micro_batch),
+    TrainerVariant("parameters_without_gradient", "some parameters get no gradient (frozen or detached by mistake) while the loss depends on them",
+                   _test_parameters_without_gradient),
 )
 VARIANT_DESCRIPTIONS = {v.name: v.description for v in TRAINER_VARIANTS}
 
@@ -478,7 +493,7 @@ class TrainerRunner:
     checks = CHECK_NAMES
     dtypes = tuple(TRAINER_DTYPES)
     variant_descriptions = VARIANT_DESCRIPTIONS
-    variant_source = "trainer-level deviation (production PR: optimizer-batch scope, behaviour log-probs, deterministic prepass)"
+    variant_source = "trainer-level deviation (the production PR's support boundary, or a plausible port bug)"
 
     def __init__(self, control: str | None = None) -> None:
         import importlib.util

@@ -10,4 +10,5 @@ TRAINER_CHECKS: dict[str, str] = {
 
 #: Built-in names of whole training steps: the trainer and its planted controls.
 TRAINER_IMPLEMENTATIONS: tuple[str, ...] = ("trainer", "trainer:per_micro_batch_mask", "trainer:current_policy_as_behavior",
-                                            "trainer:per_micro_batch_denominator", "trainer:dropout_left_on", "trainer:optimizer_step_per_micro_batch")
+                                            "trainer:per_micro_batch_denominator", "trainer:dropout_left_on", "trainer:optimizer_step_per_micro_batch",
+                                            "trainer:embedding_gradient_dropped")
