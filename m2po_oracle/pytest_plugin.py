@@ -46,7 +46,7 @@ class _SharedRun:
                         device=opt["device"], strict_validation=opt["strict_validation"])
         try:
             fn = load_implementation(spec)
-            if opt["in_process"]:
+            if opt["in_process"] or hasattr(fn, "step_battery"):  # a step runner (the trainer) runs its own step
                 self.report = run_compare(fn, spec, **settings)
             else:
                 with Isolated(spec, timeout_s=opt["timeout"]) as runner:
@@ -102,7 +102,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if not spec:
         return
     from m2po_oracle.battery import CHECKS
+    from m2po_oracle.contract import load_implementation
 
+    try:  # a step runner (the trainer) runs a subset of the checks, and its own
+        checks = getattr(load_implementation(spec), "checks", CHECKS)
+    except Exception:  # reported by every item when the run cannot load it
+        checks = CHECKS
     shared = _SharedRun(config)
-    for check in (*CHECKS, "validation"):
+    for check in (*checks, "validation"):
         items.append(M2POCheckItem.from_parent(session, name=f"m2po[{spec}]::{check}", check=check, shared=shared))
