@@ -127,7 +127,7 @@ def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", com
     ``fn`` is an implementation callable (called in this process) or a runner such as
     :class:`m2po_oracle.isolation.Isolated` (called in a worker process with a timeout)."""
     if hasattr(fn, "step_battery"):  # a runner that owns the whole step (a distributed world, a trainer)
-        return fn.step_battery(batch, dtype=dtype, compute_dtype=compute_dtype)
+        return fn.step_battery(batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
     runner = as_runner(fn)
     first = runner.measure(batch, dtype=dtype, device=device)
     if first.finding is not None:

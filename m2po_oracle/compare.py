@@ -150,6 +150,18 @@ def _search_settings(examples: int) -> settings:
     return settings(max_examples=examples, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 
 
+def _check_device(device: str) -> None:
+    """A device that cannot run here is a usage error, not a finding against the implementation."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r} ({error})") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested, but CUDA is not available to this torch ({torch.__version__})")
+
+
 def run_compare(
     fn: Implementation,
     impl: str,
@@ -169,6 +181,7 @@ def run_compare(
     ``fn`` is an implementation callable or a runner (``isolation.Isolated``). With
     ``shrink=False`` each counterexample is the first failing batch, as generated."""
     compute_dtype = compute_dtype or dtype
+    _check_device(device)
     if dtype not in getattr(fn, "dtypes", (dtype,)):
         raise ValueError(f"dtype: {impl!r} runs in one of {list(fn.dtypes)}, got {dtype!r}")
     started = time.perf_counter()
@@ -241,7 +254,7 @@ def run_compare(
     # Invalid-input probes are single-process calls of a loss function; a step runner has its
     # own (the trainer's fail-closed rules) or none (a distributed world).
     if hasattr(fn, "validation_probes"):
-        probes = fn.validation_probes(dtype=dtype)
+        probes = fn.validation_probes(dtype=dtype, device=device)
     else:
         probes = [] if hasattr(fn, "step_battery") else [as_runner(fn).probe(p.name, dtype=dtype, device=device) for p in PROBES]
     report = CompareReport(impl, dtype, compute_dtype, seed, tried, tallies, counterexamples, tau=tau, device=device,

@@ -190,8 +190,9 @@ class DistributedRunner:
             return step
         return check_step(seen, self.topology, outcomes, dtype)
 
-    def step_battery(self, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None) -> Any:
-        """The battery outcome of one step (used by ``battery.run_battery``)."""
+    def step_battery(self, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> Any:
+        """The battery outcome of one step (used by ``battery.run_battery``); the world
+        places each rank on its backend's device, so ``device`` is not used."""
         from m2po_oracle.battery import BatteryOutcome
 
         step = self.step(batch, dtype=dtype)

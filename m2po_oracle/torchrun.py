@@ -31,7 +31,8 @@ class TorchrunRunner:
         self.timeouts = 0
         self.world = argparse.Namespace(backend=context.backend)
 
-    def step_battery(self, batch: Any, *, dtype: str = "float64", compute_dtype: str | None = None) -> Any:
+    def step_battery(self, batch: Any, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> Any:
+        # Each rank runs on its backend's device; ``device`` (the parent's) is not used.
         from m2po_oracle.battery import BatteryOutcome
         from m2po_oracle.contract import rounded_batch
         from m2po_oracle.distributed_checks import as_measurement, check_step, pad_for_cp

@@ -113,7 +113,7 @@ class StepRecord:
 # --- the model -----------------------------------------------------------------------------
 
 
-def tiny_llama(seed: int, *, dtype: torch.dtype = torch.float32, dropout: float = 0.0, vocab_size: int = 32) -> Any:
+def tiny_llama(seed: int, *, dtype: torch.dtype = torch.float32, dropout: float = 0.0, vocab_size: int = 32, device: str | torch.device = "cpu") -> Any:
     """A random-weight two-layer Llama (nothing downloaded), deterministic in ``seed``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -124,22 +124,23 @@ def tiny_llama(seed: int, *, dtype: torch.dtype = torch.float32, dropout: float 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return model.to(dtype).eval()
+    return model.to(device=device, dtype=dtype).eval()  # built on the CPU, so the weights do not depend on the device's RNG
 
 
-def make_policy_versions(seed: int, *, steps: int, lr: float, dtype: torch.dtype = torch.float32, dropout: float = 0.0) -> list[Any]:
+def make_policy_versions(seed: int, *, steps: int, lr: float, dtype: torch.dtype = torch.float32, dropout: float = 0.0,
+                         device: str | torch.device = "cpu") -> list[Any]:
     """``steps + 1`` versions of one policy, oldest first: each is the previous moved by one
     AdamW step (on the likelihood of random sequences). The last is the current policy;
     ``versions[-1 - lag]`` is a rollout worker ``lag`` optimizer steps behind it."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps: expected an integer >= 0, got {steps!r}")
-    model = tiny_llama(seed, dtype=dtype, dropout=dropout)
+    model = tiny_llama(seed, dtype=dtype, dropout=dropout, device=device)
     versions = [copy.deepcopy(model)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed + 1)
     vocab = model.config.vocab_size
     for _ in range(steps):
-        ids = torch.randint(3, vocab, (4, 8), generator=generator)
+        ids = torch.randint(3, vocab, (4, 8), generator=generator).to(device)
         with torch.random.fork_rng(devices=[]):
             model(ids, labels=ids).loss.backward()
         optimizer.step()
@@ -187,7 +188,8 @@ def sample_rollout(samplers: Any, *, prompts: int, group_size: int, prompt_len: 
         raise ValueError(f"samplers: expected one model or one per prompt ({prompts}), got {len(models)}")
     generator = torch.Generator().manual_seed(seed)
     vocab = models[0].config.vocab_size
-    prompt_ids = torch.randint(3, vocab, (prompts, prompt_len), generator=generator).repeat_interleave(group_size, dim=0)
+    device = next(models[0].parameters()).device
+    prompt_ids = torch.randint(3, vocab, (prompts, prompt_len), generator=generator).repeat_interleave(group_size, dim=0).to(device)
     completions, logps = [], []
     for g, model in enumerate(models):
         rows = prompt_ids[g * group_size : (g + 1) * group_size]
@@ -294,7 +296,7 @@ def _rows_logp(model: Any, rollout: Rollout, rows: slice) -> torch.Tensor:
     """Log-probs of some rows; an empty micro-batch gets an empty tensor without a forward pass."""
     if rows.stop == rows.start:
         dtype = next(model.parameters()).dtype
-        return torch.zeros((0, rollout.completion_ids.shape[1]), dtype=dtype)
+        return torch.zeros((0, rollout.completion_ids.shape[1]), dtype=dtype, device=rollout.completion_ids.device)
     return token_logp(model, rollout.prompt_ids[rows], rollout.completion_ids[rows])
 
 
@@ -382,11 +384,12 @@ class GRPOTrainer:
                                 "kept_trust_region_count")}
         if faults.per_micro_batch_mask:  # metrics exist per micro-batch only: the step reports none
             metrics = {}
+        cpu = lambda t: t.detach().cpu()  # noqa: E731  # the record is for checks, on the host
         return StepRecord(
-            logp=torch.cat(logps), behavior_logp=behavior_logp.detach(), advantages=token_advantages, valid=rollout.valid.clone(),
-            keep=torch.cat([s.keep for s in selections]), loss=total_loss, metrics=metrics, token_grad=torch.cat(token_grads),
-            param_grads=param_grads, params_before=params_before,
-            params_after={n: p.detach().clone() for n, p in policy.named_parameters()}, split=parts, tau=float(self.config.tau), kl_term=kl_total)
+            logp=cpu(torch.cat(logps)), behavior_logp=cpu(behavior_logp), advantages=cpu(token_advantages), valid=cpu(rollout.valid),
+            keep=cpu(torch.cat([s.keep for s in selections])), loss=total_loss, metrics=metrics, token_grad=cpu(torch.cat(token_grads)),
+            param_grads={n: cpu(g) for n, g in param_grads.items()}, params_before={n: cpu(p) for n, p in params_before.items()},
+            params_after={n: cpu(p) for n, p in policy.named_parameters()}, split=parts, tau=float(self.config.tau), kl_term=kl_total)
 
     def _kl(self, logp: torch.Tensor, rollout: Rollout, rows: slice, valid_count: torch.Tensor) -> torch.Tensor:
         """k3 estimator of KL(policy || reference) over the valid tokens, with the batch's N."""

@@ -169,14 +169,14 @@ class TrainerStep:
         self.batch = Batch(numpy(r.logp), numpy(r.behavior_logp), numpy(r.advantages), r.valid.numpy().copy(), r.tau)
 
 
-def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerControl | None = None) -> TrainerStep:
+def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerControl | None = None, device: str = "cpu") -> TrainerStep:
     from m2po_oracle.trainer import GRPOTrainer, TrainerConfig, TrainerFaults, make_policy_versions, sample_rollout
 
     if dtype not in TRAINER_DTYPES:
         raise ValueError(f"dtype: the trainer runs its model in one of {sorted(TRAINER_DTYPES)}, got {dtype!r}")
     faults = TrainerFaults(**(control.faults if control else {}))
     versions = make_policy_versions(case.seed, steps=max(case.lags), lr=case.staleness_lr, dtype=TRAINER_DTYPES[dtype],
-                                    dropout=control.model_dropout if control else 0.0)
+                                    dropout=control.model_dropout if control else 0.0, device=device)
     policy = versions[-1]
     samplers = [versions[-1 - lag] if lag else copy.deepcopy(policy) for lag in case.lags]  # a lag-0 worker holds a copy of the weights
     rollout = sample_rollout(samplers, prompts=case.prompts, group_size=case.group_size, prompt_len=case.prompt_len,
@@ -201,7 +201,7 @@ def _recomputed_logp(models: Any, rollout: Any) -> np.ndarray:
     """Log-probs of the rollout's tokens under ``models`` (one, or one per prompt), deterministically."""
     from m2po_oracle.trainer import behaviour_logp_of
 
-    return behaviour_logp_of(models, rollout).to(torch.float64).numpy()
+    return behaviour_logp_of(models, rollout).to(torch.float64).cpu().numpy()
 
 
 #: Rollout engines record log-probs in float32 (``generate`` casts its logits to float32, as
@@ -225,11 +225,11 @@ def _pullback(model: Any, rollout: Any, token_grad: np.ndarray, rows: slice | No
     rows = rows or slice(0, rollout.rows)
     params = dict(model.named_parameters())
     if rows.stop == rows.start:
-        return {n: torch.zeros_like(p) for n, p in params.items()}
+        return {n: torch.zeros_like(p, device="cpu") for n, p in params.items()}
     logp = token_logp(model.eval(), rollout.prompt_ids[rows], rollout.completion_ids[rows])
-    weights = torch.tensor(token_grad[rows], dtype=logp.dtype)
+    weights = torch.tensor(token_grad[rows], dtype=logp.dtype, device=logp.device)
     grads = torch.autograd.grad(logp, list(params.values()), grad_outputs=weights, allow_unused=True)
-    return {n: (g if g is not None else torch.zeros_like(p)).detach() for (n, p), g in zip(params.items(), grads)}
+    return {n: (g if g is not None else torch.zeros_like(p)).detach().cpu() for (n, p), g in zip(params.items(), grads)}
 
 
 def _compare_params(check: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], dtype: str, what: str) -> Mismatch | None:
@@ -240,7 +240,7 @@ def _compare_params(check: str, actual: dict[str, torch.Tensor], expected: dict[
         got = actual.get(name)
         if got is None:
             return Mismatch(check, f"{what}: parameter {name!r} is missing", field=name)
-        mismatch = compare_values(check, name, got.to(torch.float64).numpy(), want.to(torch.float64).numpy(), tol, scale=scale)
+        mismatch = compare_values(check, name, got.to(torch.float64).cpu().numpy(), want.to(torch.float64).cpu().numpy(), tol, scale=scale)
         if mismatch is not None:
             return Mismatch(check, f"{what}: parameter {name!r}: {mismatch.summary}", name, mismatch.index, mismatch.actual, mismatch.expected, mismatch.details)
     return None
@@ -256,19 +256,19 @@ def _optimizer_replay(step: TrainerStep, micro_batches: list[slice] | None = Non
     optimizer = step.trainer.make_optimizer(model.parameters())
     if micro_batches is None:
         for name, p in model.named_parameters():
-            p.grad = step.record.param_grads[name].clone()
+            p.grad = step.record.param_grads[name].to(p.device).clone()
         optimizer.step()
     else:
         token_grad = step.record.token_grad.to(torch.float64).numpy()
-        running = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        running = {n: torch.zeros_like(p, device="cpu") for n, p in model.named_parameters()}
         for rows in micro_batches:
             if rows.stop > rows.start:  # before any backward, .grad is None and the optimizer skips the parameter
                 grads = _pullback(model, step.rollout, token_grad, rows)
                 for name, p in model.named_parameters():
                     running[name] = running[name] + grads[name]
-                    p.grad = running[name].clone()
+                    p.grad = running[name].to(p.device).clone()
             optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def check_trainer_step(step: TrainerStep) -> list[Mismatch]:
@@ -458,7 +458,7 @@ TRAINER_PROBES: tuple[TrainerProbe, ...] = (
 PROBE_CASE = TrainerCase(seed=7, prompts=2, group_size=2, prompt_len=2, max_new_tokens=4, lags=(1, 2), staleness_lr=0.02, tau=0.04, split=(4,))
 
 
-def run_trainer_probe(probe: TrainerProbe, *, dtype: str = "float64", faults: dict[str, bool] | None = None) -> Any:
+def run_trainer_probe(probe: TrainerProbe, *, dtype: str = "float64", faults: dict[str, bool] | None = None, device: str = "cpu") -> Any:
     """One step of the trainer under ``probe``'s setup; never raises because of the trainer."""
     import warnings
 
@@ -466,7 +466,8 @@ def run_trainer_probe(probe: TrainerProbe, *, dtype: str = "float64", faults: di
     from m2po_oracle.validation import ProbeResult
 
     case = PROBE_CASE
-    versions = make_policy_versions(case.seed, steps=max(case.lags), lr=case.staleness_lr, dtype=TRAINER_DTYPES[dtype], dropout=probe.model_dropout)
+    versions = make_policy_versions(case.seed, steps=max(case.lags), lr=case.staleness_lr, dtype=TRAINER_DTYPES[dtype], dropout=probe.model_dropout,
+                                    device=device)
     samplers = [versions[-1 - lag] for lag in case.lags]
     rollout = sample_rollout(samplers, prompts=case.prompts, group_size=case.group_size, prompt_len=case.prompt_len,
                              max_new_tokens=case.max_new_tokens, seed=case.seed, backend=probe.backend, record_logp=probe.record_logp)
@@ -509,13 +510,13 @@ class TrainerRunner:
     def strategy(self, tau: float | None) -> st.SearchStrategy[TrainerCase]:
         return trainer_cases(tau)
 
-    def step_battery(self, case: TrainerCase, *, dtype: str = "float64", compute_dtype: str | None = None) -> Any:
+    def step_battery(self, case: TrainerCase, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> Any:
         from m2po_oracle.battery import BatteryOutcome
 
         if dtype not in TRAINER_DTYPES:
             raise ValueError(f"dtype: the trainer runs its model in one of {sorted(TRAINER_DTYPES)}, got {dtype!r}")
         try:
-            step = run_case(case, dtype=dtype, control=self.control)
+            step = run_case(case, dtype=dtype, control=self.control, device=device)
         except Exception as error:
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-4)).rstrip()
             empty = Batch(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1), dtype=bool), case.tau)
@@ -529,8 +530,8 @@ class TrainerRunner:
     def replay_command(self, case: TrainerCase, *, dtype: str = "float64", compute_dtype: str | None = None) -> str:
         return shlex.join(["m2po-oracle", "replay", "--impl", self.spec, "--dtype", dtype, "--batch", json.dumps(case.to_dict())])
 
-    def validation_probes(self, *, dtype: str = "float64") -> list[Any]:
-        return [run_trainer_probe(p, dtype=dtype, faults=self.control.faults if self.control else None) for p in TRAINER_PROBES]
+    def validation_probes(self, *, dtype: str = "float64", device: str = "cpu") -> list[Any]:
+        return [run_trainer_probe(p, dtype=dtype, faults=self.control.faults if self.control else None, device=device) for p in TRAINER_PROBES]
 
     def parse_input(self, data: dict[str, Any]) -> TrainerCase:
         return TrainerCase.from_dict({k: v for k, v in data.items() if k != "trainer"})

@@ -69,6 +69,16 @@ def test_every_trainer_control_is_caught_by_its_check_and_named_by_the_diagnosis
     assert trainer_matches == [control.variant], report.diagnosis["matches"]
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_trainer_on_cuda_passes_and_a_control_is_caught(dtype):
+    report = run_compare(TrainerRunner(), "trainer", examples=30, seed=0, dtype=dtype, device="cuda", shrink=False)
+    assert report.verdict == "equivalent", {n: t.failures for n, t in report.tallies.items() if t.failures}
+    control = CONTROLS_BY_NAME["per_micro_batch_denominator"]
+    caught = run_compare(TrainerRunner(control.name), control.name, examples=30, seed=0, dtype=dtype, device="cuda", shrink=False)
+    assert set(control.caught_by) <= {n for n, t in caught.tallies.items() if t.failures}
+
+
 def test_a_trainer_counterexample_carries_the_step_and_renders(tmp_path):
     path = tmp_path / "behaviour.json"
     assert main(["compare", "--impl", "trainer:current_policy_as_behavior", "--examples", "10", "--json", str(path)]) == EXIT_DIVERGENT
@@ -107,6 +117,14 @@ def test_compare_trainer_cli_is_equivalent_and_reports_the_fail_closed_probes(tm
 def test_trainer_usage_errors_exit_2_naming_the_problem(argv, message, capsys):
     assert main(argv) == EXIT_UNUSABLE
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_a_device_that_cannot_run_is_a_usage_error(capsys):
+    assert main(["compare", "--impl", "trainer", "--device", "cuda", "--examples", "2"]) == EXIT_UNUSABLE
+    assert main(["compare", "--impl", "core", "--device", "gpu0", "--examples", "2"]) == EXIT_UNUSABLE
+    err = capsys.readouterr().err
+    assert "device: 'cuda' requested, but CUDA is not available" in err and "device: expected a torch device" in err
 
 
 def test_every_trainer_name_loads():
