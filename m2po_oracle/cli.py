@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("dtype", "compute_dtype", "device", "timeout", "in_process", "topology", "backend", "adapter")))
 
     selftest = commands.add_parser("selftest", help="run the battery against every shipped negative control")
-    selftest.add_argument("--only", default=None, help="comma-separated control names (default: all)")
+    selftest.add_argument("--only", default=None, help="comma-separated control names, trainer:NAME for a trainer control (default: all)")
+    selftest.add_argument("--trainer", action="store_true", help="also the trainer-level controls (needs the trainer extra)")
     options.add_to_argparse(selftest, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("examples", "seed")))
 
     bench = commands.add_parser("bench", help="time the exact selection against sorting and a streaming pass, side by side")
@@ -216,7 +217,7 @@ def _selftest(args: argparse.Namespace, console: Console) -> int:
     from m2po_oracle.selftest import run_selftest, select_controls
 
     try:
-        controls = select_controls(args.only.split(",") if args.only else None)
+        controls = select_controls(args.only.split(",") if args.only else None, trainer=args.trainer)
     except ValueError as error:
         Console(stderr=True).print(f"error: {error}", highlight=False, markup=False)
         return EXIT_UNUSABLE

@@ -127,6 +127,17 @@ def test_a_device_that_cannot_run_is_a_usage_error(capsys):
     assert "device: 'cuda' requested, but CUDA is not available" in err and "device: expected a torch device" in err
 
 
+def test_selftest_runs_trainer_controls_by_name():
+    from m2po_oracle.selftest import run_selftest, select_controls
+
+    (row,) = run_selftest(select_controls(["trainer:current_policy_as_behavior"]), examples=10)
+    assert row.status == "ok" and "trainer.behavior_logp" in row.caught_by
+    assert [t.name for t in select_controls(None, trainer=True)][-len(TRAINER_CONTROLS):] == [f"trainer:{c.name}" for c in TRAINER_CONTROLS]
+    assert not any(t.name.startswith("trainer:") for t in select_controls(None))
+    with pytest.raises(ValueError, match="only: unknown control"):
+        select_controls(["trainer:nope"])
+
+
 def test_every_trainer_name_loads():
     from m2po_oracle.contract import load_implementation
 
