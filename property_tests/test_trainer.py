@@ -60,7 +60,7 @@ def test_the_correct_trainer_passes_in_float32():
 
 @pytest.mark.parametrize("control", TRAINER_CONTROLS, ids=lambda c: c.name)
 def test_every_trainer_control_is_caught_by_its_check_and_named_by_the_diagnosis(control):
-    report = run_compare(TrainerRunner(control.name), f"trainer:{control.name}", examples=60, seed=0, shrink=False)
+    report = run_compare(TrainerRunner(control.name), f"trainer:{control.name}", examples=control.examples, seed=0, shrink=False)
     failed = {name for name, t in report.tallies.items() if t.failures}
     assert report.verdict == "divergent"
     assert set(control.caught_by) <= failed, f"{control.name} escaped {set(control.caught_by) - failed}; failed: {sorted(failed)}"
