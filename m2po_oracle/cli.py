@@ -117,10 +117,11 @@ def _compare(args: argparse.Namespace, fn, console: Console) -> int:
         adapter = ADAPTERS[args.adapter]
         report.adapter = {"name": adapter.name, "signature": adapter.signature, "checked": list(adapter.checked)}
         console.print(f"adapter {adapter.name} ({adapter.signature}): checks {', '.join(adapter.checked)}; the rest is supplied by the adapter", highlight=False, soft_wrap=True)
-    table = Table(title=f"{args.impl} vs Algorithm 1 ({report.examples} batches, {args.dtype}, seed {args.seed})")
+    unit = getattr(fn, "example_unit", "batches")  # a trainer explores training steps
+    table = Table(title=f"{args.impl} vs Algorithm 1 ({report.examples} {unit}, {args.dtype}, seed {args.seed})")
     table.add_column("check")
     table.add_column("result")
-    table.add_column("failing batches", justify="right")
+    table.add_column(f"failing {unit}", justify="right")
     for name, tally in report.tallies.items():
         table.add_row(name, "[red]FAIL[/]" if tally.failures else "[green]pass[/]", str(tally.failures))
     console.print(table)

@@ -66,6 +66,7 @@ class CompareReport:
     topology: dict[str, Any] | None = None  # dp, cp, tp, backend of a distributed run
     adapter: dict[str, Any] | None = None  # name, signature and the fields the port supplies
     collectives: list[dict[str, Any]] = field(default_factory=list)  # per rank, for one step
+    example_unit: str = "batches"  # what one example is: a batch, or a training step (the trainer)
 
     @property
     def validation_warnings(self) -> list[ProbeResult]:
@@ -91,6 +92,7 @@ class CompareReport:
             "options": {"examples": self.examples, "seed": self.seed, "dtype": self.dtype, "compute_dtype": self.compute_dtype, "tau": self.tau,
                         "device": self.device, "strict_validation": self.strict_validation},
             "examples": self.examples,
+            "example_unit": self.example_unit,
             "duration_s": round(self.duration_s, 3),
             "checks": [
                 {"name": name, "description": CHECKS[name], "status": "fail" if t.failures else "pass", "failures": t.failures,
@@ -258,6 +260,7 @@ def run_compare(
     else:
         probes = [] if hasattr(fn, "step_battery") else [as_runner(fn).probe(p.name, dtype=dtype, device=device) for p in PROBES]
     report = CompareReport(impl, dtype, compute_dtype, seed, tried, tallies, counterexamples, tau=tau, device=device,
+                           example_unit=getattr(fn, "example_unit", "batches"),
                            validation=probes, strict_validation=strict_validation, collectives=collectives,
                            topology={"dp": fn.topology.dp, "cp": fn.topology.cp, "tp": fn.topology.tp, "backend": fn.world.backend} if distributed else None)
     shrunk = [Observation(c.batch, c.actual) for c in counterexamples if c.actual is not None and c.check not in BEHAVIOURAL_CHECKS]

@@ -79,9 +79,9 @@ class M2POCheckItem(pytest.Item):
             return
         for counterexample in report.counterexamples:
             if counterexample.check == self.check:
-                raise M2POCheckFailed(f"failed on {tally.failures} of {report.examples} batches\n" + format_mismatches(
+                raise M2POCheckFailed(f"failed on {tally.failures} of {report.examples} examples\n" + format_mismatches(
                     list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {self.check})", replay=counterexample.replay))
-        raise M2POCheckFailed(f"failed on {tally.failures} of {report.examples} batches")
+        raise M2POCheckFailed(f"failed on {tally.failures} of {report.examples} examples")
 
     def repr_failure(self, excinfo: Any, style: Any = None) -> str:
         if isinstance(excinfo.value, M2POCheckFailed):

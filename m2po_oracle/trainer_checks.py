@@ -496,6 +496,7 @@ class TrainerRunner:
 
     checks = CHECK_NAMES
     dtypes = tuple(TRAINER_DTYPES)
+    example_unit = "steps"
     variant_descriptions = VARIANT_DESCRIPTIONS
     variant_source = "trainer-level deviation (the production PR's support boundary, or a plausible port bug)"
 
