@@ -777,3 +777,32 @@ def test_browser_shows_a_distributed_report_offline(browser, dist_divergent, tmp
             page.close()
         assert seen["errors"] == [] and seen["dialogs"] == [], name
         assert seen["requests"] == [path.as_uri()], name
+
+
+@pytest.fixture(scope="module")
+def trainer_divergent() -> dict[str, Any]:
+    from m2po_oracle.trainer_checks import TrainerRunner
+
+    return run_compare(TrainerRunner("per_micro_batch_denominator"), "trainer:per_micro_batch_denominator", examples=8, seed=0,
+                       shrink=False).to_json()
+
+
+def test_browser_shows_a_trainer_report_with_its_training_step_offline(browser, trainer_divergent, tmp_path):
+    path = tmp_path / "trainer.html"
+    write_html(trainer_divergent, path)
+    page, seen = _open(browser, path)
+    try:
+        assert "failing steps" in page.locator("table.checks thead").inner_text()
+        step = page.locator("dl.trainer-case").first
+        assert step.is_visible()
+        labels = [t.strip().lower() for t in step.locator("dt").all_inner_texts()]
+        assert labels[:3] == ["seed", "prompts", "completions per prompt"] and "rows per micro-batch" in labels and "rewards" in labels
+        case = trainer_divergent["counterexamples"][0]["trainer_case"]
+        assert str(case["split"]).replace(" ", "") in step.inner_text().replace(" ", "")
+        warned = page.locator("table.probes tr", has_text="kl_coefficient").locator(".badge")
+        assert warned.inner_text().lower() == "warned" and "ok" in (warned.get_attribute("class") or "").split()
+        assert "trainer:per_micro_batch_denominator" in page.locator("pre.replay").first.inner_text()
+    finally:
+        page.close()
+    assert seen["errors"] == [] and seen["dialogs"] == []
+    assert seen["requests"] == [path.as_uri()], "the page fetched something besides itself"
