@@ -247,10 +247,13 @@ def load_implementation(spec: str) -> Implementation:
     builtins = builtin_implementations()
     if spec in builtins:
         return builtins[spec]
-    if spec == "trainer" or spec.startswith("trainer:"):  # the whole GRPO training step, or one of its controls
+    if spec == "trainer" or spec.startswith("trainer:"):  # the whole GRPO training step: ours, a control, or the user's trainer
         from m2po_oracle.trainer_checks import TrainerRunner
 
-        return TrainerRunner(spec.partition(":")[2] or None)
+        rest = spec.partition(":")[2]
+        if ":" in rest:  # trainer:module:Class or trainer:file.py:Class
+            return TrainerRunner(trainer=load_attribute(rest), spec=spec)
+        return TrainerRunner(rest or None)
     registered = _registered()
     if spec in registered:
         try:
@@ -268,6 +271,12 @@ def load_implementation(spec: str) -> Implementation:
         close = difflib.get_close_matches(spec, builtins, n=3, cutoff=0.5)
         hint = f"; closest matches: {', '.join(close)}" if close else f"; built-in names: {', '.join(sorted(builtins))}"
         raise ValueError(f"impl: unknown implementation {spec!r} (expected a built-in name, module:function or file.py:function){hint}")
+    return load_attribute(spec)
+
+
+def load_attribute(spec: str) -> Any:
+    """The callable named by ``package.module:name`` or ``path/file.py:name`` (ValueError with
+    closest matches otherwise)."""
     target, _, attribute = spec.rpartition(":")
     if target.endswith(".py"):
         path = Path(target)
@@ -293,4 +302,3 @@ def load_implementation(spec: str) -> Implementation:
     if not callable(fn):
         raise ValueError(f"impl: {spec!r} is a {type(fn).__name__}, not a callable")
     return fn
-

@@ -172,12 +172,27 @@ class TrainerStep:
         self.batch = Batch(numpy(r.logp), numpy(r.behavior_logp), numpy(r.advantages), r.valid.numpy().copy(), r.tau)
 
 
-def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerControl | None = None, device: str = "cpu") -> TrainerStep:
-    from m2po_oracle.trainer import GRPOTrainer, TrainerConfig, TrainerFaults, make_policy_versions, sample_rollout
+#: How a trainer under test is built: ``make_trainer(policy, config, *, behaviour, reference)``
+#: returns an object with ``step(rollout, split) -> StepRecord`` and ``make_optimizer(params)``
+#: (``trainer.GRPOTrainer`` is one; a class with that constructor is another).
+TrainerFactory = Callable[..., Any]
+
+
+def _builtin_trainer(control: TrainerControl | None) -> TrainerFactory:
+    from m2po_oracle.trainer import GRPOTrainer, TrainerFaults
+
+    faults = TrainerFaults(**(control.faults if control else {}))
+    return lambda policy, config, **options: GRPOTrainer(policy, config, faults=faults, **options)
+
+
+def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerControl | None = None, device: str = "cpu",
+             make_trainer: TrainerFactory | None = None) -> TrainerStep:
+    """``case`` through the trainer (ours, with ``control``'s faults, or ``make_trainer``'s)."""
+    from m2po_oracle.trainer import TrainerConfig, make_policy_versions, sample_rollout
 
     if dtype not in TRAINER_DTYPES:
         raise ValueError(f"dtype: the trainer runs its model in one of {sorted(TRAINER_DTYPES)}, got {dtype!r}")
-    faults = TrainerFaults(**(control.faults if control else {}))
+    make_trainer = make_trainer or _builtin_trainer(control)
     versions = make_policy_versions(case.seed, steps=max(case.lags), lr=case.staleness_lr, dtype=TRAINER_DTYPES[dtype],
                                     dropout=control.model_dropout if control else 0.0, device=device)
     policy = versions[-1]
@@ -187,12 +202,53 @@ def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerContr
     config = TrainerConfig(tau=case.tau, lr=STEP_LR)
     policy_before = copy.deepcopy(policy).eval()
     single_policy = copy.deepcopy(policy) if len(case.split) > 1 else None
-    trainer = GRPOTrainer(policy, config, faults=faults, behaviour=samplers)
+    trainer = make_trainer(policy, config, behaviour=samplers, reference=versions[0])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(case.seed)
-        record = trainer.step(rollout, case.split)
-        single = GRPOTrainer(single_policy, config, faults=faults, behaviour=samplers).step(rollout) if single_policy is not None else None
+        record = check_record(trainer.step(rollout, case.split), rollout, policy_before)
+        single = None
+        if single_policy is not None:
+            single = check_record(make_trainer(single_policy, config, behaviour=samplers, reference=versions[0]).step(rollout), rollout, policy_before)
     return TrainerStep(case, dtype, trainer, rollout, samplers, policy_before, record, single)
+
+
+#: What a step record must hold, by field: (kind, shape rule).
+_RECORD_TENSORS = ("logp", "behavior_logp", "advantages", "valid", "keep", "token_grad")
+
+
+def check_record(record: Any, rollout: Any, policy: Any) -> Any:
+    """``record`` if it is a complete step record for ``rollout``; TypeError/ValueError naming
+    the field otherwise (a trainer under test may return anything)."""
+    shape = tuple(rollout.completion_ids.shape)
+    for name in _RECORD_TENSORS + ("loss", "metrics", "param_grads", "params_after", "split", "tau", "kl_term"):
+        if not hasattr(record, name):
+            raise TypeError(f"step record: expected a trainer.StepRecord (or an object with its fields); {type(record).__name__} has no {name!r}")
+    for name in _RECORD_TENSORS:
+        value = getattr(record, name)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.device.type != "cpu":
+            got = f"{type(value).__name__} of shape {tuple(value.shape)} on {value.device}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"step record: {name}: expected a CPU tensor of shape {shape} (the rollout's), got {got}")
+    for name in ("valid", "keep"):
+        if getattr(record, name).dtype != torch.bool:
+            raise ValueError(f"step record: {name}: expected dtype torch.bool, got {getattr(record, name).dtype}")
+    params = dict(policy.named_parameters())
+    for name in ("param_grads", "params_after"):
+        value = getattr(record, name)
+        if not isinstance(value, dict) or set(value) != set(params):
+            raise ValueError(f"step record: {name}: expected a dict with every parameter name of the policy ({len(params)}), got "
+                             f"{sorted(value)[:5] if isinstance(value, dict) else type(value).__name__}")
+        for key, tensor in value.items():
+            if not isinstance(tensor, torch.Tensor) or tensor.shape != params[key].shape:
+                raise ValueError(f"step record: {name}[{key!r}]: expected a tensor of shape {tuple(params[key].shape)}")
+    for name in ("loss", "tau", "kl_term"):
+        if isinstance(getattr(record, name), bool) or not isinstance(getattr(record, name), (int, float)):
+            raise TypeError(f"step record: {name}: expected a Python number, got {type(getattr(record, name)).__name__}")
+    split = record.split
+    if not isinstance(split, (tuple, list)) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in split) or sum(split) != shape[0]:
+        raise ValueError(f"step record: split: expected non-negative row counts summing to {shape[0]}, got {split!r}")
+    if not isinstance(record.metrics, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in record.metrics.values()):
+        raise TypeError(f"step record: metrics: expected a dict of Python numbers, got {record.metrics!r}"[:300])
+    return record
 
 
 def _result(record: Any) -> M2POResult:
@@ -461,7 +517,8 @@ TRAINER_PROBES: tuple[TrainerProbe, ...] = (
 PROBE_CASE = TrainerCase(seed=7, prompts=2, group_size=2, prompt_len=2, max_new_tokens=4, lags=(1, 2), staleness_lr=0.02, tau=0.04, split=(4,))
 
 
-def run_trainer_probe(probe: TrainerProbe, *, dtype: str = "float64", faults: dict[str, bool] | None = None, device: str = "cpu") -> Any:
+def run_trainer_probe(probe: TrainerProbe, *, dtype: str = "float64", faults: dict[str, bool] | None = None, device: str = "cpu",
+                      make_trainer: TrainerFactory | None = None) -> Any:
     """One step of the trainer under ``probe``'s setup; never raises because of the trainer."""
     import warnings
 
@@ -475,11 +532,12 @@ def run_trainer_probe(probe: TrainerProbe, *, dtype: str = "float64", faults: di
     rollout = sample_rollout(samplers, prompts=case.prompts, group_size=case.group_size, prompt_len=case.prompt_len,
                              max_new_tokens=case.max_new_tokens, seed=case.seed, backend=probe.backend, record_logp=probe.record_logp)
     config = TrainerConfig(**{"tau": case.tau, "lr": STEP_LR, **probe.config})
-    trainer = GRPOTrainer(versions[-1], config, faults=TrainerFaults(**(faults or {})), behaviour=samplers, reference=versions[0])
+    if make_trainer is None:
+        make_trainer = lambda policy, config, **options: GRPOTrainer(policy, config, faults=TrainerFaults(**(faults or {})), **options)  # noqa: E731
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            trainer.step(rollout)
+            make_trainer(versions[-1], config, behaviour=samplers, reference=versions[0]).step(rollout)
         except (Exception, SystemExit) as error:
             return ProbeResult(probe.name, probe.description, "rejected", f"{type(error).__name__}: {error}", probe.expected)
     warned = [w for w in caught if issubclass(w.category, M2POKLWarning)]
@@ -500,15 +558,22 @@ class TrainerRunner:
     variant_descriptions = VARIANT_DESCRIPTIONS
     variant_source = "trainer-level deviation (the production PR's support boundary, or a plausible port bug)"
 
-    def __init__(self, control: str | None = None) -> None:
+    def __init__(self, control: str | None = None, *, trainer: TrainerFactory | None = None, spec: str | None = None) -> None:
+        """Our trainer, one of its controls, or ``trainer``: a factory (e.g. a class) building
+        the trainer under test as ``trainer(policy, config, *, behaviour, reference)``."""
         import importlib.util
 
         if importlib.util.find_spec("transformers") is None:
             raise ValueError("impl: the trainer needs the transformers package: pip install -c constraints.txt -e '.[trainer]'")
         if control is not None and control not in CONTROLS_BY_NAME:
             raise ValueError(f"impl: unknown trainer control {control!r}; known: {', '.join(CONTROLS_BY_NAME)}")
+        if control is not None and trainer is not None:
+            raise ValueError("impl: a trainer control plants its bug in the built-in trainer; give a control or a trainer, not both")
+        if trainer is not None and not callable(trainer):
+            raise ValueError(f"impl: the trainer must be a callable (a class or factory), got {type(trainer).__name__}")
         self.control = CONTROLS_BY_NAME[control] if control else None
-        self.spec = f"trainer:{control}" if control else "trainer"
+        self.make_trainer = trainer
+        self.spec = spec or (f"trainer:{control}" if control else "trainer")
         self.timeouts = 0
 
     def strategy(self, tau: float | None) -> st.SearchStrategy[TrainerCase]:
@@ -520,13 +585,19 @@ class TrainerRunner:
         if dtype not in TRAINER_DTYPES:
             raise ValueError(f"dtype: the trainer runs its model in one of {sorted(TRAINER_DTYPES)}, got {dtype!r}")
         try:
-            step = run_case(case, dtype=dtype, control=self.control, device=device)
+            step = run_case(case, dtype=dtype, control=self.control, device=device, make_trainer=self.make_trainer)
         except Exception as error:
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-4)).rstrip()
             empty = Batch(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1), dtype=bool), case.tau)
             return BatteryOutcome(empty, Measurement(empty, dtype, None, Finding("raised", text)),
                                   (Mismatch("call", f"raised: {text.splitlines()[-1]}", details=(text,)),), case=case.to_dict())
-        mismatches = tuple(check_trainer_step(step))
+        try:
+            mismatches = tuple(check_trainer_step(step))
+        except Exception as error:  # a record that passed check_record but still cannot be judged
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-4)).rstrip()
+            return BatteryOutcome(step.batch, Measurement(step.batch, dtype, None, Finding("wrong_result", text)),
+                                  (Mismatch("call", f"the step record could not be checked: {text.splitlines()[-1]}", details=(text,)),),
+                                  case=case.to_dict())
         consistent, evidenced = explain(step) if mismatches else (None, None)
         return BatteryOutcome(step.batch, Measurement(step.batch, dtype, _result(step.record)), mismatches, explained_by=consistent,
                               evidenced=evidenced, case={**case.to_dict(), "trainer": _step_summary(step)})
@@ -535,7 +606,8 @@ class TrainerRunner:
         return shlex.join(["m2po-oracle", "replay", "--impl", self.spec, "--dtype", dtype, "--batch", json.dumps(case.to_dict())])
 
     def validation_probes(self, *, dtype: str = "float64", device: str = "cpu") -> list[Any]:
-        return [run_trainer_probe(p, dtype=dtype, faults=self.control.faults if self.control else None, device=device) for p in TRAINER_PROBES]
+        return [run_trainer_probe(p, dtype=dtype, faults=self.control.faults if self.control else None, device=device, make_trainer=self.make_trainer)
+                for p in TRAINER_PROBES]
 
     def parse_input(self, data: dict[str, Any]) -> TrainerCase:
         return TrainerCase.from_dict({k: v for k, v in data.items() if k != "trainer"})

@@ -16,7 +16,7 @@ from m2po_oracle.batch import Batch
 from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
 from m2po_oracle.compare import run_compare
 from m2po_oracle.html_report import render_html
-from m2po_oracle.trainer import (GRPOTrainer, M2POKLWarning, TrainerConfig, group_advantages, make_policy_versions, sample_rollout,
+from m2po_oracle.trainer import (GRPOTrainer, M2POKLWarning, TrainerConfig, TrainerFaults, group_advantages, make_policy_versions, sample_rollout,
                                  stochastic_layers, valid_until_eos)
 from m2po_oracle.trainer_checks import (CONTROLS_BY_NAME, PROBE_CASE, TRAINER_CONTROLS, TRAINER_PROBES, TrainerCase, TrainerRunner,
                                         run_case, run_trainer_probe)
@@ -143,6 +143,49 @@ def test_every_trainer_name_loads():
 
     assert [load_implementation(name).spec for name in TRAINER_IMPLEMENTATIONS] == list(TRAINER_IMPLEMENTATIONS)
     assert {f"trainer:{c.name}" for c in TRAINER_CONTROLS} == set(TRAINER_IMPLEMENTATIONS) - {"trainer"}
+
+
+# --- a user's trainer behind the same step contract -----------------------------------------------
+
+
+class MicroBatchMeanTrainer(GRPOTrainer):
+    """A stand-in port whose loss divides each micro-batch by its own token count."""
+
+    def __init__(self, policy, config, **options):
+        super().__init__(policy, config, faults=TrainerFaults(per_micro_batch_denominator=True), **options)
+
+
+class DictReturningTrainer(GRPOTrainer):
+    """A stand-in port whose step returns a plain dict instead of a step record."""
+
+    def step(self, rollout, split=None):
+        return {"loss": float(super().step(rollout, split).loss)}
+
+
+def test_a_users_trainer_is_checked_by_spec_and_its_deviation_named():
+    from m2po_oracle.contract import load_implementation
+
+    correct = run_compare(load_implementation("trainer:m2po_oracle.trainer:GRPOTrainer"), "trainer:m2po_oracle.trainer:GRPOTrainer",
+                          examples=10, seed=0, shrink=False)
+    assert correct.verdict == "equivalent"
+    spec = "trainer:property_tests.test_trainer:MicroBatchMeanTrainer"
+    report = run_compare(load_implementation(spec), spec, examples=15, seed=0, shrink=False)
+    assert report.verdict == "divergent" and report.tallies["trainer.accumulation"].failures
+    assert [m["variant"] for m in report.diagnosis["matches"] if m["source"].startswith("trainer-level")] == ["per_micro_batch_denominator"]
+    assert report.counterexamples[0].replay.startswith(f"m2po-oracle replay --impl {spec} ")
+
+
+def test_a_users_trainer_returning_the_wrong_record_is_a_finding_not_a_crash():
+    from m2po_oracle.contract import load_implementation
+
+    spec = "trainer:property_tests.test_trainer:DictReturningTrainer"
+    report = run_compare(load_implementation(spec), spec, examples=3, seed=0, shrink=False)
+    assert report.verdict == "unusable" and report.tallies["call"].failures == 3
+    assert "step record: expected a trainer.StepRecord" in report.counterexamples[0].mismatches[0].summary
+    with pytest.raises(ValueError, match="a control or a trainer, not both"):
+        TrainerRunner("per_micro_batch_mask", trainer=GRPOTrainer)
+    with pytest.raises(ValueError, match="no attribute 'NoSuchTrainer'"):
+        load_implementation("trainer:m2po_oracle.trainer:NoSuchTrainer")
 
 
 # --- fail-closed rules --------------------------------------------------------------------------
