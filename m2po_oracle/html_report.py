@@ -215,7 +215,7 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
             ("compute dtype", _text(options.get("compute_dtype"), "\u2014")),
             (f"{_text(report.get('example_unit'), 'batches')} tried", _fmt(examples)),
             ("seed", _fmt(options.get("seed"))),
-            ("tau", "drawn per batch" if options.get("tau") is None else _fmt(options.get("tau"))),
+            ("tau", f"drawn per {'step' if report.get('example_unit') == 'steps' else 'batch'}" if options.get("tau") is None else _fmt(options.get("tau"))),
             ("device", _text(options.get("device"), "\u2014")),
             ("duration", _duration(report.get("duration_s"))),
         ],
