@@ -15,7 +15,7 @@ import numpy as np
 from m2po_oracle.batch import Batch
 from m2po_oracle.contract import Implementation, Measurement, as_runner
 from m2po_oracle import oracle
-from m2po_oracle.equivalence import Mismatch, Tolerance, compare_to_oracle, compare_values, format_mismatches, same_up_to_ties, tolerance
+from m2po_oracle.equivalence import Mismatch, Tolerance, compare_to_oracle, compare_values, format_mismatches, same_up_to_ties, tolerance, valid_m2
 
 #: Every check the battery runs, by the name failures carry, with what it asserts.
 CHECKS: dict[str, str] = {
@@ -112,8 +112,7 @@ def _padding_immunity(first: Measurement, probe: Measurement, fill: float, dtype
         return _failed_call("padding_immunity", label, probe)
     ref, res, seen = first.result, probe.result, first.batch
     assert ref is not None and res is not None
-    m2 = np.where(seen.valid, oracle.second_moment(oracle.log_ratio(seen.logp, seen.behavior_logp, seen.valid)), np.nan)
-    if not same_up_to_ties(ref.keep, res.keep, m2):
+    if not same_up_to_ties(ref.keep, res.keep, valid_m2(seen)):
         return [_keep_mismatch("padding_immunity", label, ref.keep, res.keep, "beyond a tie choice")]
     expected = ref if np.array_equal(ref.keep, res.keep) else oracle.evaluate_with_mask(seen, res.keep)
     found = _relabel("padding_immunity", label, compare_values("padding_immunity", "loss", res.loss, expected.loss, tolerance(dtype, "loss")))

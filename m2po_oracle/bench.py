@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from m2po_oracle.fast_selection import kept_candidates, kept_candidates_by_sorting
+from m2po_oracle.options import check_device
 
 SCHEMA = "m2po-oracle/bench/1"
 METHODS = ("sort", "radix", "floor")
@@ -77,8 +78,7 @@ def run_bench(sizes: list[int], *, repeats: int = 7, device: str = "cpu", tau: f
         raise ValueError(f"sizes: expected token counts >= 2, got {sizes!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats: expected an int >= 1, got {repeats!r}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} requested but CUDA is not available")
+    check_device(device)
     rows = []
     for tokens in sizes:
         rows.append(measure_size(tokens, repeats=repeats, device=device, tau=tau))

@@ -22,9 +22,10 @@ from m2po_oracle.battery import CHECKS, BatteryOutcome, replay_command, run_batt
 from m2po_oracle.contract import Implementation, as_runner
 from m2po_oracle.diagnosis import Observation, diagnose
 from m2po_oracle.equivalence import Mismatch
+from m2po_oracle.options import check_device
 from m2po_oracle.record import M2POResult
-from m2po_oracle.trainer_checks_names import TRAINER_CHECKS
 from m2po_oracle.report import SCHEMA, counterexample_json, tolerances_json
+from m2po_oracle.trainer_checks_names import TRAINER_CHECKS
 from m2po_oracle.validation import PROBES, ProbeResult
 
 
@@ -152,18 +153,6 @@ def _search_settings(examples: int) -> settings:
     return settings(max_examples=examples, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 
 
-def _check_device(device: str) -> None:
-    """A device that cannot run here is a usage error, not a finding against the implementation."""
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r} ({error})") from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} requested, but CUDA is not available to this torch ({torch.__version__})")
-
-
 def run_compare(
     fn: Implementation,
     impl: str,
@@ -183,7 +172,7 @@ def run_compare(
     ``fn`` is an implementation callable or a runner (``isolation.Isolated``). With
     ``shrink=False`` each counterexample is the first failing batch, as generated."""
     compute_dtype = compute_dtype or dtype
-    _check_device(device)
+    check_device(device)
     if dtype not in getattr(fn, "dtypes", (dtype,)):
         raise ValueError(f"dtype: {impl!r} runs in one of {list(fn.dtypes)}, got {dtype!r}")
     started = time.perf_counter()

@@ -264,7 +264,7 @@ def load_implementation(spec: str) -> Implementation:
             raise ValueError(f"impl: the registered implementation {spec!r} is a {type(fn).__name__}, not a callable")
         return fn
     if ":" not in spec or spec.startswith("control:"):  # "control:" is the built-in namespace
-        from m2po_oracle.trainer_checks_names import TRAINER_IMPLEMENTATIONS
+        from m2po_oracle.trainer_checks import TRAINER_IMPLEMENTATIONS
 
         known = list(builtins) + list(TRAINER_IMPLEMENTATIONS) + list(registered)
         builtins = dict.fromkeys(known)

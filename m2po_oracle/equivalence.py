@@ -228,6 +228,11 @@ def check_selection(batch: Batch, keep: np.ndarray, compute_dtype: str = "float6
     return found
 
 
+def valid_m2(batch: Batch) -> np.ndarray:
+    """Each token's M2, NaN on padding (the levels ``same_up_to_ties`` compares)."""
+    return np.where(batch.valid, oracle.second_moment(oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)), np.nan)
+
+
 def same_up_to_ties(keep: np.ndarray, other: np.ndarray, m2: np.ndarray) -> bool:
     """True if the masks differ only in which of several equal-M2 tokens are kept."""
     differ = keep != other

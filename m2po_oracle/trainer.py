@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from m2po_oracle.core import loss_from_selection, select_micro_batches
+from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS
 
 #: Token ids of the toy vocabulary.
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -58,6 +59,15 @@ class TrainerConfig:
     behavior_logp_source: str = "rollout"  # "rollout": recorded at sampling; "trainer": recomputed by the trainer
     importance_sampling_level: str = "token"
     rollout_importance_sampling_mode: str | None = None  # an extra rollout-IS correction (TIS); unsupported
+
+    def __post_init__(self) -> None:
+        # Malformed numbers are refused here; valid settings M2PO does not support are
+        # refused by check_training_setup, so that they can be probed.
+        for name in ("tau", "beta", "lr"):
+            value = getattr(self, name)
+            positive = name == "lr"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (positive and value == 0):
+                raise ValueError(f"{name}: expected a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -174,6 +184,14 @@ def valid_until_eos(completion_ids: torch.Tensor) -> torch.Tensor:
     return ~after_eos
 
 
+def _per_prompt(samplers: Any, prompts: int) -> list[Any]:
+    """One model per prompt from one model or a sequence of them."""
+    models = list(samplers) if isinstance(samplers, (list, tuple)) else [samplers] * prompts
+    if len(models) != prompts:
+        raise ValueError(f"samplers: expected one model or one per prompt ({prompts}), got {len(models)}")
+    return models
+
+
 def sample_rollout(samplers: Any, *, prompts: int, group_size: int, prompt_len: int, max_new_tokens: int, seed: int,
                    backend: str = "hf", record_logp: bool = True) -> Rollout:
     """Sample ``group_size`` completions per prompt with ``generate`` (full distribution: no
@@ -183,9 +201,7 @@ def sample_rollout(samplers: Any, *, prompts: int, group_size: int, prompt_len: 
     post-processed)."""
     if backend not in ROLLOUT_BACKENDS:
         raise ValueError(f"backend: expected one of {ROLLOUT_BACKENDS}, got {backend!r}")
-    models = list(samplers) if isinstance(samplers, (list, tuple)) else [samplers] * prompts
-    if len(models) != prompts:
-        raise ValueError(f"samplers: expected one model or one per prompt ({prompts}), got {len(models)}")
+    models = _per_prompt(samplers, prompts)
     generator = torch.Generator().manual_seed(seed)
     vocab = models[0].config.vocab_size
     device = next(models[0].parameters()).device
@@ -220,8 +236,7 @@ def token_logp(model: Any, prompt_ids: torch.Tensor, completion_ids: torch.Tenso
 def behaviour_logp_of(samplers: Any, rollout: Rollout) -> torch.Tensor:
     """The rollout's tokens' log-probs recomputed under the model(s) that sampled them
     (one model, or one per prompt group), deterministically."""
-    prompts = rollout.rows // rollout.group_size
-    models = list(samplers) if isinstance(samplers, (list, tuple)) else [samplers] * prompts
+    models = _per_prompt(samplers, rollout.rows // rollout.group_size)
     rows = lambda g: slice(g * rollout.group_size, (g + 1) * rollout.group_size)  # noqa: E731
     with torch.no_grad():
         return torch.cat([token_logp(m.eval(), rollout.prompt_ids[rows(g)], rollout.completion_ids[rows(g)]) for g, m in enumerate(models)])
@@ -269,8 +284,6 @@ def check_training_setup(config: TrainerConfig, policy: Any, rollout: Rollout, *
     if config.rollout_importance_sampling_mode is not None:
         raise ValueError(f"rollout_importance_sampling_mode: an extra rollout-IS correction ({config.rollout_importance_sampling_mode!r}) "
                          "needs training-engine behaviour log-probs this trainer does not retain; it would correct the same ratio twice")
-    if isinstance(config.tau, bool) or not isinstance(config.tau, (int, float)) or not math.isfinite(config.tau) or config.tau < 0:
-        raise ValueError(f"tau: expected a finite number >= 0, got {config.tau!r}")
     stochastic = stochastic_layers(policy) if require_deterministic else []
     if stochastic:
         raise ValueError("model: the mask prepass must be deterministic, but the policy has stochastic layers: "
@@ -379,9 +392,7 @@ class GRPOTrainer:
             self.optimizer.step()
         policy.eval()
         first = selections[0]
-        metrics = {name: (float(getattr(first, name)) if name.endswith(("m2_before", "m2_after", "fraction")) else int(getattr(first, name)))
-                   for name in ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction", "valid_count", "trust_region_count",
-                                "kept_trust_region_count")}
+        metrics = {**{name: float(getattr(first, name)) for name in METRIC_FIELDS}, **{name: int(getattr(first, name)) for name in COUNT_FIELDS}}
         if faults.per_micro_batch_mask:  # metrics exist per micro-batch only: the step reports none
             metrics = {}
         cpu = lambda t: t.detach().cpu()  # noqa: E731  # the record is for checks, on the host

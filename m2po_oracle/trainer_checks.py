@@ -21,6 +21,7 @@ step's own data, so the report names the trainer-level deviation.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import shlex
 import traceback
@@ -34,8 +35,9 @@ from hypothesis import strategies as st
 
 from m2po_oracle import oracle
 from m2po_oracle.batch import Batch
+from m2po_oracle.battery import CHECKS, BatteryOutcome
 from m2po_oracle.contract import Finding, Measurement
-from m2po_oracle.equivalence import Mismatch, compare_to_oracle, compare_values, same_up_to_ties, tolerance
+from m2po_oracle.equivalence import Mismatch, compare_to_oracle, compare_values, same_up_to_ties, tolerance, valid_m2
 from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 from m2po_oracle.trainer_checks_names import TRAINER_CHECKS
 
@@ -43,10 +45,9 @@ from m2po_oracle.trainer_checks_names import TRAINER_CHECKS
 TRAINER_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 #: Learning rate of the step under test (the staleness lr is part of the case).
 STEP_LR = 1e-2
-#: Checks a trainer step runs: the single-process value checks plus the trainer's own.
-VALUE_CHECKS = ("call", "selection.keep_only_valid", "selection.only_trust_region_masked", "selection.budget", "selection.minimal",
-                "selection.largest_removed_first", "loss", "gradient") + tuple(f"metrics.{n}" for n in METRIC_FIELDS + COUNT_FIELDS)
-CHECK_NAMES = VALUE_CHECKS + tuple(TRAINER_CHECKS)
+#: Checks a trainer step runs: the battery's value checks on its batch, then its own (the
+#: loss-function behaviour checks, padding probes, determinism and mutation, do not apply).
+CHECK_NAMES = tuple(n for n in CHECKS if n in ("call", "loss", "gradient") or n.startswith(("selection.", "metrics."))) + tuple(TRAINER_CHECKS)
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,8 @@ TRAINER_CONTROLS: tuple[TrainerControl, ...] = (
                    {"drop_gradient_of": "model.embed_tokens.weight"}, ("trainer.parameter_gradient",), diagnosed_as="parameters_without_gradient"),
 )
 CONTROLS_BY_NAME = {c.name: c for c in TRAINER_CONTROLS}
+#: Built-in names of whole training steps: the trainer and its planted controls.
+TRAINER_IMPLEMENTATIONS: tuple[str, ...] = ("trainer",) + tuple(f"trainer:{c.name}" for c in TRAINER_CONTROLS)
 
 
 # --- running a case -------------------------------------------------------------------------
@@ -171,6 +174,29 @@ class TrainerStep:
         numpy = lambda t: t.detach().to(torch.float64).numpy().copy()  # noqa: E731
         self.batch = Batch(numpy(r.logp), numpy(r.behavior_logp), numpy(r.advantages), r.valid.numpy().copy(), r.tau)
 
+    # Recomputations from the snapshots, shared by the checks and the diagnosis.
+
+    @functools.cached_property
+    def sampler_logp(self) -> np.ndarray:
+        """The rollout's tokens under the workers that sampled them."""
+        return _recomputed_logp(self.samplers, self.rollout)
+
+    @functools.cached_property
+    def current_logp(self) -> np.ndarray:
+        """The rollout's tokens under the policy before the step."""
+        return _recomputed_logp(self.policy_before, self.rollout)
+
+    @functools.cached_property
+    def pulled_back_gradient(self) -> dict[str, torch.Tensor]:
+        """Algorithm 1's per-token gradient on the trainer's mask, pulled back through the snapshot."""
+        token_grad = oracle.evaluate_with_mask(self.batch, self.record.keep.numpy()).grad
+        return _pullback(copy.deepcopy(self.policy_before), self.rollout, token_grad)
+
+    @functools.cached_property
+    def one_optimizer_step(self) -> dict[str, torch.Tensor]:
+        """The parameters after one step of the trainer's optimizer with the reported gradient."""
+        return _optimizer_replay(self)
+
 
 #: How a trainer under test is built: ``make_trainer(policy, config, *, behaviour, reference)``
 #: returns an object with ``step(rollout, split) -> StepRecord`` and ``make_optimizer(params)``
@@ -178,27 +204,35 @@ class TrainerStep:
 TrainerFactory = Callable[..., Any]
 
 
-def _builtin_trainer(control: TrainerControl | None) -> TrainerFactory:
+def _builtin_trainer(faults: dict[str, Any] | None) -> TrainerFactory:
     from m2po_oracle.trainer import GRPOTrainer, TrainerFaults
 
-    faults = TrainerFaults(**(control.faults if control else {}))
-    return lambda policy, config, **options: GRPOTrainer(policy, config, faults=faults, **options)
+    planted = TrainerFaults(**(faults or {}))
+    return lambda policy, config, **options: GRPOTrainer(policy, config, faults=planted, **options)
+
+
+def setup_case(case: TrainerCase, *, dtype: str = "float64", dropout: float = 0.0, device: str = "cpu", backend: str = "hf",
+               record_logp: bool = True) -> tuple[list[Any], list[Any], Any]:
+    """(policy versions oldest first, the sampling worker per prompt, the rollout) of ``case``."""
+    from m2po_oracle.trainer import make_policy_versions, sample_rollout
+
+    if dtype not in TRAINER_DTYPES:
+        raise ValueError(f"dtype: the trainer runs its model in one of {sorted(TRAINER_DTYPES)}, got {dtype!r}")
+    versions = make_policy_versions(case.seed, steps=max(case.lags), lr=case.staleness_lr, dtype=TRAINER_DTYPES[dtype], dropout=dropout, device=device)
+    samplers = [versions[-1 - lag] if lag else copy.deepcopy(versions[-1]) for lag in case.lags]  # a lag-0 worker holds a copy of the weights
+    rollout = sample_rollout(samplers, prompts=case.prompts, group_size=case.group_size, prompt_len=case.prompt_len,
+                             max_new_tokens=case.max_new_tokens, seed=case.seed, backend=backend, record_logp=record_logp)
+    return versions, samplers, rollout
 
 
 def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerControl | None = None, device: str = "cpu",
              make_trainer: TrainerFactory | None = None) -> TrainerStep:
     """``case`` through the trainer (ours, with ``control``'s faults, or ``make_trainer``'s)."""
-    from m2po_oracle.trainer import TrainerConfig, make_policy_versions, sample_rollout
+    from m2po_oracle.trainer import TrainerConfig
 
-    if dtype not in TRAINER_DTYPES:
-        raise ValueError(f"dtype: the trainer runs its model in one of {sorted(TRAINER_DTYPES)}, got {dtype!r}")
-    make_trainer = make_trainer or _builtin_trainer(control)
-    versions = make_policy_versions(case.seed, steps=max(case.lags), lr=case.staleness_lr, dtype=TRAINER_DTYPES[dtype],
-                                    dropout=control.model_dropout if control else 0.0, device=device)
+    make_trainer = make_trainer or _builtin_trainer(control.faults if control else None)
+    versions, samplers, rollout = setup_case(case, dtype=dtype, dropout=control.model_dropout if control else 0.0, device=device)
     policy = versions[-1]
-    samplers = [versions[-1 - lag] if lag else copy.deepcopy(policy) for lag in case.lags]  # a lag-0 worker holds a copy of the weights
-    rollout = sample_rollout(samplers, prompts=case.prompts, group_size=case.group_size, prompt_len=case.prompt_len,
-                             max_new_tokens=case.max_new_tokens, seed=case.seed)
     config = TrainerConfig(tau=case.tau, lr=STEP_LR)
     policy_before = copy.deepcopy(policy).eval()
     single_policy = copy.deepcopy(policy) if len(case.split) > 1 else None
@@ -335,19 +369,16 @@ def check_trainer_step(step: TrainerStep) -> list[Mismatch]:
     record, batch, dtype = step.record, step.batch, step.dtype
     valid = batch.valid
     found = compare_to_oracle(batch, _result(record), dtype)
-    mismatch = _logp_check("trainer.behavior_logp", "behavior_logp", batch.behavior_logp, _recomputed_logp(step.samplers, step.rollout), valid,
-                           ROLLOUT_LOGP_DTYPE)
+    mismatch = _logp_check("trainer.behavior_logp", "behavior_logp", batch.behavior_logp, step.sampler_logp, valid, ROLLOUT_LOGP_DTYPE)
     found += [mismatch] if mismatch else []
-    mismatch = _logp_check("trainer.policy_logp", "logp", batch.logp, _recomputed_logp(step.policy_before, step.rollout), valid, dtype)
+    mismatch = _logp_check("trainer.policy_logp", "logp", batch.logp, step.current_logp, valid, dtype)
     found += [mismatch] if mismatch else []
-    expected_token_grad = oracle.evaluate_with_mask(batch, record.keep.numpy()).grad
-    pulled = _pullback(copy.deepcopy(step.policy_before), step.rollout, expected_token_grad)
-    mismatch = _compare_params("trainer.parameter_gradient", record.param_grads, pulled, dtype, "the analytic gradient pulled back through the model")
+    mismatch = _compare_params("trainer.parameter_gradient", record.param_grads, step.pulled_back_gradient, dtype,
+                               "the analytic gradient pulled back through the model")
     found += [mismatch] if mismatch else []
     if step.single is not None:
         found += _accumulation(step)
-    replayed = _optimizer_replay(step)
-    mismatch = _compare_params("trainer.optimizer_step", record.params_after, replayed, dtype, "one optimizer step with the reported gradient")
+    mismatch = _compare_params("trainer.optimizer_step", record.params_after, step.one_optimizer_step, dtype, "one optimizer step with the reported gradient")
     found += [mismatch] if mismatch else []
     return found
 
@@ -356,9 +387,8 @@ def _accumulation(step: TrainerStep) -> list[Mismatch]:
     record, single, dtype = step.record, step.single, step.dtype
     label = f"split {list(record.split)} vs one micro-batch"
     found = []
-    m2 = np.where(step.batch.valid, oracle.second_moment(oracle.log_ratio(step.batch.logp, step.batch.behavior_logp, step.batch.valid)), np.nan)
     keep, one = record.keep.numpy(), single.keep.numpy()
-    if not same_up_to_ties(one, keep, m2):
+    if not same_up_to_ties(one, keep, valid_m2(step.batch)):
         diff = np.argwhere(keep != one)
         index = tuple(int(i) for i in diff[0])
         found.append(Mismatch("trainer.accumulation", f"{label}: keep differs at {len(diff)} token(s), first at index {index}: the mask was not selected "
@@ -389,12 +419,8 @@ def _sub(batch: Batch, rows: slice) -> Batch:
 # coincides with Algorithm 1 here is consistent with the step but no evidence for it).
 
 
-def _m2(batch: Batch) -> np.ndarray:
-    return np.where(batch.valid, oracle.second_moment(oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)), np.nan)
-
-
 def _test_per_micro_batch_mask(step: TrainerStep) -> tuple[bool, bool]:
-    keep, batch, m2 = step.record.keep.numpy(), step.batch, _m2(step.batch)
+    keep, batch, m2 = step.record.keep.numpy(), step.batch, valid_m2(step.batch)
     predicted = np.zeros(batch.shape, dtype=bool)
     for r in _micro_rows(step.record.split):
         if r.stop > r.start:
@@ -415,17 +441,14 @@ def _test_per_micro_batch_denominator(step: TrainerStep) -> tuple[bool, bool]:
 
 
 def _test_current_policy_as_behavior(step: TrainerStep) -> tuple[bool, bool]:
-    current = _recomputed_logp(step.policy_before, step.rollout)
-    behaviour = _recomputed_logp(step.samplers, step.rollout)
     same = lambda a, b: _logp_check("diagnosis", "behavior_logp", a, b, step.batch.valid, ROLLOUT_LOGP_DTYPE) is None  # noqa: E731
-    return same(step.batch.behavior_logp, current), not same(behaviour, current)
+    return same(step.batch.behavior_logp, step.current_logp), not same(step.sampler_logp, step.current_logp)
 
 
 def _test_stochastic_forward(step: TrainerStep) -> tuple[bool, bool]:
     from m2po_oracle.trainer import stochastic_layers
 
-    deterministic = _recomputed_logp(step.policy_before, step.rollout)
-    differs = _logp_check("diagnosis", "logp", step.batch.logp, deterministic, step.batch.valid, step.dtype) is not None
+    differs = _logp_check("diagnosis", "logp", step.batch.logp, step.current_logp, step.batch.valid, step.dtype) is not None
     reproduces = differs and bool(stochastic_layers(step.policy_before))
     return reproduces, reproduces
 
@@ -434,14 +457,13 @@ def _test_optimizer_step_per_micro_batch(step: TrainerStep) -> tuple[bool, bool]
     micro = _micro_rows(step.record.split)  # an empty micro-batch still reaches optimizer.step()
     replayed = _optimizer_replay(step, micro)
     same = lambda a, b: _compare_params("diagnosis", a, b, step.dtype, "") is None  # noqa: E731
-    return same(step.record.params_after, replayed), not same(_optimizer_replay(step), replayed)
+    return same(step.record.params_after, replayed), not same(step.one_optimizer_step, replayed)
 
 
 def _test_parameters_without_gradient(step: TrainerStep) -> tuple[bool, bool]:
     """Some parameters report an all-zero gradient where the pulled-back gradient is not
     zero, and every other parameter's gradient is right."""
-    expected = _pullback(copy.deepcopy(step.policy_before), step.rollout, oracle.evaluate_with_mask(step.batch, step.record.keep.numpy()).grad)
-    reported = step.record.param_grads
+    expected, reported = step.pulled_back_gradient, step.record.param_grads
     silent = {n for n, g in reported.items() if not bool(g.any()) and bool(expected[n].any())}
     rest_right = _compare_params("diagnosis", {n: g for n, g in reported.items() if n not in silent},
                                  {n: g for n, g in expected.items() if n not in silent}, step.dtype, "") is None
@@ -522,18 +544,13 @@ def run_trainer_probe(probe: TrainerProbe, *, dtype: str = "float64", faults: di
     """One step of the trainer under ``probe``'s setup; never raises because of the trainer."""
     import warnings
 
-    from m2po_oracle.trainer import GRPOTrainer, M2POKLWarning, TrainerConfig, TrainerFaults, make_policy_versions, sample_rollout
+    from m2po_oracle.trainer import M2POKLWarning, TrainerConfig
     from m2po_oracle.validation import ProbeResult
 
-    case = PROBE_CASE
-    versions = make_policy_versions(case.seed, steps=max(case.lags), lr=case.staleness_lr, dtype=TRAINER_DTYPES[dtype], dropout=probe.model_dropout,
-                                    device=device)
-    samplers = [versions[-1 - lag] for lag in case.lags]
-    rollout = sample_rollout(samplers, prompts=case.prompts, group_size=case.group_size, prompt_len=case.prompt_len,
-                             max_new_tokens=case.max_new_tokens, seed=case.seed, backend=probe.backend, record_logp=probe.record_logp)
-    config = TrainerConfig(**{"tau": case.tau, "lr": STEP_LR, **probe.config})
-    if make_trainer is None:
-        make_trainer = lambda policy, config, **options: GRPOTrainer(policy, config, faults=TrainerFaults(**(faults or {})), **options)  # noqa: E731
+    versions, samplers, rollout = setup_case(PROBE_CASE, dtype=dtype, dropout=probe.model_dropout, device=device, backend=probe.backend,
+                                             record_logp=probe.record_logp)
+    config = TrainerConfig(**{"tau": PROBE_CASE.tau, "lr": STEP_LR, **probe.config})
+    make_trainer = make_trainer or _builtin_trainer(faults)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -580,8 +597,6 @@ class TrainerRunner:
         return trainer_cases(tau)
 
     def step_battery(self, case: TrainerCase, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> Any:
-        from m2po_oracle.battery import BatteryOutcome
-
         if dtype not in TRAINER_DTYPES:
             raise ValueError(f"dtype: the trainer runs its model in one of {sorted(TRAINER_DTYPES)}, got {dtype!r}")
         try:

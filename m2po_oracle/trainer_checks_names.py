@@ -7,8 +7,3 @@ TRAINER_CHECKS: dict[str, str] = {
     "trainer.accumulation": "with k micro-batches the mask, loss and accumulated gradient are those of the same step in one micro-batch",
     "trainer.optimizer_step": "the parameters after the step are one optimizer step from the parameters before, with the reported gradient",
 }
-
-#: Built-in names of whole training steps: the trainer and its planted controls.
-TRAINER_IMPLEMENTATIONS: tuple[str, ...] = ("trainer", "trainer:per_micro_batch_mask", "trainer:current_policy_as_behavior",
-                                            "trainer:per_micro_batch_denominator", "trainer:dropout_left_on", "trainer:optimizer_step_per_micro_batch",
-                                            "trainer:embedding_gradient_dropped")

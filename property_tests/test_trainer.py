@@ -16,20 +16,15 @@ from m2po_oracle.batch import Batch
 from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
 from m2po_oracle.compare import run_compare
 from m2po_oracle.html_report import render_html
-from m2po_oracle.trainer import (GRPOTrainer, M2POKLWarning, TrainerConfig, TrainerFaults, group_advantages, make_policy_versions, sample_rollout,
+from m2po_oracle.trainer import (GRPOTrainer, M2POKLWarning, TrainerConfig, TrainerFaults, group_advantages, make_policy_versions,
                                  stochastic_layers, valid_until_eos)
-from m2po_oracle.trainer_checks import (CONTROLS_BY_NAME, PROBE_CASE, TRAINER_CONTROLS, TRAINER_PROBES, TrainerCase, TrainerRunner,
-                                        run_case, run_trainer_probe)
-from m2po_oracle.trainer_checks_names import TRAINER_CHECKS, TRAINER_IMPLEMENTATIONS
+from m2po_oracle.trainer_checks import (CONTROLS_BY_NAME, PROBE_CASE, TRAINER_CONTROLS, TRAINER_IMPLEMENTATIONS, TRAINER_PROBES, TrainerCase,
+                                        TrainerRunner, run_case, run_trainer_probe, setup_case)
+from m2po_oracle.trainer_checks_names import TRAINER_CHECKS
 
 
-def _probe_setup(dtype=torch.float64, **rollout_options):
-    case = PROBE_CASE
-    versions = make_policy_versions(case.seed, steps=max(case.lags), lr=case.staleness_lr, dtype=dtype)
-    samplers = [versions[-1 - lag] for lag in case.lags]
-    rollout = sample_rollout(samplers, prompts=case.prompts, group_size=case.group_size, prompt_len=case.prompt_len,
-                             max_new_tokens=case.max_new_tokens, seed=case.seed, **rollout_options)
-    return versions, samplers, rollout
+def _probe_setup(**rollout_options):
+    return setup_case(PROBE_CASE, **rollout_options)
 
 
 # --- the whole step against the oracle ---------------------------------------------------------
@@ -142,7 +137,7 @@ def test_every_trainer_name_loads():
     from m2po_oracle.contract import load_implementation
 
     assert [load_implementation(name).spec for name in TRAINER_IMPLEMENTATIONS] == list(TRAINER_IMPLEMENTATIONS)
-    assert {f"trainer:{c.name}" for c in TRAINER_CONTROLS} == set(TRAINER_IMPLEMENTATIONS) - {"trainer"}
+    assert len(TRAINER_IMPLEMENTATIONS) == len(TRAINER_CONTROLS) + 1
 
 
 # --- a user's trainer behind the same step contract -----------------------------------------------
@@ -227,16 +222,30 @@ def test_a_kl_coefficient_warns_and_adds_exactly_beta_times_kl():
 
 
 def test_synchronous_hf_generation_may_recompute_behaviour_logp_in_the_trainer():
-    _, samplers, recorded = _probe_setup()
-    _, _, bare = _probe_setup(record_logp=False)
+    _, _, recorded = _probe_setup()
+    versions, samplers, bare = _probe_setup(record_logp=False)
     assert bare.behavior_logp is None and torch.equal(bare.completion_ids, recorded.completion_ids)
-    versions = make_policy_versions(PROBE_CASE.seed, steps=max(PROBE_CASE.lags), lr=PROBE_CASE.staleness_lr, dtype=torch.float64)
     record = GRPOTrainer(versions[-1], TrainerConfig(behavior_logp_source="trainer"), behaviour=samplers).step(bare)
     valid = recorded.valid
     # The rollout engine's float32 record and the trainer's float64 recomputation agree to float32 precision.
     np.testing.assert_allclose(record.behavior_logp[valid].numpy(), recorded.behavior_logp[valid].numpy(), rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="^behavior_logp: the rollout carries no behaviour log-probs"):
         GRPOTrainer(versions[-1], TrainerConfig(), behaviour=samplers).step(bare)
+
+
+@pytest.mark.parametrize("changes, argument", [({"lr": 0.0}, "lr"), ({"beta": float("nan")}, "beta"), ({"tau": -0.1}, "tau"), ({"tau": True}, "tau")])
+def test_a_malformed_trainer_config_names_its_field(changes, argument):
+    with pytest.raises(ValueError, match=f"^{argument}: expected a finite number"):
+        TrainerConfig(**changes)
+
+
+def test_each_probe_fails_on_a_trainer_without_the_setup_checks(monkeypatch):
+    import m2po_oracle.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "check_training_setup", lambda *args, **kwargs: None)
+    outcomes = {p.name: run_trainer_probe(p) for p in TRAINER_PROBES}
+    # The trainer's own read of the rollout still refuses missing log-probs; every other rule is gone.
+    assert [name for name, r in outcomes.items() if r.as_expected] == ["deployment_behavior_logp_missing"], outcomes
 
 
 @pytest.mark.parametrize("split, message", [([1], "split"), ([5, -1], "split"), ([2.0, 2], "split")])
