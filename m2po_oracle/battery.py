@@ -13,39 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from m2po_oracle.batch import Batch
-from m2po_oracle.contract import Implementation, Measurement, as_runner
+from m2po_oracle.checks import CHECKS
+from m2po_oracle.contract import Implementation, Measurement
 from m2po_oracle import oracle
-from m2po_oracle.equivalence import Mismatch, Tolerance, compare_to_oracle, compare_values, format_mismatches, same_up_to_ties, tolerance, valid_m2
-
-#: Every check the battery runs, by the name failures carry, with what it asserts.
-CHECKS: dict[str, str] = {
-    "call": "the implementation returns a result under the contract (no exception, right types and shapes)",
-    "selection.keep_only_valid": "padding tokens are never kept",
-    "selection.only_trust_region_masked": "only trust-region tokens (A > 0 & d > 0 or A < 0 & d < 0) are ever masked",
-    "selection.budget": "after masking, the mean M2 of the kept trust-region tokens is <= tau",
-    "selection.minimal": "the mask is minimal: keeping the next removed token would break the budget",
-    "selection.largest_removed_first": "removed tokens have the largest M2 (any choice among ties)",
-    "loss": "loss equals -(1/N) sum keep * exp(d) * A on the implementation's own mask",
-    "gradient": "autograd d loss / d logp equals -(1/N) * keep * exp(d) * A",
-    "metrics.m2_before": "m2_before equals the mean M2 over the trust region",
-    "metrics.m2_after": "m2_after equals the mean M2 over the kept trust-region tokens",
-    "metrics.masked_fraction": "masked_fraction equals masked / N",
-    "metrics.trust_region_fraction": "trust_region_fraction equals |T| / N",
-    "metrics.valid_count": "valid_count equals N",
-    "metrics.trust_region_count": "trust_region_count equals |T|",
-    "metrics.kept_trust_region_count": "kept_trust_region_count equals the kept trust-region tokens",
-    "padding_immunity": "NaN/inf padding changes neither the mask, the loss nor the gradient",
-    "determinism": "the same input gives the same mask, loss and gradient",
-    "inputs_not_mutated": "the implementation does not modify its input tensors",
-}
-# A distributed step (compare --topology) adds its per-rank checks.
-from m2po_oracle.distributed_checks_names import DISTRIBUTED_CHECKS  # noqa: E402
-
-CHECKS.update(DISTRIBUTED_CHECKS)
-# A whole training step (compare --impl trainer) adds its model-level checks.
-from m2po_oracle.trainer_checks_names import TRAINER_CHECKS  # noqa: E402
-
-CHECKS.update(TRAINER_CHECKS)
+from m2po_oracle.equivalence import Mismatch, Tolerance, checks_run_on, compare_to_oracle, compare_values, format_mismatches, same_up_to_ties, tolerance, valid_m2
 
 PADDING_PROBES = (float("nan"), float("inf"), float("-inf"))
 
@@ -59,6 +30,9 @@ class BatteryOutcome:
     explained_by: tuple[str, ...] | None = None  # step-level variants (distributed, trainer) reproducing a failing step
     evidenced: tuple[str, ...] | None = None  # those of them that differ from Algorithm 1 on it (None: all of them)
     case: dict | None = None  # the input of a step runner that is not a batch (a trainer case), as JSON
+    #: The checks that actually ran on this example (a failed call runs nothing else;
+    #: a metric the implementation does not report is not checked).
+    checked: tuple[str, ...] = ("call",)
 
     @property
     def passed(self) -> bool:
@@ -123,28 +97,44 @@ def _padding_immunity(first: Measurement, probe: Measurement, fill: float, dtype
 def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> BatteryOutcome:
     """Run every check on one batch. Never raises because of the implementation.
 
-    ``fn`` is an implementation callable (called in this process) or a runner such as
+    ``fn`` is an implementation callable (called in this process) or a caller such as
     :class:`m2po_oracle.isolation.Isolated` (called in a worker process with a timeout)."""
-    if hasattr(fn, "step_battery"):  # a runner that owns the whole step (a distributed world, a trainer)
-        return fn.step_battery(batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
-    runner = as_runner(fn)
-    first = runner.measure(batch, dtype=dtype, device=device)
+    from m2po_oracle.isolation import as_caller
+
+    caller = as_caller(fn)
+    first = caller.measure(batch, dtype=dtype, device=device)
     if first.finding is not None:
         return BatteryOutcome(first.batch, first, (Mismatch("call", f"{first.finding.kind}: {first.finding.message}"),))
     assert first.result is not None
     found: list[Mismatch] = []
+    checked = ["call", "inputs_not_mutated", *checks_run_on(first.result), "determinism"]
     if first.mutated_inputs:
         found.append(Mismatch("inputs_not_mutated", f"the implementation modified its input tensor(s): {', '.join(first.mutated_inputs)}"))
     found.extend(compare_to_oracle(first.batch, first.result, dtype, compute_dtype))
-    again = runner.measure(batch, dtype=dtype, device=device)
+    again = caller.measure(batch, dtype=dtype, device=device)
     nondeterministic = _determinism(first, again)
     found.extend(nondeterministic)
+    probes = [again]
     # A nondeterministic implementation would also differ under the padding probes;
     # comparing them would blame padding for what determinism already reports.
     if not nondeterministic and not batch.valid.all():
+        checked.append("padding_immunity")
         for fill in PADDING_PROBES:
-            found.extend(_padding_immunity(first, runner.measure(batch.with_padding(fill), dtype=dtype, device=device), fill, dtype))
-    return BatteryOutcome(first.batch, first, tuple(found))
+            probe = caller.measure(batch.with_padding(fill), dtype=dtype, device=device)
+            probes.append(probe)
+            found.extend(_padding_immunity(first, probe, fill, dtype))
+    first = _with_output_of(first, probes)
+    return BatteryOutcome(first.batch, first, tuple(found), checked=tuple(checked))
+
+
+def _with_output_of(first: Measurement, others: list[Measurement]) -> Measurement:
+    """``first`` carrying what every call of the battery printed."""
+    import dataclasses
+
+    if not any(m.output_lines for m in others):
+        return first
+    lines = first.output + tuple(line for m in others for line in m.output)
+    return dataclasses.replace(first, output=lines[:20], output_lines=first.output_lines + sum(m.output_lines for m in others))
 
 
 def replay_command(impl: str, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None) -> str:

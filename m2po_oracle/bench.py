@@ -175,8 +175,8 @@ def bench_across_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_bench_across(world_size: int, tokens_per_rank: int, *, repeats: int = 5, tau: float = 0.04, ties: bool = False, timeout_s: float = 600.0) -> dict[str, Any]:
-    from m2po_oracle.distributed import World
-    from m2po_oracle.topology import Topology
+    from m2po_oracle.distributed.world import World
+    from m2po_oracle.distributed.topology import Topology
 
     with World(Topology(world_size, 1, 1), timeout_s=timeout_s) as world:
         outcomes = world.run(bench_across_ranks, {"tokens": tokens_per_rank, "seed": 0, "tau": tau, "repeats": repeats, "ties": ties})

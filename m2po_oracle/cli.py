@@ -17,6 +17,12 @@ from rich.table import Table
 from m2po_oracle import options
 
 EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_UNUSABLE = 0, 1, 2
+#: Ctrl-C: the partial report is written, as the shell's convention for SIGINT.
+EXIT_INTERRUPTED = 130
+
+
+#: The compare options replay takes: how to call, not what to explore.
+REPLAY_OPTIONS = ("dtype", "compute_dtype", "device", "timeout", "in_process", "topology", "backend", "adapter", "validation_errors", "show_output")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--impl", required=True, help="as for compare")
     replay.add_argument("source", nargs="?", default=None, help="a compare JSON report or a batch JSON file (or JSON text)")
     replay.add_argument("--batch", default=None, help="the batch as JSON text or a file path (alternative to SOURCE)")
-    options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("dtype", "compute_dtype", "device", "timeout", "in_process", "topology", "backend", "adapter")))
+    options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in REPLAY_OPTIONS))
 
     selftest = commands.add_parser("selftest", help="run the battery against every shipped negative control")
     selftest.add_argument("--only", default=None, help="comma-separated control names, trainer:NAME for a trainer control (default: all)")
@@ -65,65 +71,99 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=False)
     if args.command == "checks":
-        from m2po_oracle.battery import CHECKS
+        from m2po_oracle.checks import ALL_CHECKS, CHECKS, DISTRIBUTED_CHECKS
 
-        table = Table("check", "asserts")
-        for name, description in CHECKS.items():
-            table.add_row(name, description)
+        table = Table("check", "runs for", "asserts")
+        for name, description in ALL_CHECKS.items():
+            runs_for = "every run" if name == "call" else "a loss function" if name in CHECKS else "--topology" if name in DISTRIBUTED_CHECKS else "--impl trainer"
+            table.add_row(name, runs_for, description)
         console.print(table)
         return EXIT_EQUIVALENT
     if args.command == "selftest":
         return _selftest(args, console)
     if args.command == "bench":
         return _bench(args, console)
-    from m2po_oracle.contract import load_implementation
+    return _run(args, console)
 
-    from m2po_oracle.isolation import ImplementationLoadError, Isolated
+
+def _error(message: str) -> None:
+    Console(stderr=True).print(f"error: {message}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    """compare or replay: open the runner, run, report; load errors and Ctrl-C still report."""
+    from m2po_oracle.distributed.world import WorldError
+    from m2po_oracle.launch import open_runner
+    from m2po_oracle.resolve import LoadError
+    from m2po_oracle.runner import UsageError
 
     try:
-        if args.topology is not None:
-            return _distributed(args, console)
-        from m2po_oracle.adapters import adapt
-
-        loaded = load_implementation(args.impl)  # here first, for a fast error with closest matches
-        if hasattr(loaded, "step_battery"):  # a whole training step: our own code, run in this process
-            if args.adapter:
-                raise ValueError(f"adapter: {args.impl!r} is a training step, not a loss function; --adapter does not apply")
-            return _compare(args, loaded, console) if args.command == "compare" else _replay(args, loaded, console)
-        fn = adapt(loaded, args.adapter)
-        if args.in_process:
-            return _compare(args, fn, console) if args.command == "compare" else _replay(args, fn, console)
-        with Isolated(args.impl, timeout_s=args.timeout, adapter=args.adapter) as runner:
-            runner.start()
-            return _compare(args, runner, console) if args.command == "compare" else _replay(args, runner, console)
-    except (ValueError, ImplementationLoadError) as error:
-        Console(stderr=True).print(f"error: {error}", highlight=False, markup=False)
+        run_options = options.run_options(vars(args))
+        runner = open_runner(args.impl, run_options)
+    except UsageError as error:
+        _error(str(error))
         return EXIT_UNUSABLE
+    except LoadError as error:
+        _error(str(error))
+        if args.command == "compare":
+            from m2po_oracle.compare import load_error_report
+
+            _write_reports(args, load_error_report(args.impl, str(error), run_options).to_json(), console)
+        return EXIT_UNUSABLE
+    except ValueError as error:  # e.g. an unusable --device
+        _error(str(error))
+        return EXIT_UNUSABLE
+    try:
+        with runner:
+            try:
+                runner.start()
+            except LoadError as error:  # raised where the worker loads the implementation
+                _error(str(error))
+                if args.command == "compare":
+                    from m2po_oracle.compare import load_error_report
+
+                    _write_reports(args, load_error_report(args.impl, str(error), run_options).to_json(), console)
+                return EXIT_UNUSABLE
+            return _compare(args, runner, console) if args.command == "compare" else _replay(args, runner, console)
+    except WorldError as error:
+        _error(f"the world of {args.topology} could not run: {error}")
+        return EXIT_UNUSABLE
+    except KeyboardInterrupt:  # outside a compare (which reports its own interruption)
+        Console(stderr=True).print("interrupted", highlight=False)
+        return EXIT_INTERRUPTED
 
 
-def _compare(args: argparse.Namespace, fn, console: Console) -> int:
+def _compare(args: argparse.Namespace, runner, console: Console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from m2po_oracle.compare import run_compare
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task(f"checking {args.impl}", total=args.examples)
-        report = run_compare(fn, args.impl, examples=args.examples, seed=args.seed, dtype=args.dtype, compute_dtype=args.compute_dtype,
-                             tau=args.tau, device=args.device, strict_validation=args.strict_validation,
-                             on_example=lambda _: progress.advance(task))
-    if args.adapter:
-        from m2po_oracle.adapters import ADAPTERS
-
-        adapter = ADAPTERS[args.adapter]
-        report.adapter = {"name": adapter.name, "signature": adapter.signature, "checked": list(adapter.checked)}
-        console.print(f"adapter {adapter.name} ({adapter.signature}): checks {', '.join(adapter.checked)}; the rest is supplied by the adapter", highlight=False, soft_wrap=True)
-    unit = getattr(fn, "example_unit", "batches")  # a trainer explores training steps
-    table = Table(title=f"{args.impl} vs Algorithm 1 ({report.examples} {unit}, {args.dtype}, seed {args.seed})")
+        task = progress.add_task(f"checking {args.impl}", total=runner.options.examples)
+        report = run_compare(runner, on_example=lambda _: progress.advance(task))
+    record = report.to_json()
+    if report.interrupted:
+        _write_reports(args, record, console, quiet=True)
+        written = " ".join(str(p) for p in (args.json, args.html) if p is not None)
+        Console(stderr=True).print(f"interrupted after {report.examples} {report.example_unit} ({report.duration_s:.1f} s)"
+                                   + (f"; partial report: {written}" if written else ""), highlight=False, soft_wrap=True)
+        return EXIT_INTERRUPTED
+    if report.adapter:
+        a = report.adapter
+        console.print(f"adapter {a['name']} ({a['signature']}): checks {', '.join(a['checked'])}; the rest is supplied by the adapter", highlight=False, soft_wrap=True)
+    unit = report.example_unit
+    if report.verdict == "unusable":
+        console.print(f"[bold red]unusable[/]: no call returned a usable result on {report.examples} {unit}; no check other than 'call' ran", soft_wrap=True)
+    if report.stopped_early:
+        console.print(f"stopped early after {report.examples} of {report.examples_requested} {unit}: {report.stopped_early}", highlight=False, soft_wrap=True)
+    table = Table(title=f"{args.impl} vs Algorithm 1 ({report.examples} {unit}, {report.dtype}, seed {report.seed})")
     table.add_column("check")
     table.add_column("result")
     table.add_column(f"failing {unit}", justify="right")
+    table.add_column(f"{unit} checked", justify="right")
+    labels = {"fail": "[red]FAIL[/]", "pass": "[green]pass[/]", "not run": "[yellow]not run[/]"}
     for name, tally in report.tallies.items():
-        table.add_row(name, "[red]FAIL[/]" if tally.failures else "[green]pass[/]", str(tally.failures))
+        table.add_row(name, labels[tally.status], str(tally.failures), str(tally.ran))
     console.print(table)
     for counterexample in report.counterexamples:
         from m2po_oracle.equivalence import format_mismatches
@@ -132,34 +172,34 @@ def _compare(args: argparse.Namespace, fn, console: Console) -> int:
                                         replay=counterexample.replay), highlight=False, markup=False, soft_wrap=True)
     _print_diagnosis(console, report.diagnosis)
     _print_validation(console, report)
+    _print_output(console, report)
     colour = {"equivalent": "green", "divergent": "red", "unusable": "red"}[report.verdict]
     console.print(f"verdict: [bold {colour}]{report.verdict}[/] in {report.duration_s:.1f} s")
-    record = report.to_json()
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2))
-        console.print(f"JSON report: {args.json}")
-    if args.html is not None:
-        from m2po_oracle.html_report import write_html
-
-        write_html(record, args.html)
-        console.print(f"HTML report: {args.html}")
+    _write_reports(args, record, console)
     return report.exit_status
 
 
-def _distributed(args: argparse.Namespace, console: Console) -> int:
-    from m2po_oracle.distributed import WorldError
-    from m2po_oracle.distributed_checks import DistributedRunner
-    from m2po_oracle.distributed_impls import load_distributed_implementation
+def _write_reports(args: argparse.Namespace, record: dict, console: Console, quiet: bool = False) -> None:
+    if getattr(args, "json", None) is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2))
+        if not quiet:
+            console.print(f"JSON report: {args.json}")
+    if getattr(args, "html", None) is not None:
+        from m2po_oracle.report.html import write_html
 
-    load_distributed_implementation(args.impl)  # a fast error with closest matches
-    try:
-        with DistributedRunner(args.impl, args.topology, backend=args.backend, timeout_s=args.timeout) as runner:
-            runner.world.start()
-            return _compare(args, runner, console) if args.command == "compare" else _replay(args, runner, console)
-    except WorldError as error:
-        Console(stderr=True).print(f"error: the world of {args.topology} could not run: {error}", highlight=False, markup=False)
-        return EXIT_UNUSABLE
+        write_html(record, args.html)
+        if not quiet:
+            console.print(f"HTML report: {args.html}")
+
+
+def _print_output(console: Console, report) -> None:
+    output = report.output
+    if not output["lines"]:
+        return
+    console.print(f"the implementation printed {output['lines']} line(s) (captured; --show-output lets them through); the first:", highlight=False, soft_wrap=True)
+    for line in output["first_lines"][:5]:
+        console.print(f"  | {line}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
@@ -222,7 +262,8 @@ def _selftest(args: argparse.Namespace, console: Console) -> int:
     except ValueError as error:
         Console(stderr=True).print(f"error: {error}", highlight=False, markup=False)
         return EXIT_UNUSABLE
-    table = Table(title=f"selftest: {len(controls)} negative controls, {args.examples} examples each, seed {args.seed}")
+    examples, seed = args.examples or 500, args.seed or 0
+    table = Table(title=f"selftest: {len(controls)} negative controls, {examples} examples each, seed {seed}")
     for column in ("control", "status", "first failing example", "caught by", "diagnosis", "seconds"):
         table.add_column(column)
     with console.status("running the battery against the negative controls") as status:
@@ -230,7 +271,7 @@ def _selftest(args: argparse.Namespace, console: Console) -> int:
             status.update(f"{row.control}: {row.status}")
             table.add_row(row.control, row.status if row.status != "ok" else "[green]ok[/]", str(row.examples_needed or "-"),
                           ", ".join(row.caught_by) or "-", ", ".join(row.diagnosis) or "-", f"{row.seconds:.1f}")
-        rows = run_selftest(controls, examples=args.examples, seed=args.seed, on_row=show)
+        rows = run_selftest(controls, examples=examples, seed=seed, on_row=show)
     console.print(table)
     bad = [r for r in rows if r.status != "ok"]
     total = sum(r.seconds for r in rows)
@@ -239,10 +280,10 @@ def _selftest(args: argparse.Namespace, console: Console) -> int:
 
 
 def _print_validation(console: Console, report) -> None:
-    warnings = report.validation_warnings
-    if not report.validation:
-        console.print("validation: not run (invalid-input probes are single-process calls)", highlight=False)
+    if report.validation_not_run:
+        console.print(f"validation: not run: {report.validation_not_run}", highlight=False, soft_wrap=True)
         return
+    warnings = report.validation_warnings
     warned = [p.probe for p in report.validation if p.expected == "warned"]
     if not warnings:
         also = f"; {', '.join(warned)} allowed with a warning, as required" if warned else ""
@@ -265,14 +306,12 @@ def _print_diagnosis(console: Console, diagnosis: dict) -> None:
             console.print(f"  - {c['variant']}: agreed on {c['agreed']}/{c['of']}; first difference: {c['first_difference']}", highlight=False, markup=False, soft_wrap=True)
 
 
-def _replay(args: argparse.Namespace, fn, console: Console) -> int:
-    from m2po_oracle.batch import Batch
-    from m2po_oracle.battery import run_battery
+def _replay(args: argparse.Namespace, runner, console: Console) -> int:
     from m2po_oracle.equivalence import format_mismatches
 
     text = args.source if args.source is not None else args.batch
     if text is None or (args.source is not None and args.batch is not None):
-        Console(stderr=True).print("error: replay: give exactly one of SOURCE or --batch", highlight=False, markup=False)
+        _error("replay: give exactly one of SOURCE or --batch")
         return EXIT_UNUSABLE
     path = Path(text)
     try:
@@ -280,18 +319,17 @@ def _replay(args: argparse.Namespace, fn, console: Console) -> int:
             text = path.read_text()
         data = json.loads(text)
         # A step runner whose input is not a batch (the trainer) replays its own input records.
-        parse = fn.parse_input if hasattr(fn, "parse_input") else Batch.from_dict
-        key = "trainer_case" if hasattr(fn, "parse_input") else "batch"
+        key = runner.example_key()
         if "counterexamples" in data:  # a compare report: replay each of its counterexamples
-            batches = [parse(c[key]) for c in data["counterexamples"]]
+            examples = [runner.parse_example(c[key]) for c in data["counterexamples"]]
         else:
-            batches = [parse(data)]
+            examples = [runner.parse_example(data)]
     except (OSError, ValueError, KeyError, TypeError) as error:
-        Console(stderr=True).print(f"error: batch: expected JSON of a batch or a compare report, or a path to one: {error}", highlight=False, markup=False)
+        _error(f"batch: expected JSON of a batch or a compare report, or a path to one: {error}")
         return EXIT_UNUSABLE
     status = EXIT_EQUIVALENT
-    for batch in batches:
-        outcome = run_battery(fn, batch, dtype=args.dtype, compute_dtype=args.compute_dtype, device=args.device)
+    for example in examples:
+        outcome = runner.run_battery(example)
         if outcome.mismatches:
             status = EXIT_DIVERGENT
             console.print(format_mismatches(list(outcome.mismatches), batch=outcome.batch, where=f"for {args.impl!r}"), highlight=False, markup=False, soft_wrap=True)

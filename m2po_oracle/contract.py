@@ -18,13 +18,12 @@ implementation's behaviour.
 
 from __future__ import annotations
 
-import difflib
-import importlib
-import importlib.util
+import contextlib
+import dataclasses
+import io
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,6 +64,8 @@ class Measurement:
     finding: Finding | None = None
     mutated_inputs: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    output: tuple[str, ...] = ()  # the first lines the implementation printed during the call (when captured)
+    output_lines: int = 0  # how many lines it printed in all
 
 
 def _check_dtype_name(dtype: str) -> torch.dtype:
@@ -167,11 +168,29 @@ def _preview(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def measure(fn: Implementation, batch: Batch, *, dtype: str = "float64", device: str | torch.device = "cpu") -> Measurement:
-    """Call ``fn`` on ``batch`` under the contract and record everything it did."""
+def measure(fn: Implementation, batch: Batch, *, dtype: str = "float64", device: str | torch.device = "cpu", capture: bool = True) -> Measurement:
+    """Call ``fn`` on ``batch`` under the contract and record everything it did.
+
+    With ``capture`` what it prints to ``sys.stdout``/``sys.stderr`` is kept in the
+    measurement instead of reaching the terminal."""
     tensors = to_tensors(batch, dtype, device)
     seen = rounded_batch(batch, dtype)
     snapshot = {name: t.detach().clone() for name, t in tensors.items()}
+    with captured_output(capture) as printed:
+        measurement = _call(fn, tensors, snapshot, seen, batch, dtype)
+    return with_output(measurement, printed.getvalue()) if capture else measurement
+
+
+#: Lines of a call's output a measurement keeps (all of them are counted).
+OUTPUT_LINES_KEPT = 20
+
+
+def with_output(measurement: Measurement, text: str) -> Measurement:
+    lines = text.splitlines()
+    return dataclasses.replace(measurement, output=measurement.output + tuple(lines[:OUTPUT_LINES_KEPT]), output_lines=measurement.output_lines + len(lines))
+
+
+def _call(fn: Implementation, tensors: dict[str, torch.Tensor], snapshot: dict[str, torch.Tensor], seen: Batch, batch: Batch, dtype: str) -> Measurement:
     try:
         raw = fn(tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"], tau=batch.tau)
     except (Exception, SystemExit) as error:  # the implementation's failure is a finding, not ours
@@ -186,119 +205,17 @@ def measure(fn: Implementation, batch: Batch, *, dtype: str = "float64", device:
     return Measurement(seen, dtype, result, None, mutated, notes)
 
 
+@contextlib.contextmanager
+def captured_output(capture: bool = True) -> Iterator[io.StringIO]:
+    """Python-level stdout and stderr of the block, kept in a buffer (when ``capture``)."""
+    buffer = io.StringIO()
+    if not capture:
+        yield buffer
+        return
+    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+        yield buffer
+
+
 def _exception_text(error: BaseException) -> str:
     frames = traceback.format_exception(type(error), error, error.__traceback__, limit=-3)
     return "".join(frames).rstrip()
-
-
-class InProcess:
-    """Calls an implementation in this process (no timeout: a hang hangs the caller)."""
-
-    def __init__(self, fn: Implementation) -> None:
-        self.fn = fn
-
-    def measure(self, batch: Batch, *, dtype: str = "float64", device: str = "cpu") -> Measurement:
-        return measure(self.fn, batch, dtype=dtype, device=device)
-
-    def probe(self, name: str, *, dtype: str = "float64", device: str = "cpu") -> Any:
-        from m2po_oracle.validation import run_probe
-
-        return run_probe(self.fn, name, dtype=dtype, device=device)
-
-
-def as_runner(target: Any) -> Any:
-    """A runner (anything with ``measure(batch, *, dtype, device)``) for ``target``, which is
-    either already one (e.g. ``isolation.Isolated``) or a plain implementation callable."""
-    return target if hasattr(target, "measure") and not callable(target) else InProcess(target)
-
-
-# --- resolving an implementation from its name -------------------------------------------
-
-ENTRY_POINT_GROUP = "m2po_oracle.implementations"
-#: Set to 1 to ignore implementations registered by other installed packages.
-NO_PLUGINS_ENV = "M2PO_ORACLE_NO_PLUGINS"
-
-
-def _registered() -> dict[str, Any]:
-    """Implementations other packages register in the ``m2po_oracle.implementations`` group."""
-    import os
-    from importlib.metadata import entry_points
-
-    if os.environ.get(NO_PLUGINS_ENV) == "1":
-        return {}
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def builtin_implementations() -> dict[str, Implementation]:
-    """Implementations shipped with the toolkit: the core and every negative control."""
-    from m2po_oracle import controls
-    from m2po_oracle.core import m2po_loss
-
-    found: dict[str, Implementation] = {"core": m2po_loss}
-    found.update({f"control:{c.name}": c.fn for c in controls.NEGATIVE_CONTROLS})
-    return found
-
-
-def load_implementation(spec: str) -> Implementation:
-    """Resolve ``spec``: a built-in name, a name registered in the ``m2po_oracle.implementations``
-    entry-point group, ``package.module:function`` or ``path/file.py:function``."""
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"impl: expected a non-empty string, got {spec!r}")
-    builtins = builtin_implementations()
-    if spec in builtins:
-        return builtins[spec]
-    if spec == "trainer" or spec.startswith("trainer:"):  # the whole GRPO training step: ours, a control, or the user's trainer
-        from m2po_oracle.trainer_checks import TrainerRunner
-
-        rest = spec.partition(":")[2]
-        if ":" in rest:  # trainer:module:Class or trainer:file.py:Class
-            return TrainerRunner(trainer=load_attribute(rest), spec=spec)
-        return TrainerRunner(rest or None)
-    registered = _registered()
-    if spec in registered:
-        try:
-            fn = registered[spec].load()
-        except Exception as error:
-            raise ValueError(f"impl: loading the registered implementation {spec!r} ({registered[spec].value}) failed: {error!r}") from error
-        if not callable(fn):
-            raise ValueError(f"impl: the registered implementation {spec!r} is a {type(fn).__name__}, not a callable")
-        return fn
-    if ":" not in spec or spec.startswith("control:"):  # "control:" is the built-in namespace
-        from m2po_oracle.trainer_checks import TRAINER_IMPLEMENTATIONS
-
-        known = list(builtins) + list(TRAINER_IMPLEMENTATIONS) + list(registered)
-        builtins = dict.fromkeys(known)
-        close = difflib.get_close_matches(spec, builtins, n=3, cutoff=0.5)
-        hint = f"; closest matches: {', '.join(close)}" if close else f"; built-in names: {', '.join(sorted(builtins))}"
-        raise ValueError(f"impl: unknown implementation {spec!r} (expected a built-in name, module:function or file.py:function){hint}")
-    return load_attribute(spec)
-
-
-def load_attribute(spec: str) -> Any:
-    """The callable named by ``package.module:name`` or ``path/file.py:name`` (ValueError with
-    closest matches otherwise)."""
-    target, _, attribute = spec.rpartition(":")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ValueError(f"impl: file {target!r} does not exist")
-        module_spec = importlib.util.spec_from_file_location(f"m2po_impl_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
-        try:
-            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
-        except Exception as error:
-            raise ValueError(f"impl: importing {target!r} failed: {error!r}") from error
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as error:
-            raise ValueError(f"impl: importing module {target!r} failed: {error!r}") from error
-    fn = getattr(module, attribute, None)
-    if fn is None:
-        names = [n for n in dir(module) if not n.startswith("_")]
-        close = difflib.get_close_matches(attribute, names, n=3, cutoff=0.5)
-        hint = f"; closest matches: {', '.join(close)}" if close else ""
-        raise ValueError(f"impl: {target!r} has no attribute {attribute!r}{hint}")
-    if not callable(fn):
-        raise ValueError(f"impl: {spec!r} is a {type(fn).__name__}, not a callable")
-    return fn

@@ -278,6 +278,17 @@ def compare_values(check: str, name: str, actual: np.ndarray | float, expected: 
                              f"greatest relative difference {rel!r}{at} (rtol {tol.rtol}, atol {tol.atol}, scale {scale!r})"))
 
 
+SELECTION_CHECKS: tuple[str, ...] = ("selection.keep_only_valid", "selection.only_trust_region_masked", "selection.budget", "selection.minimal",
+                                     "selection.largest_removed_first")
+
+
+def checks_run_on(actual: M2POResult) -> tuple[str, ...]:
+    """The checks :func:`compare_to_oracle` runs on ``actual``: a metric it does not report,
+    or a gradient it has not got, is not checked."""
+    metrics = tuple(f"metrics.{name}" for name in METRIC_FIELDS + COUNT_FIELDS if getattr(actual, name) is not None)
+    return SELECTION_CHECKS + ("loss",) + (("gradient",) if actual.grad is not None else ()) + metrics
+
+
 def compare_to_oracle(batch: Batch, actual: M2POResult, dtype: str, compute_dtype: str | None = None) -> list[Mismatch]:
     """Every mismatch between ``actual`` and Algorithm 1 on ``batch`` (the values the
     implementation received). Loss, gradient and metrics are judged on ``actual.keep``."""

@@ -1,4 +1,6 @@
-"""Calling an implementation in a worker process, so that a hang or a crash is a finding.
+"""Calling a loss function: in this process, or in a worker so that a hang or a crash is a finding.
+
+:class:`InProcess` calls it here (no timeout). :class:`Isolated`:
 
 The worker loads the implementation from its spec (built-in name, module:function or
 file.py:function) and serves one :func:`m2po_oracle.contract.measure` per request. A call
@@ -10,13 +12,18 @@ preloaded, so a restart costs a fraction of a second after the first.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import multiprocessing
 import multiprocessing.connection
+import os
+import tempfile
 import time
 from typing import Any
 
 from m2po_oracle.batch import Batch
-from m2po_oracle.contract import Finding, Measurement, load_implementation, measure, rounded_batch
+from m2po_oracle.contract import Finding, Implementation, Measurement, measure, rounded_batch, with_output
+from m2po_oracle.resolve import LoadError as ImplementationLoadError  # one load error, whichever way it is called
 
 #: Starting a worker imports torch and the implementation: allow for that separately.
 STARTUP_TIMEOUT_S = 180.0
@@ -31,15 +38,19 @@ def _forkserver() -> Any:
     return _context
 
 
-def _serve(spec: str, adapter: str | None, connection: multiprocessing.connection.Connection) -> None:
+def _serve(spec: str, adapter: str | None, capture: bool, rejecting: tuple[str, ...], connection: multiprocessing.connection.Connection) -> None:
     try:
         from m2po_oracle.adapters import adapt
+        from m2po_oracle.resolve import load_implementation
 
-        fn = adapt(load_implementation(spec), adapter)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            fn = adapt(load_implementation(spec), adapter)
     except Exception as error:  # reported to the parent as a load failure
         connection.send(("load_error", str(error)))
         return
     connection.send(("ready", None))
+    # Output written below Python (C extensions, os.write) goes to a file we read per call.
+    native = _redirect_native_output() if capture else None
     while True:
         try:
             request = connection.recv()
@@ -51,23 +62,67 @@ def _serve(spec: str, adapter: str | None, connection: multiprocessing.connectio
         if kind == "probe":
             from m2po_oracle.validation import run_probe
 
-            connection.send(("result", run_probe(fn, payload, dtype=dtype, device=device)))
+            connection.send(("result", run_probe(fn, payload, dtype=dtype, device=device, rejecting=rejecting)))
         else:
-            connection.send(("result", measure(fn, Batch.from_dict(payload), dtype=dtype, device=device)))
+            measurement = measure(fn, Batch.from_dict(payload), dtype=dtype, device=device, capture=capture)
+            connection.send(("result", with_output(measurement, native.read()) if native else measurement))
 
 
-class ImplementationLoadError(RuntimeError):
-    pass
+class _NativeOutput:
+    """File descriptors 1 and 2 of this process, redirected to a file read incrementally."""
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile(mode="w+b")
+        for fd in (1, 2):
+            os.dup2(self._file.fileno(), fd)
+
+    def read(self) -> str:
+        self._file.seek(0)
+        data = self._file.read()
+        self._file.seek(0)
+        self._file.truncate()
+        return data.decode("utf-8", "replace")
+
+
+def _redirect_native_output() -> _NativeOutput:
+    return _NativeOutput()
+
+
+class InProcess:
+    """Calls a loss function in this process (no timeout: a hang hangs the caller)."""
+
+    timeouts = 0
+    crashes = 0
+
+    def __init__(self, fn: Implementation, *, capture: bool = True, rejecting: tuple[str, ...] = ()) -> None:
+        self.fn, self.capture, self.rejecting = fn, capture, rejecting
+
+    def measure(self, batch: Batch, *, dtype: str = "float64", device: str = "cpu") -> Measurement:
+        return measure(self.fn, batch, dtype=dtype, device=device, capture=self.capture)
+
+    def probe(self, name: str, *, dtype: str = "float64", device: str = "cpu") -> Any:
+        from m2po_oracle.validation import run_probe
+
+        return run_probe(self.fn, name, dtype=dtype, device=device, rejecting=self.rejecting)
+
+
+def as_caller(target: Any) -> Any:
+    """Something with ``measure(batch, *, dtype, device)``: ``target`` itself (``InProcess``,
+    ``Isolated``) or a plain implementation callable wrapped in :class:`InProcess`."""
+    return target if isinstance(target, (InProcess, Isolated)) else InProcess(target)
+
+
 
 
 class Isolated:
     """A runner: ``measure(batch, *, dtype, device)`` in a worker process, with a timeout."""
 
-    def __init__(self, spec: str, *, timeout_s: float = 60.0, adapter: str | None = None) -> None:
+    def __init__(self, spec: str, *, timeout_s: float = 60.0, adapter: str | None = None, capture: bool = True, rejecting: tuple[str, ...] = ()) -> None:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
             raise ValueError(f"timeout_s: expected a number > 0, got {timeout_s!r}")
         self.spec = spec
         self.adapter = adapter
+        self.capture, self.rejecting = capture, rejecting
         self.timeout_s = float(timeout_s)
         self.timeouts = 0
         self.crashes = 0
@@ -80,7 +135,7 @@ class Isolated:
         Raises :class:`ImplementationLoadError` if the spec cannot be loaded there."""
         context = _forkserver()
         parent, child = context.Pipe()
-        process = context.Process(target=_serve, args=(self.spec, self.adapter, child), daemon=True, name=f"m2po-impl:{self.spec}")
+        process = context.Process(target=_serve, args=(self.spec, self.adapter, self.capture, self.rejecting, child), daemon=True, name=f"m2po-impl:{self.spec}")
         process.start()
         child.close()
         if not parent.poll(STARTUP_TIMEOUT_S):

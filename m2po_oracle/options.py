@@ -44,7 +44,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def _topology(text: str) -> Any:
-    from m2po_oracle.topology import Topology
+    from m2po_oracle.distributed.topology import Topology
 
     try:
         return Topology.parse(text)
@@ -62,21 +62,35 @@ def _budget(text: str) -> float:
     return value
 
 
+# Defaults live in ``runner.RunOptions``; a flag's default here is None (False for a
+# switch) so that a runner can tell a given option, which it must honour or refuse, from
+# one left alone.
 COMPARE_OPTIONS: tuple[Option, ...] = (
-    Option("examples", "number of generated batches to try", _positive_int, 500),
-    Option("seed", "seed of the batch generator (same seed, same batches)", int, 0),
-    Option("dtype", "dtype of the input tensors given to the implementation", str, "float64", DTYPE_CHOICES),
+    Option("examples", "number of generated batches (training steps for the trainer) to try (default 500)", _positive_int),
+    Option("seed", "seed of the batch generator: same seed, same batches (default 0)", int),
+    Option("dtype", "dtype of the input tensors given to the implementation (default float64)", str, None, DTYPE_CHOICES),
     Option("compute_dtype", "dtype the implementation computes its selection in (sets the rounding band; default: --dtype)", str, None, DTYPE_CHOICES),
-    Option("tau", "use this budget for every batch instead of drawing it", _budget, None),
-    Option("device", "torch device for the input tensors", str, "cpu"),
-    Option("timeout", "per-call timeout in seconds; the implementation runs in a worker process and a call past it is a finding", _positive_seconds, 60.0),
+    Option("tau", "use this budget for every batch instead of drawing it", _budget),
+    Option("device", "torch device for the input tensors (default cpu)", str),
+    Option("timeout", "per-call timeout in seconds; the implementation runs in a worker process and a call past it is a finding (default 60)",
+           _positive_seconds),
     Option("adapter", "the port's signature family when it is not the contract's: mask_only, mask_function or policy_loss", str, None,
            ("mask_only", "mask_function", "policy_loss")),
-    Option("topology", "run distributed: ranks as dp=N,cp=N,tp=N (Megatron order); the implementation takes parallel=", _topology, None),
-    Option("backend", "collective backend of a distributed run", str, "gloo", ("gloo", "nccl")),
+    Option("topology", "run distributed: ranks as dp=N,cp=N,tp=N (Megatron order); the implementation takes parallel=", _topology),
+    Option("backend", "collective backend of a distributed run (default gloo)", str, None, ("gloo", "nccl")),
     Option("strict_validation", "count silently accepted invalid input (see 'validation' in the report) as a divergence", bool, False, switch=True),
+    Option("validation_errors", "comma-separated exception class names that also count as a deliberate refusal of invalid input "
+           "(ValueError and TypeError always do)", str),
     Option("in_process", "call the implementation in this process (faster; no timeout, a crash or hang takes the tool down)", bool, False, switch=True),
+    Option("show_output", "let the implementation's stdout/stderr through instead of capturing it per call", bool, False, switch=True),
 )
+
+
+def run_options(values: dict[str, Any]) -> Any:
+    """``runner.RunOptions`` from parsed values keyed by option name (unset: None/False)."""
+    from m2po_oracle.runner import RunOptions
+
+    return RunOptions.from_values({o.name: values.get(o.name) for o in COMPARE_OPTIONS})
 
 
 def add_to_pytest(group: Any, options: tuple[Option, ...] = COMPARE_OPTIONS, prefix: str = "m2po") -> None:

@@ -1,13 +1,21 @@
 """pytest plugin: ``pytest --m2po-impl SPEC`` runs the compare battery in your own CI.
 
-Adds one test item per check (``m2po[SPEC]::selection.minimal``, ...) and one for input
-validation. The battery runs once, on first use; each item fails with the check's minimal
-counterexample and its replay command. Options are the CLI's, as ``--m2po-NAME``.
-Disable with ``-p no:m2po_oracle``.
+Adds one test item per check the runner runs (``m2po[SPEC]::selection.minimal``, ...) and
+one for input validation. The battery runs once per implementation, on first use; under
+pytest-xdist the first worker to need it runs it and the others read its outcome. Each
+item fails with the check's minimal counterexample and its replay command; a check that
+never ran is skipped, saying why. Options are the CLI's, as ``--m2po-NAME``, honoured or
+refused exactly as by the CLI. Disable with ``-p no:m2po_oracle``.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,37 +30,82 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     options.add_to_pytest(group)
 
 
+def _option_values(config: pytest.Config) -> dict[str, Any]:
+    return {o.name: config.getoption(f"m2po_{o.name}") for o in options.COMPARE_OPTIONS}
+
+
+def item_outcomes(spec: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Run the battery once and reduce it to what each item reports: JSON-ready, so that
+    xdist workers can share it. ``{"error": str}`` when the run could not start."""
+    from m2po_oracle.compare import run_compare
+    from m2po_oracle.equivalence import format_mismatches
+    from m2po_oracle.launch import open_runner
+    from m2po_oracle.resolve import LoadError
+    from m2po_oracle.runner import UsageError
+
+    try:
+        runner = open_runner(spec, options.run_options(values))
+        with runner:
+            runner.start()
+            report = run_compare(runner)
+    except UsageError as error:
+        return {"error": f"usage error: {error}"}
+    except (LoadError, ValueError) as error:
+        return {"error": f"the implementation could not be loaded: {error}"}
+    items: dict[str, Any] = {}
+    for name, tally in report.tallies.items():
+        if tally.status == "not run":
+            why = "no call returned a result" if name != "call" and not report.usable else "no generated example exercised it"
+            items[name] = {"status": "skip", "message": f"not run on {report.examples} {report.example_unit}: {why}"}
+            continue
+        if not tally.failures:
+            items[name] = {"status": "pass", "message": ""}
+            continue
+        message = f"failed on {tally.failures} of {report.examples} {report.example_unit}"
+        for counterexample in report.counterexamples:
+            if counterexample.check == name:
+                message += "\n" + format_mismatches(list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {name})",
+                                                    replay=counterexample.replay)
+                break
+        items[name] = {"status": "fail", "message": message}
+    if report.validation_not_run:
+        items["validation"] = {"status": "skip", "message": f"validation not run: {report.validation_not_run}"}
+    else:
+        problems = [f"- {p.probe} ({p.description}): {p.status}: {p.message}" for p in report.validation_warnings]
+        failing = bool(problems) and report.strict_validation
+        items["validation"] = {"status": "fail" if failing else "pass", "message": "invalid input not rejected:\n" + "\n".join(problems) if failing else "",
+                               "warnings": problems}
+    return {"checks": list(report.tallies), "items": items, "verdict": report.verdict}
+
+
 class _SharedRun:
-    """The one compare run all items of a session read from."""
+    """The one compare run all items of a session read from, shared across xdist workers
+    through a file keyed by the implementation and its options."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
-        self.report: Any = None
-        self.error: str | None = None
+        self.spec = config.getoption("m2po_impl")
+        self.values = _option_values(config)
+        self._outcomes: dict[str, Any] | None = None
 
-    def get(self) -> Any:
-        if self.report is None and self.error is None:
-            self._run()
-        return self.report
+    def get(self) -> dict[str, Any]:
+        if self._outcomes is None:
+            self._outcomes = self._shared() if hasattr(self.config, "workerinput") else item_outcomes(self.spec, self.values)
+        return self._outcomes
 
-    def _run(self) -> None:
-        from m2po_oracle.compare import run_compare
-        from m2po_oracle.contract import load_implementation
-        from m2po_oracle.isolation import ImplementationLoadError, Isolated
-
-        opt = {o.name: self.config.getoption(f"m2po_{o.name}") for o in options.COMPARE_OPTIONS}
-        spec = self.config.getoption("m2po_impl")
-        settings = dict(examples=opt["examples"], seed=opt["seed"], dtype=opt["dtype"], compute_dtype=opt["compute_dtype"], tau=opt["tau"],
-                        device=opt["device"], strict_validation=opt["strict_validation"])
-        try:
-            fn = load_implementation(spec)
-            if opt["in_process"] or hasattr(fn, "step_battery"):  # a step runner (the trainer) runs its own step
-                self.report = run_compare(fn, spec, **settings)
-            else:
-                with Isolated(spec, timeout_s=opt["timeout"]) as runner:
-                    self.report = run_compare(runner, spec, **settings)
-        except (ValueError, ImplementationLoadError) as error:
-            self.error = str(error)
+    def _shared(self) -> dict[str, Any]:
+        run_id = self.config.workerinput.get("testrunuid", "run")  # type: ignore[attr-defined]
+        key = hashlib.sha256(json.dumps([self.spec, {k: str(v) for k, v in self.values.items()}], sort_keys=True).encode()).hexdigest()[:16]
+        path = Path(tempfile.gettempdir()) / f"m2po-oracle-{run_id}-{key}.json"
+        with open(f"{path}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker runs the battery; the rest wait for its file
+            if path.exists():
+                return json.loads(path.read_text())
+            outcomes = item_outcomes(self.spec, self.values)
+            scratch = path.with_suffix(f".{os.getpid()}.tmp")
+            scratch.write_text(json.dumps(outcomes))
+            scratch.replace(path)
+            return outcomes
 
 
 class M2POCheckItem(pytest.Item):
@@ -62,26 +115,18 @@ class M2POCheckItem(pytest.Item):
         self.shared = shared
 
     def runtest(self) -> None:
-        from m2po_oracle.equivalence import format_mismatches
-
-        report = self.shared.get()
-        if report is None:
-            raise M2POCheckFailed(f"the implementation could not be loaded: {self.shared.error}")
-        if self.check == "validation":
-            problems = report.validation_warnings
-            if problems and report.strict_validation:
-                raise M2POCheckFailed("invalid input not rejected:\n" + "\n".join(f"- {p.probe}: {p.status}: {p.message}" for p in problems))
-            for p in problems:
-                self.warn(pytest.PytestWarning(f"m2po validation: {p.probe} ({p.description}) was {p.status}"))
-            return
-        tally = report.tallies[self.check]
-        if not tally.failures:
-            return
-        for counterexample in report.counterexamples:
-            if counterexample.check == self.check:
-                raise M2POCheckFailed(f"failed on {tally.failures} of {report.examples} examples\n" + format_mismatches(
-                    list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {self.check})", replay=counterexample.replay))
-        raise M2POCheckFailed(f"failed on {tally.failures} of {report.examples} examples")
+        outcomes = self.shared.get()
+        if "error" in outcomes:
+            raise M2POCheckFailed(outcomes["error"])
+        item = outcomes["items"].get(self.check)
+        if item is None:
+            pytest.skip(f"{self.check} is not a check of this runner")
+        for warning in item.get("warnings", ()):
+            self.warn(pytest.PytestWarning(f"m2po validation: {warning}"))
+        if item["status"] == "skip":
+            pytest.skip(item["message"])
+        if item["status"] == "fail":
+            raise M2POCheckFailed(item["message"])
 
     def repr_failure(self, excinfo: Any, style: Any = None) -> str:
         if isinstance(excinfo.value, M2POCheckFailed):
@@ -89,11 +134,23 @@ class M2POCheckItem(pytest.Item):
         return super().repr_failure(excinfo)
 
     def reportinfo(self) -> tuple[Any, int, str]:
-        return self.path, 0, f"m2po[{self.shared.config.getoption('m2po_impl')}]::{self.check}"
+        return self.path, 0, f"m2po[{self.shared.spec}]::{self.check}"
 
 
 class M2POCheckFailed(AssertionError):
     pass
+
+
+def _declared_checks(spec: str, values: dict[str, Any]) -> tuple[str, ...]:
+    """The checks the runner for ``spec`` declares (the single-process battery's if it
+    cannot be opened: every item then reports why)."""
+    from m2po_oracle.checks import CHECKS
+    from m2po_oracle.launch import open_runner
+
+    try:
+        return tuple(open_runner(spec, options.run_options(values)).checks)
+    except Exception:  # reported by every item when the run cannot start
+        return tuple(CHECKS)
 
 
 @pytest.hookimpl(trylast=True)
@@ -101,13 +158,6 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     spec = config.getoption("m2po_impl")
     if not spec:
         return
-    from m2po_oracle.battery import CHECKS
-    from m2po_oracle.contract import load_implementation
-
-    try:  # a step runner (the trainer) runs a subset of the checks, and its own
-        checks = getattr(load_implementation(spec), "checks", CHECKS)
-    except Exception:  # reported by every item when the run cannot load it
-        checks = CHECKS
     shared = _SharedRun(config)
-    for check in (*checks, "validation"):
+    for check in (*_declared_checks(spec, shared.values), "validation"):
         items.append(M2POCheckItem.from_parent(session, name=f"m2po[{spec}]::{check}", check=check, shared=shared))

@@ -54,7 +54,8 @@ class SelftestRow:
 
 
 def _trainer_targets() -> list[SelftestTarget]:
-    from m2po_oracle.trainer_checks import TRAINER_CONTROLS, TrainerRunner
+    from m2po_oracle.trainer.controls import TRAINER_CONTROLS
+    from m2po_oracle.trainer.runner import TrainerRunner
 
     return [SelftestTarget(f"trainer:{c.name}", c.description, c.variant, lambda c=c: TrainerRunner(c.name), shrink=False) for c in TRAINER_CONTROLS]
 

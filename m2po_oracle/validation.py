@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from m2po_oracle.batch import Batch
-from m2po_oracle.contract import Implementation, to_tensors
+from m2po_oracle.contract import Implementation, captured_output, to_tensors
 
 #: The clean batch every probe starts from: two rows, one padded.
 CLEAN = Batch(
@@ -66,7 +66,7 @@ PROBES: tuple[Probe, ...] = (
 class ProbeResult:
     probe: str
     description: str
-    status: str  # rejected | warned | accepted | hung | crashed
+    status: str  # rejected | warned | accepted | hung | crashed (on invalid input, or the process died)
     message: str
     expected: str = "rejected"  # "warned" for a setting that is allowed, but only with a warning
 
@@ -85,14 +85,38 @@ def probe(name: str) -> Probe:
     raise ValueError(f"probe: unknown name {name!r}; known: {', '.join(p.name for p in PROBES)}")
 
 
-def run_probe(fn: Implementation, name: str, *, dtype: str = "float64", device: str = "cpu") -> ProbeResult:
+#: Exceptions that count as a deliberate refusal of invalid input; any other exception
+#: comes from inside the implementation's arithmetic and is "crashed on invalid input".
+REJECTING_EXCEPTIONS: tuple[str, ...] = ("ValueError", "TypeError")
+
+
+def is_rejection(error: BaseException, also: tuple[str, ...] = ()) -> bool:
+    """Whether ``error`` is a deliberate refusal: a ValueError/TypeError, or an exception
+    whose class (or a base class) has one of the names in ``also``."""
+    names = {cls.__name__ for cls in type(error).__mro__} | {f"{cls.__module__}.{cls.__qualname__}" for cls in type(error).__mro__}
+    return bool(names & (set(REJECTING_EXCEPTIONS) | set(also)))
+
+
+def classify(p: Probe | str, error: BaseException | None, also: tuple[str, ...] = ()) -> "ProbeResult":
+    """The probe's result for ``error`` (None: the call returned a result)."""
+    p = probe(p) if isinstance(p, str) else p
+    if error is None:
+        return ProbeResult(p.name, p.description, "accepted", "returned a result instead of raising: the invalid input was silently accepted")
+    text = f"{type(error).__name__}: {error}"
+    if is_rejection(error, also):
+        return ProbeResult(p.name, p.description, "rejected", text)
+    return ProbeResult(p.name, p.description, "crashed", f"crashed on invalid input (not a deliberate ValueError/TypeError): {text}")
+
+
+def run_probe(fn: Implementation, name: str, *, dtype: str = "float64", device: str = "cpu", rejecting: tuple[str, ...] = ()) -> ProbeResult:
     """Call ``fn`` once with the probe's invalid input; never raises because of ``fn``."""
     p = probe(name)
     kwargs: dict[str, Any] = dict(to_tensors(CLEAN, dtype, device), tau=CLEAN.tau)
     p.corrupt(kwargs)
     tau = kwargs.pop("tau")
     try:
-        fn(kwargs["logp"], kwargs["behavior_logp"], kwargs["advantages"], kwargs["mask"], tau=tau)
+        with captured_output():
+            fn(kwargs["logp"], kwargs["behavior_logp"], kwargs["advantages"], kwargs["mask"], tau=tau)
     except (Exception, SystemExit) as error:
-        return ProbeResult(p.name, p.description, "rejected", f"{type(error).__name__}: {error}")
-    return ProbeResult(p.name, p.description, "accepted", "returned a result instead of raising: the invalid input was silently accepted")
+        return classify(p, error, rejecting)
+    return classify(p, None)

@@ -11,7 +11,8 @@ import torch
 
 from m2po_oracle.batch import Batch
 from m2po_oracle.battery import run_battery
-from m2po_oracle.contract import load_implementation, measure
+from m2po_oracle.contract import measure
+from m2po_oracle.resolve import load_implementation
 from m2po_oracle.core import m2po_loss
 
 BATCH = Batch(np.array([[0.1, 0.3, np.nan], [0.2, 0.4, 0.0]]), np.zeros((2, 3)), np.ones((2, 3)),

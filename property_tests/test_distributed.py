@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 
 from m2po_oracle import strategies
 from m2po_oracle.batch import Batch
-from m2po_oracle.distributed import World, WorldError, fail_on, smoke
-from m2po_oracle.distributed_checks import DistributedRunner
-from m2po_oracle.distributed_impls import DISTRIBUTED_CONTROLS
-from m2po_oracle.topology import Topology
+from m2po_oracle.distributed.world import World, WorldError, fail_on, smoke
+from m2po_oracle.distributed.runner import DistributedRunner
+from m2po_oracle.distributed.implementations import DISTRIBUTED_CONTROLS
+from m2po_oracle.distributed.topology import Topology
 
 pytestmark = pytest.mark.xdist_group("distributed")
 

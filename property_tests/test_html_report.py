@@ -18,10 +18,10 @@ import markupsafe
 import pytest
 
 from m2po_oracle.compare import run_compare
-from m2po_oracle.contract import load_implementation
-from m2po_oracle.distributed_checks import DistributedRunner
-from m2po_oracle.html_report import render_html, write_html
-from m2po_oracle.topology import Topology
+from m2po_oracle.resolve import load_implementation
+from m2po_oracle.distributed.runner import DistributedRunner
+from m2po_oracle.report.html import render_html, write_html
+from m2po_oracle.distributed.topology import Topology
 
 SCRIPT = "<script>alert(1)</script>"
 BREAKOUT = '"><img src=x onerror=alert(1)>'
@@ -355,7 +355,7 @@ def test_write_html_creates_the_file(divergent, tmp_path):
 
 
 def test_the_renderer_does_not_import_torch():
-    code = "import sys, m2po_oracle.html_report as h; h.render_html({}); sys.exit('torch' in sys.modules)"
+    code = "import sys, m2po_oracle.report.html as h; h.render_html({}); sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
@@ -367,7 +367,7 @@ DISTRIBUTED = pytest.mark.xdist_group("distributed")
 # Two controls that each fail one way only, so shrinking takes few world steps (the built-in
 # controls fail five checks each and take several times longer).
 IMPLS = f"""
-from m2po_oracle.distributed_impls import core_distributed
+from m2po_oracle.distributed.implementations import core_distributed
 
 
 def diverging(logp, behavior_logp, advantages, mask, *, tau, parallel):
@@ -470,7 +470,9 @@ def test_distributed_report_shows_topology_ranks_and_highlights_replica_divergen
     html = render_html(dist_divergent)
     assert "<dt>topology</dt><dd>dp=1, cp=2, tp=1 on gloo, 2 ranks</dd>" in html
     assert "<dt>topology</dt>" not in render_html(equivalent), "a single-process report has no topology"
-    assert "Not run in a distributed run" in html and 'class="probes"' not in html
+    # The collective fail-closed probes run across the ranks as the validation.
+    # (dp=1: a budget differing between DP ranks cannot be probed, so tau_differs is left out.)
+    assert 'class="probes"' in html and "behavior_logp_missing" in html and "every rank (2) raised within" in html and "tau_differs" not in html
     with_ranks = [cx for cx in dist_divergent["counterexamples"] if cx.get("ranks")]
     assert with_ranks
     # Every ranks table lists every rank; a row is highlighted exactly when its replicas keep another mask.
@@ -590,7 +592,7 @@ def test_validation_of_a_single_process_run_is_unchanged(divergent):
     report = copy.deepcopy(divergent)
     report["validation"] = {"strict": False, "probes": []}
     html = render_html(report)
-    assert "No probes were run." in html and "Not run in a distributed run" not in html
+    assert "No probes were run." in html and "Not run:" not in html
 
 
 def _dist_junk_ranks(report: dict[str, Any]) -> dict[str, Any]:
@@ -781,7 +783,7 @@ def test_browser_shows_a_distributed_report_offline(browser, dist_divergent, tmp
 
 @pytest.fixture(scope="module")
 def trainer_divergent() -> dict[str, Any]:
-    from m2po_oracle.trainer_checks import TrainerRunner
+    from m2po_oracle.trainer.runner import TrainerRunner
 
     return run_compare(TrainerRunner("per_micro_batch_denominator"), "trainer:per_micro_batch_denominator", examples=8, seed=0,
                        shrink=False).to_json()

@@ -23,7 +23,7 @@ def test_pytest_plugin_fails_a_control_on_its_check_with_a_replay_command(pytest
 
 
 def test_pytest_plugin_runs_the_trainer_step_with_its_own_checks(pytester):
-    from m2po_oracle.trainer_checks import CHECK_NAMES
+    from m2po_oracle.trainer.checks import CHECK_NAMES
 
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "trainer:embedding_gradient_dropped", "--m2po-examples", "8")
     result.assert_outcomes(failed=1, passed=len(CHECK_NAMES))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from m2po_oracle.topology import (
+from m2po_oracle.distributed.topology import (
     GROUP_KINDS,
     RankCoords,
     Topology,

@@ -15,12 +15,22 @@ from m2po_oracle import oracle
 from m2po_oracle.batch import Batch
 from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
 from m2po_oracle.compare import run_compare
-from m2po_oracle.html_report import render_html
-from m2po_oracle.trainer import (GRPOTrainer, M2POKLWarning, TrainerConfig, TrainerFaults, group_advantages, make_policy_versions,
+from m2po_oracle.report.html import render_html
+from m2po_oracle.trainer.grpo import (GRPOTrainer, M2POKLWarning, TrainerConfig, TrainerFaults, group_advantages, make_policy_versions,
                                  stochastic_layers, valid_until_eos)
-from m2po_oracle.trainer_checks import (CONTROLS_BY_NAME, PROBE_CASE, TRAINER_CONTROLS, TRAINER_IMPLEMENTATIONS, TRAINER_PROBES, TrainerCase,
-                                        TrainerRunner, run_case, run_trainer_probe, setup_case)
-from m2po_oracle.trainer_checks_names import TRAINER_CHECKS
+from m2po_oracle.trainer.cases import TrainerCase
+from m2po_oracle.trainer.controls import CONTROLS_BY_NAME, TRAINER_CONTROLS, TRAINER_IMPLEMENTATIONS
+from m2po_oracle.trainer.probes import PROBE_CASE, TRAINER_PROBES, run_trainer_probe
+from m2po_oracle.trainer.run import run_case, setup_case
+from m2po_oracle.trainer.runner import TrainerRunner
+from m2po_oracle.checks import TRAINER_CHECKS
+
+
+def _open(spec, **values):
+    from m2po_oracle.launch import open_runner
+    from m2po_oracle.runner import RunOptions
+
+    return open_runner(spec, RunOptions.from_values(values))
 
 
 def _probe_setup(**rollout_options):
@@ -134,9 +144,7 @@ def test_selftest_runs_trainer_controls_by_name():
 
 
 def test_every_trainer_name_loads():
-    from m2po_oracle.contract import load_implementation
-
-    assert [load_implementation(name).spec for name in TRAINER_IMPLEMENTATIONS] == list(TRAINER_IMPLEMENTATIONS)
+    assert [_open(name).spec for name in TRAINER_IMPLEMENTATIONS] == list(TRAINER_IMPLEMENTATIONS)
     assert len(TRAINER_IMPLEMENTATIONS) == len(TRAINER_CONTROLS) + 1
 
 
@@ -158,29 +166,24 @@ class DictReturningTrainer(GRPOTrainer):
 
 
 def test_a_users_trainer_is_checked_by_spec_and_its_deviation_named():
-    from m2po_oracle.contract import load_implementation
-
-    correct = run_compare(load_implementation("trainer:m2po_oracle.trainer:GRPOTrainer"), "trainer:m2po_oracle.trainer:GRPOTrainer",
-                          examples=10, seed=0, shrink=False)
+    correct = run_compare(_open("trainer:m2po_oracle.trainer.grpo:GRPOTrainer"), examples=10, seed=0, shrink=False)
     assert correct.verdict == "equivalent"
     spec = "trainer:property_tests.test_trainer:MicroBatchMeanTrainer"
-    report = run_compare(load_implementation(spec), spec, examples=15, seed=0, shrink=False)
+    report = run_compare(_open(spec), examples=15, seed=0, shrink=False)
     assert report.verdict == "divergent" and report.tallies["trainer.accumulation"].failures
     assert [m["variant"] for m in report.diagnosis["matches"] if m["source"].startswith("trainer-level")] == ["per_micro_batch_denominator"]
     assert report.counterexamples[0].replay.startswith(f"m2po-oracle replay --impl {spec} ")
 
 
 def test_a_users_trainer_returning_the_wrong_record_is_a_finding_not_a_crash():
-    from m2po_oracle.contract import load_implementation
-
     spec = "trainer:property_tests.test_trainer:DictReturningTrainer"
-    report = run_compare(load_implementation(spec), spec, examples=3, seed=0, shrink=False)
+    report = run_compare(_open(spec), examples=3, seed=0, shrink=False)
     assert report.verdict == "unusable" and report.tallies["call"].failures == 3
     assert "step record: expected a trainer.StepRecord" in report.counterexamples[0].mismatches[0].summary
     with pytest.raises(ValueError, match="a control or a trainer, not both"):
         TrainerRunner("per_micro_batch_mask", trainer=GRPOTrainer)
     with pytest.raises(ValueError, match="no attribute 'NoSuchTrainer'"):
-        load_implementation("trainer:m2po_oracle.trainer:NoSuchTrainer")
+        _open("trainer:m2po_oracle.trainer.grpo:NoSuchTrainer")
 
 
 # --- fail-closed rules --------------------------------------------------------------------------
@@ -240,7 +243,7 @@ def test_a_malformed_trainer_config_names_its_field(changes, argument):
 
 
 def test_each_probe_fails_on_a_trainer_without_the_setup_checks(monkeypatch):
-    import m2po_oracle.trainer as trainer_module
+    import m2po_oracle.trainer.grpo as trainer_module
 
     monkeypatch.setattr(trainer_module, "check_training_setup", lambda *args, **kwargs: None)
     outcomes = {p.name: run_trainer_probe(p) for p in TRAINER_PROBES}
@@ -292,7 +295,7 @@ def test_behaviour_logp_are_recorded_at_sampling_from_the_raw_logits():
     recorded = step.rollout.behavior_logp
     assert torch.isnan(recorded[~step.rollout.valid]).all(), "padding must not look like a sample"
     # Each group was sampled by its own worker: the lagging group's log-probs differ from the current policy's.
-    from m2po_oracle.trainer import behaviour_logp_of
+    from m2po_oracle.trainer.grpo import behaviour_logp_of
 
     current = behaviour_logp_of(step.policy_before, step.rollout)
     valid = step.rollout.valid

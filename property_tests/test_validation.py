@@ -8,7 +8,7 @@ import pytest
 
 from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, main
 from m2po_oracle.compare import run_compare
-from m2po_oracle.contract import InProcess
+from m2po_oracle.isolation import InProcess
 from m2po_oracle.controls import planted
 from m2po_oracle.core import m2po_loss
 from m2po_oracle.deviations import Deviation

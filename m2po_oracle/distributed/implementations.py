@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from m2po_oracle.core import loss_from_selection, select_tokens
-from m2po_oracle.topology import RankCoords, Topology, cp_token_indices
+# The fail-closed control re-enacts the core's old order of steps, so it needs the core's private steps.
+from m2po_oracle.core import _check_group, _select_flat, _selection_inputs, _validate, loss_from_selection, select_micro_batches, select_tokens
+from m2po_oracle.distributed.topology import RankCoords, Topology, cp_token_indices
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,44 @@ def local_shard_selection(logp, behavior_logp, advantages, mask, *, tau: float, 
     return _result(selection, keep, loss)
 
 
+def locally_validated_core(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
+    """Control: the core as it was before the agreement, validating on its own rank and
+    then entering the collective selection (a bad rank raises, its peers wait)."""
+    _validate(logp, behavior_logp, advantages, mask, tau)
+    _check_group(parallel.dp_group)
+    d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
+    with torch.no_grad():
+        selection = _select_flat(d.reshape(-1), a.reshape(-1), mask.reshape(-1), float(tau), parallel.dp_group)
+    keep = selection.keep.reshape(mask.shape)
+    loss = loss_from_selection(logp, behavior_logp, advantages, keep, selection.valid_count)
+    return {"loss": loss, "keep": keep, **{f.name: getattr(selection, f.name) for f in fields(selection) if f.name != "keep"}}
+
+
+def micro_batched_core(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
+    """The core through ``select_micro_batches(..., group=dp_group)``, one micro-batch per
+    row: the same agreement must hold when a step is accumulated over micro-batches
+    (pure data-parallel worlds: the loss is not CP-sharded)."""
+    rows = [tuple(_row(x, i) for x in (logp, behavior_logp, advantages, mask)) for i in range(len(mask))]
+    selections = select_micro_batches(rows, tau=tau, group=parallel.dp_group)
+    loss = sum(loss_from_selection(*part[:3], s.keep, s.valid_count) for part, s in zip(rows, selections))
+    return {"loss": loss, "keep": torch.cat([s.keep for s in selections])}
+
+
+def _row(x: Any, i: int) -> Any:
+    # A probe's bad argument (None) is passed on as is, for the core to refuse.
+    return x[i:i + 1] if isinstance(x, torch.Tensor) else x
+
+
+
 #: Built-in distributed implementations by name, with the check that must catch each control.
 DISTRIBUTED_BUILTINS: dict[str, Any] = {
     "core": core_distributed,
     "control:dp_cp_group_double_count": dp_cp_group_double_count,
     "control:local_shard_selection": local_shard_selection,
     "control:local_denominator": local_denominator,
+    # Caught by the collective fail-closed probes (distributed.validation), not by a check.
+    "control:locally_validated_core": locally_validated_core,
+    "core:micro_batches": micro_batched_core,
 }
 DISTRIBUTED_CONTROLS: dict[str, str] = {
     # N and the counts double on most batches; replicas diverge only when the cut falls
@@ -100,8 +133,15 @@ DISTRIBUTED_CONTROLS: dict[str, str] = {
 
 
 def load_distributed_implementation(spec: str) -> Any:
+    """A built-in distributed implementation by name, or a user's ``module:function``."""
     if spec in DISTRIBUTED_BUILTINS:
         return DISTRIBUTED_BUILTINS[spec]
-    from m2po_oracle.contract import load_implementation
+    import difflib
 
-    return load_implementation(spec)
+    from m2po_oracle.resolve import LoadError, load_attribute
+
+    if ":" not in spec or spec.startswith("control:"):
+        close = difflib.get_close_matches(spec, DISTRIBUTED_BUILTINS, n=3, cutoff=0.5)
+        hint = f"closest matches: {', '.join(close)}" if close else f"built-in distributed names: {', '.join(DISTRIBUTED_BUILTINS)}"
+        raise LoadError(f"impl: unknown distributed implementation {spec!r} (expected a built-in name or module:function taking parallel=); {hint}")
+    return load_attribute(spec)

@@ -48,7 +48,7 @@ _MAX_RANKS = 64
 def _environment() -> jinja2.Environment:
     # Built lazily so importing the module stays cheap for CLI paths that never render.
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("m2po_oracle", "templates"),
+        loader=jinja2.PackageLoader("m2po_oracle.report", "templates"),
         autoescape=True,
         undefined=jinja2.StrictUndefined,  # a typo in the template should fail tests, not render blank
         trim_blocks=True,
@@ -160,12 +160,14 @@ def _keep_differs(actual: Any, expected: Any) -> bool:
 
 # --- view model ----------------------------------------------------------------------------
 
-_VERDICT_CLASS = {"equivalent": "ok", "divergent": "bad", "unusable": "bad"}
+_VERDICT_CLASS = {"equivalent": "ok", "divergent": "bad", "unusable": "bad", "interrupted": "neutral"}
 _VERDICT_TEXT = {
     "equivalent": "no divergence from Algorithm 1 was found",
     "divergent": "the implementation diverges from Algorithm 1",
     "unusable": "the implementation never returned a usable result",
+    "interrupted": "the run was interrupted; this report is partial",
 }
+_CHECK_CLASS = {"pass": "ok", "fail": "bad", "not run": "neutral"}
 _PROBE_CLASS = {"rejected": "ok", "warned": "ok", "accepted": "warn", "hung": "bad", "crashed": "bad"}
 _PROBE_NOTE = {
     "rejected": "rejected as it should be",
@@ -176,6 +178,7 @@ _PROBE_NOTE = {
 }
 _DIAGNOSIS_TEXT = {
     "not_needed": "No diagnosis needed: no divergence was found.",
+    "not_run": "No diagnosis: there was no result to compare with Algorithm 1, or the run ended before it.",
     "matched": "The implementation behaves like these known variants of Algorithm 1:",
     "no_known_variant": "The implementation matches no known variant; the closest ones are:",
 }
@@ -197,9 +200,11 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
         check = _mapping(check)
         name = _text(check.get("name"), "?")
         status = _text(check.get("status"), "?")
-        checks.append({"name": name, "description": _text(check.get("description")), "status": status, "failed": status != "pass",
-                       "failures": _fmt(check.get("failures")), "anchor": first_cx.get(name)})
+        checks.append({"name": name, "description": _text(check.get("description")), "status": status, "failed": status == "fail",
+                       "status_class": _CHECK_CLASS.get(status, "neutral"), "failures": _fmt(check.get("failures")),
+                       "ran": _fmt(check.get("ran")), "anchor": first_cx.get(name)})
     failed = sum(1 for c in checks if c["failed"])
+    not_run = sum(1 for c in checks if c["status"] == "not run")
     distributed = report.get("topology") is not None or "collectives_per_step" in report
     topology = _topology_text(report.get("topology")) if report.get("topology") is not None else None
     return {
@@ -221,10 +226,14 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
         ],
         "checks": checks,
         "checks_failed": failed,
+        "checks_not_run": not_run,
+        "unusable_note": _unusable_note(report) if verdict in ("unusable", "interrupted") else None,
+        "stopped_early": _text(report.get("stopped_early")) if report.get("stopped_early") else None,
+        "output": _output(report.get("implementation_output")),
         "counterexamples": counterexamples,
         "example_unit": _text(report.get("example_unit"), "batches"),
         "diagnosis": _diagnosis(report.get("diagnosis")) if "diagnosis" in report else None,
-        "validation": _validation(report.get("validation"), distributed) if "validation" in report else None,
+        "validation": _validation(report.get("validation")) if "validation" in report else None,
         "collectives": _collectives(report.get("collectives_per_step")) if "collectives_per_step" in report else None,
         "tolerances": [
             {"dtype": _text(t.get("dtype")), "quantity": _text(t.get("quantity")), "rtol": _fmt(t.get("rtol")), "atol": _fmt(t.get("atol"))}
@@ -258,7 +267,24 @@ def _diagnosis(raw: Any) -> dict[str, Any]:
     }
 
 
-def _validation(raw: Any, distributed: bool = False) -> dict[str, Any]:
+def _unusable_note(report: Mapping[str, Any]) -> str:
+    """What an unusable or interrupted report must say first: it claims no pass."""
+    if report.get("verdict") == "interrupted":
+        return "The run was interrupted (Ctrl-C): only the examples tried before it are counted, and nothing was shrunk, diagnosed or probed after it."
+    if report.get("load_error"):
+        return f"The implementation could not be loaded: {_text(report.get('load_error'))}. No check ran."
+    return "No call returned a usable result (every one raised, hung, crashed or returned the wrong type), so no check other than 'call' ran: nothing below is a pass."
+
+
+def _output(raw: Any) -> dict[str, Any] | None:
+    o = _mapping(raw)
+    lines = _as_float(o.get("lines"))
+    if not lines:
+        return None
+    return {"lines": _fmt(o.get("lines")), "first_lines": [_text(line) for line in _list(o.get("first_lines"))]}
+
+
+def _validation(raw: Any) -> dict[str, Any]:
     v = _mapping(raw)
     probes = []
     for p in map(_mapping, _list(v.get("probes"))):
@@ -272,8 +298,7 @@ def _validation(raw: Any, distributed: bool = False) -> dict[str, Any]:
     strict = v.get("strict")
     return {
         "strict": "yes" if strict is True else "no" if strict is False else _fmt(strict),
-        # The probes call the implementation in one process; a distributed run skips them.
-        "not_run_distributed": distributed and not probes,
+        "not_run": _text(v.get("not_run")) if v.get("not_run") else None,
         "probes": probes,
         "accepted": sum(1 for p in probes if p["status"] == "accepted"),
         "bad": sum(1 for p in probes if p["status_class"] == "bad"),

@@ -18,7 +18,6 @@ diagnosis and reports apply unchanged.
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,13 +25,12 @@ import numpy as np
 
 from m2po_oracle import oracle
 from m2po_oracle.batch import Batch
-from m2po_oracle.contract import Finding, Measurement, rounded_batch
-from m2po_oracle.distributed import RankContext, RankOutcome, World, WorldError
+from m2po_oracle.contract import Finding, Measurement
+from m2po_oracle.distributed.world import RankContext, RankOutcome
 from m2po_oracle.equivalence import Mismatch, check_selection, compare_values, tolerance
 from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
-from m2po_oracle.topology import Topology, cp_token_indices, dp_row_slices
+from m2po_oracle.distributed.topology import Topology, cp_token_indices, dp_row_slices
 
-from m2po_oracle.distributed_checks_names import DISTRIBUTED_CHECKS  # noqa: E402,F401
 
 _loaded: dict[str, Any] = {}
 
@@ -50,7 +48,7 @@ def pad_for_cp(batch: Batch, cp: int) -> Batch:
 def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
     """Runs in every rank: the implementation on this rank's rows; never raises for it."""
     from m2po_oracle.contract import normalise_result, to_tensors
-    from m2po_oracle.distributed_impls import ParallelState, load_distributed_implementation
+    from m2po_oracle.distributed.implementations import ParallelState, load_distributed_implementation
 
     spec, dtype = payload["spec"], payload["dtype"]
     batch = Batch.from_dict(payload["batch"])
@@ -63,9 +61,15 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
         parallel = ParallelState(ctx.topology, ctx.coords, ctx.groups["dp"], ctx.groups["dp_cp"], ctx.groups["cp"], ctx.groups["tp"])
         raw = _loaded[spec](tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"], tau=batch.tau, parallel=parallel)
         result, _ = normalise_result(raw, tensors["logp"], local.shape)
-    except Exception:
-        return {"rows": (rows.start, rows.stop), "error": traceback.format_exc(limit=-4)}
+    except Exception as error:
+        # Raised to the world, which ends the step at once: the other ranks are likely
+        # stuck in a collective this rank will never join.
+        raise RankFailure(f"rank {ctx.rank} (rows {rows.start}..{rows.stop - 1}): {type(error).__name__}: {error}") from error
     return {"rows": (rows.start, rows.stop), "result": result}
+
+
+class RankFailure(RuntimeError):
+    """The implementation raised in one rank (its traceback follows in the world's error)."""
 
 
 def _where(outcome: RankOutcome) -> str:
@@ -84,7 +88,7 @@ class DistributedStep:
     explained_by: list[dict[str, Any]] = field(default_factory=list)  # distributed variants reproducing it
 
     def ranks_json(self) -> list[dict[str, Any]]:
-        from m2po_oracle.report import number
+        from m2po_oracle.report.json_record import number
 
         out = []
         for o in self.outcomes:
@@ -100,13 +104,8 @@ class DistributedStep:
         return out
 
 
-def check_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome], dtype: str) -> DistributedStep:
+def check_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome], dtype: str, compute_dtype: str | None = None) -> DistributedStep:
     step = DistributedStep(batch, outcomes)
-    failed = [o for o in outcomes if (o.value or {}).get("error")]
-    for o in failed:
-        step.mismatches.append(Mismatch("call", f"{_where(o)} raised: {o.value['error'].rstrip().splitlines()[-1]}", details=(o.value["error"],)))
-    if failed:
-        return step
     results = {o.rank: o.value["result"] for o in outcomes}
     rows = {o.rank: slice(*o.value["rows"]) for o in outcomes}
     by_dp: dict[int, list[RankOutcome]] = {}
@@ -133,7 +132,7 @@ def check_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome], dt
         if o.coords.tp == 0:
             loss += results[o.rank].loss
             grad[rows[o.rank]] += results[o.rank].grad
-    for m in check_selection(batch, keep, dtype):
+    for m in check_selection(batch, keep, compute_dtype or dtype):
         step.mismatches.append(Mismatch("distributed.global_selection", f"[{m.check}] {m.summary}", m.field, m.index, m.actual, m.expected, m.details))
 
     expected = oracle.evaluate_with_mask(batch, keep)
@@ -164,49 +163,10 @@ def check_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome], dt
     metrics = {name: getattr(results[0], name) for name in METRIC_FIELDS + COUNT_FIELDS}
     step.result = M2POResult(loss=loss, keep=keep, grad=grad, **metrics)
     if step.mismatches:
-        from m2po_oracle.distributed_diagnosis import diagnose_step
+        from m2po_oracle.distributed.diagnosis import diagnose_step
 
         step.explained_by = diagnose_step(batch, topology, outcomes, dtype)
     return step
-
-
-class DistributedRunner:
-    """Runs distributed steps of one implementation spec in a warm :class:`World`."""
-
-    def __init__(self, spec: str, topology: Topology, *, backend: str = "gloo", timeout_s: float = 60.0) -> None:
-        self.spec, self.topology = spec, topology
-        self.world = World(topology, backend=backend, timeout_s=timeout_s)
-        self.timeouts = 0
-
-    def step(self, batch: Batch, *, dtype: str = "float64") -> DistributedStep:
-        seen = pad_for_cp(rounded_batch(batch, dtype), self.topology.cp)
-        try:
-            outcomes = self.world.run(rank_step, {"spec": self.spec, "batch": seen.to_dict(), "dtype": dtype})
-        except WorldError as error:
-            if any(o.stack for o in error.outcomes):
-                self.timeouts += 1
-            step = DistributedStep(seen, error.outcomes)
-            step.mismatches.append(Mismatch("call", str(error).splitlines()[0], details=(str(error),)))
-            return step
-        return check_step(seen, self.topology, outcomes, dtype)
-
-    def step_battery(self, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> Any:
-        """The battery outcome of one step (used by ``battery.run_battery``); the world
-        places each rank on its backend's device, so ``device`` is not used."""
-        from m2po_oracle.battery import BatteryOutcome
-
-        step = self.step(batch, dtype=dtype)
-        explained = tuple(v["variant"] for v in step.explained_by) if step.mismatches else None
-        return BatteryOutcome(step.batch, as_measurement(step, dtype), tuple(step.mismatches), tuple(step.ranks_json()), explained)
-
-    def close(self) -> None:
-        self.world.close()
-
-    def __enter__(self) -> "DistributedRunner":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def as_measurement(step: DistributedStep, dtype: str) -> Measurement:

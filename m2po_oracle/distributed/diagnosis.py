@@ -18,9 +18,9 @@ import numpy as np
 
 from m2po_oracle import oracle
 from m2po_oracle.batch import Batch
-from m2po_oracle.distributed import RankOutcome
+from m2po_oracle.distributed.world import RankOutcome
 from m2po_oracle.equivalence import compare_values, same_up_to_ties, tolerance
-from m2po_oracle.topology import Topology, cp_token_indices
+from m2po_oracle.distributed.topology import Topology, cp_token_indices
 
 DESCRIPTIONS = {
     "local_shard_selection": "each rank selects over its own CP shard only, without communication",

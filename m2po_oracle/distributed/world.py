@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from m2po_oracle.topology import GROUP_KINDS, RankCoords, Topology
+from m2po_oracle.distributed.topology import GROUP_KINDS, RankCoords, Topology
 
 BACKENDS = ("gloo", "nccl")
 _context: Any = None
@@ -37,7 +37,7 @@ def _forkserver() -> Any:
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["torch", "torch.distributed", "numpy", "m2po_oracle.distributed", "m2po_oracle.core"])
+        _context.set_forkserver_preload(["torch", "torch.distributed", "numpy", "m2po_oracle.distributed.world", "m2po_oracle.core"])
     return _context
 
 
@@ -216,7 +216,8 @@ class World:
         for connection in self._connections:
             connection.send((handler, payload))
         outcomes = self._collect(getattr(handler, "__name__", "request"))
-        failed = [o for o in outcomes if o.error or o.stack]
+        # The ranks that raised come first: the others are usually only stuck waiting for them.
+        failed = sorted((o for o in outcomes if o.error or o.stack), key=lambda o: (o.error is None, o.rank))
         if failed:
             self.close()  # a rank that failed mid-collective leaves the others stuck
             raise WorldError(_describe(f"running {getattr(handler, '__name__', handler)!r}", failed, self.topology), outcomes)

@@ -1,0 +1,135 @@
+"""The runner of a distributed implementation (``compare --topology``): a warm world of ranks.
+
+Each example is one optimizer batch spread over the world (:mod:`.checks` judges it). The
+validation is the collective fail-closed probes (:mod:`.validation`): one rank given
+invalid input must make every rank refuse the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+
+from m2po_oracle.batch import Batch
+from m2po_oracle.battery import BatteryOutcome
+from m2po_oracle.checks import DISTRIBUTED_CHECKS
+from m2po_oracle.contract import rounded_batch
+from m2po_oracle.distributed.diagnosis import DESCRIPTIONS
+from m2po_oracle.distributed.checks import DistributedStep, as_measurement, check_step, pad_for_cp, rank_step
+from m2po_oracle.distributed.topology import Topology
+from m2po_oracle.distributed.world import RankOutcome, World, WorldError
+from m2po_oracle.equivalence import Mismatch
+from m2po_oracle.loss_function import batch_strategy, replay_command
+from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, UsageError, refuse_unhonoured
+from m2po_oracle.validation import ProbeResult
+
+#: The device each backend places its ranks on.
+BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+DISTRIBUTED_HONOURS = frozenset({"dtype", "compute_dtype", "timeout", "topology", "backend", "device"})
+
+
+def step_mismatches(error: WorldError, world_size: int, timeout_s: float) -> tuple[list[Mismatch], bool]:
+    """(the ``call`` mismatches of a failed step, whether it timed out): a rank that raised
+    is shown first with its own exception; ranks only stuck waiting for it are not blamed."""
+    raised = [o for o in error.outcomes if o.error]
+    if raised:
+        return [Mismatch("call", f"{_where(o)} raised: {_last_line(o.error)}", details=(o.error,)) for o in raised], False
+    hung = [o for o in error.outcomes if o.stack]
+    where = ", ".join(_where(o) for o in hung)
+    return [Mismatch("call", f"timeout: {where} did not finish within {timeout_s:g} s ({len(hung)} of {world_size} ranks)",
+                     details=tuple(o.stack or "" for o in hung))], True
+
+
+def _where(o: RankOutcome) -> str:
+    c = o.coords
+    return f"rank {o.rank} (dp={c.dp}, cp={c.cp}, tp={c.tp})"
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.rstrip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no message)"
+
+
+class DistributedRunner:
+    """Distributed steps of one implementation spec in a warm :class:`World`."""
+
+    checks = ("call", *DISTRIBUTED_CHECKS)
+    example_unit = "batches"
+    costly_examples = True
+    variant_descriptions = DESCRIPTIONS
+    variant_source = "spec section 3 / production PR (distributed scope)"
+
+    def __init__(self, spec: str, topology: Topology, *, backend: str = "gloo", timeout_s: float = 60.0, options: RunOptions | None = None,
+                 world: Any = None) -> None:
+        self.options = options or RunOptions(topology=topology, backend=backend, timeout=timeout_s)
+        refuse_unhonoured(f"a distributed run ({topology})", DISTRIBUTED_HONOURS, self.options,
+                          {"adapter": "the distributed contract takes parallel=; adapters wrap single-process signatures",
+                           "in_process": "every rank is a process of its own", "show_output": "rank output is not captured"})
+        if "device" in self.options.given and self.options.device.split(":")[0] != BACKEND_DEVICE[backend]:
+            raise UsageError(f"device: the {backend} backend places every rank on {BACKEND_DEVICE[backend]}, got --device {self.options.device!r}")
+        self.spec, self.topology = spec, topology
+        self.world = world if world is not None else World(topology, backend=backend, timeout_s=timeout_s)
+        self.health = CallHealth()
+        self.output = CapturedOutput()
+
+    def step(self, batch: Batch, *, dtype: str | None = None) -> DistributedStep:
+        dtype = dtype or self.options.dtype
+        seen = pad_for_cp(rounded_batch(batch, dtype), self.topology.cp)
+        try:
+            outcomes = self.world.run(rank_step, {"spec": self.spec, "batch": seen.to_dict(), "dtype": dtype})
+        except WorldError as error:
+            step = DistributedStep(seen, error.outcomes)
+            mismatches, timed_out = step_mismatches(error, self.topology.world_size, self.world.timeout_s)
+            self.health.timeouts += timed_out
+            step.mismatches.extend(mismatches)
+            return step
+        return check_step(seen, self.topology, outcomes, dtype, self.options.compute_dtype)
+
+    def strategy(self) -> st.SearchStrategy[Batch]:
+        return batch_strategy(self.options.tau)
+
+    def run_battery(self, example: Batch) -> BatteryOutcome:
+        step = self.step(example)
+        explained = tuple(v["variant"] for v in step.explained_by) if step.mismatches else None
+        return BatteryOutcome(step.batch, as_measurement(step, self.options.dtype), tuple(step.mismatches), tuple(step.ranks_json()), explained,
+                              checked=checks_ran(step))
+
+    def validation(self) -> list[ProbeResult]:
+        from m2po_oracle.distributed.validation import run_collective_probes
+
+        return run_collective_probes(self.world, self.spec, dtype=self.options.dtype)
+
+    def replay_command(self, example: Batch) -> str:
+        return replay_command(self.spec, example, self.options, ("--topology", str(self.topology), "--backend", self.world.backend))
+
+    def parse_example(self, data: dict[str, Any]) -> Batch:
+        return Batch.from_dict(data)
+
+    def example_key(self) -> str:
+        return "batch"
+
+    def describe(self) -> dict[str, Any]:
+        t = self.topology
+        return {"topology": {"dp": t.dp, "cp": t.cp, "tp": t.tp, "backend": self.world.backend}}
+
+    def start(self) -> None:
+        self.world.start()
+
+    def close(self) -> None:
+        self.world.close()
+
+    def __enter__(self) -> "DistributedRunner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def checks_ran(step: DistributedStep) -> tuple[str, ...]:
+    """The checks a step ran: only ``call`` when a rank failed; ``distributed.metrics`` only
+    when some rank reports a metric."""
+    if step.result is None:
+        return ("call",)
+    reported = any((o.value or {}).get("result") is not None and (o.value["result"].reported()) for o in step.outcomes)
+    return ("call", *(n for n in DISTRIBUTED_CHECKS if n != "distributed.metrics" or reported))

@@ -1,0 +1,61 @@
+"""``open_runner(spec, options)``: the one place that decides how an implementation runs.
+
+The CLI, the pytest plugin and torchrun all open their runner here:
+
+* ``--topology``: a :class:`~m2po_oracle.distributed.runner.DistributedRunner` (a warm world);
+* ``trainer``, ``trainer:CONTROL``, ``trainer:module:Class``: a
+  :class:`~m2po_oracle.trainer.runner.TrainerRunner` (a whole training step);
+* anything else is a loss function: called in an isolated worker, or with
+  ``--in-process`` in this process (:class:`~m2po_oracle.loss_function.LossFunctionRunner`).
+
+Each runner refuses the options it cannot honour (:class:`~m2po_oracle.runner.UsageError`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from m2po_oracle.adapters import ADAPTERS, adapt
+from m2po_oracle.isolation import InProcess, Isolated
+from m2po_oracle.loss_function import LossFunctionRunner
+from m2po_oracle.resolve import is_trainer_spec, load_attribute, load_implementation
+from m2po_oracle.runner import Runner, RunOptions, UsageError
+
+
+def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runner:
+    """The runner for ``spec`` under ``options`` (not started: ``start()`` or use ``with``).
+
+    Under torchrun, ``torchrun`` is this process's rank context (rank 0's): the runner
+    serves steps to torchrun's ranks instead of starting a world.
+
+    Raises :class:`~m2po_oracle.resolve.LoadError` when ``spec`` cannot be loaded and
+    :class:`UsageError` for an option the runner cannot honour."""
+    from m2po_oracle.options import check_device
+
+    check_device(options.device)
+    if options.adapter is not None and options.adapter not in ADAPTERS:
+        raise UsageError(f"adapter: expected one of {sorted(ADAPTERS)}, got {options.adapter!r}")
+    if options.topology is not None:
+        from m2po_oracle.distributed.implementations import load_distributed_implementation
+        from m2po_oracle.distributed.runner import DistributedRunner
+
+        load_distributed_implementation(spec)  # a fast error with closest matches, before any rank starts
+        if torchrun is not None:
+            from m2po_oracle.distributed.torchrun_runner import TorchrunRunner
+
+            return TorchrunRunner(torchrun, spec, options)
+        return DistributedRunner(spec, options.topology, backend=options.backend, timeout_s=options.timeout, options=options)
+    if is_trainer_spec(spec):
+        from m2po_oracle.trainer.runner import TrainerRunner
+
+        rest = spec.partition(":")[2]
+        if ":" in rest:  # trainer:module:Class or trainer:file.py:Class
+            return TrainerRunner(trainer=load_attribute(rest), spec=spec, options=options)
+        return TrainerRunner(rest or None, spec=spec, options=options)
+    rejecting = options.rejecting
+    capture = not options.show_output
+    if options.in_process:
+        fn = adapt(load_implementation(spec), options.adapter)
+        return LossFunctionRunner(spec, InProcess(fn, capture=capture, rejecting=rejecting), options)
+    load_implementation(spec)  # here first, for a fast error with closest matches
+    return LossFunctionRunner(spec, Isolated(spec, timeout_s=options.timeout, adapter=options.adapter, capture=capture, rejecting=rejecting), options)

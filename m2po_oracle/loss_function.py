@@ -1,0 +1,112 @@
+"""The runner of a loss function: called in this process or in an isolated worker.
+
+Both ways run the same single-process battery (:data:`m2po_oracle.checks.CHECKS`) on
+generated batches and the eight invalid-input probes; they differ only in how a call is
+made (:mod:`m2po_oracle.isolation`), and so in which options they honour.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from hypothesis import strategies as st
+
+from m2po_oracle import strategies
+from m2po_oracle.batch import Batch
+from m2po_oracle.battery import BatteryOutcome, run_battery
+from m2po_oracle.checks import CHECKS
+from m2po_oracle.isolation import InProcess, Isolated
+from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, refuse_unhonoured
+from m2po_oracle.validation import PROBES, ProbeResult
+
+#: What both ways honour; the worker adds the per-call timeout and output pass-through.
+_HONOURED = frozenset({"dtype", "compute_dtype", "device", "adapter", "validation_errors"})
+IN_PROCESS_HONOURS = _HONOURED | {"in_process", "show_output"}
+ISOLATED_HONOURS = _HONOURED | {"timeout", "show_output"}
+
+
+def batch_strategy(tau: float | None) -> st.SearchStrategy[Batch]:
+    """The default mix of generated batches, with every budget set to ``tau`` if given."""
+    base = strategies.batches()
+    if tau is None:
+        return base
+    return base.map(lambda b: Batch(b.logp, b.behavior_logp, b.advantages, b.valid, tau))
+
+
+def replay_command(spec: str, batch: Batch, options: RunOptions, extra: tuple[str, ...] = ()) -> str:
+    """``m2po-oracle replay`` for one batch under ``options`` (adapter, topology, dtypes)."""
+    parts = ["m2po-oracle", "replay", "--impl", spec, *extra]
+    if options.adapter:
+        parts += ["--adapter", options.adapter]
+    parts += ["--dtype", options.dtype]
+    if options.compute_dtype and options.compute_dtype != options.dtype:
+        parts += ["--compute-dtype", options.compute_dtype]
+    parts += ["--batch", batch.to_json()]
+    return shlex.join(parts)
+
+
+class LossFunctionRunner:
+    """A loss function under the contract, called through ``caller`` (in-process or isolated)."""
+
+    checks = tuple(CHECKS)
+    example_unit = "batches"
+    costly_examples = False
+    variant_descriptions: dict[str, str] = {}
+    variant_source = ""
+
+    def __init__(self, spec: str, caller: InProcess | Isolated, options: RunOptions) -> None:
+        self.spec, self.caller, self.options = spec, caller, options
+        self.output = CapturedOutput()
+        self.isolated = isinstance(caller, Isolated)
+        refuse_unhonoured("a loss function run in a worker" if self.isolated else "a loss function run in this process (--in-process)",
+                          ISOLATED_HONOURS if self.isolated else IN_PROCESS_HONOURS, options,
+                          {"timeout": "no timeout can stop a call in this process; drop --in-process",
+                           "in_process": "--in-process and a worker exclude each other"})
+
+    @property
+    def health(self) -> CallHealth:
+        return CallHealth(self.caller.timeouts, self.caller.crashes)
+
+    def strategy(self) -> st.SearchStrategy[Batch]:
+        return batch_strategy(self.options.tau)
+
+    def run_battery(self, example: Batch) -> BatteryOutcome:
+        o = self.options
+        outcome = run_battery(self.caller, example, dtype=o.dtype, compute_dtype=o.compute_dtype, device=o.device)
+        self.output.add(outcome.measurement.output, outcome.measurement.output_lines)
+        return outcome
+
+    def validation(self) -> list[ProbeResult]:
+        return [self.caller.probe(p.name, dtype=self.options.dtype, device=self.options.device) for p in PROBES]
+
+    def replay_command(self, example: Batch) -> str:
+        return replay_command(self.spec, example, self.options)
+
+    def parse_example(self, data: dict[str, Any]) -> Batch:
+        return Batch.from_dict(data)
+
+    def example_key(self) -> str:
+        return "batch"
+
+    def describe(self) -> dict[str, Any]:
+        if not self.options.adapter:
+            return {}
+        from m2po_oracle.adapters import ADAPTERS
+
+        adapter = ADAPTERS[self.options.adapter]
+        return {"adapter": {"name": adapter.name, "signature": adapter.signature, "checked": list(adapter.checked)}}
+
+    def start(self) -> None:
+        if self.isolated:
+            self.caller.start()
+
+    def close(self) -> None:
+        if self.isolated:
+            self.caller.close()
+
+    def __enter__(self) -> "LossFunctionRunner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,89 @@
+"""The checks of a whole training step: the battery's value checks on the batch it produced, and its own."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from m2po_oracle.checks import CHECKS, TRAINER_CHECKS
+from m2po_oracle.equivalence import Mismatch, checks_run_on, compare_to_oracle, compare_values, same_up_to_ties, tolerance, valid_m2
+from m2po_oracle.trainer.run import TrainerStep, _result
+
+#: Checks a trainer step runs: the battery's value checks on its batch, then its own (the
+#: loss-function behaviour checks, padding probes, determinism and mutation, do not apply).
+CHECK_NAMES = tuple(n for n in CHECKS if n in ("call", "loss", "gradient") or n.startswith(("selection.", "metrics."))) + tuple(TRAINER_CHECKS)
+
+
+#: Rollout engines record log-probs in float32 (``generate`` casts its logits to float32, as
+#: vLLM returns float32 log-probs), whatever the model's dtype.
+ROLLOUT_LOGP_DTYPE = "float32"
+
+
+def _logp_check(check: str, what: str, reported: np.ndarray, expected: np.ndarray, valid: np.ndarray, dtype: str) -> Mismatch | None:
+    # Log-probs are O(1) quantities: scale 1 keeps near-zero log-probs from demanding relative precision.
+    mismatch = compare_values(check, what, np.where(valid, reported, 0.0), np.where(valid, expected, 0.0), tolerance(dtype, "metric"), scale=1.0)
+    if mismatch is None:
+        return None
+    return Mismatch(check, f"{mismatch.summary} (valid tokens; expected recomputed from the model snapshot)", mismatch.field, mismatch.index,
+                    mismatch.actual, mismatch.expected, mismatch.details)
+
+
+
+def _compare_params(check: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], dtype: str, what: str) -> Mismatch | None:
+    tol = tolerance(dtype, "gradient")
+    # Entries far below the largest are judged against the largest (as for per-token gradients).
+    scale = max((float(t.abs().max()) for t in expected.values() if t.numel()), default=0.0)
+    for name, want in expected.items():
+        got = actual.get(name)
+        if got is None:
+            return Mismatch(check, f"{what}: parameter {name!r} is missing", field=name)
+        mismatch = compare_values(check, name, got.to(torch.float64).cpu().numpy(), want.to(torch.float64).cpu().numpy(), tol, scale=scale)
+        if mismatch is not None:
+            return Mismatch(check, f"{what}: parameter {name!r}: {mismatch.summary}", name, mismatch.index, mismatch.actual, mismatch.expected, mismatch.details)
+    return None
+
+
+
+def check_trainer_step(step: TrainerStep, compute_dtype: str | None = None) -> list[Mismatch]:
+    """Every mismatch of one training step (see the module docstring)."""
+    record, batch, dtype = step.record, step.batch, step.dtype
+    valid = batch.valid
+    found = compare_to_oracle(batch, _result(record), dtype, compute_dtype)
+    mismatch = _logp_check("trainer.behavior_logp", "behavior_logp", batch.behavior_logp, step.sampler_logp, valid, ROLLOUT_LOGP_DTYPE)
+    found += [mismatch] if mismatch else []
+    mismatch = _logp_check("trainer.policy_logp", "logp", batch.logp, step.current_logp, valid, dtype)
+    found += [mismatch] if mismatch else []
+    mismatch = _compare_params("trainer.parameter_gradient", record.param_grads, step.pulled_back_gradient, dtype,
+                               "the analytic gradient pulled back through the model")
+    found += [mismatch] if mismatch else []
+    if step.single is not None:
+        found += _accumulation(step)
+    mismatch = _compare_params("trainer.optimizer_step", record.params_after, step.one_optimizer_step, dtype, "one optimizer step with the reported gradient")
+    found += [mismatch] if mismatch else []
+    return found
+
+
+def _accumulation(step: TrainerStep) -> list[Mismatch]:
+    record, single, dtype = step.record, step.single, step.dtype
+    label = f"split {list(record.split)} vs one micro-batch"
+    found = []
+    keep, one = record.keep.numpy(), single.keep.numpy()
+    if not same_up_to_ties(one, keep, valid_m2(step.batch)):
+        diff = np.argwhere(keep != one)
+        index = tuple(int(i) for i in diff[0])
+        found.append(Mismatch("trainer.accumulation", f"{label}: keep differs at {len(diff)} token(s), first at index {index}: the mask was not selected "
+                              "once over the optimizer batch", "keep", index, bool(keep[index]), bool(one[index])))
+    scale = float(np.abs(single.token_grad.to(torch.float64).numpy()).sum())
+    mismatch = compare_values("trainer.accumulation", "loss", record.loss, single.loss, tolerance(dtype, "loss"), scale=scale)
+    if mismatch:
+        found.append(Mismatch(mismatch.check, f"{label}: {mismatch.summary}", "loss", None, record.loss, single.loss, mismatch.details))
+    mismatch = _compare_params("trainer.accumulation", record.param_grads, single.param_grads, dtype, f"{label}: accumulated gradient")
+    found += [mismatch] if mismatch else []
+    return found
+
+
+def trainer_checks_ran(step: TrainerStep) -> tuple[str, ...]:
+    """The checks one step ran: the value checks on what the record reports, the trainer's
+    own, and the accumulation check only when the step had more than one micro-batch."""
+    own = tuple(n for n in TRAINER_CHECKS if n != "trainer.accumulation" or step.single is not None)
+    return ("call", *checks_run_on(_result(step.record)), *own)

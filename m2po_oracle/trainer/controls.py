@@ -1,0 +1,43 @@
+"""Planted trainer bugs (negative controls) and the built-in names of whole training steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainerControl:
+    """A planted trainer bug and the checks that must catch it."""
+
+    name: str
+    description: str
+    faults: dict[str, bool]
+    caught_by: tuple[str, ...]
+    model_dropout: float = 0.0
+    diagnosed_as: str = ""  # the trainer variant the diagnosis must name (default: the control's name)
+    # Steps the suite gives it: a per-micro-batch mask only shows where two micro-batches
+    # select differently (about 5 % of generated steps; first caught at 7-71 over seeds 0-5).
+    examples: int = 60
+
+    @property
+    def variant(self) -> str:
+        return self.diagnosed_as or self.name
+
+
+TRAINER_CONTROLS: tuple[TrainerControl, ...] = (
+    TrainerControl("per_micro_batch_mask", "the mask is selected within each gradient-accumulation micro-batch",
+                   {"per_micro_batch_mask": True}, ("trainer.accumulation",), examples=150),
+    TrainerControl("current_policy_as_behavior", "the current policy's log-probs are used as the behaviour log-probs",
+                   {"current_policy_as_behavior": True}, ("trainer.behavior_logp",)),
+    TrainerControl("per_micro_batch_denominator", "each micro-batch divides by its own valid count (then by k), not the optimizer batch's",
+                   {"per_micro_batch_denominator": True}, ("trainer.accumulation", "gradient")),
+    TrainerControl("dropout_left_on", "attention dropout 0.1 stays on: the mask prepass and the loss pass see different forwards",
+                   {"skip_determinism_check": True}, ("trainer.policy_logp",), model_dropout=0.1, diagnosed_as="stochastic_forward"),
+    TrainerControl("optimizer_step_per_micro_batch", "optimizer.step() runs after every micro-batch instead of once per optimizer batch",
+                   {"optimizer_step_per_micro_batch": True}, ("trainer.optimizer_step",)),
+    TrainerControl("embedding_gradient_dropped", "the input embedding's gradient is zeroed before the step (a freeze wired to the wrong parameter)",
+                   {"drop_gradient_of": "model.embed_tokens.weight"}, ("trainer.parameter_gradient",), diagnosed_as="parameters_without_gradient"),
+)
+CONTROLS_BY_NAME = {c.name: c for c in TRAINER_CONTROLS}
+#: Built-in names of whole training steps: the trainer and its planted controls.
+TRAINER_IMPLEMENTATIONS: tuple[str, ...] = ("trainer",) + tuple(f"trainer:{c.name}" for c in TRAINER_CONTROLS)

@@ -1,0 +1,118 @@
+"""Trainer-level deviations, each reproduced from a failing step's own data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from m2po_oracle import oracle
+from m2po_oracle.batch import Batch
+from m2po_oracle.equivalence import compare_values, same_up_to_ties, tolerance, valid_m2
+from m2po_oracle.trainer.checks import ROLLOUT_LOGP_DTYPE, _compare_params, _logp_check
+from m2po_oracle.trainer.controls import CONTROLS_BY_NAME
+from m2po_oracle.trainer.run import TrainerStep, _optimizer_replay
+
+
+def _micro_rows(split: tuple[int, ...]) -> list[slice]:
+    bounds = np.cumsum((0, *split))
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _sub(batch: Batch, rows: slice) -> Batch:
+    return Batch(batch.logp[rows], batch.behavior_logp[rows], batch.advantages[rows], batch.valid[rows], batch.tau)
+
+
+# Each test returns (reproduces, distinct): whether the variant reproduces the step, and
+# whether on this step the variant differs from the correct trainer at all (a variant that
+# coincides with Algorithm 1 here is consistent with the step but no evidence for it).
+
+
+def _test_per_micro_batch_mask(step: TrainerStep) -> tuple[bool, bool]:
+    keep, batch, m2 = step.record.keep.numpy(), step.batch, valid_m2(step.batch)
+    predicted = np.zeros(batch.shape, dtype=bool)
+    for r in _micro_rows(step.record.split):
+        if r.stop > r.start:
+            predicted[r] = oracle.m2po(_sub(batch, r)).keep
+    return same_up_to_ties(predicted, keep, m2), not same_up_to_ties(predicted, oracle.m2po(batch).keep, m2)
+
+
+def _test_per_micro_batch_denominator(step: TrainerStep) -> tuple[bool, bool]:
+    keep, batch, k = step.record.keep.numpy(), step.batch, len(step.record.split)
+    predicted = np.zeros(batch.shape)
+    for r in _micro_rows(step.record.split):
+        if r.stop > r.start:
+            predicted[r] = oracle.evaluate_with_mask(_sub(batch, r), keep[r]).grad / k
+    correct = oracle.evaluate_with_mask(batch, keep).grad
+    tol = tolerance(step.dtype, "gradient")
+    close = lambda a, b: compare_values("diagnosis", "grad", a, b, tol, scale=float(np.abs(b).max(initial=0)) * tol.rtol) is None  # noqa: E731
+    return close(step.record.token_grad.to(torch.float64).numpy(), predicted), not close(correct, predicted)
+
+
+def _test_current_policy_as_behavior(step: TrainerStep) -> tuple[bool, bool]:
+    same = lambda a, b: _logp_check("diagnosis", "behavior_logp", a, b, step.batch.valid, ROLLOUT_LOGP_DTYPE) is None  # noqa: E731
+    return same(step.batch.behavior_logp, step.current_logp), not same(step.sampler_logp, step.current_logp)
+
+
+def _test_stochastic_forward(step: TrainerStep) -> tuple[bool, bool]:
+    from m2po_oracle.trainer.grpo import stochastic_layers
+
+    differs = _logp_check("diagnosis", "logp", step.batch.logp, step.current_logp, step.batch.valid, step.dtype) is not None
+    reproduces = differs and bool(stochastic_layers(step.policy_before))
+    return reproduces, reproduces
+
+
+def _test_optimizer_step_per_micro_batch(step: TrainerStep) -> tuple[bool, bool]:
+    micro = _micro_rows(step.record.split)  # an empty micro-batch still reaches optimizer.step()
+    replayed = _optimizer_replay(step, micro)
+    same = lambda a, b: _compare_params("diagnosis", a, b, step.dtype, "") is None  # noqa: E731
+    return same(step.record.params_after, replayed), not same(step.one_optimizer_step, replayed)
+
+
+def _test_parameters_without_gradient(step: TrainerStep) -> tuple[bool, bool]:
+    """Some parameters report an all-zero gradient where the pulled-back gradient is not
+    zero, and every other parameter's gradient is right."""
+    expected, reported = step.pulled_back_gradient, step.record.param_grads
+    silent = {n for n, g in reported.items() if not bool(g.any()) and bool(expected[n].any())}
+    rest_right = _compare_params("diagnosis", {n: g for n, g in reported.items() if n not in silent},
+                                 {n: g for n, g in expected.items() if n not in silent}, step.dtype, "") is None
+    return bool(silent) and rest_right, bool(silent)
+
+
+@dataclass(frozen=True)
+class TrainerVariant:
+    name: str
+    description: str
+    test: Callable[[TrainerStep], tuple[bool, bool]]
+
+
+TRAINER_VARIANTS: tuple[TrainerVariant, ...] = (
+    TrainerVariant("per_micro_batch_mask", CONTROLS_BY_NAME["per_micro_batch_mask"].description, _test_per_micro_batch_mask),
+    TrainerVariant("per_micro_batch_denominator", CONTROLS_BY_NAME["per_micro_batch_denominator"].description, _test_per_micro_batch_denominator),
+    TrainerVariant("current_policy_as_behavior", CONTROLS_BY_NAME["current_policy_as_behavior"].description, _test_current_policy_as_behavior),
+    TrainerVariant("stochastic_forward", "the policy's forward is stochastic (dropout or similar): the log-probs differ from a deterministic "
+                   "recomputation and the model has stochastic layers", _test_stochastic_forward),
+    TrainerVariant("optimizer_step_per_micro_batch", CONTROLS_BY_NAME["optimizer_step_per_micro_batch"].description,
+                   _test_optimizer_step_per_micro_batch),
+    TrainerVariant("parameters_without_gradient", "some parameters get no gradient (frozen or detached by mistake) while the loss depends on them",
+                   _test_parameters_without_gradient),
+)
+VARIANT_DESCRIPTIONS = {v.name: v.description for v in TRAINER_VARIANTS}
+
+
+def explain(step: TrainerStep) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(consistent, evidenced): the trainer variants that reproduce a failing step, and
+    those among them that differ from the correct trainer on it. Never raises."""
+    consistent, evidenced = [], []
+    for variant in TRAINER_VARIANTS:
+        try:
+            reproduces, distinct = variant.test(step)
+        except Exception:  # a variant that cannot be evaluated on this step does not explain it
+            continue
+        if reproduces:
+            consistent.append(variant.name)
+            if distinct:
+                evidenced.append(variant.name)
+    return tuple(consistent), tuple(evidenced)

@@ -1,0 +1,144 @@
+"""The battery on a whole GRPO training step (``compare --impl trainer``).
+
+The explored input is a :class:`TrainerCase` (seed, rollout shape, staleness, tau and the
+micro-batch split), not a batch: the trainer samples its own rollout and computes its own
+log-probs. The oracle then judges the batch the trainer produced:
+
+* every single-process value check (selection, loss, per-token gradient, metrics) on the
+  trainer's own log-probs, behaviour log-probs, advantages and mask;
+* ``trainer.behavior_logp`` / ``trainer.policy_logp``: the log-probs are those of the
+  right model, recomputed here deterministically from snapshots taken before the step;
+* ``trainer.parameter_gradient``: the analytic per-token gradient pulled back through the
+  model (a vector-Jacobian product) equals each parameter's gradient;
+* ``trainer.accumulation``: with k > 1 micro-batches, the same step run as one
+  micro-batch gives the same mask, loss and gradient;
+* ``trainer.optimizer_step``: the update is one optimizer step with the reported gradient.
+
+A failing step is matched against :data:`TRAINER_VARIANTS`, each reproduced from the
+step's own data, so the report names the trainer-level deviation.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import traceback
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+from m2po_oracle.batch import Batch
+from m2po_oracle.battery import BatteryOutcome
+from m2po_oracle.contract import Finding, Measurement
+from m2po_oracle.equivalence import Mismatch
+from m2po_oracle.resolve import LoadError
+from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, UsageError, refuse_unhonoured
+from m2po_oracle.trainer.cases import TrainerCase, trainer_cases
+from m2po_oracle.trainer.checks import CHECK_NAMES, check_trainer_step, trainer_checks_ran
+from m2po_oracle.trainer.controls import CONTROLS_BY_NAME
+from m2po_oracle.trainer.diagnosis import VARIANT_DESCRIPTIONS, explain
+from m2po_oracle.trainer.probes import TRAINER_PROBES, run_trainer_probe
+from m2po_oracle.trainer.run import TRAINER_DTYPES, TrainerFactory, TrainerStep, _result, run_case
+
+
+#: Options a trainer run honours (it runs in this process: no per-call timeout).
+TRAINER_HONOURS = frozenset({"dtype", "compute_dtype", "device"})
+
+
+class TrainerRunner:
+    """``compare --impl trainer`` (or ``trainer:CONTROL``): runs cases through the trainer."""
+
+    checks = CHECK_NAMES
+    example_unit = "steps"
+    costly_examples = True
+    variant_descriptions = VARIANT_DESCRIPTIONS
+    variant_source = "trainer-level deviation (the production PR's support boundary, or a plausible port bug)"
+
+    def __init__(self, control: str | None = None, *, trainer: TrainerFactory | None = None, spec: str | None = None,
+                 options: RunOptions | None = None) -> None:
+        """Our trainer, one of its controls, or ``trainer``: a factory (e.g. a class) building
+        the trainer under test as ``trainer(policy, config, *, behaviour, reference)``."""
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            raise LoadError("impl: the trainer needs the transformers package: pip install -c constraints.txt -e '.[trainer]'")
+        if control is not None and control not in CONTROLS_BY_NAME:
+            raise LoadError(f"impl: unknown trainer control {control!r}; known: {', '.join(CONTROLS_BY_NAME)}")
+        if control is not None and trainer is not None:
+            raise LoadError("impl: a trainer control plants its bug in the built-in trainer; give a control or a trainer, not both")
+        if trainer is not None and not callable(trainer):
+            raise LoadError(f"impl: the trainer must be a callable (a class or factory), got {type(trainer).__name__}")
+        self.options = options or RunOptions()
+        refuse_unhonoured("a training step (--impl trainer)", TRAINER_HONOURS, self.options,
+                          {"timeout": "the trainer runs in this process; no timeout can stop a step",
+                           "adapter": "a training step is not a loss function; adapters do not apply",
+                           "topology": "the trainer runs one process", "backend": "the trainer runs one process",
+                           "in_process": "the trainer always runs in this process", "show_output": "the trainer's output is not captured"})
+        if self.options.dtype not in TRAINER_DTYPES:
+            raise UsageError(f"dtype: the trainer runs its model in one of {sorted(TRAINER_DTYPES)}, got {self.options.dtype!r}")
+        self.control = CONTROLS_BY_NAME[control] if control else None
+        self.make_trainer = trainer
+        self.spec = spec or (f"trainer:{control}" if control else "trainer")
+        self.health = CallHealth()
+        self.output = CapturedOutput()
+
+    def strategy(self) -> st.SearchStrategy[TrainerCase]:
+        return trainer_cases(self.options.tau)
+
+    def run_battery(self, case: TrainerCase) -> Any:
+        dtype = self.options.dtype
+        try:
+            step = run_case(case, dtype=dtype, control=self.control, device=self.options.device, make_trainer=self.make_trainer)
+        except Exception as error:
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-4)).rstrip()
+            empty = Batch(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1), dtype=bool), case.tau)
+            return BatteryOutcome(empty, Measurement(empty, dtype, None, Finding("raised", text)),
+                                  (Mismatch("call", f"raised: {text.splitlines()[-1]}", details=(text,)),), case=case.to_dict())
+        try:
+            mismatches = tuple(check_trainer_step(step, self.options.compute_dtype))
+        except Exception as error:  # a record that passed check_record but still cannot be judged
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-4)).rstrip()
+            return BatteryOutcome(step.batch, Measurement(step.batch, dtype, None, Finding("wrong_result", text)),
+                                  (Mismatch("call", f"the step record could not be checked: {text.splitlines()[-1]}", details=(text,)),),
+                                  case=case.to_dict())
+        consistent, evidenced = explain(step) if mismatches else (None, None)
+        return BatteryOutcome(step.batch, Measurement(step.batch, dtype, _result(step.record)), mismatches, explained_by=consistent,
+                              evidenced=evidenced, case={**case.to_dict(), "trainer": _step_summary(step)}, checked=trainer_checks_ran(step))
+
+    def replay_command(self, case: TrainerCase) -> str:
+        parts = ["m2po-oracle", "replay", "--impl", self.spec, "--dtype", self.options.dtype]
+        if self.options.compute_dtype and self.options.compute_dtype != self.options.dtype:
+            parts += ["--compute-dtype", self.options.compute_dtype]
+        return shlex.join([*parts, "--batch", json.dumps(case.to_dict())])
+
+    def validation(self) -> list[Any]:
+        return [run_trainer_probe(p, dtype=self.options.dtype, faults=self.control.faults if self.control else None, device=self.options.device,
+                                  make_trainer=self.make_trainer) for p in TRAINER_PROBES]
+
+    def parse_example(self, data: dict[str, Any]) -> TrainerCase:
+        return TrainerCase.from_dict({k: v for k, v in data.items() if k != "trainer"})
+
+    def example_key(self) -> str:
+        return "trainer_case"
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "TrainerRunner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _step_summary(step: TrainerStep) -> dict[str, Any]:
+    r = step.record
+    return {"split": list(r.split), "loss": r.loss, "rows": step.rollout.rows, "tokens": int(r.valid.sum()),
+            "rewards": [float(x) for x in step.rollout.rewards], "parameters": sum(p.numel() for p in r.params_before.values())}
