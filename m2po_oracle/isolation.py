@@ -17,6 +17,7 @@ import io
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import tempfile
 import time
 from typing import Any
@@ -39,6 +40,9 @@ def _forkserver() -> Any:
 
 
 def _serve(spec: str, adapter: str | None, capture: bool, rejecting: tuple[str, ...], connection: multiprocessing.connection.Connection) -> None:
+    # Ctrl-C reaches the whole process group: the parent writes the partial report and
+    # stops this worker; a traceback from here would only clutter the terminal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from m2po_oracle.adapters import adapt
         from m2po_oracle.resolve import load_implementation

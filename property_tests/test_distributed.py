@@ -8,6 +8,8 @@ oversubscribe the two cores.
 from __future__ import annotations
 
 import itertools
+import json
+import time
 import multiprocessing
 
 import numpy as np
@@ -207,3 +209,39 @@ def test_distributed_controls_are_diagnosed_as_their_own_deviation(spec, runners
     report = run_compare(runner, spec, examples=60, shrink=False)  # diagnosis needs no minimal batches
     assert report.verdict == "divergent"
     assert spec.split(":", 1)[1] in [m["variant"] for m in report.diagnosis["matches"]], report.diagnosis
+
+
+RAISING_RANK = """
+from m2po_oracle.distributed.implementations import core_distributed
+
+
+def rank_one_raises(logp, behavior_logp, advantages, mask, *, tau, parallel):
+    if parallel.coords.dp == 1:
+        raise KeyError("planted failure on rank 1")
+    return core_distributed(logp, behavior_logp, advantages, mask, tau=tau, parallel=parallel)
+"""
+
+
+def test_a_rank_that_raises_ends_the_step_at_once_and_is_shown_first(tmp_path):
+    from m2po_oracle.batch import Batch
+
+    path = tmp_path / "raising_rank.py"
+    path.write_text(RAISING_RANK)
+    batch = Batch(np.array([[-0.5, -0.2], [-0.7, -0.1]]), np.array([[-0.9, -0.3], [-0.2, -0.4]]), np.ones((2, 2)), np.ones((2, 2), bool), 0.04)
+    with DistributedRunner(f"{path}:rank_one_raises", Topology(2, 1, 1), timeout_s=60) as runner:
+        runner.world.start()
+        started = time.monotonic()
+        step = runner.step(batch)
+        seconds = time.monotonic() - started
+    assert seconds < 10, f"the step waited {seconds:.1f} s for ranks stuck behind the one that raised (timeout 60 s)"
+    first = step.mismatches[0]
+    assert first.check == "call" and first.summary.startswith("rank 1 (dp=1, cp=0, tp=0) raised:") and "planted failure on rank 1" in first.summary, first
+    assert runner.health.timeouts == 0, "a rank that raised is not a timeout"
+
+
+def test_compare_with_a_topology_runs_the_collective_probes(tmp_path):
+    from m2po_oracle.cli import EXIT_EQUIVALENT, main
+
+    assert main(["compare", "--impl", "core", "--topology", "dp=2", "--examples", "5", "--json", str(tmp_path / "r.json")]) == EXIT_EQUIVALENT
+    validation = json.loads((tmp_path / "r.json").read_text())["validation"]
+    assert validation["not_run"] is None and {p["status"] for p in validation["probes"]} == {"rejected"} and len(validation["probes"]) == 6

@@ -71,3 +71,58 @@ def test_an_entry_point_registered_implementation_is_found_by_name(tmp_path):
     assert typo.returncode == 2 and "closest matches: fake-port" in typo.stderr
     off = _cli(tmp_path, "compare", "--impl", "fake-port", "--in-process", env_extra={"M2PO_ORACLE_NO_PLUGINS": "1"})
     assert off.returncode == 2 and "unknown implementation 'fake-port'" in off.stderr
+
+
+POLICY_LOSS_PORT = """
+import os
+import torch
+
+
+def policy_loss_port(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config):
+    from m2po_oracle.core import select_tokens
+
+    mask = response_mask.bool()
+    selection = select_tokens(log_prob.detach(), old_log_prob, advantages, mask, tau=config.m2_threshold)
+    ratio = torch.exp(torch.where(selection.keep, log_prob - old_log_prob, torch.zeros_like(log_prob)))
+    return -(torch.where(selection.keep, ratio * advantages, torch.zeros_like(log_prob))).sum() / mask.sum().clamp(min=1)
+
+
+def counted_core(logp, behavior_logp, advantages, mask, *, tau):
+    # One line per call, naming the process: a battery run in two xdist workers shows two pids.
+    with open(os.environ["M2PO_CALL_LOG"], "a") as log:
+        log.write(f"{os.getpid()}\\n")
+    from m2po_oracle.core import m2po_loss
+    return m2po_loss(logp, behavior_logp, advantages, mask, tau=tau)
+"""
+
+
+def test_pytest_plugin_honours_the_adapter(pytester):
+    pytester.makepyfile(port=POLICY_LOSS_PORT)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "port:policy_loss_port", "--m2po-adapter", "policy_loss",
+                                           "--m2po-examples", "15", "--m2po-in-process")
+    # A policy loss returns no metrics: those checks never ran, and say so instead of passing.
+    metrics = [name for name in CHECKS if name.startswith("metrics.")]
+    result.assert_outcomes(passed=len(CHECKS) + 1 - len(metrics), skipped=len(metrics))
+    result.stdout.no_fnmatch_line("*unexpected keyword argument*")
+
+
+def test_pytest_plugin_honours_the_topology(pytester):
+    from m2po_oracle.distributed.runner import DistributedRunner
+
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "core", "--m2po-topology", "dp=2", "--m2po-examples", "5")
+    result.assert_outcomes(passed=len(DistributedRunner.checks) + 1)
+    refused = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "core", "--m2po-topology", "dp=2", "--m2po-adapter", "mask_only")
+    refused.stdout.fnmatch_lines(["*usage error*cannot honour --adapter*"])
+
+
+def test_under_xdist_the_battery_runs_once(pytester, tmp_path):
+    pytester.makepyfile(port=POLICY_LOSS_PORT)
+    log = tmp_path / "calls.log"
+    os.environ["M2PO_CALL_LOG"] = str(log)
+    try:
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--m2po-impl", "port:counted_core", "--m2po-examples", "10",
+                                               "--m2po-in-process")
+    finally:
+        del os.environ["M2PO_CALL_LOG"]
+    result.assert_outcomes(passed=len(CHECKS) + 1)
+    assert len(set(log.read_text().split())) == 1, "more than one xdist worker ran the battery"

@@ -120,6 +120,7 @@ def _rank_main(rank: int, topology: Topology, backend: str, store_path: str, sta
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # ranks share two cores: oversubscription makes gloo crawl
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it closes the world
     with open(stack_path, "w") as stack_file:
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
         try:
