@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from m2po_oracle.batch import Batch
 from m2po_oracle.checks import CHECKS
-from m2po_oracle.contract import Implementation, Measurement
+from m2po_oracle.contract import Implementation, Measurement, measure
 from m2po_oracle import oracle
 from m2po_oracle.equivalence import Mismatch, Tolerance, checks_run_on, compare_to_oracle, compare_values, format_mismatches, same_up_to_ties, tolerance, valid_m2
 
@@ -94,14 +95,27 @@ def _padding_immunity(first: Measurement, probe: Measurement, fill: float, dtype
     return found
 
 
+@runtime_checkable
+class Caller(Protocol):
+    """How a loss function is called: in this process or in a worker (``isolation``)."""
+
+    def measure(self, batch: Batch, *, dtype: str = "float64", device: str = "cpu") -> Measurement: ...
+
+
+class _InThisProcess:
+    def __init__(self, fn: Implementation) -> None:
+        self.fn = fn
+
+    def measure(self, batch: Batch, *, dtype: str = "float64", device: str = "cpu") -> Measurement:
+        return measure(self.fn, batch, dtype=dtype, device=device)
+
+
 def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> BatteryOutcome:
     """Run every check on one batch. Never raises because of the implementation.
 
     ``fn`` is an implementation callable (called in this process) or a caller such as
     :class:`m2po_oracle.isolation.Isolated` (called in a worker process with a timeout)."""
-    from m2po_oracle.isolation import as_caller
-
-    caller = as_caller(fn)
+    caller = fn if isinstance(fn, Caller) else _InThisProcess(fn)
     first = caller.measure(batch, dtype=dtype, device=device)
     if first.finding is not None:
         return BatteryOutcome(first.batch, first, (Mismatch("call", f"{first.finding.kind}: {first.finding.message}"),))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from m2po_oracle.fast_selection import kept_candidates, kept_candidates_by_sorting
-from m2po_oracle.options import check_device
+from m2po_oracle.runner import check_device
 
 SCHEMA = "m2po-oracle/bench/1"
 METHODS = ("sort", "radix", "floor")

@@ -94,8 +94,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     """compare or replay: open the runner, run, report; load errors and Ctrl-C still report."""
     from m2po_oracle.distributed.world import WorldError
     from m2po_oracle.launch import open_runner
-    from m2po_oracle.resolve import LoadError
-    from m2po_oracle.runner import UsageError
+    from m2po_oracle.errors import LoadError
+    from m2po_oracle.errors import UsageError
 
     try:
         run_options = options.run_options(vars(args))

@@ -24,7 +24,7 @@ from typing import Any
 
 from m2po_oracle.batch import Batch
 from m2po_oracle.contract import Finding, Implementation, Measurement, measure, rounded_batch, with_output
-from m2po_oracle.resolve import LoadError as ImplementationLoadError  # one load error, whichever way it is called
+from m2po_oracle.errors import LoadError as ImplementationLoadError  # one load error, whichever way it is called
 
 #: Starting a worker imports torch and the implementation: allow for that separately.
 STARTUP_TIMEOUT_S = 180.0
@@ -108,14 +108,6 @@ class InProcess:
         from m2po_oracle.validation import run_probe
 
         return run_probe(self.fn, name, dtype=dtype, device=device, rejecting=self.rejecting)
-
-
-def as_caller(target: Any) -> Any:
-    """Something with ``measure(batch, *, dtype, device)``: ``target`` itself (``InProcess``,
-    ``Isolated``) or a plain implementation callable wrapped in :class:`InProcess`."""
-    return target if isinstance(target, (InProcess, Isolated)) else InProcess(target)
-
-
 
 
 class Isolated:

@@ -19,7 +19,8 @@ from m2po_oracle.adapters import ADAPTERS, adapt
 from m2po_oracle.isolation import InProcess, Isolated
 from m2po_oracle.loss_function import LossFunctionRunner
 from m2po_oracle.resolve import is_trainer_spec, load_attribute, load_implementation
-from m2po_oracle.runner import Runner, RunOptions, UsageError
+from m2po_oracle.errors import UsageError
+from m2po_oracle.runner import Runner, RunOptions
 
 
 def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runner:
@@ -30,7 +31,7 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runn
 
     Raises :class:`~m2po_oracle.resolve.LoadError` when ``spec`` cannot be loaded and
     :class:`UsageError` for an option the runner cannot honour."""
-    from m2po_oracle.options import check_device
+    from m2po_oracle.runner import check_device
 
     check_device(options.device)
     if options.adapter is not None and options.adapter not in ADAPTERS:

@@ -110,16 +110,3 @@ def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...]
             parser.add_argument(option.flag, dest=option.name, action="store_true", help=option.help)
         else:
             parser.add_argument(option.flag, dest=option.name, type=option.type, default=option.default, choices=option.choices, help=option.help)
-
-
-def check_device(device: str) -> None:
-    """A device that cannot run here is a usage error (ValueError naming ``device``), not a
-    finding against the implementation."""
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r} ({error})") from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} requested, but CUDA is not available to this torch ({torch.__version__})")

@@ -40,8 +40,8 @@ def item_outcomes(spec: str, values: dict[str, Any]) -> dict[str, Any]:
     from m2po_oracle.compare import run_compare
     from m2po_oracle.equivalence import format_mismatches
     from m2po_oracle.launch import open_runner
-    from m2po_oracle.resolve import LoadError
-    from m2po_oracle.runner import UsageError
+    from m2po_oracle.errors import LoadError
+    from m2po_oracle.errors import UsageError
 
     try:
         runner = open_runner(spec, options.run_options(values))

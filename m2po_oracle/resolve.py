@@ -23,16 +23,13 @@ from types import ModuleType
 from typing import Any
 
 from m2po_oracle.contract import Implementation
+from m2po_oracle.errors import LoadError
 
 ENTRY_POINT_GROUP = "m2po_oracle.implementations"
 #: Set to 1 to ignore implementations registered by other installed packages.
 NO_PLUGINS_ENV = "M2PO_ORACLE_NO_PLUGINS"
 #: Built-in names of whole training steps, resolved to runners by :mod:`m2po_oracle.launch`.
 TRAINER_PREFIX = "trainer"
-
-
-class LoadError(ValueError):
-    """The implementation could not be loaded (the message says why, naming the spec)."""
 
 
 def is_trainer_spec(spec: str) -> bool:

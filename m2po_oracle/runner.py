@@ -14,16 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
+from m2po_oracle.errors import UsageError
+
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
 
     from m2po_oracle.battery import BatteryOutcome
-    from m2po_oracle.distributed.topology import Topology
     from m2po_oracle.validation import ProbeResult
-
-
-class UsageError(ValueError):
-    """The command line or configuration asks for something this run cannot do."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +36,7 @@ class RunOptions:
     device: str = "cpu"
     timeout: float = 60.0
     adapter: str | None = None
-    topology: "Topology | None" = None
+    topology: Any = None  # a distributed.topology.Topology (dp, cp, tp)
     backend: str = "gloo"
     strict_validation: bool = False
     in_process: bool = False
@@ -153,3 +150,16 @@ class Runner(Protocol):
     def start(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+def check_device(device: str) -> None:
+    """A device that cannot run here is a usage error (ValueError naming ``device``), not a
+    finding against the implementation."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r} ({error})") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested, but CUDA is not available to this torch ({torch.__version__})")

@@ -18,7 +18,8 @@ from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_INTERRUPTED, E
 from m2po_oracle.compare import run_compare
 from m2po_oracle.launch import open_runner
 from m2po_oracle.report.html import render_html
-from m2po_oracle.runner import RunOptions, UsageError
+from m2po_oracle.errors import UsageError
+from m2po_oracle.runner import RunOptions
 
 STAND_INS = textwrap.dedent("""
     import os, sys

@@ -12,9 +12,9 @@ from pathlib import Path
 import m2po_oracle
 
 PACKAGE = Path(m2po_oracle.__file__).parent
-#: Modules at the top: what imports them must itself be one of them (or torchrun's entry).
-ENTRY_POINTS = {"m2po_oracle.cli", "m2po_oracle.pytest_plugin", "m2po_oracle.selftest", "m2po_oracle.launch"}
-ABOVE_ENTRY_POINTS = ENTRY_POINTS | {"m2po_oracle.torchrun", "m2po_oracle.distributed.torchrun"}
+#: Modules at the top (options: the flags): what imports them must itself be one of them.
+ENTRY_POINTS = {"m2po_oracle.cli", "m2po_oracle.pytest_plugin", "m2po_oracle.selftest", "m2po_oracle.launch", "m2po_oracle.options"}
+ABOVE_ENTRY_POINTS = ENTRY_POINTS | {"m2po_oracle.torchrun"}
 
 
 def _module_name(path: Path) -> str:

@@ -138,7 +138,8 @@ def load_distributed_implementation(spec: str) -> Any:
         return DISTRIBUTED_BUILTINS[spec]
     import difflib
 
-    from m2po_oracle.resolve import LoadError, load_attribute
+    from m2po_oracle.resolve import load_attribute
+    from m2po_oracle.errors import LoadError
 
     if ":" not in spec or spec.startswith("control:"):
         close = difflib.get_close_matches(spec, DISTRIBUTED_BUILTINS, n=3, cutoff=0.5)

@@ -21,7 +21,8 @@ from m2po_oracle.distributed.topology import Topology
 from m2po_oracle.distributed.world import RankOutcome, World, WorldError
 from m2po_oracle.equivalence import Mismatch
 from m2po_oracle.loss_function import batch_strategy, replay_command
-from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, UsageError, refuse_unhonoured
+from m2po_oracle.errors import UsageError
+from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, refuse_unhonoured
 from m2po_oracle.validation import ProbeResult
 
 #: The device each backend places its ranks on.

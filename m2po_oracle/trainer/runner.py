@@ -32,8 +32,9 @@ from m2po_oracle.batch import Batch
 from m2po_oracle.battery import BatteryOutcome
 from m2po_oracle.contract import Finding, Measurement
 from m2po_oracle.equivalence import Mismatch
-from m2po_oracle.resolve import LoadError
-from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, UsageError, refuse_unhonoured
+from m2po_oracle.errors import LoadError
+from m2po_oracle.errors import UsageError
+from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, refuse_unhonoured
 from m2po_oracle.trainer.cases import TrainerCase, trainer_cases
 from m2po_oracle.trainer.checks import CHECK_NAMES, check_trainer_step, trainer_checks_ran
 from m2po_oracle.trainer.controls import CONTROLS_BY_NAME
