@@ -95,3 +95,26 @@ def test_sub_packages_exist_where_families_of_files_do():
     for room in ("distributed", "trainer", "report"):
         assert (PACKAGE / room / "__init__.py").is_file()
     assert not list(PACKAGE.glob("*_names.py")), "no module exists only to dodge an import circle"
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The same arrows between rooms: a sub-package is one room, every other module its own."""
+    def room(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 else module
+
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        rooms.setdefault(room(module), set()).update(room(t) for t in targets if room(t) != room(module))
+    return rooms
+
+
+def test_rooms_import_one_way():
+    cycle = find_cycle(room_graph(import_graph()))
+    assert cycle is None, "rooms import each other (an arrow runs back up): " + " -> ".join(cycle or [])
+
+
+def test_the_room_check_sees_an_arrow_back_up():
+    graph = import_graph()
+    graph["m2po_oracle.trainer.checks"] = graph["m2po_oracle.trainer.checks"] | {"m2po_oracle.resolve"}  # resolve imports trainer.controls
+    assert find_cycle(room_graph(graph)) is not None
