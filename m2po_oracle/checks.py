@@ -35,6 +35,7 @@ DISTRIBUTED_CHECKS: dict[str, str] = {
     "distributed.loss_sum": "the rank losses of one replica set add up to the global loss",
     "distributed.shard_gradient": "each rank's gradient is the analytic gradient (global N) on its rows and CP shard, zero elsewhere",
     "distributed.metrics": "every rank reports the global metrics and counts",
+    "distributed.split_invariance": "the same optimizer batch through one rank (dp=1) and through the topology gives the same mask (up to ties), loss sum and gradient",
 }
 #: The model-level checks of a whole training step (``compare --impl trainer``).
 TRAINER_CHECKS: dict[str, str] = {

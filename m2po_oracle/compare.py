@@ -167,7 +167,8 @@ class _StopExploring(BaseException):  # BaseException: Hypothesis must not shrin
 
 
 def _search_settings(examples: int) -> settings:
-    return settings(max_examples=examples, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    # derandomize off whatever the loaded profile says: the run's --seed decides the batches.
+    return settings(max_examples=examples, database=None, deadline=None, derandomize=False, suppress_health_check=list(HealthCheck))
 
 
 def in_process_runner(fn: Implementation, impl: str, **option_values: Any) -> Runner:
@@ -180,7 +181,7 @@ def in_process_runner(fn: Implementation, impl: str, **option_values: Any) -> Ru
 
 
 def run_compare(target: Runner | Implementation, impl: str | None = None, *, shrink: bool = True,
-                on_example: Callable[[BatteryOutcome], None] | None = None, **option_values: Any) -> CompareReport:
+                on_example: Callable[[BatteryOutcome], None] | None = None, until_first_failure: bool = False, **option_values: Any) -> CompareReport:
     """Try the runner's examples; for each failing check, shrink a minimal one.
 
     ``target`` is a :class:`Runner` (from ``launch.open_runner``) or a plain loss-function
@@ -199,7 +200,7 @@ def run_compare(target: Runner | Implementation, impl: str | None = None, *, shr
                            tau=options.tau, device=options.device, strict_validation=options.strict_validation, example_unit=runner.example_unit,
                            examples_requested=options.examples, **_describe(runner))
     try:
-        _explore_and_judge(runner, report, shrink, on_example)
+        _explore_and_judge(runner, report, shrink, on_example, until_first_failure)
     except KeyboardInterrupt:
         report.interrupted = True
         report.validation_not_run = report.validation_not_run or "the run was interrupted"
@@ -214,7 +215,8 @@ def _describe(runner: Runner) -> dict[str, Any]:
     return {"topology": described.get("topology"), "adapter": described.get("adapter")}
 
 
-def _explore_and_judge(runner: Runner, report: CompareReport, shrink: bool, on_example: Callable[[BatteryOutcome], None] | None) -> None:
+def _explore_and_judge(runner: Runner, report: CompareReport, shrink: bool, on_example: Callable[[BatteryOutcome], None] | None,
+                       until_first_failure: bool = False) -> None:
     options = runner.options
     strategy = runner.strategy()
     tallies = report.tallies
@@ -251,6 +253,8 @@ def _explore_and_judge(runner: Runner, report: CompareReport, shrink: bool, on_e
             report.collectives.extend({"rank": r["rank"], "coords": r["coords"], "collectives": r["collectives"]} for r in outcome.ranks)
         if on_example is not None:
             on_example(outcome)
+        if until_first_failure and outcome.failed_checks:
+            raise _StopExploring(f"first failure at example {report.examples} (measuring how soon it is caught)")
         health = runner.health
         if health.timeouts >= MAX_TIMEOUTS:
             raise _StopExploring(f"{health.timeouts} calls timed out (--timeout {options.timeout:g} s): every further call would likely wait it out too")
@@ -311,9 +315,12 @@ def _diagnose(runner: Runner, report: CompareReport, failing: list[Observation],
     # A variant that coincides with Algorithm 1 on every failing step reproduces them trivially.
     step_matches = (step_matches or set()) & evidenced
     if step_matches:
+        # A step-level variant may share its name with a single-process one (the same
+        # deviation seen from the whole step): it is named once, with the step's evidence.
+        others = [m for m in report.diagnosis["matches"] if m["variant"] not in step_matches]
         report.diagnosis["matches"] = [
             {"variant": name, "description": runner.variant_descriptions[name], "source": runner.variant_source,
-             "evidence": f"reproduces all {failing_steps} failing steps"} for name in sorted(step_matches)] + report.diagnosis["matches"]
+             "evidence": f"reproduces all {failing_steps} failing steps"} for name in sorted(step_matches)] + others
         report.diagnosis["status"] = "matched"
 
 

@@ -145,7 +145,7 @@ def _control(name: str, caught_by: tuple[str, ...]) -> NegativeControl:
 
 
 NEGATIVE_CONTROLS: tuple[NegativeControl, ...] = (
-    _control("all_valid_candidates", ("selection.only_trust_region_masked", "metrics.masked_fraction")),
+    _control("all_valid_candidates", ("selection.only_trust_region_masked", "metrics.masked_fraction", "selection.budget")),
     _control("swapped_quadrants", ("selection.only_trust_region_masked", "selection.budget")),
     _control("zero_advantage_candidate", ("selection.only_trust_region_masked",)),
     _control("first_token_advantage_sign", ("selection.only_trust_region_masked", "selection.budget", "selection.minimal", "selection.largest_removed_first")),
@@ -163,7 +163,8 @@ NEGATIVE_CONTROLS: tuple[NegativeControl, ...] = (
     _control("mask_not_applied", ("gradient", "loss")),
     _control("masked_keep_value", ("loss",)),
     _control("nan_padding_leak", ("padding_immunity",)),
-    _control("clamped_log_ratio", ("gradient", "loss", "metrics.m2_before", "selection.budget", "selection.minimal", "selection.largest_removed_first")),
+    _control("clamped_log_ratio", ("gradient", "loss", "metrics.m2_before", "metrics.m2_after", "selection.budget", "selection.minimal",
+                                   "selection.largest_removed_first")),
     _control("mutates_inputs", ("inputs_not_mutated",)),
     _control("m2_after_over_valid", ("metrics.m2_after",)),
     _control("random_tie_break", ("determinism",)),

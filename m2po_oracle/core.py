@@ -147,6 +147,14 @@ def _validate_across(check: Any, tau: Any, logp: Any, group: Any) -> None:
         raise ValueError(_disagreement_message(records, group))
 
 
+def validate_across_ranks(logp: Any, behavior_logp: Any, advantages: Any, mask: Any, *, tau: Any, group: Any) -> None:
+    """The core's input checks, agreed over ``group``: one rank's invalid input (or a tau
+    that differs between ranks) makes every rank raise the same ValueError. For ports that
+    select with their own code but must fail closed as the core does."""
+    _check_group(group)
+    _validate_across(lambda: _validate(logp, behavior_logp, advantages, mask, tau), tau, logp, group)
+
+
 def _record(failure: ValueError | None, tau: Any) -> torch.Tensor:
     """This rank's float64 record: [code, tau, its own message as UTF-8 bytes]."""
     record = torch.zeros(_RECORD_WORDS, dtype=torch.float64)

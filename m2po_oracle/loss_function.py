@@ -26,9 +26,9 @@ IN_PROCESS_HONOURS = _HONOURED | {"in_process", "show_output"}
 ISOLATED_HONOURS = _HONOURED | {"timeout", "show_output"}
 
 
-def batch_strategy(tau: float | None) -> st.SearchStrategy[Batch]:
-    """The default mix of generated batches, with every budget set to ``tau`` if given."""
-    base = strategies.batches()
+def batch_strategy(tau: float | None, base: st.SearchStrategy[Batch] | None = None) -> st.SearchStrategy[Batch]:
+    """``base`` (default: the default mix of generated batches), with every budget set to ``tau`` if given."""
+    base = base if base is not None else strategies.batches()
     if tau is None:
         return base
     return base.map(lambda b: Batch(b.logp, b.behavior_logp, b.advantages, b.valid, tau))

@@ -2,7 +2,10 @@
 
 A control passes the self-test when ``compare`` finds it divergent (it is caught) and the
 diagnosis names the control's own deviation among the variants that reproduce it. With
-``trainer=True`` the trainer-level controls (``trainer:NAME``) are run too.
+``trainer=True`` the trainer-level controls (``trainer:NAME``) are run too, with
+``distributed=True`` the distributed ones (``distributed:control:NAME``, each on the
+topology it shows on). With ``seeds > 1`` each control is also run on seeds 1..seeds-1
+until its first failing example: how soon the battery catches it, over seeds.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from m2po_oracle.compare import run_compare
+from m2po_oracle.compare import in_process_runner, run_compare
+from m2po_oracle.runner import Runner
 from m2po_oracle.controls import NEGATIVE_CONTROLS
 
 
@@ -24,7 +28,7 @@ class SelftestTarget:
     name: str
     bug: str
     variant: str
-    load: Callable[[], Any]
+    load: Callable[[], Runner]
     shrink: bool = True  # a trainer step is costly; catching and naming need no minimal case
 
 
@@ -37,6 +41,7 @@ class SelftestRow:
     diagnosis: tuple[str, ...]
     seconds: float
     variant: str = ""  # the variant the diagnosis must name (default: the control's name)
+    first_failures: tuple[int | None, ...] = ()  # per seed: the first failing example (None: not caught)
 
     @property
     def caught(self) -> bool:
@@ -53,6 +58,17 @@ class SelftestRow:
         return "ok" if self.diagnosed else "MISDIAGNOSED"
 
 
+def _distributed_targets() -> list[SelftestTarget]:
+    from m2po_oracle.distributed.diagnosis import DESCRIPTIONS
+    from m2po_oracle.distributed.implementations import CONTROL_TOPOLOGIES
+    from m2po_oracle.distributed.runner import DistributedRunner
+    from m2po_oracle.distributed.topology import Topology
+
+    return [SelftestTarget(f"distributed:{spec}", DESCRIPTIONS[spec.split(":", 1)[1]], spec.split(":", 1)[1],
+                           lambda spec=spec, topology=topology: DistributedRunner(spec, Topology.parse(topology)), shrink=False)
+            for spec, topology in CONTROL_TOPOLOGIES.items()]
+
+
 def _trainer_targets() -> list[SelftestTarget]:
     from m2po_oracle.trainer.controls import TRAINER_CONTROLS
     from m2po_oracle.trainer.runner import TrainerRunner
@@ -60,13 +76,15 @@ def _trainer_targets() -> list[SelftestTarget]:
     return [SelftestTarget(f"trainer:{c.name}", c.description, c.variant, lambda c=c: TrainerRunner(c.name), shrink=False) for c in TRAINER_CONTROLS]
 
 
-def select_controls(names: list[str] | None, *, trainer: bool = False) -> list[SelftestTarget]:
-    """The loss-function controls (and with ``trainer`` the trainer's), or those named."""
-    targets = [SelftestTarget(c.name, c.bug, c.name, lambda c=c: c.fn) for c in NEGATIVE_CONTROLS]
+def select_controls(names: list[str] | None, *, trainer: bool = False, distributed: bool = False) -> list[SelftestTarget]:
+    """The loss-function controls (and with ``trainer`` / ``distributed`` those too), or those named."""
+    targets = [SelftestTarget(c.name, c.bug, c.name, lambda c=c: in_process_runner(c.fn, f"control:{c.name}")) for c in NEGATIVE_CONTROLS]
     if trainer or any(n.startswith("trainer:") for n in names or ()):
         targets += _trainer_targets()
+    if distributed or any(n.startswith("distributed:") for n in names or ()):
+        targets += _distributed_targets()
     if not names:
-        return [t for t in targets if trainer or not t.name.startswith("trainer:")]
+        return [t for t in targets if (trainer or not t.name.startswith("trainer:")) and (distributed or not t.name.startswith("distributed:"))]
     known = {t.name: t for t in targets}
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -74,24 +92,61 @@ def select_controls(names: list[str] | None, *, trainer: bool = False) -> list[S
     return [known[n] for n in names]
 
 
-def run_selftest(controls: list[SelftestTarget], *, examples: int = 500, seed: int = 0,
+def _spec(control: SelftestTarget) -> str:
+    if control.name.startswith("trainer:"):
+        return control.name
+    if control.name.startswith("distributed:"):
+        return control.name.split(":", 1)[1]
+    return f"control:{control.name}"
+
+
+def _open(control: SelftestTarget) -> Runner:
+    runner = control.load()
+    runner.start()  # a world is started once for every seed, and closed after
+    return runner
+
+
+def run_selftest(controls: list[SelftestTarget], *, examples: int = 500, seed: int = 0, seeds: int = 1,
                  on_row: Callable[[SelftestRow], None] | None = None) -> list[SelftestRow]:
     rows = []
     for control in controls:
         started = time.perf_counter()
-        spec = control.name if control.name.startswith("trainer:") else f"control:{control.name}"
-        report = run_compare(control.load(), spec, examples=examples, seed=seed, shrink=control.shrink)
-        failing = [t for t in report.tallies.values() if t.failures]
+        runner = _open(control)
+        try:
+            report = run_compare(runner, _spec(control), examples=examples, seed=seed, shrink=control.shrink)
+            failing = [t for t in report.tallies.values() if t.failures]
+            first = min((t.first_failure_at for t in failing if t.first_failure_at), default=None)
+            later = [_first_failure(runner, control, examples, seed + k) for k in range(1, seeds)]
+        finally:
+            runner.close()
         row = SelftestRow(
             control=control.name,
             bug=control.bug,
             caught_by=tuple(t.name for t in failing),
-            examples_needed=min((t.first_failure_at for t in failing if t.first_failure_at), default=None),
+            examples_needed=first,
             diagnosis=tuple(m["variant"] for m in report.diagnosis.get("matches", [])),
             seconds=time.perf_counter() - started,
             variant=control.variant,
+            first_failures=(first, *later),
         )
         rows.append(row)
         if on_row is not None:
             on_row(row)
     return rows
+
+
+def _first_failure(runner: Any, control: SelftestTarget, examples: int, seed: int) -> int | None:
+    report = run_compare(runner, _spec(control), examples=examples, seed=seed, shrink=False, until_first_failure=True)
+    return min((t.first_failure_at for t in report.tallies.values() if t.first_failure_at), default=None)
+
+
+def spread(first_failures: tuple[int | None, ...]) -> str:
+    """"min / median / max" of the first failing example over seeds ("-" for a seed that escaped)."""
+    import statistics
+
+    caught = [n for n in first_failures if n is not None]
+    escaped = len(first_failures) - len(caught)
+    if not caught:
+        return "-"
+    text = f"{min(caught)} / {statistics.median(caught):g} / {max(caught)}"
+    return text + (f" ({escaped} seed(s) escaped)" if escaped else "")

@@ -207,9 +207,99 @@ def adversarial_batches() -> st.SearchStrategy[Batch]:
     return st.one_of(dyadic_batches(), tie_batches(), extreme_batches(), degenerate_batches())
 
 
+#: Staleness of a shard that split-scope bugs hide behind: one fresh, one heavy-tailed.
+FRESH_SHARD, HEAVY_SHARDS = 0.02, (1.0, 3.0)
+
+
+def scope_batches(*, max_shards: int = 4, max_len: int = 12) -> st.SearchStrategy[Batch]:
+    """Batches on which splitting the optimizer batch changes the selection.
+
+    Rows come in shards (1 or 2 consecutive rows, as micro-batches and data-parallel ranks
+    split them) of different staleness: one fresh shard, one heavy-tailed, the rest drawn.
+    Optionally staleness also grows along the sequence, so that context-parallel chunks
+    differ too. The budget is set between two prefix means of the whole batch's trust
+    region, so that Algorithm 1 removes a drawn number of tokens, cutting inside the heavy
+    shard, while that shard selecting alone (without the fresh one's small M2 lowering
+    the mean) would remove more."""
+    _check_shape_args(max_shards=max_shards, max_len=max_len)
+    if max_shards < 2:
+        raise ValueError(f"max_shards: expected an int >= 2 (a split needs two shards), got {max_shards!r}")
+    return _scope_batches(max_shards, max_len)
+
+
+@st.composite
+def _scope_batches(draw, max_shards: int, max_len: int) -> Batch:
+    shards = draw(st.integers(2, max_shards), label="shards")
+    rows_per_shard = draw(st.sampled_from((2, 1)), label="rows per shard")
+    rows = shards * rows_per_shard
+    lengths = draw(st.lists(st.integers(2, max_len), min_size=rows, max_size=rows), label="lengths")
+    width = max(lengths)
+    valid = np.arange(width)[None, :] < np.array(lengths)[:, None]
+    scales = [FRESH_SHARD, draw(st.sampled_from(HEAVY_SHARDS), label="heavy shard")]
+    scales += draw(st.lists(st.sampled_from(STALENESS), min_size=shards - 2, max_size=shards - 2), label="other shards")
+    # Fresh first and heavy last puts them on different sides of any split into halves
+    # (two DP ranks, two micro-batches); otherwise any order.
+    order = list(range(shards))
+    if draw(st.booleans(), label="shards in any order"):
+        order = draw(st.permutations(range(shards)), label="shard order")
+    else:
+        order = [0, *range(2, shards), 1]
+    row_scale = np.repeat(np.array(scales)[list(order)], rows_per_shard)[:, None]
+    if draw(st.booleans(), label="staleness grows along the sequence"):
+        row_scale = row_scale * (1.0 + 3.0 * np.arange(width)[None, :] / width)  # later tokens drift more: CP chunks differ
+    # |u| >= 0.1 keeps every token off d = 0 even in Hypothesis's simplest draws: a cut
+    # needs a trust region, and a split only shows where there is a cut.
+    u = draw(hnp.arrays(np.float64, valid.shape, elements=st.floats(0.1, 1)), label="log ratio draw")
+    u = u * np.where(draw(hnp.arrays(np.bool_, valid.shape), label="log ratio signs"), -1.0, 1.0)
+    d = row_scale * np.tan(u * 0.45 * np.pi)
+    exact = draw(st.booleans(), label="exact boundary")
+    if exact:  # multiples of 1/8: every M2 and sum exact, so a prefix mean can equal tau exactly
+        d = np.where(np.round(d * 8) == 0, np.sign(d) / 8, np.round(d * 8) / 8)
+    # Mostly aligned signs put most tokens in the trust region, where the cut is decided.
+    signs = np.where(draw(hnp.arrays(np.bool_, (rows, 1)), label="advantage signs"), -1.0, 1.0)
+    advantages = np.where(np.sign(d) == 0, signs, np.sign(d)) * np.abs(signs) * draw(st.sampled_from((1.0, 0.5)), label="advantage size")
+    flip = draw(hnp.arrays(np.bool_, valid.shape), label="opposed tokens")  # of every third column
+    advantages = np.where(flip & (np.arange(width)[None, :] % 3 == 0), -advantages, advantages)
+    # Dyadic behaviour log-probs too when exact: logp - behavior_logp is then d itself.
+    return draw(_assemble(d, advantages, valid, _cut_inside(draw, d, advantages, valid, exact), dyadic=exact))
+
+
+def _cut_inside(draw, d: np.ndarray, advantages: np.ndarray, valid: np.ndarray, exact: bool = False) -> float:
+    """A budget between the whole batch's mean M2 after removing k-1 and k of its largest
+    trust-region tokens (k drawn): Algorithm 1 then removes exactly k, up to ties. With
+    ``exact`` (dyadic d), tau is a prefix mean itself where one is exactly representable:
+    the stop test decides it (``<=`` keeps it, ``<`` removes one more)."""
+    from fractions import Fraction
+
+    trust = valid & (((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
+    m2 = np.sort((d * d)[trust])[::-1]
+    if m2.size < 2:
+        return float(draw(st.sampled_from(TAUS), label="tau"))
+    rest = np.cumsum(m2[::-1])[::-1]  # rest[i] = sum of m2[i:]
+    mean_after = lambda removed: rest[removed] / (m2.size - removed)  # noqa: E731
+    if exact:
+        boundaries = [k for k in range(1, m2.size) if Fraction(float(mean_after(k))) == Fraction(float(rest[k])) / (m2.size - k)]
+        if boundaries:
+            return float(mean_after(draw(st.sampled_from(boundaries), label="tokens removed at an exact boundary")))
+    k = draw(st.integers(1, m2.size - 1), label="tokens removed at the cut")
+    return float((mean_after(k) + mean_after(k - 1)) / 2)
+
+
 def batches() -> st.SearchStrategy[Batch]:
-    """Every family: realistic GRPO, per-token advantages and the adversarial ones."""
-    return st.one_of(grpo_batches(), token_advantage_batches(), adversarial_batches())
+    """Every family: realistic GRPO, per-token advantages, split-scope and the adversarial ones."""
+    # Split-scope batches: scope bugs (per rank, per micro-batch, per CP chunk) only show
+    # where sub-batches would select differently, which the other families rarely make.
+    # Adversarial before split-scope: a failure found on a scope batch can still shrink into
+    # the adversarial families (one_of shrinks towards its first branches).
+    return st.one_of(grpo_batches(), token_advantage_batches(), adversarial_batches(), scope_batches(), scope_batches())
+
+
+def scope_first_batches() -> st.SearchStrategy[Batch]:
+    """The default mix with split-scope batches first: Hypothesis's earliest (simplest)
+    draws are then split-sensitive. For runners whose bugs are mostly scope bugs (a
+    distributed world); a loss function keeps :func:`batches`, whose failures shrink
+    into the adversarial families (one_of shrinks towards its first branches)."""
+    return st.one_of(scope_batches(), batches())
 
 
 def random_grpo_batch(rng: np.random.Generator, rows: int, length: int, *, staleness: float = 0.3, group_size: int = 8, tau: float = 0.04) -> Batch:

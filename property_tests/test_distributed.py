@@ -20,7 +20,7 @@ from m2po_oracle import strategies
 from m2po_oracle.batch import Batch
 from m2po_oracle.distributed.world import World, WorldError, fail_on, smoke
 from m2po_oracle.distributed.runner import DistributedRunner
-from m2po_oracle.distributed.implementations import DISTRIBUTED_CONTROLS
+from m2po_oracle.distributed.implementations import CONTROL_TOPOLOGIES as CONTROL_TOPOLOGY_TEXT, DISTRIBUTED_CONTROLS
 from m2po_oracle.distributed.topology import Topology
 
 pytestmark = pytest.mark.xdist_group("distributed")
@@ -114,11 +114,7 @@ def test_core_equals_the_oracle_on_every_topology(topology, runners):
     check()
 
 
-CONTROL_TOPOLOGIES = {
-    "control:dp_cp_group_double_count": Topology(2, 2, 1),
-    "control:local_shard_selection": Topology(2, 2, 1),
-    "control:local_denominator": Topology(1, 2, 2),
-}
+CONTROL_TOPOLOGIES = {spec: Topology.parse(text) for spec, text in CONTROL_TOPOLOGY_TEXT.items()}
 
 
 @pytest.mark.parametrize("spec", sorted(DISTRIBUTED_CONTROLS))
@@ -127,7 +123,8 @@ def test_distributed_control_is_caught_by_its_check_with_the_rank_named(spec, ru
     check = DISTRIBUTED_CONTROLS[spec]
     found = []
 
-    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+    # Split-scope batches make every control show within 10 examples (see the 10-seed test).
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
     @given(strategies.batches())
     def search(batch):
         step = runner.step(batch, dtype="float64")
@@ -202,13 +199,15 @@ def test_histogram_bytes_do_not_grow_with_tokens_while_all_gather_bytes_do():
 
 
 @pytest.mark.parametrize("spec", sorted(DISTRIBUTED_CONTROLS))
-def test_distributed_controls_are_diagnosed_as_their_own_deviation(spec, runners):
-    from m2po_oracle.compare import run_compare
+def test_distributed_controls_are_caught_within_50_examples_on_10_seeds_and_named(spec):
+    """The scope goal: every distributed control is caught within the first 50 batches on
+    each of 10 seeds, by its own check, and the diagnosis names its deviation (seed 0)."""
+    from m2po_oracle.selftest import run_selftest, select_controls
 
-    runner = runners(spec, CONTROL_TOPOLOGIES[spec])
-    report = run_compare(runner, spec, examples=60, shrink=False)  # diagnosis needs no minimal batches
-    assert report.verdict == "divergent"
-    assert spec.split(":", 1)[1] in [m["variant"] for m in report.diagnosis["matches"]], report.diagnosis
+    (row,) = run_selftest(select_controls([f"distributed:{spec}"]), examples=50, seeds=10)
+    assert row.status == "ok", row
+    assert DISTRIBUTED_CONTROLS[spec] in row.caught_by, row.caught_by
+    assert all(n is not None and n <= 50 for n in row.first_failures), row.first_failures
 
 
 RAISING_RANK = """

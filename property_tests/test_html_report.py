@@ -276,8 +276,13 @@ def test_removal_curve_marks_where_the_oracle_and_the_implementation_stop(diverg
     xy = [tuple(map(float, p.split(","))) for p in points.split()]
     means = [curve["prefix_means"][n - 1 - r] for r in range(n)]
     assert len(xy) == n and [x for x, _ in xy] == sorted(x for x, _ in xy)
+    # Means closer than the plot resolves (a millionth of their range) may share a pixel row.
+    resolution = 1e-6 * (max(means) - min(means))
     for (_, y1), (_, y2), m1, m2 in zip(xy, xy[1:], means, means[1:]):
-        assert (y1 < y2) == (m1 > m2) and (y1 == y2) == (m1 == m2)
+        if abs(m1 - m2) <= resolution:
+            assert abs(y1 - y2) <= 0.01 and (m1 != m2 or y1 == y2)
+        else:
+            assert (y1 < y2) == (m1 > m2)
 
 
 def test_removal_curve_band_when_the_oracle_stop_is_ambiguous(divergent):

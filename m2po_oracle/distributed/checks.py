@@ -27,7 +27,7 @@ from m2po_oracle import oracle
 from m2po_oracle.batch import Batch
 from m2po_oracle.contract import Finding, Measurement
 from m2po_oracle.distributed.world import RankContext, RankOutcome
-from m2po_oracle.equivalence import Mismatch, check_selection, compare_values, tolerance
+from m2po_oracle.equivalence import Mismatch, check_selection, compare_values, same_up_to_ties, tolerance, valid_m2
 from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 from m2po_oracle.distributed.topology import Topology, cp_token_indices, dp_row_slices
 
@@ -65,7 +65,56 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
         # Raised to the world, which ends the step at once: the other ranks are likely
         # stuck in a collective this rank will never join.
         raise RankFailure(f"rank {ctx.rank} (rows {rows.start}..{rows.stop - 1}): {type(error).__name__}: {error}") from error
-    return {"rows": (rows.start, rows.stop), "result": result}
+    value: dict[str, Any] = {"rows": (rows.start, rows.stop), "result": result}
+    if ctx.rank == 0:  # after the step, so no rank waits for it: the same batch through one rank
+        value["single"] = _as_one_rank(ctx, _loaded[spec], batch, dtype)
+    return value
+
+
+def _as_one_rank(ctx: RankContext, fn: Any, batch: Batch, dtype: str) -> M2POResult | str:
+    """``fn`` on the whole optimizer batch as a dp=1, cp=1, tp=1 world (its groups: this
+    rank alone): the reference of ``distributed.split_invariance``; the error text if it raised."""
+    from m2po_oracle.contract import normalise_result, to_tensors
+    from m2po_oracle.distributed.implementations import ParallelState
+    from m2po_oracle.distributed.topology import RankCoords
+
+    alone = ctx.groups["self"]
+    try:
+        with ctx.counter.excluded():
+            tensors = to_tensors(batch, dtype, ctx.device)
+            parallel = ParallelState(Topology(1, 1, 1), RankCoords(0, 0, 0), alone, alone, alone, alone)
+            raw = fn(tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"], tau=batch.tau, parallel=parallel)
+            return normalise_result(raw, tensors["logp"], batch.shape)[0]
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def _split_invariance(batch: Batch, topology: Topology, keep: np.ndarray, loss: float, grad: np.ndarray, outcomes: list[RankOutcome],
+                      dtype: str) -> list[Mismatch]:
+    """The assembled step against the same implementation on one rank: splitting the
+    optimizer batch must change neither the mask (up to ties), the loss sum nor the gradient."""
+    single = (outcomes[0].value or {}).get("single")
+    if single is None:
+        return []
+    label = f"the same optimizer batch through one rank (dp=1) and through {topology}"
+    if isinstance(single, str):
+        return [Mismatch("distributed.split_invariance", f"{label}: the one-rank call raised {single}")]
+    found = []
+    if not same_up_to_ties(single.keep, keep, valid_m2(batch)):
+        index = tuple(int(i) for i in np.argwhere(single.keep != keep)[0])
+        found.append(Mismatch("distributed.split_invariance", f"{label}: keep differs at {int((single.keep != keep).sum())} token(s), first at index {index} "
+                              "(the selection depends on the split)", "keep", index, bool(keep[index]), bool(single.keep[index])))
+    scale = float(np.abs(single.grad).sum()) if single.grad is not None else 0.0
+    mismatch = compare_values("distributed.split_invariance", "loss", loss, single.loss, tolerance(dtype, "loss"), scale=scale)
+    if mismatch:
+        found.append(Mismatch(mismatch.check, f"{label}: the rank losses sum to {loss!r}, one rank computes {single.loss!r}", "loss", None, loss, single.loss,
+                              mismatch.details))
+    elif single.grad is not None and np.array_equal(single.keep, keep):
+        grad_tol = tolerance(dtype, "gradient")
+        mismatch = compare_values("distributed.split_invariance", "grad", grad, single.grad, grad_tol, scale=float(np.abs(single.grad).max(initial=0)) * grad_tol.rtol)
+        if mismatch:
+            found.append(Mismatch(mismatch.check, f"{label}: {mismatch.summary}", mismatch.field, mismatch.index, mismatch.actual, mismatch.expected, mismatch.details))
+    return found
 
 
 class RankFailure(RuntimeError):
@@ -160,6 +209,7 @@ def check_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome], dt
             if bad:
                 step.mismatches.append(Mismatch("distributed.metrics", f"{_where(o)} reports {name} = {value!r}; the optimizer batch's is {want_value!r}",
                                                 name, None, value, want_value))
+    step.mismatches.extend(_split_invariance(batch, topology, keep, loss, grad, outcomes, dtype))
     metrics = {name: getattr(results[0], name) for name in METRIC_FIELDS + COUNT_FIELDS}
     step.result = M2POResult(loss=loss, keep=keep, grad=grad, **metrics)
     if step.mismatches:

@@ -19,14 +19,22 @@ import numpy as np
 from m2po_oracle import oracle
 from m2po_oracle.batch import Batch
 from m2po_oracle.distributed.world import RankOutcome
-from m2po_oracle.equivalence import compare_values, same_up_to_ties, tolerance
+from m2po_oracle.equivalence import compare_values, same_up_to_ties, tolerance, valid_m2
 from m2po_oracle.distributed.topology import Topology, cp_token_indices
 
 DESCRIPTIONS = {
     "local_shard_selection": "each rank selects over its own CP shard only, without communication",
     "local_denominator": "the global mask, but each rank's loss divided by its own valid count",
     "dp_cp_group_double_count": "selection over the DP x CP group after CP reconstruction: every token counted once per CP replica",
+    "per_rank_selection_global_n": "each DP rank selects over its own rows without communication, dividing by the global N",
+    "per_cp_chunk_selection_global_n": "each CP rank selects over its own shard without communication, dividing by the global N",
+    "kept_count_denominator": "the optimizer batch's mask, but the loss divided by the global kept count instead of N",
+    "cp_shard_counts": "the global mask, but N counted on the CP shard and summed over DP only: too low by a factor cp",
 }
+
+
+#: Variants that keep the optimizer batch's (correct) mask and differ in the denominator.
+GLOBAL_MASK_VARIANTS = ("local_denominator", "kept_count_denominator", "cp_shard_counts")
 
 
 def _shard_columns(batch: Batch, topology: Topology, cp_rank: int) -> np.ndarray:
@@ -42,6 +50,14 @@ def _first_difference(variant: str, batch: Batch, topology: Topology, outcomes: 
     grad_tol = tolerance(dtype, "gradient")
     global_result = oracle.m2po(batch)
     n_global = int(batch.valid.sum())
+    if variant in GLOBAL_MASK_VARIANTS:
+        # Ties at the cut may fall on either rank: the mask is judged assembled, not per rank.
+        assembled = np.zeros(batch.shape, dtype=bool)
+        for o in outcomes:
+            if o.coords.cp == 0 and o.coords.tp == 0:
+                assembled[slice(*o.value["rows"])] = o.value["result"].keep
+        if not same_up_to_ties(global_result.keep, assembled, valid_m2(batch)):
+            return "the assembled mask differs from the global selection beyond ties"
     for o in outcomes:
         result = o.value["result"]
         rows = slice(*o.value["rows"])
@@ -60,9 +76,7 @@ def _first_difference(variant: str, batch: Batch, topology: Topology, outcomes: 
                 return f"rank {o.rank}: gradient is not the shard-alone one"
             continue
         if variant == "local_denominator":
-            keep = global_result.keep[rows]
-            if not np.array_equal(result.keep, keep):
-                return f"rank {o.rank}: mask differs from the global selection"
+            keep = result.keep
             n_local = int(local.valid[:, columns].sum())
             want = np.zeros(local.shape)
             on_shard = oracle.evaluate_with_mask(local, keep)
@@ -70,9 +84,44 @@ def _first_difference(variant: str, batch: Batch, topology: Topology, outcomes: 
             if compare_values("diagnosis", "grad", result.grad, want, grad_tol, float(np.abs(want).max(initial=0)) * grad_tol.rtol):
                 return f"rank {o.rank}: gradient is not the shard-local-denominator one"
             continue
+        if variant == "per_rank_selection_global_n" and topology.dp == 1:
+            return "dp = 1: a rank's rows are the whole batch"
+        if variant in ("per_cp_chunk_selection_global_n", "cp_shard_counts") and topology.cp == 1:
+            return "cp = 1: a rank's shard is its whole rows"
+        if variant in ("per_rank_selection_global_n", "per_cp_chunk_selection_global_n"):
+            own = _sub(batch, rows) if variant == "per_rank_selection_global_n" else _sub(batch, rows, columns)
+            keep = result.keep if variant == "per_rank_selection_global_n" else result.keep[:, columns]
+            d = oracle.log_ratio(own.logp, own.behavior_logp, own.valid)
+            if not same_up_to_ties(oracle.m2po(own).keep, keep, np.where(own.valid, d * d, np.nan)):
+                return f"rank {o.rank}: its mask is not Algorithm 1 on its own {'rows' if variant == 'per_rank_selection_global_n' else 'CP shard'} alone"
+            want = np.zeros(local.shape)
+            on_own = oracle.evaluate_with_mask(own, keep).grad * int(own.valid.sum()) / max(n_global, 1)
+            if variant == "per_rank_selection_global_n":
+                want[:, columns] = on_own[:, columns]
+            else:
+                want[:, columns] = on_own
+            if compare_values("diagnosis", "grad", result.grad, want, grad_tol, float(np.abs(want).max(initial=0)) * grad_tol.rtol):
+                return f"rank {o.rank}: gradient is not its own selection's with the global N"
+            continue
+        if variant in ("kept_count_denominator", "cp_shard_counts"):
+            keep = result.keep
+            if variant == "kept_count_denominator":
+                denominator = sum(int((r.value["result"].keep).sum()) for r in outcomes if r.coords.cp == 0 and r.coords.tp == 0)
+            else:
+                denominator = sum(int(_sub(batch, slice(*r.value["rows"]), _shard_columns(batch, topology, o.coords.cp)).valid.sum())
+                                  for r in outcomes if r.coords.cp == o.coords.cp and r.coords.tp == 0)
+            want = np.zeros(local.shape)
+            want[:, columns] = oracle.evaluate_with_mask(local, keep).grad[:, columns] * int(local.valid.sum()) / max(denominator, 1)
+            if compare_values("diagnosis", "grad", result.grad, want, grad_tol, float(np.abs(want).max(initial=0)) * grad_tol.rtol):
+                return f"rank {o.rank}: gradient is not the one with denominator {denominator}"
+            continue
         if variant == "dp_cp_group_double_count":
             # Every token appears cp times in the group; valid count and trust-region
             # counts scale by cp, and the global cut is taken over the doubled multiset.
+            if topology.cp == 1:
+                return "cp = 1: no replica to count twice"
+            if result.valid_count is None and result.kept_trust_region_count is None:
+                return f"rank {o.rank} reports no counts: a double count cannot be told from its loss alone"
             if result.valid_count is not None and result.valid_count != topology.cp * n_global:
                 return f"rank {o.rank}: valid_count {result.valid_count}, the double count is {topology.cp * n_global}"
             doubled = Batch(*(np.concatenate([a] * topology.cp) for a in (batch.logp, batch.behavior_logp, batch.advantages, batch.valid)), batch.tau)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 # The fail-closed control re-enacts the core's old order of steps, so it needs the core's private steps.
-from m2po_oracle.core import _check_group, _select_flat, _selection_inputs, _validate, loss_from_selection, select_micro_batches, select_tokens
+from m2po_oracle.core import (_check_group, _select_flat, _selection_inputs, _validate, loss_from_selection, select_micro_batches, select_tokens,
+                              validate_across_ranks)
 from m2po_oracle.distributed.topology import RankCoords, Topology, cp_token_indices
 
 
@@ -113,12 +114,70 @@ def _row(x: Any, i: int) -> Any:
 
 
 
+def _global_count(count: torch.Tensor, group: Any) -> torch.Tensor:
+    import torch.distributed as dist
+
+    total = count.to(torch.float64).reshape(1).clone()
+    dist.all_reduce(total, group=group)
+    return total.reshape(()).to(torch.int64)
+
+
+def per_rank_selection_global_n(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
+    """Control: each DP rank selects over its own rows (no selection collective) but
+    divides by the global N; reports no metrics, so only the global selection can see it.
+    Fails closed across ranks as the core does: its one deviation is the scope."""
+    validate_across_ranks(logp, behavior_logp, advantages, mask, tau=tau, group=parallel.dp_group)
+    selection = select_tokens(logp, behavior_logp, advantages, mask, tau=tau)
+    n = _global_count(mask.sum(), parallel.dp_group)
+    shard = parallel.shard
+    loss = loss_from_selection(shard(logp), shard(behavior_logp), shard(advantages), shard(selection.keep), n)
+    return {"loss": loss, "keep": selection.keep}
+
+
+def per_cp_chunk_selection_global_n(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
+    """Control: each CP rank selects over its own shard of its DP rank's rows, with the
+    global N (summed over DP and CP); no metrics. Replicas keep different masks. Fails
+    closed across ranks as the core does."""
+    validate_across_ranks(logp, behavior_logp, advantages, mask, tau=tau, group=parallel.dp_group)
+    shard = parallel.shard
+    selection = select_tokens(shard(logp), shard(behavior_logp), shard(advantages), shard(mask), tau=tau)
+    keep = mask.clone()
+    keep[:, parallel.shard_columns(mask.shape[1])] = selection.keep
+    n = _global_count(shard(mask).sum(), parallel.dp_cp_group)
+    loss = loss_from_selection(shard(logp), shard(behavior_logp), shard(advantages), selection.keep, n)
+    return {"loss": loss, "keep": keep}
+
+
+def kept_count_denominator(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
+    """Control: the optimizer batch's mask, but the loss divides by the global kept count
+    (valid tokens left after masking) instead of N; no metrics."""
+    selection = select_tokens(logp, behavior_logp, advantages, mask, tau=tau, group=parallel.dp_group)
+    kept = _global_count(selection.keep.sum(), parallel.dp_group)
+    shard = parallel.shard
+    loss = loss_from_selection(shard(logp), shard(behavior_logp), shard(advantages), shard(selection.keep), kept)
+    return {"loss": loss, "keep": selection.keep}
+
+
+def cp_shard_counts(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
+    """Control: the right mask, but N counted on this rank's CP shard and summed over DP
+    only (not over CP): too low by a factor cp, in the loss and in valid_count."""
+    selection = select_tokens(logp, behavior_logp, advantages, mask, tau=tau, group=parallel.dp_group)
+    shard = parallel.shard
+    n = _global_count(shard(mask).sum(), parallel.dp_group)
+    loss = loss_from_selection(shard(logp), shard(behavior_logp), shard(advantages), shard(selection.keep), n)
+    return {"loss": loss, "keep": selection.keep, "valid_count": n}
+
+
 #: Built-in distributed implementations by name, with the check that must catch each control.
 DISTRIBUTED_BUILTINS: dict[str, Any] = {
     "core": core_distributed,
     "control:dp_cp_group_double_count": dp_cp_group_double_count,
     "control:local_shard_selection": local_shard_selection,
     "control:local_denominator": local_denominator,
+    "control:per_rank_selection_global_n": per_rank_selection_global_n,
+    "control:per_cp_chunk_selection_global_n": per_cp_chunk_selection_global_n,
+    "control:kept_count_denominator": kept_count_denominator,
+    "control:cp_shard_counts": cp_shard_counts,
     # Caught by the collective fail-closed probes (distributed.validation), not by a check.
     "control:locally_validated_core": locally_validated_core,
     "core:micro_batches": micro_batched_core,
@@ -129,6 +188,20 @@ DISTRIBUTED_CONTROLS: dict[str, str] = {
     "control:dp_cp_group_double_count": "distributed.metrics",
     "control:local_shard_selection": "distributed.global_selection",
     "control:local_denominator": "distributed.shard_gradient",
+    "control:per_rank_selection_global_n": "distributed.global_selection",
+    "control:per_cp_chunk_selection_global_n": "distributed.replica_masks_identical",
+    "control:kept_count_denominator": "distributed.shard_gradient",
+    "control:cp_shard_counts": "distributed.metrics",
+}
+#: The topology each control shows on (a CP bug needs cp > 1, a DP bug dp > 1).
+CONTROL_TOPOLOGIES: dict[str, str] = {
+    "control:dp_cp_group_double_count": "dp=2,cp=2,tp=1",
+    "control:local_shard_selection": "dp=2,cp=2,tp=1",
+    "control:local_denominator": "dp=1,cp=2,tp=2",
+    "control:per_rank_selection_global_n": "dp=2,cp=1,tp=1",
+    "control:per_cp_chunk_selection_global_n": "dp=1,cp=2,tp=1",
+    "control:kept_count_denominator": "dp=2,cp=1,tp=1",
+    "control:cp_shard_counts": "dp=2,cp=2,tp=1",  # with dp=1 it coincides with local_denominator
 }
 
 

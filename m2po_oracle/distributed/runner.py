@@ -11,6 +11,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from m2po_oracle import strategies
 from m2po_oracle.batch import Batch
 from m2po_oracle.battery import BatteryOutcome
 from m2po_oracle.checks import DISTRIBUTED_CHECKS
@@ -88,7 +89,8 @@ class DistributedRunner:
         return check_step(seen, self.topology, outcomes, dtype, self.options.compute_dtype)
 
     def strategy(self) -> st.SearchStrategy[Batch]:
-        return batch_strategy(self.options.tau)
+        # Splitting is what a distributed run adds: split-scope batches come first.
+        return batch_strategy(self.options.tau, strategies.scope_first_batches())
 
     def run_battery(self, example: Batch) -> BatteryOutcome:
         step = self.step(example)
@@ -133,4 +135,6 @@ def checks_ran(step: DistributedStep) -> tuple[str, ...]:
     if step.result is None:
         return ("call",)
     reported = any((o.value or {}).get("result") is not None and (o.value["result"].reported()) for o in step.outcomes)
-    return ("call", *(n for n in DISTRIBUTED_CHECKS if n != "distributed.metrics" or reported))
+    single = any("single" in (o.value or {}) for o in step.outcomes)  # torchrun ranks and this world alike compute it on rank 0
+    skipped = {"distributed.metrics": not reported, "distributed.split_invariance": not single}
+    return ("call", *(n for n in DISTRIBUTED_CHECKS if not skipped.get(n, False)))

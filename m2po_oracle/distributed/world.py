@@ -11,6 +11,7 @@ left behind. Collectives are counted per rank (calls and bytes).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
@@ -21,7 +22,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -54,6 +55,15 @@ class CollectiveCounter:
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {name: {"calls": self.calls[name], "bytes": self.bytes[name]} for name in sorted(self.calls)}
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Collectives of the block are not counted (the harness's own reference calls)."""
+        calls, sent = Counter(self.calls), Counter(self.bytes)
+        try:
+            yield
+        finally:
+            self.calls, self.bytes = calls, sent
 
 
 _COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "all_to_all_single",
@@ -110,6 +120,10 @@ def make_context(rank: int, topology: Topology, backend: str, device: str) -> Ra
             group = dist.new_group(ranks)
             if rank in ranks:
                 groups[kind] = group
+    for other in range(topology.world_size):  # one-rank groups: the same step as one rank (dp=1), for the split-invariance check
+        group = dist.new_group([other])
+        if other == rank:
+            groups["self"] = group
     counter = CollectiveCounter()
     _install_counter(counter)
     return RankContext(rank, topology, topology.coords(rank), groups, backend, device, counter)

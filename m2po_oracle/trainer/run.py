@@ -101,8 +101,8 @@ def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerContr
     make_trainer = make_trainer or _builtin_trainer(control.faults if control else None)
     versions, samplers, rollout = setup_case(case, dtype=dtype, dropout=control.model_dropout if control else 0.0, device=device)
     policy = versions[-1]
-    config = TrainerConfig(tau=case.tau, lr=STEP_LR)
     policy_before = copy.deepcopy(policy).eval()
+    config = TrainerConfig(tau=case.tau if case.cut is None else tau_cutting_inside(case.cut, policy_before, rollout), lr=STEP_LR)
     single_policy = copy.deepcopy(policy) if len(case.split) > 1 else None
     trainer = make_trainer(policy, config, behaviour=samplers, reference=versions[0])
     with torch.random.fork_rng(devices=[]):
@@ -112,6 +112,26 @@ def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerContr
         if single_policy is not None:
             single = check_record(make_trainer(single_policy, config, behaviour=samplers, reference=versions[0]).step(rollout), rollout, policy_before)
     return TrainerStep(case, dtype, trainer, rollout, samplers, policy_before, record, single)
+
+
+def tau_cutting_inside(cut: int, policy: Any, rollout: Any) -> float:
+    """The budget at which Algorithm 1 removes ``cut`` of the step's trust-region tokens
+    (at most all but one), computed as the trainer's mask prepass sees the step: the
+    policy's deterministic log-probs, the recorded behaviour log-probs, GRPO advantages.
+    Midway between two prefix means, so no rounding decides the cut."""
+    from m2po_oracle.trainer.grpo import group_advantages
+
+    logp = _recomputed_logp(policy, rollout)
+    behavior = rollout.behavior_logp.to(torch.float64).cpu().numpy()
+    advantages = group_advantages(rollout.rewards, rollout.group_size)[:, None].expand(rollout.rows, logp.shape[1]).to(torch.float64).cpu().numpy()
+    batch = Batch(logp, behavior, advantages, rollout.valid.cpu().numpy(), 0.0)
+    d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
+    m2 = np.sort(oracle.second_moment(d)[oracle.trust_region(d, batch.advantages, batch.valid)])[::-1]
+    if m2.size < 2:
+        return 0.04  # nothing to cut inside: the default budget
+    k = min(cut, m2.size - 1)
+    rest = np.cumsum(m2[::-1])[::-1]  # rest[i]: the sum of m2[i:]
+    return float((rest[k] / (m2.size - k) + rest[k - 1] / (m2.size - k + 1)) / 2)
 
 
 #: What a step record must hold, by field: (kind, shape rule).
