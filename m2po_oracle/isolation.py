@@ -54,7 +54,7 @@ def _serve(spec: str, adapter: str | None, capture: bool, rejecting: tuple[str, 
         return
     connection.send(("ready", None))
     # Output written below Python (C extensions, os.write) goes to a file we read per call.
-    native = _redirect_native_output() if capture else None
+    native = _NativeOutput() if capture else None
     while True:
         try:
             request = connection.recv()
@@ -86,10 +86,6 @@ class _NativeOutput:
         self._file.seek(0)
         self._file.truncate()
         return data.decode("utf-8", "replace")
-
-
-def _redirect_native_output() -> _NativeOutput:
-    return _NativeOutput()
 
 
 class InProcess:
