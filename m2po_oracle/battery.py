@@ -1,6 +1,6 @@
 """The check battery: every property an implementation must satisfy on one batch.
 
-Checks are data (:data:`CHECKS`); :func:`run_battery` runs all of them on one batch and
+Checks are data (:data:`m2po_oracle.checks.CHECKS`); :func:`run_battery` runs all of them on one batch and
 returns the mismatches, each naming its check. :func:`assert_battery_passes` turns them
 into one self-sufficient failure message (the one formatter in ``equivalence``).
 """
@@ -14,8 +14,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from m2po_oracle.batch import Batch
-from m2po_oracle.checks import CHECKS
-from m2po_oracle.contract import Implementation, Measurement, measure
+from m2po_oracle.contract import Implementation, Measurement, measure, with_printed
 from m2po_oracle import oracle
 from m2po_oracle.equivalence import Mismatch, Tolerance, checks_run_on, compare_to_oracle, compare_values, format_mismatches, same_up_to_ties, tolerance, valid_m2
 
@@ -137,26 +136,22 @@ def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", com
             probe = caller.measure(batch.with_padding(fill), dtype=dtype, device=device)
             probes.append(probe)
             found.extend(_padding_immunity(first, probe, fill, dtype))
-    first = _with_output_of(first, probes)
+    for call in probes:  # the report counts what every call of the battery printed
+        first = with_printed(first, call.output, call.output_lines)
     return BatteryOutcome(first.batch, first, tuple(found), checked=tuple(checked))
 
 
-def _with_output_of(first: Measurement, others: list[Measurement]) -> Measurement:
-    """``first`` carrying what every call of the battery printed."""
-    import dataclasses
-
-    if not any(m.output_lines for m in others):
-        return first
-    lines = first.output + tuple(line for m in others for line in m.output)
-    return dataclasses.replace(first, output=lines[:20], output_lines=first.output_lines + sum(m.output_lines for m in others))
-
-
-def replay_command(impl: str, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None) -> str:
-    parts = ["m2po-oracle", "replay", "--impl", impl, "--dtype", dtype]
+def replay_command(impl: str, example_json: str, *, dtype: str = "float64", compute_dtype: str | None = None, adapter: str | None = None,
+                   extra: tuple[str, ...] = ()) -> str:
+    """The one ``m2po-oracle replay`` command for an example (its JSON: a batch or a trainer
+    case) under the options that shape a call; ``extra`` (e.g. the topology) follows the spec."""
+    parts = ["m2po-oracle", "replay", "--impl", impl, *extra]
+    if adapter:
+        parts += ["--adapter", adapter]
+    parts += ["--dtype", dtype]
     if compute_dtype and compute_dtype != dtype:
         parts += ["--compute-dtype", compute_dtype]
-    parts += ["--batch", batch.to_json()]
-    return shlex.join(parts)
+    return shlex.join([*parts, "--batch", example_json])
 
 
 def assert_battery_passes(fn: Implementation, batch: Batch, *, impl: str, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> BatteryOutcome:
@@ -164,5 +159,5 @@ def assert_battery_passes(fn: Implementation, batch: Batch, *, impl: str, dtype:
     outcome = run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
     if outcome.mismatches:
         raise AssertionError(format_mismatches(list(outcome.mismatches), batch=batch, where=f"for implementation {impl!r} ({dtype})",
-                                               replay=replay_command(impl, batch, dtype=dtype, compute_dtype=compute_dtype)))
+                                               replay=replay_command(impl, batch.to_json(), dtype=dtype, compute_dtype=compute_dtype)))
     return outcome

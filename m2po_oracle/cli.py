@@ -108,12 +108,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         _error(str(error))
         return EXIT_UNUSABLE
     except LoadError as error:
-        _error(str(error))
-        if args.command == "compare":
-            from m2po_oracle.compare import load_error_report
-
-            _write_reports(args, load_error_report(args.impl, str(error), run_options).to_json(), console)
-        return EXIT_UNUSABLE
+        return _load_failed(args, error, run_options, console)
     except ValueError as error:  # e.g. an unusable --device
         _error(str(error))
         return EXIT_UNUSABLE
@@ -122,12 +117,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             try:
                 runner.start()
             except LoadError as error:  # raised where the worker loads the implementation
-                _error(str(error))
-                if args.command == "compare":
-                    from m2po_oracle.compare import load_error_report
-
-                    _write_reports(args, load_error_report(args.impl, str(error), run_options).to_json(), console)
-                return EXIT_UNUSABLE
+                return _load_failed(args, error, run_options, console)
             return _compare(args, runner, console) if args.command == "compare" else _replay(args, runner, console)
     except WorldError as error:
         _error(f"the world of {args.topology} could not run: {error}")
@@ -135,6 +125,16 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     except KeyboardInterrupt:  # outside a compare (which reports its own interruption)
         Console(stderr=True).print("interrupted", highlight=False)
         return EXIT_INTERRUPTED
+
+
+def _load_failed(args: argparse.Namespace, error: Exception, run_options, console: Console) -> int:
+    """A load error: said on stderr, and written as an unusable report when asked."""
+    _error(str(error))
+    if args.command == "compare":
+        from m2po_oracle.compare import load_error_report
+
+        _write_reports(args, load_error_report(args.impl, str(error), run_options).to_json(), console)
+    return EXIT_UNUSABLE
 
 
 def _compare(args: argparse.Namespace, runner, console: Console) -> int:

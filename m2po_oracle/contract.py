@@ -186,8 +186,16 @@ OUTPUT_LINES_KEPT = 20
 
 
 def with_output(measurement: Measurement, text: str) -> Measurement:
+    """``measurement`` carrying ``text`` (what was printed) after what it already holds."""
     lines = text.splitlines()
-    return dataclasses.replace(measurement, output=measurement.output + tuple(lines[:OUTPUT_LINES_KEPT]), output_lines=measurement.output_lines + len(lines))
+    return with_printed(measurement, tuple(lines[:OUTPUT_LINES_KEPT]), len(lines))
+
+
+def with_printed(measurement: Measurement, first_lines: tuple[str, ...], lines: int) -> Measurement:
+    """``measurement`` carrying more printed output: its first lines (kept) and a count."""
+    if not lines:
+        return measurement
+    return dataclasses.replace(measurement, output=(measurement.output + first_lines)[:OUTPUT_LINES_KEPT], output_lines=measurement.output_lines + lines)
 
 
 def _call(fn: Implementation, tensors: dict[str, torch.Tensor], snapshot: dict[str, torch.Tensor], seen: Batch, batch: Batch, dtype: str) -> Measurement:

@@ -151,7 +151,7 @@ def validate_across_ranks(logp: Any, behavior_logp: Any, advantages: Any, mask: 
     """The core's input checks, agreed over ``group``: one rank's invalid input (or a tau
     that differs between ranks) makes every rank raise the same ValueError. For ports that
     select with their own code but must fail closed as the core does."""
-    _check_group(group)
+    _check_group(group)  # local: a broken group cannot carry an agreement
     _validate_across(lambda: _validate(logp, behavior_logp, advantages, mask, tau), tau, logp, group)
 
 
@@ -345,8 +345,7 @@ def select_tokens(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     if group is None:
         _validate(logp, behavior_logp, advantages, mask, tau)
     else:
-        _check_group(group)  # local: a broken group cannot carry an agreement
-        _validate_across(lambda: _validate(logp, behavior_logp, advantages, mask, tau), tau, logp, group)
+        validate_across_ranks(logp, behavior_logp, advantages, mask, tau=tau, group=group)
     d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
     with torch.no_grad():
         flat = _select_flat(d.reshape(-1), a.reshape(-1), mask.reshape(-1), float(tau), group)

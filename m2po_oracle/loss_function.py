@@ -7,14 +7,13 @@ made (:mod:`m2po_oracle.isolation`), and so in which options they honour.
 
 from __future__ import annotations
 
-import shlex
 from typing import Any
 
 from hypothesis import strategies as st
 
 from m2po_oracle import strategies
 from m2po_oracle.batch import Batch
-from m2po_oracle.battery import BatteryOutcome, run_battery
+from m2po_oracle.battery import BatteryOutcome, replay_command, run_battery
 from m2po_oracle.checks import CHECKS
 from m2po_oracle.isolation import InProcess, Isolated
 from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, refuse_unhonoured
@@ -32,18 +31,6 @@ def batch_strategy(tau: float | None, base: st.SearchStrategy[Batch] | None = No
     if tau is None:
         return base
     return base.map(lambda b: Batch(b.logp, b.behavior_logp, b.advantages, b.valid, tau))
-
-
-def replay_command(spec: str, batch: Batch, options: RunOptions, extra: tuple[str, ...] = ()) -> str:
-    """``m2po-oracle replay`` for one batch under ``options`` (adapter, topology, dtypes)."""
-    parts = ["m2po-oracle", "replay", "--impl", spec, *extra]
-    if options.adapter:
-        parts += ["--adapter", options.adapter]
-    parts += ["--dtype", options.dtype]
-    if options.compute_dtype and options.compute_dtype != options.dtype:
-        parts += ["--compute-dtype", options.compute_dtype]
-    parts += ["--batch", batch.to_json()]
-    return shlex.join(parts)
 
 
 class LossFunctionRunner:
@@ -81,7 +68,8 @@ class LossFunctionRunner:
         return [self.caller.probe(p.name, dtype=self.options.dtype, device=self.options.device) for p in PROBES]
 
     def replay_command(self, example: Batch) -> str:
-        return replay_command(self.spec, example, self.options)
+        o = self.options
+        return replay_command(self.spec, example.to_json(), dtype=o.dtype, compute_dtype=o.compute_dtype, adapter=o.adapter)
 
     def parse_example(self, data: dict[str, Any]) -> Batch:
         return Batch.from_dict(data)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
+from m2po_oracle.contract import OUTPUT_LINES_KEPT
 from m2po_oracle.errors import UsageError
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class CallHealth:
 class CapturedOutput:
     """What the implementation printed: the first lines kept, every line counted."""
 
-    KEEP: ClassVar[int] = 20
+    KEEP: ClassVar[int] = OUTPUT_LINES_KEPT
     first_lines: list[str] = field(default_factory=list)
     lines: int = 0
 

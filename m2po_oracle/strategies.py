@@ -264,25 +264,41 @@ def _scope_batches(draw, max_shards: int, max_len: int) -> Batch:
     return draw(_assemble(d, advantages, valid, _cut_inside(draw, d, advantages, valid, exact), dyadic=exact))
 
 
+def _sorted_trust_m2(d: np.ndarray, advantages: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    trust = valid & (((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
+    return np.sort((d * d)[trust])[::-1]
+
+
+def _mean_after(m2: np.ndarray, removed: int) -> float:
+    """The mean M2 of the trust region without its ``removed`` largest (``m2`` descending)."""
+    return float(m2[removed:].sum() / (m2.size - removed))
+
+
+def cut_budget(d: np.ndarray, advantages: np.ndarray, valid: np.ndarray, removed: int) -> float | None:
+    """A tau at which Algorithm 1 removes exactly ``removed`` trust-region tokens (clamped to
+    1 .. |T|-1; up to ties): midway between the mean M2 after removing ``removed`` - 1 and
+    ``removed`` of the largest, so that no rounding decides the cut. None if |T| < 2."""
+    m2 = _sorted_trust_m2(d, advantages, valid)
+    if m2.size < 2:
+        return None
+    k = min(max(removed, 1), m2.size - 1)
+    return (_mean_after(m2, k) + _mean_after(m2, k - 1)) / 2
+
+
 def _cut_inside(draw, d: np.ndarray, advantages: np.ndarray, valid: np.ndarray, exact: bool = False) -> float:
-    """A budget between the whole batch's mean M2 after removing k-1 and k of its largest
-    trust-region tokens (k drawn): Algorithm 1 then removes exactly k, up to ties. With
-    ``exact`` (dyadic d), tau is a prefix mean itself where one is exactly representable:
-    the stop test decides it (``<=`` keeps it, ``<`` removes one more)."""
+    """A budget that cuts inside the batch (:func:`cut_budget`, the number removed drawn).
+    With ``exact`` (dyadic d), tau is a prefix mean itself where one is exactly
+    representable: the stop test decides it (``<=`` keeps it, ``<`` removes one more)."""
     from fractions import Fraction
 
-    trust = valid & (((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
-    m2 = np.sort((d * d)[trust])[::-1]
+    m2 = _sorted_trust_m2(d, advantages, valid)
     if m2.size < 2:
         return float(draw(st.sampled_from(TAUS), label="tau"))
-    rest = np.cumsum(m2[::-1])[::-1]  # rest[i] = sum of m2[i:]
-    mean_after = lambda removed: rest[removed] / (m2.size - removed)  # noqa: E731
     if exact:
-        boundaries = [k for k in range(1, m2.size) if Fraction(float(mean_after(k))) == Fraction(float(rest[k])) / (m2.size - k)]
+        boundaries = [k for k in range(1, m2.size) if Fraction(_mean_after(m2, k)) == Fraction(float(m2[k:].sum())) / (m2.size - k)]
         if boundaries:
-            return float(mean_after(draw(st.sampled_from(boundaries), label="tokens removed at an exact boundary")))
-    k = draw(st.integers(1, m2.size - 1), label="tokens removed at the cut")
-    return float((mean_after(k) + mean_after(k - 1)) / 2)
+            return _mean_after(m2, draw(st.sampled_from(boundaries), label="tokens removed at an exact boundary"))
+    return cut_budget(d, advantages, valid, draw(st.integers(1, m2.size - 1), label="tokens removed at the cut"))
 
 
 def batches() -> st.SearchStrategy[Batch]:

@@ -18,7 +18,6 @@ import os
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 from m2po_oracle import options
 from m2po_oracle.distributed.torchrun_runner import serve

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis.errors import Flaky, NoSuchExample
 
 from m2po_oracle import strategies
-from m2po_oracle.battery import CHECKS, assert_battery_passes, run_battery
+from m2po_oracle.checks import CHECKS
+from m2po_oracle.battery import assert_battery_passes, run_battery
 from m2po_oracle.controls import NEGATIVE_CONTROLS, planted
 from m2po_oracle.deviations import Deviation
 

@@ -15,7 +15,6 @@ import time
 import pytest
 
 from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_INTERRUPTED, EXIT_UNUSABLE, main
-from m2po_oracle.compare import run_compare
 from m2po_oracle.launch import open_runner
 from m2po_oracle.report.html import render_html
 from m2po_oracle.errors import UsageError

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from m2po_oracle.battery import CHECKS
+from m2po_oracle.checks import CHECKS
 
 
 def test_pytest_plugin_passes_the_core(pytester):

@@ -32,9 +32,6 @@ from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 from m2po_oracle.distributed.topology import Topology, cp_token_indices, dp_row_slices
 
 
-_loaded: dict[str, Any] = {}
-
-
 def pad_for_cp(batch: Batch, cp: int) -> Batch:
     """Pad the sequence axis with invalid tokens to a multiple of 2*cp (Megatron's layout)."""
     width = batch.shape[1]
@@ -55,11 +52,9 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
     rows = dp_row_slices(batch.shape[0], ctx.topology.dp)[ctx.coords.dp]
     local = Batch(batch.logp[rows], batch.behavior_logp[rows], batch.advantages[rows], batch.valid[rows], batch.tau)
     try:
-        if spec not in _loaded:
-            _loaded[spec] = load_distributed_implementation(spec)
+        fn = load_distributed_implementation(spec)
         tensors = to_tensors(local, dtype, ctx.device)
-        parallel = ParallelState(ctx.topology, ctx.coords, ctx.groups["dp"], ctx.groups["dp_cp"], ctx.groups["cp"], ctx.groups["tp"])
-        raw = _loaded[spec](tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"], tau=batch.tau, parallel=parallel)
+        raw = fn(tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"], tau=batch.tau, parallel=ParallelState.of_rank(ctx))
         result, _ = normalise_result(raw, tensors["logp"], local.shape)
     except Exception as error:
         # Raised to the world, which ends the step at once: the other ranks are likely
@@ -67,7 +62,7 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
         raise RankFailure(f"rank {ctx.rank} (rows {rows.start}..{rows.stop - 1}): {type(error).__name__}: {error}") from error
     value: dict[str, Any] = {"rows": (rows.start, rows.stop), "result": result}
     if ctx.rank == 0:  # after the step, so no rank waits for it: the same batch through one rank
-        value["single"] = _as_one_rank(ctx, _loaded[spec], batch, dtype)
+        value["single"] = _as_one_rank(ctx, fn, batch, dtype)
     return value
 
 

@@ -14,6 +14,7 @@ the global loss), metrics optional.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,6 +34,12 @@ class ParallelState:
     dp_cp_group: Any  # DP x CP: counts CP replicas of reconstructed tensors twice
     cp_group: Any
     tp_group: Any
+
+    @classmethod
+    def of_rank(cls, ctx: Any) -> "ParallelState":
+        """The state a world's rank hands the implementation (``ctx``: its ``RankContext``)."""
+        g = ctx.groups
+        return cls(ctx.topology, ctx.coords, g["dp"], g["dp_cp"], g["cp"], g["tp"])
 
     def shard_columns(self, seq_len: int) -> torch.Tensor:
         """Positions of this rank's context-parallel shard (Megatron load balancing)."""
@@ -205,8 +212,10 @@ CONTROL_TOPOLOGIES: dict[str, str] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def load_distributed_implementation(spec: str) -> Any:
-    """A built-in distributed implementation by name, or a user's ``module:function``."""
+    """A built-in distributed implementation by name, or a user's ``module:function``
+    (loaded once per process: a rank serves every step with the same function)."""
     if spec in DISTRIBUTED_BUILTINS:
         return DISTRIBUTED_BUILTINS[spec]
     import difflib

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from m2po_oracle import strategies
 from m2po_oracle.batch import Batch
-from m2po_oracle.battery import BatteryOutcome
+from m2po_oracle.battery import BatteryOutcome, replay_command
 from m2po_oracle.checks import DISTRIBUTED_CHECKS
 from m2po_oracle.contract import rounded_batch
 from m2po_oracle.distributed.diagnosis import DESCRIPTIONS
@@ -21,7 +21,7 @@ from m2po_oracle.distributed.checks import DistributedStep, as_measurement, chec
 from m2po_oracle.distributed.topology import Topology
 from m2po_oracle.distributed.world import RankOutcome, World, WorldError
 from m2po_oracle.equivalence import Mismatch
-from m2po_oracle.loss_function import batch_strategy, replay_command
+from m2po_oracle.loss_function import batch_strategy
 from m2po_oracle.errors import UsageError
 from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, refuse_unhonoured
 from m2po_oracle.validation import ProbeResult
@@ -104,7 +104,9 @@ class DistributedRunner:
         return run_collective_probes(self.world, self.spec, dtype=self.options.dtype)
 
     def replay_command(self, example: Batch) -> str:
-        return replay_command(self.spec, example, self.options, ("--topology", str(self.topology), "--backend", self.world.backend))
+        o = self.options
+        return replay_command(self.spec, example.to_json(), dtype=o.dtype, compute_dtype=o.compute_dtype,
+                              extra=("--topology", str(self.topology), "--backend", self.world.backend))
 
     def parse_example(self, data: dict[str, Any]) -> Batch:
         return Batch.from_dict(data)

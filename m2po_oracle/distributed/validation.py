@@ -21,13 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
 from m2po_oracle.contract import to_tensors
 from m2po_oracle.distributed.checks import pad_for_cp
 from m2po_oracle.distributed.implementations import ParallelState, load_distributed_implementation
 from m2po_oracle.distributed.world import RankContext, RankOutcome, World, WorldError
-from m2po_oracle.validation import CLEAN, ProbeResult, probe as local_probe
+from m2po_oracle.validation import CLEAN, ProbeResult, is_rejection, probe as local_probe
 
 Corrupt = Callable[[dict[str, Any]], None]  # edits the keyword arguments (with "tau") in place
 
@@ -73,11 +72,6 @@ def collective_probe(name: str) -> CollectiveProbe:
 
 # --- the rank handler ---
 
-_loaded: dict[str, Any] = {}
-
-
-def _parallel_state(ctx: RankContext) -> ParallelState:
-    return ParallelState(ctx.topology, ctx.coords, ctx.groups["dp"], ctx.groups["dp_cp"], ctx.groups["cp"], ctx.groups["tp"])
 
 
 def bad_rank(p: CollectiveProbe, topology: Any) -> int:
@@ -111,17 +105,16 @@ def rank_probe(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
 
     p = collective_probe(payload["probe"])
     spec = payload["spec"]
-    if spec not in _loaded:
-        _loaded[spec] = load_distributed_implementation(spec)
+    fn = load_distributed_implementation(spec)
     kwargs = _probe_inputs(ctx, p, payload.get("dtype", "float64"), list(payload.get("ranks", [bad_rank(p, ctx.topology)])))
     tau = kwargs.pop("tau")
     dist.barrier()  # start every rank's clock together: "seconds" is then the time to refuse
     ctx.counter.reset()
     started = time.perf_counter()
     try:
-        _loaded[spec](kwargs["logp"], kwargs["behavior_logp"], kwargs["advantages"], kwargs["mask"], tau=tau, parallel=_parallel_state(ctx))
+        fn(kwargs["logp"], kwargs["behavior_logp"], kwargs["advantages"], kwargs["mask"], tau=tau, parallel=ParallelState.of_rank(ctx))
     except Exception as error:
-        status = "rejected" if isinstance(error, (ValueError, TypeError)) else "crashed"
+        status = "rejected" if is_rejection(error) else "crashed"
         return _outcome(status, type(error).__name__, str(error), started, ctx)
     return _outcome("accepted", "", "returned a result", started, ctx)
 

@@ -205,7 +205,6 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
                        "ran": _fmt(check.get("ran")), "anchor": first_cx.get(name)})
     failed = sum(1 for c in checks if c["failed"])
     not_run = sum(1 for c in checks if c["status"] == "not run")
-    distributed = report.get("topology") is not None or "collectives_per_step" in report
     topology = _topology_text(report.get("topology")) if report.get("topology") is not None else None
     return {
         "schema": _text(report.get("schema"), "unknown schema"),

@@ -117,21 +117,16 @@ def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerContr
 def tau_cutting_inside(cut: int, policy: Any, rollout: Any) -> float:
     """The budget at which Algorithm 1 removes ``cut`` of the step's trust-region tokens
     (at most all but one), computed as the trainer's mask prepass sees the step: the
-    policy's deterministic log-probs, the recorded behaviour log-probs, GRPO advantages.
-    Midway between two prefix means, so no rounding decides the cut."""
+    policy's deterministic log-probs, the recorded behaviour log-probs, GRPO advantages."""
+    from m2po_oracle.strategies import cut_budget
     from m2po_oracle.trainer.grpo import group_advantages
 
     logp = _recomputed_logp(policy, rollout)
-    behavior = rollout.behavior_logp.to(torch.float64).cpu().numpy()
+    valid = rollout.valid.cpu().numpy()
+    d = oracle.log_ratio(logp, rollout.behavior_logp.to(torch.float64).cpu().numpy(), valid)
     advantages = group_advantages(rollout.rewards, rollout.group_size)[:, None].expand(rollout.rows, logp.shape[1]).to(torch.float64).cpu().numpy()
-    batch = Batch(logp, behavior, advantages, rollout.valid.cpu().numpy(), 0.0)
-    d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
-    m2 = np.sort(oracle.second_moment(d)[oracle.trust_region(d, batch.advantages, batch.valid)])[::-1]
-    if m2.size < 2:
-        return 0.04  # nothing to cut inside: the default budget
-    k = min(cut, m2.size - 1)
-    rest = np.cumsum(m2[::-1])[::-1]  # rest[i]: the sum of m2[i:]
-    return float((rest[k] / (m2.size - k) + rest[k - 1] / (m2.size - k + 1)) / 2)
+    tau = cut_budget(d, advantages, valid, cut)
+    return 0.04 if tau is None else tau  # nothing to cut inside: the default budget
 
 
 #: What a step record must hold, by field: (kind, shape rule).

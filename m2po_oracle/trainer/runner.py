@@ -21,7 +21,6 @@ step's own data, so the report names the trainer-level deviation.
 from __future__ import annotations
 
 import json
-import shlex
 import traceback
 from typing import Any
 
@@ -29,7 +28,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from m2po_oracle.batch import Batch
-from m2po_oracle.battery import BatteryOutcome
+from m2po_oracle.battery import BatteryOutcome, replay_command
 from m2po_oracle.contract import Finding, Measurement
 from m2po_oracle.equivalence import Mismatch
 from m2po_oracle.errors import LoadError
@@ -108,10 +107,7 @@ class TrainerRunner:
                               evidenced=evidenced, case={**case.to_dict(), "trainer": _step_summary(step)}, checked=trainer_checks_ran(step))
 
     def replay_command(self, case: TrainerCase) -> str:
-        parts = ["m2po-oracle", "replay", "--impl", self.spec, "--dtype", self.options.dtype]
-        if self.options.compute_dtype and self.options.compute_dtype != self.options.dtype:
-            parts += ["--compute-dtype", self.options.compute_dtype]
-        return shlex.join([*parts, "--batch", json.dumps(case.to_dict())])
+        return replay_command(self.spec, json.dumps(case.to_dict()), dtype=self.options.dtype, compute_dtype=self.options.compute_dtype)
 
     def validation(self) -> list[Any]:
         return [run_trainer_probe(p, dtype=self.options.dtype, faults=self.control.faults if self.control else None, device=self.options.device,
