@@ -225,3 +225,14 @@ def test_ctrl_c_writes_the_partial_report_and_exits_130(ports, tmp_path):
 
 def test_exit_statuses_stay_documented():
     assert (EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_UNUSABLE, EXIT_INTERRUPTED) == (0, 1, 2, 130)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: __import__("m2po_oracle.trainer.cases", fromlist=["TrainerCase"]).TrainerCase(
+        seed=0, prompts=1, group_size=2, prompt_len=1, max_new_tokens=1, lags=(0,), staleness_lr=0.02, tau=0.04, split=(2,), cut=0),
+     "^cut: expected None or a positive integer"),
+    (lambda: RunOptions.from_values({"exmaples": 5}), r"^options: unknown option\(s\) \['exmaples'\]"),
+])
+def test_new_arguments_are_checked_with_their_name(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
