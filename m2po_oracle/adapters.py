@@ -35,6 +35,9 @@ class Adapter:
     signature: str
     checked: tuple[str, ...]  # fields whose values come from the port
     wrap: Callable[[Implementation], Implementation]
+    #: The result fields (``M2POResult`` names) the port itself computes; the diagnosis
+    #: compares a variant with the port on these only (the adapter built the rest).
+    supplies: frozenset[str] = frozenset({"keep"})
 
 
 def _objective(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -101,7 +104,8 @@ ADAPTERS: dict[str, Adapter] = {
     "mask_only": Adapter("mask_only", "fn(log_ratio, advantages, mask, tau) -> keep", ("selection",), _mask_only),
     "mask_function": Adapter("mask_function", "fn(behavior_logp, proximal_logp, loss_mask, threshold) -> loss_mask", ("selection",), _mask_function),
     "policy_loss": Adapter("policy_loss", "fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) -> loss | (loss, ...)",
-                           ("selection (inferred from zero gradients)", "loss", "gradient"), _policy_loss),
+                           ("selection (inferred from zero gradients)", "loss", "gradient"), _policy_loss,
+                           frozenset({"keep", "loss", "grad"})),
 }
 
 

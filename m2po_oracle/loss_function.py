@@ -83,7 +83,8 @@ class LossFunctionRunner:
         from m2po_oracle.adapters import ADAPTERS
 
         adapter = ADAPTERS[self.options.adapter]
-        return {"adapter": {"name": adapter.name, "signature": adapter.signature, "checked": list(adapter.checked)}}
+        return {"adapter": {"name": adapter.name, "signature": adapter.signature, "checked": list(adapter.checked),
+                            "supplies": sorted(adapter.supplies)}}
 
     def start(self) -> None:
         if self.isolated:
