@@ -100,6 +100,12 @@ class Batch:
         fill = lambda a: np.where(self.valid, a, value)  # noqa: E731
         return Batch(fill(self.logp), fill(self.behavior_logp), fill(self.advantages), self.valid.copy(), self.tau)
 
+    def with_finite_padding(self, value: float = 0.0) -> "Batch":
+        """The same batch with every NaN/inf at an invalid position set to ``value`` (finite
+        padding is kept): the values a port is judged on, apart from the padding probes."""
+        fill = lambda a: np.where(self.valid | np.isfinite(a), a, value)  # noqa: E731
+        return Batch(fill(self.logp), fill(self.behavior_logp), fill(self.advantages), self.valid.copy(), self.tau)
+
     def describe(self) -> str:
         """A compact, copy-pasteable rendering for failure messages."""
         with np.printoptions(precision=17, threshold=10_000, linewidth=120):

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from m2po_oracle.batch import Batch
+from m2po_oracle.record import M2POResult
 from m2po_oracle.contract import Implementation, Measurement, measure, with_printed
 from m2po_oracle import oracle
 from m2po_oracle.equivalence import Mismatch, Tolerance, checks_run_on, compare_to_oracle, compare_values, format_mismatches, same_up_to_ties, tolerance, valid_m2
@@ -33,6 +34,9 @@ class BatteryOutcome:
     #: The checks that actually ran on this example (a failed call runs nothing else;
     #: a metric the implementation does not report is not checked).
     checked: tuple[str, ...] = ("call",)
+    #: The padding probes the result changed under: (the batch as probed, the result), for the
+    #: diagnosis to tell a deviation that reads padding from a leak.
+    padding_probes: tuple[tuple[Batch, M2POResult], ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -78,10 +82,16 @@ def _determinism(first: Measurement, again: Measurement) -> list[Mismatch]:
     return found
 
 
-def _padding_immunity(first: Measurement, probe: Measurement, fill: float, dtype: str) -> list[Mismatch]:
+def _padding_differs(drawn: Batch, zeroed: Batch) -> bool:
+    invalid = ~drawn.valid
+    return any(not np.array_equal(a[invalid], b[invalid]) for a, b in
+               ((drawn.logp, zeroed.logp), (drawn.behavior_logp, zeroed.behavior_logp), (drawn.advantages, zeroed.advantages)))
+
+
+def _padding_immunity(first: Measurement, probe: Measurement, fill: str, dtype: str) -> list[Mismatch]:
     """With other padding the result is the clean run's, up to a tie choice at the cut
     (whose loss and gradient are then judged on the probe's own mask)."""
-    label = f"with padding set to {fill}"
+    label = f"with padding set to {fill}" if fill != "the drawn padding" else "with the drawn padding (instead of 0)"
     if probe.finding is not None:
         return _failed_call("padding_immunity", label, probe)
     ref, res, seen = first.result, probe.result, first.batch
@@ -92,6 +102,10 @@ def _padding_immunity(first: Measurement, probe: Measurement, fill: float, dtype
     found = _relabel("padding_immunity", label, compare_values("padding_immunity", "loss", res.loss, expected.loss, tolerance(dtype, "loss")))
     found += _relabel("padding_immunity", label, compare_values("padding_immunity", "grad", res.grad, expected.grad, tolerance(dtype, "gradient")))
     return found
+
+
+def _finite(result) -> bool:
+    return bool(np.isfinite(result.loss)) and (result.grad is None or bool(np.all(np.isfinite(result.grad))))
 
 
 @runtime_checkable
@@ -115,30 +129,45 @@ def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", com
     ``fn`` is an implementation callable (called in this process) or a caller such as
     :class:`m2po_oracle.isolation.Isolated` (called in a worker process with a timeout)."""
     caller = fn if isinstance(fn, Caller) else _InThisProcess(fn)
+    # Selection, loss, gradient and metrics are judged with zero padding; the drawn padding
+    # (NaN, inf, 1e30, noise) is the padding probes' alone, so a padding leak never hides or
+    # "explains" another deviation.
+    drawn, batch = batch, batch.with_padding(0.0)
     first = caller.measure(batch, dtype=dtype, device=device)
     if first.finding is not None:
         return BatteryOutcome(first.batch, first, (Mismatch("call", f"{first.finding.kind}: {first.finding.message}"),))
     assert first.result is not None
     found: list[Mismatch] = []
     checked = ["call", "inputs_not_mutated", *checks_run_on(first.result), "determinism"]
-    if first.mutated_inputs:
-        found.append(Mismatch("inputs_not_mutated", f"the implementation modified its input tensor(s): {', '.join(first.mutated_inputs)}"))
     found.extend(compare_to_oracle(first.batch, first.result, dtype, compute_dtype))
     again = caller.measure(batch, dtype=dtype, device=device)
     nondeterministic = _determinism(first, again)
     found.extend(nondeterministic)
     probes = [again]
+    probe_labels: list[tuple[str, Measurement]] = [(" on the second call", again)]
+    changed: list[tuple[Batch, M2POResult]] = []
     # A nondeterministic implementation would also differ under the padding probes;
     # comparing them would blame padding for what determinism already reports.
-    if not nondeterministic and not batch.valid.all():
+    # A result that is already NaN/inf on finite data is reported by the value checks;
+    # comparing the probes with it would blame padding for it.
+    if not nondeterministic and not batch.valid.all() and _finite(first.result):
         checked.append("padding_immunity")
-        for fill in PADDING_PROBES:
-            probe = caller.measure(batch.with_padding(fill), dtype=dtype, device=device)
+        variants = [("the drawn padding", drawn)] if _padding_differs(drawn, batch) else []
+        for label, probed in variants + [(f"{fill}", batch.with_padding(fill)) for fill in PADDING_PROBES]:
+            probe = caller.measure(probed, dtype=dtype, device=device)
             probes.append(probe)
-            found.extend(_padding_immunity(first, probe, fill, dtype))
+            probe_labels.append((f" {'with the drawn padding' if label == 'the drawn padding' else f'with padding set to {label}'}", probe))
+            differs = _padding_immunity(first, probe, label, dtype)
+            found.extend(differs)
+            if differs and probe.result is not None:
+                changed.append((probe.batch, probe.result))
+    mutated = [(label, call.mutated_inputs) for label, call in [("", first), *probe_labels] if call.mutated_inputs]
+    if mutated:
+        label, names = mutated[0]
+        found.insert(0, Mismatch("inputs_not_mutated", f"the implementation modified its input tensor(s){label}: {', '.join(names)}"))
     for call in probes:  # the report counts what every call of the battery printed
         first = with_printed(first, call.output, call.output_lines)
-    return BatteryOutcome(first.batch, first, tuple(found), checked=tuple(checked))
+    return BatteryOutcome(first.batch, first, tuple(found), checked=tuple(checked), padding_probes=tuple(changed))
 
 
 def replay_command(impl: str, example_json: str, *, dtype: str = "float64", compute_dtype: str | None = None, adapter: str | None = None,

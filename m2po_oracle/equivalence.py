@@ -255,14 +255,17 @@ def _count_mismatch(check: str, summary: str, wrong: np.ndarray, keep: np.ndarra
 
 # --- values ------------------------------------------------------------------------------
 
-def compare_values(check: str, name: str, actual: np.ndarray | float, expected: np.ndarray | float, tol: Tolerance, scale: float = 0.0) -> Mismatch | None:
-    """Element-wise closeness with the PyTorch-style report of the worst element."""
+def compare_values(check: str, name: str, actual: np.ndarray | float, expected: np.ndarray | float, tol: Tolerance, scale: float = 0.0,
+                   allowance: np.ndarray | float = 0.0) -> Mismatch | None:
+    """Element-wise closeness with the PyTorch-style report of the worst element.
+    ``allowance`` (per element or one value) widens the bound by an error the dtype itself
+    is known to put into the expected value."""
     actual_array = np.asarray(actual, dtype=np.float64)
     expected_array = np.asarray(expected, dtype=np.float64)
     if actual_array.shape != expected_array.shape:
         return Mismatch(check, f"{name}: shape {actual_array.shape} differs from expected {expected_array.shape}", field=name)
-    allowed = tol.atol + tol.rtol * np.maximum(np.abs(expected_array), scale)
     with np.errstate(invalid="ignore", over="ignore"):
+        allowed = tol.atol + tol.rtol * np.maximum(np.abs(expected_array), scale) + np.asarray(allowance, dtype=np.float64)
         difference = np.abs(actual_array - expected_array)
         bad = ~(difference <= allowed)  # NaN counts as a mismatch
     if not bad.any():
@@ -275,7 +278,8 @@ def compare_values(check: str, name: str, actual: np.ndarray | float, expected: 
     rel = float(difference.ravel()[worst] / abs(exp)) if exp else math.inf
     return Mismatch(check, f"{name} is not close: mismatched elements {int(bad.sum())} / {total}", field=name, index=index, actual=act, expected=exp,
                     details=(f"greatest absolute difference {float(difference.ravel()[worst])!r}{at} (allowed {float(allowed.ravel()[worst])!r})",
-                             f"greatest relative difference {rel!r}{at} (rtol {tol.rtol}, atol {tol.atol}, scale {scale!r})"))
+                             f"greatest relative difference {rel!r}{at} (rtol {tol.rtol}, atol {tol.atol}, scale {scale!r}"
+                             + (f", dtype rounding of exp(d) {float(np.broadcast_to(allowance, difference.shape).ravel()[worst])!r})" if np.any(allowance) else ")")))
 
 
 SELECTION_CHECKS: tuple[str, ...] = ("selection.keep_only_valid", "selection.only_trust_region_masked", "selection.budget", "selection.minimal",
@@ -289,34 +293,84 @@ def checks_run_on(actual: M2POResult) -> tuple[str, ...]:
     return SELECTION_CHECKS + ("loss",) + (("gradient",) if actual.grad is not None else ()) + metrics
 
 
-def compare_to_oracle(batch: Batch, actual: M2POResult, dtype: str, compute_dtype: str | None = None) -> list[Mismatch]:
-    """Every mismatch between ``actual`` and Algorithm 1 on ``batch`` (the values the
-    implementation received). Loss, gradient and metrics are judged on ``actual.keep``."""
-    compute_dtype = compute_dtype or dtype
-    found = check_selection(batch, actual.keep, compute_dtype)
-    expected = oracle.evaluate_with_mask(batch, actual.keep)
+def coarser(dtype: str, other: str | None) -> str:
+    """The less precise of two dtypes (``other`` None: ``dtype``)."""
+    if other is None:
+        return dtype
+    return max(dtype, other, key=lambda name: FORMATS[name].unit_roundoff)
+
+
+def exp_rounding(batch: Batch, expected_grad: np.ndarray, dtype: str) -> np.ndarray:
+    """Per token, the error ``dtype`` itself puts into exp(d) * A / N: d rounds with a
+    relative error u, so exp(d) carries a relative error of about u * (|d| + 1), which at
+    |d| near 50 in bfloat16 is tens of percent (a factor 2 to spare)."""
+    u = FORMATS[dtype].unit_roundoff
+    d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
     with np.errstate(over="ignore", invalid="ignore"):
-        term_scale = float(np.sum(np.abs(expected.grad)))  # = mean |kept term|, bounds |loss|
-    loss_mismatch = compare_values("loss", "loss", actual.loss, expected.loss, tolerance(dtype, "loss"), scale=term_scale)
+        return np.nan_to_num(2.0 * u * (np.abs(d) + 1.0) * np.abs(expected_grad), nan=0.0, posinf=np.inf)
+
+
+def m2_rounding(batch: Batch, keep: np.ndarray, dtype: str) -> dict[str, float]:
+    """The error ``dtype`` puts into the M2 metrics: d = logp - behavior_logp loses about
+    u * (|logp| + |behavior_logp|) absolutely (a small d of large log-probs loses all its
+    digits), so d^2 is off by up to that times (2 |d| + that), averaged like the metric."""
+    if dtype == "float64":
+        return {}
+    u = FORMATS[dtype].unit_roundoff
+    valid = batch.valid
+    with np.errstate(over="ignore", invalid="ignore"):
+        lost = 2.0 * u * (np.abs(np.where(valid, batch.logp, 0.0)) + np.abs(np.where(valid, batch.behavior_logp, 0.0)))
+        d = oracle.log_ratio(batch.logp, batch.behavior_logp, valid)
+        error = np.nan_to_num(lost * (2.0 * np.abs(d) + lost), nan=np.inf)
+    trust = oracle.trust_region(d, batch.advantages, valid)
+    kept = trust & keep
+    mean = lambda where: float(error[where].mean()) if where.any() else 0.0  # noqa: E731
+    return {"m2_before": mean(trust), "m2_after": mean(kept)}
+
+
+def compare_fields(batch: Batch, actual: M2POResult, expected: M2POResult, dtype: str, compute_dtype: str | None = None,
+                   *, metrics_dtype: str | None = None) -> list[Mismatch]:
+    """Loss, gradient, metrics and counts of ``actual`` against ``expected`` (both on the same
+    mask). Loss and gradient are judged at the input dtype, widened by the rounding that
+    dtype puts into exp(d); the metrics, derived from the selection arithmetic, at the
+    coarser of the input and compute dtypes (or ``metrics_dtype``)."""
+    found: list[Mismatch] = []
+    allowance = exp_rounding(batch, expected.grad, dtype) if expected.grad is not None else np.zeros(batch.shape)
+    with np.errstate(over="ignore", invalid="ignore"):
+        term_scale = float(np.sum(np.abs(expected.grad))) if expected.grad is not None else 0.0  # = mean |kept term|, bounds |loss|
+    loss_mismatch = compare_values("loss", "loss", actual.loss, expected.loss, tolerance(dtype, "loss"), scale=term_scale,
+                                   allowance=float(np.sum(allowance)))
     if loss_mismatch:
         found.append(loss_mismatch)
-    if actual.grad is not None:
+    if actual.grad is not None and expected.grad is not None:
         grad_tol = tolerance(dtype, "gradient")
         scale = float(np.max(np.abs(expected.grad))) * grad_tol.rtol if expected.grad.size else 0.0
-        grad_mismatch = compare_values("gradient", "grad", actual.grad, expected.grad, grad_tol, scale=scale)
+        grad_mismatch = compare_values("gradient", "grad", actual.grad, expected.grad, grad_tol, scale=scale, allowance=allowance)
         if grad_mismatch:
             found.append(grad_mismatch)
+    metric_dtype = coarser(metrics_dtype or dtype, compute_dtype)
+    metric_tol = tolerance(metric_dtype, "metric")
+    m2_allowance = m2_rounding(batch, expected.keep, metric_dtype)
     for name in METRIC_FIELDS:
         value = getattr(actual, name)
         if value is None:
             continue
-        mismatch = compare_values(f"metrics.{name}", name, value, getattr(expected, name), tolerance(dtype, "metric"))
+        mismatch = compare_values(f"metrics.{name}", name, value, getattr(expected, name), metric_tol, allowance=m2_allowance.get(name, 0.0))
         if mismatch:
             found.append(mismatch)
     for name in COUNT_FIELDS:
         value = getattr(actual, name)
         if value is not None and value != getattr(expected, name):
             found.append(Mismatch(f"metrics.{name}", f"{name}: {value} differs from Algorithm 1's {getattr(expected, name)}", field=name, actual=value, expected=getattr(expected, name)))
+    return found
+
+
+def compare_to_oracle(batch: Batch, actual: M2POResult, dtype: str, compute_dtype: str | None = None) -> list[Mismatch]:
+    """Every mismatch between ``actual`` and Algorithm 1 on ``batch`` (the values the
+    implementation received). Loss, gradient and metrics are judged on ``actual.keep``."""
+    compute_dtype = compute_dtype or dtype
+    found = check_selection(batch, actual.keep, compute_dtype)
+    found += compare_fields(batch, actual, oracle.evaluate_with_mask(batch, actual.keep), dtype, compute_dtype)
     return found
 
 
