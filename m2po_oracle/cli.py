@@ -22,7 +22,7 @@ EXIT_INTERRUPTED = 130
 
 
 #: The compare options replay takes: how to call, not what to explore.
-REPLAY_OPTIONS = ("dtype", "compute_dtype", "device", "timeout", "in_process", "topology", "backend", "adapter", "validation_errors", "show_output")
+REPLAY_OPTIONS = ("dtype", "compute_dtype", "device", "timeout", "in_process", "topology", "backend", "adapter", "bind", "validation_errors", "show_output")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--html", type=Path, default=None)
 
     commands.add_parser("checks", help="list the checks of the battery")
+    commands.add_parser("adapters", help="list the adapters (--adapter): each family's signature, what it reads back, which checks it can run")
     return parser
 
 
@@ -83,11 +84,58 @@ def main(argv: list[str] | None = None) -> int:
             table.add_row(name, runs_for, description)
         console.print(table)
         return EXIT_EQUIVALENT
+    if args.command == "adapters":
+        return _adapters(console)
     if args.command == "selftest":
         return _selftest(args, console)
     if args.command == "bench":
         return _bench(args, console)
     return _run(args, console)
+
+
+def _adapters(console: Console) -> int:
+    """Every adapter (``--adapter NAME``): the port's signature, the roles ``--bind`` moves,
+    what is read back, which checks it can run and which it cannot (with why)."""
+    from m2po_oracle.adapters import ADAPTERS
+    from m2po_oracle.adapters.binding import METRIC_ALIASES, METRIC_PREFIXES
+    from m2po_oracle.checks import CHECKS
+
+    say = lambda text="": console.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
+    selection = [c for c in CHECKS if c.startswith("selection.")]
+    say("adapters: m2po-oracle compare --impl SPEC --adapter NAME [--bind KEY=VALUE ...]")
+    for adapter in ADAPTERS.values():
+        runs = adapter.runs()
+        shown = [c for c in runs if not c.startswith(("selection.", "metrics."))]
+        if set(selection) <= set(runs):
+            shown.insert(1, "selection.*")
+        else:
+            shown[1:1] = [c for c in runs if c.startswith("selection.")]
+        if any(c.startswith("metrics.") for c in runs):
+            shown.append("metrics.* the port returns")
+        by_reason: dict[str, list[str]] = {}
+        for check, why in adapter.not_run().items():
+            if not check.startswith("metrics."):
+                by_reason.setdefault(why, []).append(check)
+        say()
+        say(adapter.name)
+        say(f"  signature:  {adapter.signature}")
+        say(f"  roles:      {', '.join(f'{p.role} -> {p.text()}' for p in adapter.params)}")
+        say(f"  reads back: {', '.join(adapter.checked)} ({'; '.join(o.text() for o in adapter.outputs)})")
+        say(f"  checks:     {', '.join(shown)}")
+        for why, checks in by_reason.items():
+            named = "selection.*" if checks == selection else ", ".join(checks)
+            say(f"  not run:    {named}: {why}")
+        say(f"  metrics:    {adapter.maps}")
+        say(f"  seen in:    {adapter.seen_in}")
+    say()
+    prefixes = ", ".join(repr(p) for p in METRIC_PREFIXES)
+    aliases = ", ".join(f"{k} -> {v}" for k, v in METRIC_ALIASES.items())
+    say(f"Metric names mapped from a returned mapping: our names (m2_before, m2_after, masked_fraction, trust_region_fraction, valid_count, "
+        f"trust_region_count, kept_trust_region_count) after any 'prefix/' and {prefixes}; {aliases}. Other keys are not read.")
+    say("--bind KEY=VALUE (repeatable): KEY a role -> where it goes (a parameter name, a 0-based position, or PARAMETER.ATTRIBUTE); "
+        "KEY a constant -> its value; KEY an output (loss, keep, per_token_loss, metrics or a metric name) -> where it is in the return "
+        "(an index, a key, or a path such as 4.M2_after); any other KEY -> an extra keyword argument. Values are Python literals, else strings.")
+    return EXIT_EQUIVALENT
 
 
 def _error(message: str) -> None:
@@ -154,7 +202,10 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
         return EXIT_INTERRUPTED
     if report.adapter:
         a = report.adapter
-        console.print(f"adapter {a['name']} ({a['signature']}): checks {', '.join(a['checked'])}; the rest is supplied by the adapter", highlight=False, soft_wrap=True)
+        skipped = [check for check in a.get("not_run", {}) if not check.startswith("metrics.")]
+        console.print(f"adapter {a['name']} ({a['signature']}): checks {', '.join(a['checked'])}"
+                      + (f"; not run (the adapter, not the port, decides them): {', '.join(skipped)}" if skipped else "")
+                      + (f"; call: {a['call']}" if a.get("call") else ""), highlight=False, markup=False, soft_wrap=True)
     unit = report.example_unit
     if report.verdict == "unusable":
         console.print(f"[bold red]unusable[/]: no call returned a usable result on {report.examples} {unit}; no check other than 'call' ran", soft_wrap=True)
@@ -165,16 +216,21 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
     table.add_column("result")
     table.add_column(f"failing {unit}", justify="right")
     table.add_column(f"{unit} checked", justify="right")
+    table.add_column("explained by")
     labels = {"fail": "[red]FAIL[/]", "pass": "[green]pass[/]", "not run": "[yellow]not run[/]"}
+    by_check, unexplained = report.diagnosis.get("by_check", {}), set(report.diagnosis.get("unexplained", ()))
     for name, tally in report.tallies.items():
-        table.add_row(name, labels[tally.status], str(tally.failures), str(tally.ran))
+        explained = " + ".join(by_check.get(name, ())) or ("[yellow]unexplained[/]" if name in unexplained else "")
+        table.add_row(name, labels[tally.status], str(tally.failures), str(tally.ran), explained)
     console.print(table)
+    _print_diagnosis(console, report.diagnosis)
     for counterexample in report.counterexamples:
         from m2po_oracle.equivalence import format_mismatches
 
-        console.print(format_mismatches(list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {counterexample.check})",
+        shows = ", ".join(counterexample.checks or (counterexample.check,))
+        cause = f"{counterexample.cause}: " if counterexample.cause else "unexplained: " if counterexample.check in unexplained else ""
+        console.print(format_mismatches(list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {cause}{shows})",
                                         replay=counterexample.replay), highlight=False, markup=False, soft_wrap=True)
-    _print_diagnosis(console, report.diagnosis)
     _print_validation(console, report)
     _print_output(console, report)
     colour = {"equivalent": "green", "divergent": "red", "unusable": "red"}[report.verdict]
@@ -303,14 +359,23 @@ def _print_validation(console: Console, report) -> None:
 
 
 def _print_diagnosis(console: Console, diagnosis: dict) -> None:
-    if diagnosis.get("status") == "matched":
-        console.print(f"diagnosis: explained by {', '.join(m['variant'] for m in diagnosis['matches'])}", highlight=False, soft_wrap=True)
-        for m in diagnosis["matches"]:
-            console.print(f"  - {m['variant']}: {m['description']} [{m['source']}] ({m.get('evidence', '')})", highlight=False, markup=False, soft_wrap=True)
-    elif diagnosis.get("status") == "no_known_variant":
-        console.print(f"diagnosis: no known variant reproduces the implementation on {diagnosis['examples_compared']} examples; closest:", highlight=False, soft_wrap=True)
+    status = diagnosis.get("status")
+    if status not in ("matched", "partly_explained", "no_known_variant"):
+        return
+    say = lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
+    say(f"diagnosis: {diagnosis.get('summary') or status}")
+    for m in diagnosis.get("matches", []):
+        say(f"  - {m['variant']}: {m['description']} [{m['source']}] ({m.get('evidence', '')})")
+    for alternative in diagnosis.get("alternatives", []):
+        say(f"  equally small: {' + '.join(alternative)} (the examples do not tell them apart)")
+    for hint in diagnosis.get("hints", []):
+        say(f"  hint: {hint['text']}" + (f"; to accept it: {hint['option']}" if hint.get("option") else ""))
+    for finding in diagnosis.get("findings", []):
+        say(f"  finding: {finding['summary']}")
+    if diagnosis.get("closest"):
+        say(f"  closest of the rest (on {diagnosis['examples_compared']} examples):")
         for c in diagnosis["closest"]:
-            console.print(f"  - {c['variant']}: agreed on {c['agreed']}/{c['of']}; first difference: {c['first_difference']}", highlight=False, markup=False, soft_wrap=True)
+            say(f"  - {c['variant']}: agreed on {c['agreed']} of {c['of']}; first difference: {c['first_difference']}")
 
 
 def _replay(args: argparse.Namespace, runner, console: Console) -> int:

@@ -39,7 +39,8 @@ def _forkserver() -> Any:
     return _context
 
 
-def _serve(spec: str, adapter: str | None, capture: bool, rejecting: tuple[str, ...], connection: multiprocessing.connection.Connection) -> None:
+def _serve(spec: str, adapter: str | None, bindings: tuple[str, ...], capture: bool, rejecting: tuple[str, ...],
+           connection: multiprocessing.connection.Connection) -> None:
     # Ctrl-C reaches the whole process group: the parent writes the partial report and
     # stops this worker; a traceback from here would only clutter the terminal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -48,7 +49,7 @@ def _serve(spec: str, adapter: str | None, capture: bool, rejecting: tuple[str, 
         from m2po_oracle.resolve import load_implementation
 
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            fn = adapt(load_implementation(spec), adapter)
+            fn = adapt(load_implementation(spec), adapter, bindings)
     except Exception as error:  # reported to the parent as a load failure
         connection.send(("load_error", str(error)))
         return
@@ -109,11 +110,13 @@ class InProcess:
 class Isolated:
     """A runner: ``measure(batch, *, dtype, device)`` in a worker process, with a timeout."""
 
-    def __init__(self, spec: str, *, timeout_s: float = 60.0, adapter: str | None = None, capture: bool = True, rejecting: tuple[str, ...] = ()) -> None:
+    def __init__(self, spec: str, *, timeout_s: float = 60.0, adapter: str | None = None, bindings: tuple[str, ...] = (), capture: bool = True,
+                 rejecting: tuple[str, ...] = ()) -> None:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
             raise ValueError(f"timeout_s: expected a number > 0, got {timeout_s!r}")
         self.spec = spec
         self.adapter = adapter
+        self.bindings = tuple(bindings)  # the adapter's --bind KEY=VALUE, applied in the worker as in this process
         self.capture, self.rejecting = capture, rejecting
         self.timeout_s = float(timeout_s)
         self.timeouts = 0
@@ -127,7 +130,7 @@ class Isolated:
         Raises :class:`ImplementationLoadError` if the spec cannot be loaded there."""
         context = _forkserver()
         parent, child = context.Pipe()
-        process = context.Process(target=_serve, args=(self.spec, self.adapter, self.capture, self.rejecting, child), daemon=True, name=f"m2po-impl:{self.spec}")
+        process = context.Process(target=_serve, args=(self.spec, self.adapter, self.bindings, self.capture, self.rejecting, child), daemon=True, name=f"m2po-impl:{self.spec}")
         process.start()
         child.close()
         if not parent.poll(STARTUP_TIMEOUT_S):

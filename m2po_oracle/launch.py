@@ -35,12 +35,18 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runn
 
     check_device(options.device)
     if options.adapter is not None and options.adapter not in ADAPTERS:
-        raise UsageError(f"adapter: expected one of {sorted(ADAPTERS)}, got {options.adapter!r}")
+        import difflib
+
+        close = difflib.get_close_matches(options.adapter, ADAPTERS, n=3, cutoff=0.5)
+        hint = f"; closest matches: {', '.join(close)}" if close else ""
+        raise UsageError(f"adapter: expected one of {', '.join(ADAPTERS)} (m2po-oracle adapters lists them), got {options.adapter!r}{hint}")
     if options.topology is not None:
         from m2po_oracle.distributed.implementations import load_distributed_implementation
         from m2po_oracle.distributed.runner import DistributedRunner
 
-        load_distributed_implementation(spec)  # a fast error with closest matches, before any rank starts
+        # A fast error with closest matches, and a wrong binding refused, before any rank starts.
+        distributed_adapter = options.adapter is not None and ADAPTERS[options.adapter].distributed
+        load_distributed_implementation(spec, (options.adapter, tuple(options.bind)) if distributed_adapter else None)
         if torchrun is not None:
             from m2po_oracle.distributed.torchrun_runner import TorchrunRunner
 
@@ -53,10 +59,16 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runn
         if ":" in rest:  # trainer:module:Class or trainer:file.py:Class
             return TrainerRunner(trainer=load_attribute(rest), spec=spec, options=options)
         return TrainerRunner(rest or None, spec=spec, options=options)
+    if options.adapter is not None and ADAPTERS[options.adapter].distributed:
+        raise UsageError(f"adapter {options.adapter}: adapts a distributed port (it takes group=); give --topology dp=N too")
     rejecting = options.rejecting
     capture = not options.show_output
+    # Here first, also for an isolated run: a fast error with closest matches, and a wrong
+    # binding refused before any worker starts (naming the port's signature).
+    fn = adapt(load_implementation(spec), options.adapter, options.bind)
+    call = getattr(fn, "bound_call", None)
+    described = call.describe_call() if call is not None else None
     if options.in_process:
-        fn = adapt(load_implementation(spec), options.adapter)
-        return LossFunctionRunner(spec, InProcess(fn, capture=capture, rejecting=rejecting), options)
-    load_implementation(spec)  # here first, for a fast error with closest matches
-    return LossFunctionRunner(spec, Isolated(spec, timeout_s=options.timeout, adapter=options.adapter, capture=capture, rejecting=rejecting), options)
+        return LossFunctionRunner(spec, InProcess(fn, capture=capture, rejecting=rejecting), options, call=described)
+    isolated = Isolated(spec, timeout_s=options.timeout, adapter=options.adapter, bindings=options.bind, capture=capture, rejecting=rejecting)
+    return LossFunctionRunner(spec, isolated, options, call=described)

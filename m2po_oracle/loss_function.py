@@ -7,6 +7,7 @@ made (:mod:`m2po_oracle.isolation`), and so in which options they honour.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from hypothesis import strategies as st
@@ -20,7 +21,7 @@ from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, refuse_un
 from m2po_oracle.validation import PROBES, ProbeResult
 
 #: What both ways honour; the worker adds the per-call timeout and output pass-through.
-_HONOURED = frozenset({"dtype", "compute_dtype", "device", "adapter", "validation_errors"})
+_HONOURED = frozenset({"dtype", "compute_dtype", "device", "adapter", "bind", "validation_errors"})
 IN_PROCESS_HONOURS = _HONOURED | {"in_process", "show_output"}
 ISOLATED_HONOURS = _HONOURED | {"timeout", "show_output"}
 
@@ -42,8 +43,10 @@ class LossFunctionRunner:
     variant_descriptions: dict[str, str] = {}
     variant_source = ""
 
-    def __init__(self, spec: str, caller: InProcess | Isolated, options: RunOptions) -> None:
+    def __init__(self, spec: str, caller: InProcess | Isolated, options: RunOptions, *, call: str | None = None) -> None:
+        """``call``: the call an adapter makes of the port (``BoundCall.describe_call``), for the report."""
         self.spec, self.caller, self.options = spec, caller, options
+        self.call = call
         self.output = CapturedOutput()
         self.isolated = isinstance(caller, Isolated)
         refuse_unhonoured("a loss function run in a worker" if self.isolated else "a loss function run in this process (--in-process)",
@@ -62,14 +65,33 @@ class LossFunctionRunner:
         o = self.options
         outcome = run_battery(self.caller, example, dtype=o.dtype, compute_dtype=o.compute_dtype, device=o.device)
         self.output.add(outcome.measurement.output, outcome.measurement.output_lines)
-        return outcome
+        return self._within_adapter(outcome)
+
+    def _not_run(self) -> dict[str, str]:
+        """The checks the adapter cannot run (a field it builds itself, a property its own
+        construction decides), each with why; empty without an adapter."""
+        if not self.options.adapter:
+            return {}
+        from m2po_oracle.adapters import ADAPTERS
+
+        return ADAPTERS[self.options.adapter].not_run(self.options.bind)
+
+    def _within_adapter(self, outcome: BatteryOutcome) -> BatteryOutcome:
+        # A check on what the adapter built would judge the adapter, not the port: it is
+        # "not run" (dropped from what ran and from the mismatches), never "pass".
+        skipped = self._not_run()
+        if not skipped:
+            return outcome
+        return dataclasses.replace(outcome, checked=tuple(c for c in outcome.checked if c not in skipped),
+                                   mismatches=tuple(m for m in outcome.mismatches if m.check not in skipped))
 
     def validation(self) -> list[ProbeResult]:
         return [self.caller.probe(p.name, dtype=self.options.dtype, device=self.options.device) for p in PROBES]
 
     def replay_command(self, example: Batch) -> str:
         o = self.options
-        return replay_command(self.spec, example.to_json(), dtype=o.dtype, compute_dtype=o.compute_dtype, adapter=o.adapter)
+        bindings = tuple(part for binding in o.bind for part in ("--bind", binding))  # the replay makes the same call of the port
+        return replay_command(self.spec, example.to_json(), dtype=o.dtype, compute_dtype=o.compute_dtype, adapter=o.adapter, extra=bindings)
 
     def parse_example(self, data: dict[str, Any]) -> Batch:
         return Batch.from_dict(data)
@@ -83,8 +105,10 @@ class LossFunctionRunner:
         from m2po_oracle.adapters import ADAPTERS
 
         adapter = ADAPTERS[self.options.adapter]
+        bindings = self.options.bind
         return {"adapter": {"name": adapter.name, "signature": adapter.signature, "checked": list(adapter.checked),
-                            "supplies": sorted(adapter.supplies)}}
+                            "supplies": sorted(adapter.supplies_with(bindings)), "not_run": self._not_run(), "bindings": list(bindings),
+                            "call": self.call}}
 
     def start(self) -> None:
         if self.isolated:

@@ -17,6 +17,7 @@ class Option:
     default: Any = None
     choices: tuple[str, ...] | None = None
     switch: bool = False  # a flag without a value (store_true)
+    repeat: bool = False  # may be given several times; the values are kept in order (append)
 
     @property
     def flag(self) -> str:
@@ -74,8 +75,13 @@ COMPARE_OPTIONS: tuple[Option, ...] = (
     Option("device", "torch device for the input tensors (default cpu)", str),
     Option("timeout", "per-call timeout in seconds; the implementation runs in a worker process and a call past it is a finding (default 60)",
            _positive_seconds),
-    Option("adapter", "the port's signature family when it is not the contract's: mask_only, mask_function or policy_loss", str, None,
-           ("mask_only", "mask_function", "policy_loss")),
+    # No argparse choices: the names live in the adapter table (m2po_oracle.adapters), and
+    # open_runner refuses an unknown one with the closest matches.
+    Option("adapter", "the port's signature family when it is not the contract's (m2po-oracle adapters lists them: mask_only, "
+           "mask_function, masked_loss, per_token_loss, policy_loss, verl_release, clip_kernel, packed; group with --topology)", str),
+    Option("bind", "KEY=VALUE for the adapter's call, repeatable: where a role goes (budget=M2_budget, budget=config.policy_loss.m2_budget), "
+           "where an output is in the return (loss=0, keep=1, m2_after=4.M2_after), or an extra keyword argument (miniclip_low=None); "
+           "values are Python literals, else strings", str, repeat=True),
     Option("topology", "run distributed: ranks as dp=N,cp=N,tp=N (Megatron order); the implementation takes parallel=", _topology),
     Option("backend", "collective backend of a distributed run (default gloo)", str, None, ("gloo", "nccl")),
     Option("strict_validation", "count silently accepted invalid input (see 'validation' in the report) as a divergence", bool, False, switch=True),
@@ -90,7 +96,15 @@ def run_options(values: dict[str, Any]) -> Any:
     """``runner.RunOptions`` from parsed values keyed by option name (unset: None/False)."""
     from m2po_oracle.runner import RunOptions
 
-    return RunOptions.from_values({o.name: values.get(o.name) for o in COMPARE_OPTIONS})
+    return RunOptions.from_values({o.name: _value(o, values.get(o.name)) for o in COMPARE_OPTIONS})
+
+
+def _value(option: Option, value: Any) -> Any:
+    # A repeatable option arrives as a list (None when never given): a tuple keeps the
+    # options hashable and comparable.
+    if option.repeat:
+        return tuple(value) if value else None
+    return value
 
 
 def add_to_pytest(group: Any, options: tuple[Option, ...] = COMPARE_OPTIONS, prefix: str = "m2po") -> None:
@@ -100,6 +114,8 @@ def add_to_pytest(group: Any, options: tuple[Option, ...] = COMPARE_OPTIONS, pre
         dest = f"{prefix}_{option.name}"
         if option.switch:
             group.addoption(flag, dest=dest, action="store_true", default=False, help=option.help)
+        elif option.repeat:
+            group.addoption(flag, dest=dest, action="append", type=option.type, default=None, help=option.help)
         else:
             group.addoption(flag, dest=dest, type=option.type, default=option.default, choices=option.choices, help=option.help)
 
@@ -108,5 +124,7 @@ def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...]
     for option in options:
         if option.switch:
             parser.add_argument(option.flag, dest=option.name, action="store_true", help=option.help)
+        elif option.repeat:
+            parser.add_argument(option.flag, dest=option.name, action="append", type=option.type, default=None, metavar="KEY=VALUE", help=option.help)
         else:
             parser.add_argument(option.flag, dest=option.name, type=option.type, default=option.default, choices=option.choices, help=option.help)

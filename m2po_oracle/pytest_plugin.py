@@ -53,9 +53,11 @@ def item_outcomes(spec: str, values: dict[str, Any]) -> dict[str, Any]:
     except (LoadError, ValueError) as error:
         return {"error": f"the implementation could not be loaded: {error}"}
     items: dict[str, Any] = {}
+    beyond_adapter = (report.adapter or {}).get("not_run", {})  # checks on what the adapter, not the port, decides
     for name, tally in report.tallies.items():
         if tally.status == "not run":
-            why = "no call returned a result" if name != "call" and not report.usable else "no generated example exercised it"
+            why = ("no call returned a result" if name != "call" and not report.usable else
+                   f"adapter {report.adapter['name']}: {beyond_adapter[name]}" if name in beyond_adapter else "no generated example exercised it")
             items[name] = {"status": "skip", "message": f"not run on {report.examples} {report.example_unit}: {why}"}
             continue
         if not tally.failures:

@@ -37,6 +37,7 @@ class RunOptions:
     device: str = "cpu"
     timeout: float = 60.0
     adapter: str | None = None
+    bind: tuple[str, ...] = ()  # the adapter's KEY=VALUE bindings (--bind), in the order given
     topology: Any = None  # a distributed.topology.Topology (dp, cp, tp)
     backend: str = "gloo"
     strict_validation: bool = False

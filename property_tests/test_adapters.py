@@ -14,7 +14,7 @@ from hypothesis import given
 from m2po_oracle import strategies
 from m2po_oracle.adapters import ADAPTERS, adapt
 from m2po_oracle.battery import assert_battery_passes, run_battery
-from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, main
+from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
 from m2po_oracle.core import loss_from_selection, select_tokens
 
 
@@ -98,20 +98,54 @@ def test_a_non_mask_return_is_a_finding():
     assert outcome.failed_checks == ("call",) and "expected a bool or 0/1 mask" in outcome.mismatches[0].summary
 
 
-def test_cli_adapter_end_to_end_with_replay(tmp_path):
+def test_cli_adapter_end_to_end_with_replay(tmp_path, capsys):
     spec = "property_tests.test_adapters"  # the stand-ins above, loaded by module:function
     assert main(["compare", "--impl", f"{spec}:mask_only_port", "--adapter", "mask_only", "--examples", "30"]) == EXIT_EQUIVALENT
     report = tmp_path / "strict.json"
     assert main(["compare", "--impl", f"{spec}:mask_only_port_strict", "--adapter", "mask_only", "--examples", "60", "--json", str(report)]) == EXIT_DIVERGENT
     data = json.loads(report.read_text())
-    assert data["adapter"]["name"] == "mask_only" and data["adapter"]["checked"] == ["selection"]
+    assert data["adapter"]["name"] == "mask_only" and data["adapter"]["checked"] == list(ADAPTERS["mask_only"].checked)
+    assert set(data["adapter"]["not_run"]) == {"loss", "gradient"}  # built by the adapter: not run, never pass
+    assert {c["name"]: c["status"] for c in data["checks"]}["loss"] == "not run"
     replay = shlex.split(data["counterexamples"][0]["replay"])
     assert "--adapter" in replay and main(replay[1:]) == EXIT_DIVERGENT
     assert main(["compare", "--impl", f"{spec}:policy_loss_port", "--adapter", "policy_loss", "--examples", "20"]) == EXIT_EQUIVALENT
-    with pytest.raises(SystemExit):
-        main(["compare", "--impl", "core", "--adapter", "nope"])
+    assert main(["compare", "--impl", "core", "--adapter", "mask_onyl"]) == EXIT_UNUSABLE
+    assert "closest matches: mask_only" in capsys.readouterr().err
 
 
 def test_every_adapter_documents_what_it_checks():
+    from m2po_oracle.adapters import check_field
+    from m2po_oracle.checks import CHECKS
+
     for adapter in ADAPTERS.values():
-        assert adapter.signature.startswith("fn(") and adapter.checked
+        assert adapter.signature.startswith("fn(") and adapter.checked and adapter.params and adapter.outputs
+        assert adapter.supplies <= {"keep", "loss", "grad"} | set(_metric_names())
+        # Every field is either the port's or built by the adapter (saying how), never neither.
+        for field in ("keep", "loss", "grad"):
+            assert (field in adapter.supplies) != (field in adapter.builds), f"{adapter.name}: {field}"
+        assert set(adapter.unobservable) <= set(CHECKS)
+        assert set(adapter.runs()) | set(adapter.not_run()) == set(adapter.judged_by) and "call" in adapter.runs()
+        assert all(check_field(c) in adapter.builds or c in adapter.unobservable or check_field(c) not in adapter.supplies
+                   for c in adapter.not_run())
+
+
+def _metric_names() -> tuple[str, ...]:
+    from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS
+
+    return METRIC_FIELDS + COUNT_FIELDS
+
+
+def test_the_adapters_command_lists_each_family(capsys):
+    assert main(["adapters"]) == EXIT_EQUIVALENT
+    out = capsys.readouterr().out
+    for adapter in ADAPTERS.values():
+        assert f"\n{adapter.name}\n  signature:  {adapter.signature}\n" in out
+    assert "not run:    loss: the adapter builds loss" in out and "M2_now -> m2_before" in out and "--bind KEY=VALUE" in out
+
+
+def test_the_adapter_option_names_every_adapter():
+    from m2po_oracle.options import COMPARE_OPTIONS
+
+    (option,) = [o for o in COMPARE_OPTIONS if o.name == "adapter"]
+    assert all(name in option.help for name in ADAPTERS), option.help

@@ -52,7 +52,7 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
     rows = dp_row_slices(batch.shape[0], ctx.topology.dp)[ctx.coords.dp]
     local = Batch(batch.logp[rows], batch.behavior_logp[rows], batch.advantages[rows], batch.valid[rows], batch.tau)
     try:
-        fn = load_distributed_implementation(spec)
+        fn = load_distributed_implementation(spec, payload.get("adapter"))
         tensors = to_tensors(local, dtype, ctx.device)
         raw = fn(tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"], tau=batch.tau, parallel=ParallelState.of_rank(ctx))
         result, _ = normalise_result(raw, tensors["logp"], local.shape)

@@ -213,9 +213,16 @@ CONTROL_TOPOLOGIES: dict[str, str] = {
 
 
 @functools.lru_cache(maxsize=None)
-def load_distributed_implementation(spec: str) -> Any:
+def load_distributed_implementation(spec: str, adapter: tuple[str, tuple[str, ...]] | None = None) -> Any:
     """A built-in distributed implementation by name, or a user's ``module:function``
-    (loaded once per process: a rank serves every step with the same function)."""
+    (loaded once per process: a rank serves every step with the same function).
+
+    ``adapter``: (name, bindings) of a distributed adapter (``--adapter group``) that turns
+    the loaded port into the ``parallel=`` contract."""
+    if adapter is not None:
+        from m2po_oracle.adapters import adapt
+
+        return adapt(load_distributed_implementation(spec), adapter[0], adapter[1])
     if spec in DISTRIBUTED_BUILTINS:
         return DISTRIBUTED_BUILTINS[spec]
     import difflib

@@ -65,9 +65,21 @@ class DistributedRunner:
     def __init__(self, spec: str, topology: Topology, *, backend: str = "gloo", timeout_s: float = 60.0, options: RunOptions | None = None,
                  world: Any = None) -> None:
         self.options = options or RunOptions(topology=topology, backend=backend, timeout=timeout_s)
-        refuse_unhonoured(f"a distributed run ({topology})", DISTRIBUTED_HONOURS, self.options,
-                          {"adapter": "the distributed contract takes parallel=; adapters wrap single-process signatures",
+        from m2po_oracle.adapters import ADAPTERS
+
+        # A distributed adapter (a port taking group=) is honoured, with its bindings; the
+        # others wrap single-process signatures.
+        self.adapter = ADAPTERS.get(self.options.adapter or "")
+        distributed = self.adapter is not None and self.adapter.distributed
+        refuse_unhonoured(f"a distributed run ({topology})", DISTRIBUTED_HONOURS | ({"adapter", "bind"} if distributed else set()), self.options,
+                          {"adapter": "the distributed contract takes parallel=; adapters wrap single-process signatures "
+                                      f"(--adapter {', '.join(n for n, a in ADAPTERS.items() if a.distributed)} adapts a port taking group=)",
+                           "bind": "--bind shapes a distributed adapter's call (--adapter group)",
                            "in_process": "every rank is a process of its own", "show_output": "rank output is not captured"})
+        if distributed and topology.cp > 1:
+            raise UsageError(f"adapter {self.adapter.name}: a port taking group= computes its loss over its whole rows, but with cp={topology.cp} "
+                             f"a rank's share is its context-parallel shard; use cp=1 ({topology} asked), or the parallel= contract")
+        self._adapter_payload = (self.adapter.name, tuple(self.options.bind)) if distributed else None
         if "device" in self.options.given and self.options.device.split(":")[0] != BACKEND_DEVICE[backend]:
             raise UsageError(f"device: the {backend} backend places every rank on {BACKEND_DEVICE[backend]}, got --device {self.options.device!r}")
         self.spec, self.topology = spec, topology
@@ -79,7 +91,7 @@ class DistributedRunner:
         dtype = dtype or self.options.dtype
         seen = pad_for_cp(rounded_batch(batch, dtype), self.topology.cp)
         try:
-            outcomes = self.world.run(rank_step, {"spec": self.spec, "batch": seen.to_dict(), "dtype": dtype})
+            outcomes = self.world.run(rank_step, {"spec": self.spec, "batch": seen.to_dict(), "dtype": dtype, "adapter": self._adapter_payload})
         except WorldError as error:
             step = DistributedStep(seen, error.outcomes)
             mismatches, timed_out = step_mismatches(error, self.topology.world_size, self.world.timeout_s)
@@ -101,12 +113,14 @@ class DistributedRunner:
     def validation(self) -> list[ProbeResult]:
         from m2po_oracle.distributed.validation import run_collective_probes
 
-        return run_collective_probes(self.world, self.spec, dtype=self.options.dtype)
+        return run_collective_probes(self.world, self.spec, dtype=self.options.dtype, adapter=self._adapter_payload)
 
     def replay_command(self, example: Batch) -> str:
         o = self.options
+        bindings = tuple(part for binding in o.bind for part in ("--bind", binding)) if self._adapter_payload else ()
         return replay_command(self.spec, example.to_json(), dtype=o.dtype, compute_dtype=o.compute_dtype,
-                              extra=("--topology", str(self.topology), "--backend", self.world.backend))
+                              adapter=self._adapter_payload[0] if self._adapter_payload else None,
+                              extra=("--topology", str(self.topology), "--backend", self.world.backend, *bindings))
 
     def parse_example(self, data: dict[str, Any]) -> Batch:
         return Batch.from_dict(data)
@@ -116,7 +130,15 @@ class DistributedRunner:
 
     def describe(self) -> dict[str, Any]:
         t = self.topology
-        return {"topology": {"dp": t.dp, "cp": t.cp, "tp": t.tp, "backend": self.world.backend}}
+        described: dict[str, Any] = {"topology": {"dp": t.dp, "cp": t.cp, "tp": t.tp, "backend": self.world.backend}}
+        if self._adapter_payload:
+            from m2po_oracle.distributed.implementations import load_distributed_implementation
+
+            a, bindings = self.adapter, self.options.bind
+            call = load_distributed_implementation(self.spec, self._adapter_payload).bound_call.describe_call()  # loaded (and cached) by open_runner
+            described["adapter"] = {"name": a.name, "signature": a.signature, "checked": list(a.checked), "supplies": sorted(a.supplies_with(bindings)),
+                                    "not_run": a.not_run(bindings), "bindings": list(bindings), "call": call}
+        return described
 
     def start(self) -> None:
         self.world.start()

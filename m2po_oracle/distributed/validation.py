@@ -105,7 +105,7 @@ def rank_probe(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
 
     p = collective_probe(payload["probe"])
     spec = payload["spec"]
-    fn = load_distributed_implementation(spec)
+    fn = load_distributed_implementation(spec, payload.get("adapter"))
     kwargs = _probe_inputs(ctx, p, payload.get("dtype", "float64"), list(payload.get("ranks", [bad_rank(p, ctx.topology)])))
     tau = kwargs.pop("tau")
     dist.barrier()  # start every rank's clock together: "seconds" is then the time to refuse
@@ -127,13 +127,13 @@ def _outcome(status: str, kind: str, message: str, started: float, ctx: RankCont
 # --- running the battery and reducing the ranks' outcomes ---
 
 def run_collective_probes(world: World, spec: str, *, dtype: str = "float64",
-                          probes: tuple[CollectiveProbe, ...] = COLLECTIVE_PROBES) -> list[ProbeResult]:
+                          probes: tuple[CollectiveProbe, ...] = COLLECTIVE_PROBES, adapter: tuple[str, tuple[str, ...]] | None = None) -> list[ProbeResult]:
     """Every probe through ``world`` (restarted after a hang or a dead rank); never raises
-    because of the implementation."""
+    because of the implementation. ``adapter``: (name, bindings) of a distributed adapter."""
     results = []
     for p in probes_for(world.topology, probes):
         try:
-            outcomes = world.run(rank_probe, {"spec": spec, "probe": p.name, "dtype": dtype})
+            outcomes = world.run(rank_probe, {"spec": spec, "probe": p.name, "dtype": dtype, "adapter": adapter})
         except WorldError as error:
             outcomes = error.outcomes
         results.append(reduce_outcomes(p, outcomes, world))

@@ -1,0 +1,128 @@
+"""Every adapter family, against stand-ins of exactly its shape (``fixtures/ports``): a
+correct port is equivalent, a planted bug divergent on its check, through the CLI and the
+pytest plugin; a check the adapter cannot run is "not run", never "pass"."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from m2po_oracle.adapters import ADAPTERS
+from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
+
+PORTS = Path(__file__).resolve().parents[1] / "fixtures" / "ports"
+EXIT = {"equivalent": EXIT_EQUIVALENT, "divergent": EXIT_DIVERGENT, "unusable": EXIT_UNUSABLE}
+#: Enough generated batches for every planted bug here to show (seed 0), few enough to stay quick.
+EXAMPLES = "30"
+
+
+@dataclass(frozen=True)
+class Case:
+    adapter: str
+    port: str  # file.py:function under fixtures/ports
+    verdict: str
+    failing: str | None = None  # the check the planted bug must fail
+    bind: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ()  # metric checks that must have run on what the port returns (mapped names)
+    isolated: bool = False  # in the worker process: the bindings must reach it
+    topology: str | None = None  # a distributed port: a world of ranks
+
+    @property
+    def spec(self) -> str:
+        return f"{PORTS / self.port}"
+
+    @property
+    def id(self) -> str:
+        return f"{self.adapter}-{self.port.partition(':')[2]}" + ("-bound" if self.bind else "")
+
+    def options(self, prefix: str = "--") -> list[str]:
+        bindings = [part for binding in self.bind for part in (f"{prefix}bind", binding)]
+        how = [f"{prefix}topology", self.topology] if self.topology else [] if self.isolated else [f"{prefix}in-process"]
+        return [f"{prefix}adapter", self.adapter, *bindings, f"{prefix}examples", EXAMPLES, *how]
+
+
+CASES = (
+    Case("mask_only", "mask_only.py:select_mask", "equivalent", metrics=("metrics.masked_fraction", "metrics.m2_after")),
+    Case("mask_only", "mask_only.py:select_mask_strict_stop", "divergent", "selection.minimal"),
+    Case("mask_only", "mask_only.py:select_mask_reordered", "equivalent", bind=("budget=budget", "keep=1", "metrics=0"),
+         metrics=("metrics.masked_fraction",), isolated=True),
+    Case("mask_function", "mask_function.py:m2po_loss_mask", "equivalent", metrics=("metrics.m2_before", "metrics.trust_region_count")),
+    Case("mask_function", "mask_function.py:m2po_loss_mask_without_advantages", "divergent", "selection.only_trust_region_masked"),
+    Case("masked_loss", "masked_loss.py:m2po_masked_loss", "equivalent"),
+    Case("masked_loss", "masked_loss.py:m2po_masked_loss_kept_denominator", "divergent", "loss"),
+    Case("per_token_loss", "per_token_loss.py:m2po_per_token_loss", "equivalent", metrics=("metrics.m2_before",)),
+    Case("per_token_loss", "per_token_loss.py:m2po_per_token_loss_per_sequence", "divergent", "selection.minimal"),
+    Case("per_token_loss", "per_token_loss.py:m2po_per_token_loss_reordered", "equivalent",
+         bind=("logp=logp", "behavior_logp=old_logp", "keep=0", "per_token_loss=1"), isolated=True),
+    # Reads config.policy_loss.get("m2_budget"): runs as is (the config nests policy_loss).
+    Case("policy_loss", "policy_loss.py:compute_policy_loss_m2po", "equivalent", metrics=("metrics.masked_fraction", "metrics.m2_before")),
+    Case("policy_loss", "policy_loss.py:compute_policy_loss_m2po_kept_denominator", "divergent", "loss"),
+    Case("policy_loss", "policy_loss.py:compute_policy_loss_m2po_custom_budget", "equivalent", bind=("budget=config.actor.m2po.budget",),
+         isolated=True),
+    # ... and without its binding it cannot find its budget: every call raises.
+    Case("policy_loss", "policy_loss.py:compute_policy_loss_m2po_custom_budget", "unusable", "call"),
+    Case("verl_release", "verl_release.py:compute_policy_loss", "equivalent", metrics=("metrics.m2_before", "metrics.masked_fraction")),
+    Case("verl_release", "verl_release.py:compute_policy_loss_breakpoint_below", "divergent", "selection.minimal"),
+    Case("verl_release", "verl_release.py:compute_policy_loss_v2", "equivalent", bind=("clip_ratio_c=3.0", "metrics=1"),
+         metrics=("metrics.m2_before",), isolated=True),
+    Case("clip_kernel", "clip_kernel.py:m2po_clip_loss", "equivalent", bind=("masked_fraction=1", "m2_before=2", "m2_after=3"),
+         metrics=("metrics.masked_fraction", "metrics.m2_before", "metrics.m2_after")),
+    Case("clip_kernel", "clip_kernel.py:m2po_water_filling_clip", "divergent", "loss"),
+    Case("packed", "packed.py:packed_m2po", "equivalent", metrics=("metrics.m2_before", "metrics.valid_count")),
+    Case("packed", "packed.py:packed_m2po_per_sequence", "divergent", "selection.minimal"),
+    Case("group", "group.py:m2po_loss_dp", "equivalent", metrics=("distributed.metrics",), topology="dp=2,tp=2"),
+    Case("group", "group.py:m2po_loss_dp_local_denominator", "divergent", "distributed.shard_gradient", topology="dp=2"),
+)
+
+
+def params(cases):
+    # Distributed worlds share one xdist group: two gloo worlds at once would oversubscribe two cores.
+    return [pytest.param(c, id=c.id, marks=[pytest.mark.xdist_group("distributed")] if c.topology else []) for c in cases]
+
+
+def test_every_adapter_has_a_correct_and_a_planted_bug_stand_in():
+    for name in ADAPTERS:
+        verdicts = {c.verdict for c in CASES if c.adapter == name}
+        assert {"equivalent", "divergent"} <= verdicts, f"{name}: expected a correct and a planted-bug stand-in, got {verdicts}"
+
+
+@pytest.mark.parametrize("case", params(CASES))
+def test_the_cli_gives_each_stand_in_its_verdict(case, tmp_path):
+    report = tmp_path / "report.json"
+    assert main(["compare", "--impl", case.spec, *case.options(), "--json", str(report)]) == EXIT[case.verdict]
+    data = json.loads(report.read_text())
+    status = {c["name"]: c["status"] for c in data["checks"]}
+    failed = {name for name, s in status.items() if s == "fail"}
+    assert data["verdict"] == case.verdict and (case.failing in failed if case.failing else not failed), failed
+    adapter = data["adapter"]
+    assert adapter["name"] == case.adapter and adapter["bindings"] == list(case.bind) and adapter["call"]
+    # What the adapter builds or decides itself is never reported as a pass.
+    for check in ADAPTERS[case.adapter].not_run(case.bind):
+        assert status[check] == "not run", f"{check}: {status[check]} although the adapter cannot run it"
+    for check in case.metrics:
+        assert status[check] == "pass", f"{check}: the port's metric was not read back ({status[check]})"
+    if case.verdict == "divergent":  # the replay makes the same call, bindings included, and fails again
+        shows = [c for c in data["counterexamples"] if case.failing in (c["check"], *c.get("checks", ()))]
+        assert shows, f"no counterexample for {case.failing}"
+        replay = shlex.split(shows[0]["replay"])
+        assert replay[replay.index("--adapter") + 1] == case.adapter
+        assert [replay[i + 1] for i, part in enumerate(replay) if part == "--bind"] == list(case.bind)
+        assert main(replay[1:]) == EXIT_DIVERGENT
+
+
+@pytest.mark.parametrize("case", params(c for c in CASES if c.verdict != "unusable"))
+def test_the_pytest_plugin_gives_each_stand_in_its_verdict(case, pytester):
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-rfs", "--m2po-impl", case.spec, *case.options("--m2po-"))
+    outcomes = result.parseoutcomes()
+    if case.failing:
+        result.stdout.fnmatch_lines([f"*FAILED*::{case.failing}*"])
+    else:
+        assert outcomes.get("failed", 0) == 0, result.stdout.str()[-3000:]
+    skipped = [c for c in ADAPTERS[case.adapter].not_run(case.bind) if not c.startswith("metrics.")]
+    if skipped:  # a check outside the adapter's reach is skipped, saying why
+        result.stdout.fnmatch_lines([f"*SKIPPED*adapter {case.adapter}: *"])
+    assert outcomes.get("skipped", 0) >= len(skipped)
