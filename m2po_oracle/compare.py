@@ -57,6 +57,8 @@ class Counterexample:
     actual: M2POResult | None = None
     ranks: tuple[dict, ...] = ()
     case: dict | None = None  # a trainer case: the step's input (the batch is what the trainer produced)
+    cause: str | None = None  # the explanation it demonstrates ("a + b"), None for an unexplained check
+    checks: tuple[str, ...] = ()  # every failing check it demonstrates
 
 
 @dataclass
@@ -126,7 +128,8 @@ class CompareReport:
                 for name, t in self.tallies.items()
             ],
             "counterexamples": [
-                {**counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype), **({"ranks": list(c.ranks)} if c.ranks else {}),
+                {**counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype), "cause": c.cause,
+                 "checks": list(c.checks or (c.check,)), **({"ranks": list(c.ranks)} if c.ranks else {}),
                  **({"trainer_case": c.case} if c.case else {})}
                 for c in self.counterexamples
             ],
@@ -156,8 +159,10 @@ def environment() -> dict[str, Any]:
 MAX_TIMEOUTS = 2
 #: ... and when the implementation's process died on each of this many first calls.
 MAX_DEAD_CALLS = 5
-#: Observations kept for diagnosis: half from failing examples, half from passing ones.
+#: Observations kept for diagnosis: half from failing examples, half from passing ones,
+#: and beyond that the first few of every failing check, so each is represented.
 DIAGNOSIS_EXAMPLES = 60
+OBSERVATIONS_PER_CHECK = 3
 
 
 class _StopExploring(BaseException):  # BaseException: Hypothesis must not shrink it
@@ -215,19 +220,70 @@ def _describe(runner: Runner) -> dict[str, Any]:
     return {"topology": described.get("topology"), "adapter": described.get("adapter")}
 
 
+@dataclass
+class _Evidence:
+    """What exploration keeps for the diagnosis."""
+
+    failing: list[Observation] = field(default_factory=list)
+    passing: list[Observation] = field(default_factory=list)
+    per_check: dict[str, int] = field(default_factory=dict)
+    step_by_check: dict[str, set[str]] = field(default_factory=dict)  # check -> step variants reproducing each of its failing steps
+    non_finite: int = 0  # examples whose loss or gradient is not finite on valid, finite inputs
+    non_finite_checks: set[str] = field(default_factory=set)
+
+    def keep(self, outcome: BatteryOutcome) -> None:
+        result = outcome.measurement.result
+        if result is None:
+            return
+        value_failures = frozenset(n for n in outcome.failed_checks if n not in BEHAVIOURAL_CHECKS)
+        observation = Observation(outcome.batch, result, frozenset(outcome.failed_checks), outcome.padding_probes)
+        # A behavioural failure (a padding probe) needs observations too: the diagnosis
+        # replays the probes to tell a deviation that reads padding from a leak.
+        underrepresented = any(self.per_check.get(n, 0) < OBSERVATIONS_PER_CHECK for n in outcome.failed_checks)
+        bucket = self.failing if value_failures else self.passing
+        if len(bucket) < DIAGNOSIS_EXAMPLES // 2 or underrepresented:
+            bucket.append(observation)
+            for n in outcome.failed_checks:
+                self.per_check[n] = self.per_check.get(n, 0) + 1
+        if not _finite_on_valid(outcome.batch, result):
+            self.non_finite += 1
+            self.non_finite_checks.update(n for n in outcome.failed_checks if n in ("loss", "gradient"))
+
+    def keep_step(self, outcome: BatteryOutcome) -> None:
+        found = set(outcome.explained_by or ()) & set(outcome.explained_by if outcome.evidenced is None else outcome.evidenced)
+        for check in outcome.failed_checks:
+            self.step_by_check[check] = found if check not in self.step_by_check else self.step_by_check[check] & found
+
+    def findings(self) -> list[dict[str, Any]]:
+        if not self.non_finite:
+            return []
+        return [{"kind": "non_finite_result", "checks": sorted(self.non_finite_checks),
+                 "summary": f"the loss or gradient is NaN or infinite on {self.non_finite} example(s) whose inputs are finite on every valid "
+                            "token: a finding of its own (not a padding leak: padding is probed apart)"}]
+
+
+def _finite_on_valid(batch: Batch, result: M2POResult) -> bool:
+    """False where the port's loss or gradient is NaN/inf although Algorithm 1's, on the
+    port's own mask, is finite (an overflow of exp(d) is not the port's fault)."""
+    grad_finite = result.grad is None or bool(np.all(np.isfinite(result.grad[batch.valid])))
+    if np.isfinite(result.loss) and grad_finite:
+        return True
+    from m2po_oracle import oracle
+
+    expected = oracle.evaluate_with_mask(batch, result.keep)
+    if not np.isfinite(result.loss) and np.isfinite(expected.loss):
+        return False
+    return grad_finite or not bool(np.all(np.isfinite(expected.grad[batch.valid])))
+
+
 def _explore_and_judge(runner: Runner, report: CompareReport, shrink: bool, on_example: Callable[[BatteryOutcome], None] | None,
                        until_first_failure: bool = False) -> None:
     options = runner.options
     strategy = runner.strategy()
     tallies = report.tallies
-    failing_observations: list[Observation] = []
-    passing_observations: list[Observation] = []
-    step_matches: set[str] | None = None  # step-level variants reproducing every failing step so far
-    failing_steps = 0
-    evidenced: set[str] = set()  # variants that differ from Algorithm 1 on some failing step they reproduce
+    evidence = _Evidence()
 
     def explore(example: Any) -> bool:
-        nonlocal step_matches, failing_steps
         report.examples += 1
         outcome = runner.run_battery(example)
         for name in outcome.checked:
@@ -238,17 +294,9 @@ def _explore_and_judge(runner: Runner, report: CompareReport, shrink: bool, on_e
             tally.failures += 1
             if tally.first_failure is None:
                 tally.first_failure, tally.first_failure_at = example, report.examples
-        result = outcome.measurement.result
-        if result is not None:
-            values_diverge = any(name not in BEHAVIOURAL_CHECKS for name in outcome.failed_checks)
-            kept = failing_observations if values_diverge else passing_observations
-            if len(kept) < DIAGNOSIS_EXAMPLES // 2:
-                kept.append(Observation(outcome.batch, result))
+        evidence.keep(outcome)
         if outcome.explained_by is not None:
-            failing_steps += 1
-            found = set(outcome.explained_by)
-            step_matches = found if step_matches is None else step_matches & found
-            evidenced.update(found if outcome.evidenced is None else outcome.evidenced)
+            evidence.keep_step(outcome)
         if outcome.ranks and not report.collectives:
             report.collectives.extend({"rank": r["rank"], "coords": r["coords"], "collectives": r["collectives"]} for r in outcome.ranks)
         if on_example is not None:
@@ -272,76 +320,122 @@ def _explore_and_judge(runner: Runner, report: CompareReport, shrink: bool, on_e
             report.stopped_early = stop.reason
 
     hung = runner.health.timeouts >= MAX_TIMEOUTS
-    report.counterexamples = _counterexamples(runner, report, strategy, shrink and not runner.health.timeouts)
+    supplied = _supplied(runner)
+    _diagnose(runner, report, evidence, supplied)
+    report.counterexamples = _counterexamples(runner, report, strategy, shrink and not runner.health.timeouts, supplied)
     if hung:  # each probe would wait out the timeout too
         report.validation_not_run = f"the implementation hangs ({runner.health.timeouts} calls timed out)"
     elif not report.usable:
         report.validation_not_run = "no call returned a result, so a refusal of invalid input cannot be told from any other failure"
     else:
         report.validation = runner.validation()
-    _diagnose(runner, report, failing_observations, passing_observations, step_matches, evidenced, failing_steps)
 
 
-def _counterexamples(runner: Runner, report: CompareReport, strategy: Any, shrink: bool) -> list[Counterexample]:
+def _supplied(runner: Runner) -> frozenset[str] | None:
+    """The result fields the port itself computes (None: every field it returns)."""
+    adapter = runner.describe().get("adapter") or {}
+    return frozenset(adapter["supplies"]) if "supplies" in adapter else None
+
+
+def _diagnose(runner: Runner, report: CompareReport, evidence: _Evidence, supplied: frozenset[str] | None) -> None:
+    if not report.usable:
+        report.diagnosis = {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
+        return
+    observations = evidence.failing + evidence.passing if evidence.failing else []
+    report.diagnosis = diagnose(observations, [n for n, t in report.tallies.items() if t.failures], dtype=report.dtype,
+                                divergent=report.verdict == "divergent", compute_dtype=report.compute_dtype, supplied=supplied,
+                                step_explanations={c: names for c, names in evidence.step_by_check.items() if names},
+                                step_descriptions=runner.variant_descriptions, step_source=runner.variant_source, findings=evidence.findings())
+
+
+def _causes(report: CompareReport, value_variants: set[str]) -> list[tuple[str | None, tuple[str, ...], tuple[str, ...]]]:
+    """(cause, its deviations to reproduce alone or (), the failing checks it shows), one per distinct cause."""
+    by_check = report.diagnosis.get("by_check", {})
+    groups: dict[str, tuple[tuple[str, ...], list[str]]] = {}
+    plan: list[tuple[str | None, tuple[str, ...], tuple[str, ...]]] = []
+    for name, tally in report.tallies.items():
+        if tally.first_failure is None:
+            continue
+        names = tuple(by_check.get(name, ()))
+        if names and set(names) <= value_variants:
+            groups.setdefault(" + ".join(names), (names, []))[1].append(name)
+        else:
+            plan.append((names[0] if len(names) == 1 else (" + ".join(names) or None), (), (name,)))
+    return [(cause, names, tuple(checks)) for cause, (names, checks) in groups.items()] + plan
+
+
+def _counterexamples(runner: Runner, report: CompareReport, strategy: Any, shrink: bool, supplied: frozenset[str] | None) -> list[Counterexample]:
+    """One counterexample per distinct cause: each explained group of checks is shrunk on
+    examples where its deviations alone reproduce the port (when any does), every other
+    failing check on its own."""
+    from m2po_oracle.deviations import VARIANTS
+
+    value_variants = {v.name for v in VARIANTS if not v.is_behavioural}
     found: list[Counterexample] = []
     # A step runner's example costs a model or a world: a minimal input already found for one
     # check also serves every other check it fails, instead of a new search per check.
     shrunk_outcomes: list[tuple[Any, BatteryOutcome]] = []
-    for name, tally in report.tallies.items():
-        if tally.first_failure is None:
-            continue
+    for cause, alone, checks in _causes(report, value_variants):
+        tallies = [report.tallies[c] for c in checks]
+        first = min(tallies, key=lambda t: t.first_failure_at or 0)
         if not shrink:  # shrinking a hanging implementation would wait out the timeout on every try
-            found.append(_counterexample(runner, name, tally.first_failure, runner.run_battery(tally.first_failure)))
+            outcome = runner.run_battery(first.first_failure)
+            found.append(_counterexample(runner, first.name, first.first_failure, outcome, cause, checks))
             continue
-        prior = next(((example, outcome) for example, outcome in shrunk_outcomes if name in outcome.failed_checks), None) if runner.costly_examples else None
+        prior = next(((e, o) for e, o in shrunk_outcomes if set(checks) & set(o.failed_checks)), None) if runner.costly_examples else None
         if prior is not None:
-            found.append(_counterexample(runner, name, *prior))
+            found.append(_counterexample(runner, first.name, *prior, cause, checks))
             continue
-        example, outcome = _shrink(runner, name, tally.first_failure, strategy)
+        shows = _shows_alone(report, alone, checks, supplied) if alone else None
+        example, outcome = _shrink(runner, set(checks), first.first_failure, strategy, shows)
         shrunk_outcomes.append((example, outcome))
-        found.append(_counterexample(runner, name, example, outcome))
+        check = next((c for c in checks if c in outcome.failed_checks), first.name)
+        found.append(_counterexample(runner, check, example, outcome, cause, checks))
     return found
 
 
-def _diagnose(runner: Runner, report: CompareReport, failing: list[Observation], passing: list[Observation], step_matches: set[str] | None,
-              evidenced: set[str], failing_steps: int) -> None:
-    if not report.usable:
-        report.diagnosis = {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
-        return
-    shrunk = [Observation(c.batch, c.actual) for c in report.counterexamples if c.actual is not None and c.check not in BEHAVIOURAL_CHECKS]
-    divergent_values = shrunk + failing
-    report.diagnosis = diagnose(divergent_values + passing if divergent_values else [], [n for n, t in report.tallies.items() if t.failures],
-                                dtype=report.dtype, divergent=report.verdict == "divergent")
-    # A variant that coincides with Algorithm 1 on every failing step reproduces them trivially.
-    step_matches = (step_matches or set()) & evidenced
-    if step_matches:
-        # A step-level variant may share its name with a single-process one (the same
-        # deviation seen from the whole step): it is named once, with the step's evidence.
-        others = [m for m in report.diagnosis["matches"] if m["variant"] not in step_matches]
-        report.diagnosis["matches"] = [
-            {"variant": name, "description": runner.variant_descriptions[name], "source": runner.variant_source,
-             "evidence": f"reproduces all {failing_steps} failing steps"} for name in sorted(step_matches)] + others
-        report.diagnosis["status"] = "matched"
+def _shows_alone(report: CompareReport, names: tuple[str, ...], checks: tuple[str, ...], supplied: frozenset[str] | None) -> Callable[[BatteryOutcome], bool]:
+    """Whether an outcome fails one of ``checks`` and these deviations alone reproduce it."""
+    from m2po_oracle.diagnosis import Judge, merge
+
+    dev = merge(names)
+
+    def shows(outcome: BatteryOutcome) -> bool:
+        result = outcome.measurement.result
+        if result is None or dev is None or not set(checks) & set(outcome.failed_checks):
+            return False
+        judge = Judge([Observation(outcome.batch, result)], dtype=report.dtype, compute_dtype=report.compute_dtype, supplied=supplied)
+        return not judge.differences(dev, 0)
+    return shows
 
 
-def _counterexample(runner: Runner, check: str, example: Any, outcome: BatteryOutcome) -> Counterexample:
-    mismatches = tuple(m for m in outcome.mismatches if m.check == check) or outcome.mismatches
-    return Counterexample(check, outcome.batch, mismatches, runner.replay_command(example), outcome.measurement.result, outcome.ranks, outcome.case)
+def _counterexample(runner: Runner, check: str, example: Any, outcome: BatteryOutcome, cause: str | None = None,
+                    checks: tuple[str, ...] = ()) -> Counterexample:
+    shown = set(checks or (check,))
+    mismatches = tuple(m for m in outcome.mismatches if m.check in shown) or outcome.mismatches
+    return Counterexample(check, outcome.batch, mismatches, runner.replay_command(example), outcome.measurement.result, outcome.ranks, outcome.case,
+                          cause, tuple(c for c in (checks or (check,)) if c in outcome.failed_checks) or (check,))
 
 
-def _shrink(runner: Runner, check: str, fallback: Any, strategy: Any) -> tuple[Any, BatteryOutcome]:
-    """Replay the same search with "this check fails" as the goal; Hypothesis shrinks it."""
+def _shrink(runner: Runner, checks: set[str], fallback: Any, strategy: Any,
+            shows: Callable[[BatteryOutcome], bool] | None = None) -> tuple[Any, BatteryOutcome]:
+    """Replay the same search with "one of these checks fails" (and, given ``shows``, "the
+    cause shows alone") as the goal; Hypothesis shrinks it."""
 
-    def fails(example: Any) -> bool:
-        return check in runner.run_battery(example).failed_checks
+    def search(goal: Callable[[BatteryOutcome], bool]) -> Any:
+        options = runner.options
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return find(strategy, lambda example: goal(runner.run_battery(example)), settings=_search_settings(options.examples),
+                        random=random.Random(options.seed))
 
-    options = runner.options
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    example = fallback
+    for goal in ([shows] if shows is not None else []) + [lambda outcome: bool(checks & set(outcome.failed_checks))]:
         try:
-            example = find(strategy, fails, settings=_search_settings(options.examples), random=random.Random(options.seed))
-        except (NoSuchExample, Exception):  # a flaky check may not fail again: keep the first failing example
-            example = fallback
+            example = search(goal)
+            break
+        except (NoSuchExample, Exception):  # no example shows it alone, or a flaky check did not fail again
+            continue
     return example, runner.run_battery(example)
 
 

@@ -16,10 +16,22 @@ from typing import Any
 
 import torch
 
-from m2po_oracle.deviations import Deviation, variant
+from m2po_oracle.deviations import DENOMINATOR_EPSILON, Deviation, combine, variant
 
 
-def _candidates(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+#: Thresholds of the clip family's "harmful" test (spec section 4, fact 1) and stop test (fact 2).
+CLIP_ADVANTAGE_EPS = 1e-12
+CLIP_RATIO_EPS = 1e-12
+CLIP_BUDGET_EPS = 1e-12
+#: The release's breakpoint below the exact cap (spec section 4, fact 3).
+CLIP_BELOW_OFFSET = 1e-12
+#: Knobs of the mask selection that mean nothing for a clip range (selection_kind != "mask").
+_MASK_ONLY_KNOBS = ("strict_stop", "mean_over_valid", "scope_rows", "extra_removed", "min_kept", "ppo_clip", "apply_mask",
+                    "masked_keep_value", "m2_after_over_valid", "random_tie_break")
+
+
+def _candidates(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, how: str, raw_advantages: torch.Tensor | None = None) -> torch.Tensor:
     if how == "trust_region":
         return mask & (((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
     if how == "all_valid":
@@ -31,11 +43,31 @@ def _candidates(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, h
     if how == "first_token_sign":
         first = torch.gather(advantages, 1, mask.long().argmax(dim=1, keepdim=True)).expand_as(advantages)
         return mask & (((first > 0) & (d > 0)) | ((first < 0) & (d < 0)))
+    if how == "column0_sign":  # the release: advantages[:, 0] as the caller holds it, padding or not (NaN compares False)
+        column0 = _column0(raw_advantages if raw_advantages is not None else advantages)
+        return mask & (((column0 > 0) & (d > 0)) | ((column0 < 0) & (d < 0)))
     raise ValueError(f"candidates: unknown {how!r}")
 
 
+def _column0(advantages: torch.Tensor) -> torch.Tensor:
+    """Each row's advantages[:, 0], broadcast along the row (whatever column 0 holds)."""
+    return advantages.detach()[:, :1].expand_as(advantages)
+
+
+def _log_ratio(logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype, sign: float, clamp: float | None) -> torch.Tensor:
+    """Detached d (clamped when the port clamps), computed in ``dtype``; 0 on padding."""
+    raw = sign * (logp.detach().to(dtype) - behavior_logp.detach().to(dtype))
+    d = torch.where(mask, raw, torch.zeros((), dtype=dtype))
+    if clamp is not None:
+        d = d.clamp(-clamp, clamp)
+    return d
+
+
 def _select_flat(m2: torch.Tensor, candidate: torch.Tensor, fixed: torch.Tensor, tau: float, dev: Deviation) -> torch.Tensor:
-    """Removed candidates of one selection scope (1-d inputs), by sorted prefix means."""
+    """Removed candidates of one selection scope (1-d inputs), by sorted prefix means.
+
+    The arithmetic is in ``m2``'s dtype (the selection dtype), tau rounded to it."""
+    dtype = m2.dtype
     key = torch.where(candidate, m2, torch.full_like(m2, math.inf))
     shuffle = torch.randperm(key.numel()) if dev.random_tie_break else torch.arange(key.numel())
     sorted_key, order = torch.sort(key[shuffle], stable=True)
@@ -44,13 +76,14 @@ def _select_flat(m2: torch.Tensor, candidate: torch.Tensor, fixed: torch.Tensor,
     if n == 0:
         return torch.zeros_like(candidate)
     values = sorted_key[:n]
-    k = torch.arange(0, n + 1, dtype=torch.float64)
+    k = torch.arange(0, n + 1, dtype=dtype)
     fixed_sum = m2[fixed].sum()
     fixed_count = int(fixed.sum())
-    sums = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(values, 0)]) + fixed_sum
+    sums = torch.cat([torch.zeros(1, dtype=dtype), torch.cumsum(values, 0)]) + fixed_sum
     counts = k + fixed_count
     means = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
-    within = means < tau if dev.strict_stop else means <= tau
+    budget = torch.tensor(tau, dtype=dtype)
+    within = means < budget if dev.strict_stop else means <= budget
     within[0] = True  # an empty remainder is within budget
     kept = int(torch.nonzero(within).max())  # the loop stops at the largest k within budget
     kept = max(kept, min(dev.min_kept, n))
@@ -61,29 +94,117 @@ def _select_flat(m2: torch.Tensor, candidate: torch.Tensor, fixed: torch.Tensor,
     return removed
 
 
+@dataclass(frozen=True)
+class ClipCap:
+    """The clip family's selection (spec section 4) in the selection dtype.
+
+    ``harmful``: the candidates; ``values``: their d^2 ascending; ``m2_now``: their mean;
+    ``cap_squared``: c^2 (None: unconstrained); ``lo``/``hi``: the ratio range after the
+    floors (None: unconstrained)."""
+
+    harmful: torch.Tensor
+    values: torch.Tensor
+    m2_now: torch.Tensor | None
+    cap_squared: torch.Tensor | None
+    lo: torch.Tensor | None
+    hi: torch.Tensor | None
+
+    @property
+    def constrained(self) -> bool:
+        return self.cap_squared is not None
+
+
+def cap_squared(values: torch.Tensor, tau: float, kind: str) -> torch.Tensor:
+    """c^2 of the water-filling cap for candidate d^2 ``values`` sorted ascending, whose
+    mean exceeds the budget (spec section 4, fact 3), in ``values``' dtype.
+
+    g(j) = sum_{i<j} v_i + (n - j) v_j is the capped sum with the cap at v_j (non-decreasing);
+    k = #{j : g(j) <= S}, S = tau n. clip_below: the breakpoint below, v_(k-1) - 1e-12
+    (0 if k = 0); clip_exact: the exact cap between breakpoints, (S - sum_{i<k} v_i) / (n - k).
+    """
+    dtype = values.dtype
+    n = values.numel()
+    budget_sum = torch.tensor(tau, dtype=dtype) * n
+    below = torch.cat([torch.zeros(1, dtype=dtype), torch.cumsum(values, 0)])  # below[j] = sum_{i<j} v_i, j = 0..n
+    g = below[:n] + (n - torch.arange(n, dtype=dtype)) * values
+    k = int((g <= budget_sum).sum())
+    if kind == "clip_below":
+        if k == 0:
+            return torch.zeros((), dtype=dtype)
+        return (values[k - 1] - CLIP_BELOW_OFFSET).clamp(min=0)
+    if kind == "clip_exact":
+        # g(n-1) = n * M2_now > S whenever constrained, so k <= n - 1; the guard only keeps a
+        # rounding-level tie (g(n-1) <= S in the selection dtype) from dividing by zero.
+        k = min(k, n - 1)
+        return ((budget_sum - below[k]) / (n - k)).clamp(min=0)
+    raise ValueError(f"selection_kind: no cap for {kind!r}")
+
+
+def _clip_cap(d: torch.Tensor, sign_source: torch.Tensor, mask: torch.Tensor, tau: float, dev: Deviation) -> ClipCap:
+    """Candidates, M2_now, the cap and the ratio range of the clip family (selection dtype)."""
+    dtype = d.dtype
+    r = torch.exp(d)
+    positive = sign_source > CLIP_ADVANTAGE_EPS
+    negative = sign_source < -CLIP_ADVANTAGE_EPS
+    harmful = mask & ((positive & (r > 1 + CLIP_RATIO_EPS)) | (negative & (r < 1 - CLIP_RATIO_EPS)))
+    values, _ = torch.sort((d * d)[harmful])
+    if values.numel() == 0:
+        return ClipCap(harmful, values, None, None, None, None)
+    m2_now = values.mean()
+    if bool(m2_now <= torch.tensor(tau, dtype=dtype) + CLIP_BUDGET_EPS):
+        return ClipCap(harmful, values, m2_now, None, None, None)
+    c2 = cap_squared(values, tau, dev.selection_kind)
+    c = torch.sqrt(c2)
+    lo, hi = torch.exp(-c), torch.exp(c)
+    if dev.clip_floors is not None:
+        low, high = dev.clip_floors
+        lo = torch.minimum(lo, torch.tensor(1 - low, dtype=dtype))
+        hi = torch.maximum(hi, torch.tensor(1 + high, dtype=dtype))
+    return ClipCap(harmful, values, m2_now, c2, lo, hi)
+
+
+def _check_knobs(dev: Deviation) -> None:
+    if dev.selection_kind == "mask":
+        if dev.clip_floors is not None:
+            raise ValueError("clip_floors: the floors widen a clip range; they need selection_kind 'clip_below' or 'clip_exact'")
+        return
+    set_knobs = [name for name in _MASK_ONLY_KNOBS if getattr(dev, name) != getattr(Deviation(), name)]
+    if set_knobs:
+        raise ValueError(f"selection_kind {dev.selection_kind!r}: knobs {set_knobs} belong to the mask selection and are not realised for a clip range")
+
+
 def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, tau: float, deviation: Deviation) -> dict[str, Any]:
-    """An M2PO implementation with the given deviation (all defaults: Algorithm 1)."""
+    """An M2PO implementation with the given deviation (all defaults: Algorithm 1).
+
+    ``selection_kind`` "clip_below"/"clip_exact" replaces the mask by the clip family's
+    ratio range (spec section 4); their candidates use the sign of the per-token advantage,
+    or of ``advantages[:, 0]`` with ``candidates="column0_sign"`` (other candidate sets are
+    read as the trust region there)."""
     dev = deviation
+    _check_knobs(dev)
     if dev.sanitise_inputs_in_place:
         advantages.masked_fill_(~mask, 0.0)
-    zero = torch.zeros((), dtype=torch.float64)
+    selection_dtype, metrics_dtype = _DTYPES[dev.selection_dtype], _DTYPES[dev.metrics_dtype]
     sign = -1.0 if dev.ratio_inverted else 1.0
-    d = torch.where(mask, sign * (logp.detach().double() - behavior_logp.double()), zero)
-    if dev.clamp_log_ratio is not None:
-        d = d.clamp(-dev.clamp_log_ratio, dev.clamp_log_ratio)
-    a = torch.where(mask, advantages.double(), zero)
+    d = _log_ratio(logp, behavior_logp, mask, selection_dtype, sign, dev.clamp_log_ratio)
+    a = torch.where(mask, advantages.double(), torch.zeros((), dtype=torch.float64))
     m2 = d * d
-    candidate = _candidates(d, a, mask, dev.candidates)
-    fixed = (mask & ~candidate) if dev.mean_over_valid else torch.zeros_like(mask)
-    step = dev.scope_rows or mask.shape[0]
-    scopes = [slice(i, i + step) for i in range(0, mask.shape[0], step)] or [slice(None)]
-    removed = torch.zeros_like(mask)
-    for rows in scopes:
-        flat = _select_flat(m2[rows].reshape(-1), candidate[rows].reshape(-1), fixed[rows].reshape(-1), tau, dev)
-        removed[rows] = flat.reshape(m2[rows].shape)
-    keep = mask & ~removed
+    clip = None
+    if dev.selection_kind == "mask":
+        candidate = _candidates(d, a, mask, dev.candidates, advantages)
+        fixed = (mask & ~candidate) if dev.mean_over_valid else torch.zeros_like(mask)
+        step = dev.scope_rows or mask.shape[0]
+        scopes = [slice(i, i + step) for i in range(0, mask.shape[0], step)] or [slice(None)]
+        removed = torch.zeros_like(mask)
+        for rows in scopes:
+            flat = _select_flat(m2[rows].reshape(-1), candidate[rows].reshape(-1), fixed[rows].reshape(-1), tau, dev)
+            removed[rows] = flat.reshape(m2[rows].shape)
+        keep = mask & ~removed
+    else:
+        sign_source = _column0(advantages) if dev.candidates == "column0_sign" else a
+        clip = _clip_cap(d, sign_source, mask, tau, dev)
 
-    loss_tokens = keep if dev.apply_mask else mask
+    loss_tokens = mask
     if dev.zero_padding_by_multiplying:
         live_logp, live_behavior, live_advantages = logp, behavior_logp, advantages
     else:  # padding replaced before any arithmetic, so no 0 * nan reaches the backward pass
@@ -91,39 +212,91 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
         live_behavior = torch.where(mask, behavior_logp, torch.zeros_like(behavior_logp))
         live_advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
     d_live = sign * (live_logp - live_behavior)
-    if dev.clamp_log_ratio is not None:  # straight-through: clamped value, unclamped gradient
-        d_live = d_live + (d_live.clamp(-dev.clamp_log_ratio, dev.clamp_log_ratio) - d_live).detach()
+    if dev.clamp_log_ratio is not None:
+        if dev.hard_clamp:  # a real clamp: beyond +-clamp the value is exp(+-clamp) and the gradient 0
+            d_live = d_live.clamp(-dev.clamp_log_ratio, dev.clamp_log_ratio)
+        else:  # straight-through: clamped value, unclamped gradient
+            d_live = d_live + (d_live.clamp(-dev.clamp_log_ratio, dev.clamp_log_ratio) - d_live).detach()
     ratio = torch.exp(d_live)
-    if dev.ppo_clip is not None:
-        clipped = ratio.clamp(1 - dev.ppo_clip, 1 + dev.ppo_clip)
-        term = torch.minimum(ratio * live_advantages, clipped * live_advantages)
+    if clip is not None:
+        # The PPO surrogate with the budget's range: max(-A r, -A clamp(r, lo, hi)), summed as a
+        # loss term by term (no outer minus sign). Unconstrained: no clipping at all.
+        unclipped = -live_advantages * ratio
+        if clip.constrained:
+            lo, hi = clip.lo.to(ratio.dtype), clip.hi.to(ratio.dtype)
+            clipped = -live_advantages * ratio.clamp(lo, hi)
+            term = torch.maximum(unclipped, clipped)
+            # torch.maximum sends the gradient to the larger branch (half to each on a tie); the
+            # clipped branch has none outside [lo, hi]: those tokens' gradient is zeroed.
+            with torch.no_grad():
+                beyond = mask & (clipped > unclipped) & ((ratio < lo) | (ratio > hi))
+        else:
+            term = unclipped
+            beyond = torch.zeros_like(mask)
+        keep = mask & ~beyond
+        outer = 1.0
     else:
-        term = ratio * live_advantages
-    if dev.masked_keep_value:
-        term = torch.where(keep, term, term.detach())
-        loss_tokens = mask
+        loss_tokens = keep if dev.apply_mask else mask
+        if dev.ppo_clip is not None:
+            clipped = ratio.clamp(1 - dev.ppo_clip, 1 + dev.ppo_clip)
+            term = torch.minimum(ratio * live_advantages, clipped * live_advantages)
+        else:
+            term = ratio * live_advantages
+        if dev.masked_keep_value:
+            term = torch.where(keep, term, term.detach())
+            loss_tokens = mask
+        outer = -1.0
     if dev.zero_padding_by_multiplying:
         total = (loss_tokens.to(term.dtype) * term).sum()
     else:
         total = torch.where(loss_tokens, term, torch.zeros_like(term)).sum()
-    denominator = {"valid": mask.sum(), "kept": keep.sum(), "padded": torch.tensor(mask.numel())}[dev.denominator]
-    loss = -total / denominator.clamp(min=1)
+    if dev.denominator == "valid_epsilon":  # verl's token-mean: sum / (N + 1e-8), in the loss dtype
+        loss = outer * total / (mask.sum().to(total.dtype) + DENOMINATOR_EPSILON)
+    else:
+        denominator = {"valid": mask.sum(), "kept": keep.sum(), "padded": torch.tensor(mask.numel())}[dev.denominator]
+        loss = outer * total / denominator.clamp(min=1)
 
     trust = _candidates(d, a, mask, "trust_region")
     kept_trust = trust & keep
-    after_tokens = keep if dev.m2_after_over_valid else kept_trust
     valid_count = int(mask.sum())
-    return {
+    masked_count = int((mask & ~keep).sum())
+    d_metrics = d if metrics_dtype == selection_dtype else _log_ratio(logp, behavior_logp, mask, metrics_dtype, sign, dev.clamp_log_ratio)
+    m2_metrics = d_metrics * d_metrics
+    if clip is None:
+        after_tokens = keep if dev.m2_after_over_valid else kept_trust
+        m2_before = _mean(m2_metrics[trust])
+        m2_after = _mean(m2_metrics[after_tokens])
+    else:
+        harmful_m2 = m2_metrics[clip.harmful]
+        m2_before = _mean(harmful_m2)
+        m2_after = m2_before if not clip.constrained else _mean(torch.minimum(harmful_m2, clip.cap_squared.to(metrics_dtype)))
+    result = {
         "loss": loss,
         "keep": keep,
-        "m2_before": float(m2[trust].mean()) if trust.any() else 0.0,
-        "m2_after": float(m2[after_tokens].mean()) if after_tokens.any() else 0.0,
-        "masked_fraction": int((mask & ~keep).sum()) / valid_count if valid_count else 0.0,
-        "trust_region_fraction": int(trust.sum()) / valid_count if valid_count else 0.0,
+        "m2_before": m2_before,
+        "m2_after": m2_after,
+        "masked_fraction": _fraction(masked_count, valid_count, metrics_dtype),
+        "trust_region_fraction": _fraction(int(trust.sum()), valid_count, metrics_dtype),
         "valid_count": valid_count,
         "trust_region_count": int(trust.sum()),
         "kept_trust_region_count": int(kept_trust.sum()),
     }
+    if clip is not None:
+        result["cap_squared"] = float(clip.cap_squared) if clip.constrained else None
+    return result
+
+
+def _mean(values: torch.Tensor) -> float:
+    """The mean in ``values``' dtype as a Python float (0 for none)."""
+    return float(values.mean()) if values.numel() else 0.0
+
+
+def _fraction(count: int, total: int, dtype: torch.dtype) -> float:
+    if not total:
+        return 0.0
+    if dtype == torch.float64:
+        return count / total
+    return float(torch.tensor(count, dtype=dtype) / torch.tensor(total, dtype=dtype))
 
 
 @dataclass(frozen=True)
@@ -132,10 +305,31 @@ class NegativeControl:
     bug: str
     deviation: Deviation
     caught_by: tuple[str, ...]  # checks that name this bug; the first is the primary one
+    variants: tuple[str, ...] = ()  # the deviations the diagnosis must name, exactly (default: the name)
+    adapter: str | None = None  # the port's signature family, when it is not the contract's
     fn: Callable[..., Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "fn", partial(planted, deviation=self.deviation))
+        if not self.variants:
+            object.__setattr__(self, "variants", (self.name,))
+        if self.adapter is None:
+            object.__setattr__(self, "fn", partial(planted, deviation=self.deviation))
+        else:
+            from m2po_oracle.adapters import adapt
+
+            object.__setattr__(self, "fn", adapt(_SHAPES[self.adapter](self.deviation), self.adapter))
+
+
+def _as_mask_function(deviation: Deviation) -> Callable[..., Any]:
+    """A port of AReaL's shape, ``fn(behavior_logp, proximal_logp, loss_mask, threshold) ->
+    loss_mask``: no advantages, so only candidate sets that ignore them make sense."""
+    def mask_function(behavior_logp: torch.Tensor, proximal_logp: torch.Tensor, loss_mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        ones = torch.ones_like(proximal_logp)
+        return planted(proximal_logp, behavior_logp, ones, loss_mask, tau=threshold, deviation=deviation)["keep"]
+    return mask_function
+
+
+_SHAPES: dict[str, Callable[[Deviation], Callable[..., Any]]] = {"mask_function": _as_mask_function}
 
 
 def _control(name: str, caught_by: tuple[str, ...]) -> NegativeControl:
@@ -171,8 +365,37 @@ NEGATIVE_CONTROLS: tuple[NegativeControl, ...] = (
 )
 
 
+def _composite(name: str, variants: tuple[str, ...], caught_by: tuple[str, ...], adapter: str | None = None) -> NegativeControl:
+    """A control planting several known deviations at once, as real ports combine them
+    (spec section 4); the diagnosis must name each of them, and nothing else."""
+    deviation = combine(variants)
+    if deviation is None:
+        raise ValueError(f"{name}: the variants {variants} set one knob differently")
+    bug = "; ".join(variant(v).description for v in variants) + (f" (behind --adapter {adapter})" if adapter else "")
+    return NegativeControl(name, bug, deviation, caught_by, variants, adapter)
+
+
+#: Real ports combine deviations (spec section 4); each composite must be named exactly.
+COMPOSITE_CONTROLS: tuple[NegativeControl, ...] = (
+    _composite("leak_clamp_float32_metrics", ("nan_padding_leak", "clamped_log_ratio", "float32_metrics"),
+               ("padding_immunity", "loss", "gradient", "metrics.m2_before", "metrics.m2_after", "selection.budget", "selection.minimal",
+                "selection.largest_removed_first", "metrics.masked_fraction", "metrics.trust_region_fraction")),
+    _composite("areal_mask_function", ("areal",), ("selection.only_trust_region_masked", "selection.budget", "selection.minimal",
+                                                   "selection.largest_removed_first"), adapter="mask_function"),
+    _composite("release_clip", ("authors_release_clip", "column0_advantage_sign", "denominator_epsilon"),
+               ("loss", "gradient", "padding_immunity", "selection.only_trust_region_masked", "selection.budget", "selection.minimal",
+                "selection.largest_removed_first", "metrics.m2_before", "metrics.m2_after", "metrics.masked_fraction")),
+    _composite("water_filling_epsilon", ("water_filling_clip", "denominator_epsilon"),
+               ("loss", "gradient", "selection.budget", "selection.minimal", "selection.largest_removed_first", "metrics.m2_before",
+                "metrics.m2_after", "metrics.masked_fraction")),
+    _composite("hard_clamp_leak", ("hard_clamped_log_ratio", "nan_padding_leak"),
+               ("padding_immunity", "gradient", "loss", "metrics.m2_before", "metrics.m2_after", "selection.budget", "selection.minimal",
+                "selection.largest_removed_first")),
+)
+
+
 def control(name: str) -> NegativeControl:
-    for c in NEGATIVE_CONTROLS:
+    for c in NEGATIVE_CONTROLS + COMPOSITE_CONTROLS:
         if c.name == name:
             return c
-    raise ValueError(f"control: unknown name {name!r}; known: {', '.join(c.name for c in NEGATIVE_CONTROLS)}")
+    raise ValueError(f"control: unknown name {name!r}; known: {', '.join(c.name for c in NEGATIVE_CONTROLS + COMPOSITE_CONTROLS)}")

@@ -8,29 +8,42 @@ of every deviation, which ``m2po-oracle selftest`` checks against each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
 
-CANDIDATE_SETS = ("trust_region", "all_valid", "swapped_quadrants", "zero_advantage_included", "first_token_sign")
-DENOMINATORS = ("valid", "kept", "padded")
+CANDIDATE_SETS = ("trust_region", "all_valid", "swapped_quadrants", "zero_advantage_included", "first_token_sign", "column0_sign")
+DENOMINATORS = ("valid", "kept", "padded", "valid_epsilon")
+#: How the budget acts: Algorithm 1's mask, or (spec section 4) a ratio clip range from a
+#: cap on d^2 at the breakpoint below the exact cap (the authors' release) or at the exact
+#: water-filling cap (the verl pull request).
+SELECTION_KINDS = ("mask", "clip_below", "clip_exact")
+PRECISIONS = ("float64", "float32")
+#: The epsilon verl's token-mean adds to the denominator (spec section 4, fact 6).
+DENOMINATOR_EPSILON = 1e-8
 
 
 @dataclass(frozen=True)
 class Deviation:
     """Knobs of a deviating M2PO; the defaults are Algorithm 1."""
 
-    candidates: str = "trust_region"  # see CANDIDATE_SETS
+    candidates: str = "trust_region"  # see CANDIDATE_SETS (column0_sign: the sign of A[:, 0], padding or not)
     strict_stop: bool = False  # keep while mean < tau (instead of <=)
     mean_over_valid: bool = False  # budget mean over remaining valid tokens, non-candidates included
     scope_rows: int | None = None  # select within groups of this many rows (1: per sequence; None: whole batch)
     extra_removed: int = 0  # remove this many more than needed whenever any is removed
     min_kept: int = 0  # never remove the last min_kept candidates (AReaL/slime keep the smallest)
-    denominator: str = "valid"  # see DENOMINATORS
+    denominator: str = "valid"  # see DENOMINATORS (valid_epsilon: N + DENOMINATOR_EPSILON)
     ppo_clip: float | None = None  # PPO's epsilon-clip still applied to kept tokens
     ratio_inverted: bool = False  # d = behavior_logp - logp
     apply_mask: bool = True  # False: mask computed, then not applied to the loss
     masked_keep_value: bool = False  # masked tokens keep their loss value, zero gradient
     zero_padding_by_multiplying: bool = False  # keep * term instead of where(): 0 * nan = nan
-    clamp_log_ratio: float | None = None  # straight-through clamp of d
+    clamp_log_ratio: float | None = None  # clamp of d (straight-through unless hard_clamp)
+    hard_clamp: bool = False  # the clamp is a real clamp: kept tokens beyond it get zero gradient
+    selection_kind: str = "mask"  # see SELECTION_KINDS
+    clip_floors: tuple[float, float] | None = None  # clip kinds: the range is never tighter than [1 - low, 1 + high]
+    selection_dtype: str = "float64"  # the dtype of the selection arithmetic (d, d^2, prefix means)
+    metrics_dtype: str = "float64"  # the dtype the logged metrics are computed in
     sanitise_inputs_in_place: bool = False  # writes 0 into the caller's padding
     m2_after_over_valid: bool = False  # metric: mean M2 over every kept valid token
     random_tie_break: bool = False  # ties at the cut broken by fresh random noise
@@ -40,6 +53,11 @@ class Deviation:
             raise ValueError(f"candidates: expected one of {CANDIDATE_SETS}, got {self.candidates!r}")
         if self.denominator not in DENOMINATORS:
             raise ValueError(f"denominator: expected one of {DENOMINATORS}, got {self.denominator!r}")
+        if self.selection_kind not in SELECTION_KINDS:
+            raise ValueError(f"selection_kind: expected one of {SELECTION_KINDS}, got {self.selection_kind!r}")
+        for name in ("selection_dtype", "metrics_dtype"):
+            if getattr(self, name) not in PRECISIONS:
+                raise ValueError(f"{name}: expected one of {PRECISIONS}, got {getattr(self, name)!r}")
         if self.scope_rows is not None and self.scope_rows < 1:
             raise ValueError(f"scope_rows: expected None or an int >= 1, got {self.scope_rows!r}")
 
@@ -77,6 +95,7 @@ def _variant(name: str, description: str, source: str, **knobs) -> Variant:
 
 SPEC = "spec section 3"
 PLAUSIBLE = "plausible port bug"
+CLIP = "spec section 4"
 
 VARIANTS: tuple[Variant, ...] = (
     _variant("algorithm_1", "Algorithm 1 itself", "spec section 1"),
@@ -107,6 +126,19 @@ VARIANTS: tuple[Variant, ...] = (
     _variant("nan_padding_leak", "padding zeroed by multiplying with the mask: 0 * nan = nan", PLAUSIBLE, zero_padding_by_multiplying=True),
     _variant("mutates_inputs", "writes into the caller's input tensors", PLAUSIBLE, sanitise_inputs_in_place=True),
     _variant("random_tie_break", "nondeterministic: ties at the cut broken at random on each call", PLAUSIBLE, random_tie_break=True),
+    # Spec section 4: the clip family and the deviations real ports combine.
+    _variant("authors_release_clip", "a ratio clip range instead of a mask, capped at the d^2 breakpoint below the budget (tokens beyond it keep "
+             "their clipped value, zero gradient)", f"{CLIP} (authors' release)", selection_kind="clip_below"),
+    _variant("water_filling_clip", "a ratio clip range instead of a mask, at the exact water-filling cap (capped mean = budget)",
+             f"{CLIP} (open verl pull request)", selection_kind="clip_exact"),
+    _variant("clip_floors", "the clip range is never tighter than [1 - 0.3, 1 + 0.5] (miniclip floors)", f"{CLIP} (authors' release)",
+             clip_floors=(0.3, 0.5)),
+    _variant("column0_advantage_sign", "candidates take the advantage sign of column 0 of each row, padding or not", f"{CLIP} (authors' release)",
+             candidates="column0_sign"),
+    _variant("denominator_epsilon", "loss divided by N + 1e-8 (verl's token-mean)", f"{CLIP} (verl token-mean)", denominator="valid_epsilon"),
+    _variant("hard_clamped_log_ratio", "hard clamp of d to +-20: kept tokens beyond it get zero gradient", CLIP, clamp_log_ratio=20.0, hard_clamp=True),
+    _variant("float32_selection", "selection arithmetic (d, d^2, prefix means) in float32", CLIP, selection_dtype="float32"),
+    _variant("float32_metrics", "logged metrics computed in float32", CLIP, metrics_dtype="float32"),
 )
 
 
@@ -115,3 +147,18 @@ def variant(name: str) -> Variant:
         if v.name == name:
             return v
     raise ValueError(f"variant: unknown name {name!r}; known: {', '.join(v.name for v in VARIANTS)}")
+
+
+def combine(names: Iterable[str]) -> Deviation | None:
+    """The deviation of several variants at once; None where two set one knob differently."""
+    knobs: dict[str, object] = {}
+    for name in names:
+        dev = variant(name).deviation
+        for f in fields(Deviation):
+            value = getattr(dev, f.name)
+            if value == getattr(ALGORITHM_1, f.name):
+                continue
+            if f.name in knobs and knobs[f.name] != value:
+                return None
+            knobs[f.name] = value
+    return replace(ALGORITHM_1, **knobs)

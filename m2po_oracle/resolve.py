@@ -51,7 +51,7 @@ def builtin_implementations() -> dict[str, Implementation]:
     from m2po_oracle.core import m2po_loss
 
     found: dict[str, Implementation] = {"core": m2po_loss}
-    found.update({f"control:{c.name}": c.fn for c in controls.NEGATIVE_CONTROLS})
+    found.update({f"control:{c.name}": c.fn for c in controls.NEGATIVE_CONTROLS + controls.COMPOSITE_CONTROLS})
     return found
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from m2po_oracle.compare import in_process_runner, run_compare
 from m2po_oracle.runner import Runner
-from m2po_oracle.controls import NEGATIVE_CONTROLS
+from m2po_oracle.controls import COMPOSITE_CONTROLS, NEGATIVE_CONTROLS
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class SelftestTarget:
 
     name: str
     bug: str
-    variant: str
+    variant: str  # the deviations the diagnosis must name, exactly ("a + b" for several)
     load: Callable[[], Runner]
     shrink: bool = True  # a trainer step is costly; catching and naming need no minimal case
 
@@ -40,8 +40,10 @@ class SelftestRow:
     examples_needed: int | None  # number of the first example on which any check failed
     diagnosis: tuple[str, ...]
     seconds: float
-    variant: str = ""  # the variant the diagnosis must name (default: the control's name)
+    variant: str = ""  # the deviations the diagnosis must name, "a + b" (default: the control's name)
     first_failures: tuple[int | None, ...] = ()  # per seed: the first failing example (None: not caught)
+    alternatives: tuple[tuple[str, ...], ...] = ()  # explanations as small as ``diagnosis``
+    unexplained: tuple[str, ...] = ()
 
     @property
     def caught(self) -> bool:
@@ -49,7 +51,10 @@ class SelftestRow:
 
     @property
     def diagnosed(self) -> bool:
-        return (self.variant or self.control) in self.diagnosis
+        """Exactly the planted deviations (or an explanation the examples cannot tell from
+        them), and every failing check explained."""
+        expected = set((self.variant or self.control).split(" + "))
+        return not self.unexplained and any(expected == set(names) for names in (self.diagnosis, *self.alternatives))
 
     @property
     def status(self) -> str:
@@ -78,7 +83,8 @@ def _trainer_targets() -> list[SelftestTarget]:
 
 def select_controls(names: list[str] | None, *, trainer: bool = False, distributed: bool = False) -> list[SelftestTarget]:
     """The loss-function controls (and with ``trainer`` / ``distributed`` those too), or those named."""
-    targets = [SelftestTarget(c.name, c.bug, c.name, lambda c=c: in_process_runner(c.fn, f"control:{c.name}")) for c in NEGATIVE_CONTROLS]
+    targets = [SelftestTarget(c.name, c.bug, " + ".join(c.variants), lambda c=c: in_process_runner(c.fn, f"control:{c.name}", adapter=c.adapter))
+               for c in NEGATIVE_CONTROLS + COMPOSITE_CONTROLS]
     if trainer or any(n.startswith("trainer:") for n in names or ()):
         targets += _trainer_targets()
     if distributed or any(n.startswith("distributed:") for n in names or ()):
@@ -107,13 +113,14 @@ def _open(control: SelftestTarget) -> Runner:
 
 
 def run_selftest(controls: list[SelftestTarget], *, examples: int = 500, seed: int = 0, seeds: int = 1,
-                 on_row: Callable[[SelftestRow], None] | None = None) -> list[SelftestRow]:
+                 on_row: Callable[[SelftestRow], None] | None = None, shrink: bool = True) -> list[SelftestRow]:
+    """``shrink=False`` skips the minimal counterexamples (catching and naming need none)."""
     rows = []
     for control in controls:
         started = time.perf_counter()
         runner = _open(control)
         try:
-            report = run_compare(runner, _spec(control), examples=examples, seed=seed, shrink=control.shrink)
+            report = run_compare(runner, _spec(control), examples=examples, seed=seed, shrink=control.shrink and shrink)
             failing = [t for t in report.tallies.values() if t.failures]
             first = min((t.first_failure_at for t in failing if t.first_failure_at), default=None)
             later = [_first_failure(runner, control, examples, seed + k) for k in range(1, seeds)]
@@ -124,7 +131,9 @@ def run_selftest(controls: list[SelftestTarget], *, examples: int = 500, seed: i
             bug=control.bug,
             caught_by=tuple(t.name for t in failing),
             examples_needed=first,
-            diagnosis=tuple(m["variant"] for m in report.diagnosis.get("matches", [])),
+            diagnosis=tuple(report.diagnosis.get("components", ())),
+            alternatives=tuple(tuple(a) for a in report.diagnosis.get("alternatives", ())),
+            unexplained=tuple(report.diagnosis.get("unexplained", ())),
             seconds=time.perf_counter() - started,
             variant=control.variant,
             first_failures=(first, *later),

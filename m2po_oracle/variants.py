@@ -1,20 +1,25 @@
 """Algorithm 1 with a :class:`~m2po_oracle.deviations.Deviation` applied, in float64 NumPy.
 
-Written from the spec's description of each deviation, independently of the torch
-controls, so that diagnosing a control as its own variant is evidence, not an echo.
-With every knob at its default this is Algorithm 1 (tested against ``oracle``).
+Written from the spec's description of each deviation (sections 3 and 4), independently
+of the torch controls, so that diagnosing a control as its own variant is evidence, not
+an echo. With every knob at its default this is Algorithm 1 (tested against ``oracle``).
+Knobs compose: any set of them is one deviating M2PO.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from m2po_oracle import oracle
 from m2po_oracle.batch import Batch
-from m2po_oracle.deviations import Deviation
+from m2po_oracle.deviations import DENOMINATOR_EPSILON, Deviation
 from m2po_oracle.record import M2POResult
+
+#: Spec section 4: the clip family's thresholds and the bound of an unconstrained range.
+HARMFUL_EPSILON = 1e-12
 
 
 def log_ratio(batch: Batch, dev: Deviation) -> np.ndarray:
@@ -26,19 +31,28 @@ def selection_log_ratio(d: np.ndarray, dev: Deviation) -> np.ndarray:
     return np.clip(d, -dev.clamp_log_ratio, dev.clamp_log_ratio) if dev.clamp_log_ratio is not None else d
 
 
-def candidates(d: np.ndarray, advantages: np.ndarray, valid: np.ndarray, dev: Deviation) -> np.ndarray:
-    a = np.where(valid, advantages, 0.0)
-    if dev.candidates == "trust_region":
-        return oracle.trust_region(d, a, valid)
-    if dev.candidates == "all_valid":
-        return valid.copy()
-    if dev.candidates == "swapped_quadrants":
-        return valid & (((a > 0) & (d < 0)) | ((a < 0) & (d > 0)))
-    if dev.candidates == "zero_advantage_included":
-        return valid & (((a >= 0) & (d > 0)) | ((a < 0) & (d < 0)))
-    # first_token_sign: each row uses the advantage of its first valid token
-    first = np.array([row[v][0] if v.any() else 0.0 for row, v in zip(a, valid)])[:, None]
-    return valid & (((first > 0) & (d > 0)) | ((first < 0) & (d < 0)))
+def _sign_source(batch: Batch, dev: Deviation) -> np.ndarray:
+    """The advantages the candidate test reads: per token, or one per row."""
+    a = np.where(batch.valid, batch.advantages, 0.0)
+    if dev.candidates == "first_token_sign":  # each row's first valid token
+        return np.array([row[v][0] if v.any() else 0.0 for row, v in zip(a, batch.valid)])[:, None] * np.ones_like(a)
+    if dev.candidates == "column0_sign" and a.shape[1]:  # column 0 as the caller holds it, padding or not
+        with np.errstate(invalid="ignore"):
+            return np.broadcast_to(batch.advantages[:, :1], a.shape).copy()
+    return a
+
+
+def candidates(d: np.ndarray, batch: Batch, dev: Deviation) -> np.ndarray:
+    valid = batch.valid
+    a = _sign_source(batch, dev)
+    with np.errstate(invalid="ignore"):
+        if dev.candidates == "all_valid":
+            return valid.copy()
+        if dev.candidates == "swapped_quadrants":
+            return valid & (((a > 0) & (d < 0)) | ((a < 0) & (d > 0)))
+        if dev.candidates == "zero_advantage_included":
+            return valid & (((a >= 0) & (d > 0)) | ((a < 0) & (d < 0)))
+        return valid & (((a > 0) & (d > 0)) | ((a < 0) & (d < 0)))
 
 
 def _select_scope(m2: np.ndarray, candidate: np.ndarray, fixed: np.ndarray, tau: float, dev: Deviation) -> np.ndarray:
@@ -46,13 +60,21 @@ def _select_scope(m2: np.ndarray, candidate: np.ndarray, fixed: np.ndarray, tau:
     the mean exceeds tau' stops at the largest k whose mean is within budget."""
     order = oracle.sorted_candidates(m2, candidate)
     values = m2.ravel()[order]
-    fixed_sum, fixed_count = math.fsum(m2[fixed]), int(fixed.sum())
-    kept = 0
-    for k in range(values.size, 0, -1):
-        mean = (math.fsum(values[:k]) + fixed_sum) / (k + fixed_count)
-        if (mean < tau) if dev.strict_stop else (mean <= tau):
-            kept = k
-            break
+    if dev.selection_dtype == "float32":
+        f32 = np.float32
+        sums = np.cumsum(values.astype(f32), dtype=f32) + f32(np.sum(m2[fixed], dtype=f32))
+        counts = np.arange(1, values.size + 1) + int(fixed.sum())
+        means = sums / counts.astype(f32)
+        within = (means < f32(tau)) if dev.strict_stop else (means <= f32(tau))
+        kept = int(np.flatnonzero(within)[-1]) + 1 if within.any() else 0
+    else:
+        fixed_sum, fixed_count = math.fsum(m2[fixed]), int(fixed.sum())
+        kept = 0
+        for k in range(values.size, 0, -1):
+            mean = (math.fsum(values[:k]) + fixed_sum) / (k + fixed_count)
+            if (mean < tau) if dev.strict_stop else (mean <= tau):
+                kept = k
+                break
     kept = max(kept, min(dev.min_kept, values.size))
     if kept < values.size:
         kept = max(kept - dev.extra_removed, 0)
@@ -61,11 +83,21 @@ def _select_scope(m2: np.ndarray, candidate: np.ndarray, fixed: np.ndarray, tau:
     return removed.reshape(m2.shape)
 
 
+def _selection_m2(d: np.ndarray, dev: Deviation) -> np.ndarray:
+    if dev.selection_dtype == "float32":
+        d32 = d.astype(np.float32)
+        with np.errstate(over="ignore"):
+            return (d32 * d32).astype(np.float64)
+    return oracle.second_moment(d)
+
+
 def select(batch: Batch, dev: Deviation) -> np.ndarray:
-    """The deviating selection's ``keep`` mask."""
+    """The deviating selection's ``keep`` mask (for a clip kind: the tokens with a gradient)."""
+    if dev.selection_kind != "mask":
+        return clip_outcome(batch, dev).keep
     d = selection_log_ratio(log_ratio(batch, dev), dev)
-    m2 = oracle.second_moment(d)
-    candidate = candidates(d, batch.advantages, batch.valid, dev)
+    m2 = _selection_m2(d, dev)
+    candidate = candidates(d, batch, dev)
     fixed = batch.valid & ~candidate if dev.mean_over_valid else np.zeros_like(candidate)
     rows = batch.shape[0]
     step = dev.scope_rows or max(rows, 1)
@@ -76,37 +108,121 @@ def select(batch: Batch, dev: Deviation) -> np.ndarray:
     return batch.valid & ~removed
 
 
+# --- the clip family (spec section 4) ----------------------------------------------------
+
+def harmful(d: np.ndarray, batch: Batch, dev: Deviation) -> np.ndarray:
+    """Fact 1: A > +1e-12 and r > 1 + 1e-12, or A < -1e-12 and r < 1 - 1e-12 (the sign of A
+    per token, or of column 0 with ``column0_sign``)."""
+    a = _sign_source(batch, dev)
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = np.exp(d)
+        return batch.valid & (((a > HARMFUL_EPSILON) & (r > 1 + HARMFUL_EPSILON)) | ((a < -HARMFUL_EPSILON) & (r < 1 - HARMFUL_EPSILON)))
+
+
+def cap_squared(v: np.ndarray, tau: float, kind: str) -> float | None:
+    """Facts 2-3: the cap c^2 on d^2 for the sorted candidate values ``v`` (None: unconstrained).
+
+    Water-filling: sum_i min(v_i, c^2) = tau * n. With g(j) = sum_{i<j} v_i + (n - j) v_j
+    (the capped sum at c^2 = v_j) and k = #{j : g(j) <= S}, the exact cap lies in
+    [v_(k-1), v_k]; the release returns the breakpoint below it."""
+    n = v.size
+    if n == 0 or math.fsum(v) / n <= tau + HARMFUL_EPSILON:
+        return None
+    budget = tau * n
+    prefix = np.concatenate([[0.0], np.cumsum(v)])
+    capped_sums = prefix[:-1] + (n - np.arange(n)) * v
+    k = int(np.count_nonzero(capped_sums <= budget))
+    if kind == "clip_below":
+        return max(float(v[k - 1]) - HARMFUL_EPSILON, 0.0) if k >= 1 else 0.0
+    return (budget - float(prefix[k])) / (n - k)
+
+
+@dataclass(frozen=True)
+class ClipOutcome:
+    keep: np.ndarray  # valid tokens whose gradient the clip does not zero
+    low: float
+    high: float
+    cap_squared: float | None
+    candidate_m2: np.ndarray  # sorted
+
+
+def clip_outcome(batch: Batch, dev: Deviation) -> ClipOutcome:
+    """Fact 4-5: the ratio range [exp(-c), exp(c)], widened by the floors; tokens on the
+    harmful side beyond it keep their clipped value and get zero gradient."""
+    d = selection_log_ratio(log_ratio(batch, dev), dev)
+    candidate = harmful(d, batch, dev)
+    v = np.sort(oracle.second_moment(d)[candidate])
+    c2 = cap_squared(v, batch.tau, dev.selection_kind)
+    # The same exp as the ratio's: at d == c exactly the token is on the bound, not beyond it.
+    low, high = (0.0, math.inf) if c2 is None else (float(np.exp(-np.sqrt(c2))), float(np.exp(np.sqrt(c2))))
+    if dev.clip_floors is not None and c2 is not None:
+        low, high = min(low, 1.0 - dev.clip_floors[0]), max(high, 1.0 + dev.clip_floors[1])
+    a = np.where(batch.valid, batch.advantages, 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = np.exp(np.where(batch.valid, d, 0.0))
+        beyond = batch.valid & (((a > 0) & (r > high)) | ((a < 0) & (r < low)))
+    return ClipOutcome(batch.valid & ~beyond, low, high, c2, v)
+
+
+# --- objective and metrics ---------------------------------------------------------------
+
+def _denominator(batch: Batch, keep: np.ndarray, dev: Deviation) -> float:
+    valid = int(batch.valid.sum())
+    return {"valid": float(valid), "kept": float(keep.sum()), "padded": float(batch.valid.size),
+            "valid_epsilon": valid + DENOMINATOR_EPSILON}[dev.denominator]
+
+
 def evaluate_with_mask(batch: Batch, keep: np.ndarray, dev: Deviation) -> M2POResult:
-    """Loss, gradient w.r.t. logp and metrics of the deviating objective on ``keep``."""
+    """Loss, gradient w.r.t. logp and metrics of the deviating objective on ``keep`` (a clip
+    kind computes its own range; ``keep`` then only enters the metrics)."""
     valid = batch.valid
     keep = keep & valid
     sign = -1.0 if dev.ratio_inverted else 1.0
     d = log_ratio(batch, dev)
-    d_value = selection_log_ratio(d, dev)  # straight-through: clamped value, identity gradient
+    d_value = selection_log_ratio(d, dev)  # the clamped value; straight-through keeps the identity gradient
     a = np.where(valid, batch.advantages, 0.0)
+    beyond_clamp = (np.abs(d) > dev.clamp_log_ratio) if (dev.hard_clamp and dev.clamp_log_ratio is not None) else np.zeros_like(valid)
     with np.errstate(over="ignore", invalid="ignore"):
         ratio = np.exp(np.where(valid, d_value, 0.0))
         unclipped = ratio * a
-        gradient_per_token = sign * ratio * a  # d(ratio * A)/d logp
-        if dev.ppo_clip is not None:
+        gradient_per_token = np.where(beyond_clamp, 0.0, sign * ratio * a)  # d(ratio * A)/d logp
+        clip = clip_outcome(batch, dev) if dev.selection_kind != "mask" else None
+        if clip is not None:
+            # Fact 4: loss_t = max(-A r, -A clamp(r, lo, hi)); the clipped side has no gradient.
+            term = -np.maximum(-unclipped, -np.clip(ratio, clip.low, clip.high) * a)
+            gradient_per_token = np.where(clip.keep, gradient_per_token, 0.0)
+        elif dev.ppo_clip is not None:
             clipped = np.clip(ratio, 1 - dev.ppo_clip, 1 + dev.ppo_clip) * a
             term = np.minimum(unclipped, clipped)
             on_clip = (clipped < unclipped) & ((ratio < 1 - dev.ppo_clip) | (ratio > 1 + dev.ppo_clip))
             gradient_per_token = np.where(on_clip, 0.0, gradient_per_token)
         else:
             term = unclipped
-    value_tokens = valid if (not dev.apply_mask or dev.masked_keep_value) else keep
-    gradient_tokens = keep if dev.apply_mask else valid
-    denominator = {"valid": int(valid.sum()), "kept": int(keep.sum()), "padded": valid.size}[dev.denominator]
-    denominator = max(denominator, 1)
+    if clip is not None:
+        value_tokens, gradient_tokens = valid, valid
+    else:
+        value_tokens = valid if (not dev.apply_mask or dev.masked_keep_value) else keep
+        gradient_tokens = keep if dev.apply_mask else valid
+    denominator = max(_denominator(batch, keep, dev), 1.0) if dev.denominator != "valid_epsilon" else _denominator(batch, keep, dev)
     loss = -math.fsum(np.where(value_tokens, term, 0.0).ravel()) / denominator if valid.any() else 0.0
     grad = np.where(gradient_tokens, -gradient_per_token / denominator, 0.0)
+    return M2POResult(loss=loss, keep=keep, grad=grad, **_metrics(batch, d_value, keep, dev, clip))
 
-    m2 = oracle.second_moment(d_value)
-    metrics = oracle.metrics(m2, oracle.trust_region(d_value, a, valid), keep, valid)
+
+def _metrics(batch: Batch, d: np.ndarray, keep: np.ndarray, dev: Deviation, clip: ClipOutcome | None) -> dict[str, float | int]:
+    valid = batch.valid
+    a = np.where(valid, batch.advantages, 0.0)
+    m2 = oracle.second_moment(d)
+    metrics = oracle.metrics(m2, oracle.trust_region(d, a, valid), keep, valid)
     if dev.m2_after_over_valid:
         metrics["m2_after"] = math.fsum(m2[keep]) / int(keep.sum()) if keep.any() else 0.0
-    return M2POResult(loss=loss, keep=keep, grad=grad, **metrics)
+    if clip is not None:  # facts 2 and 7: M2 over the candidates, and after: the capped mean (0 without candidates)
+        v = clip.candidate_m2
+        metrics["m2_before"] = math.fsum(v) / v.size if v.size else 0.0
+        metrics["m2_after"] = (math.fsum(np.minimum(v, clip.cap_squared) if clip.cap_squared is not None else v) / v.size) if v.size else 0.0
+    if dev.metrics_dtype == "float32":
+        metrics = {k: (float(np.float32(v)) if isinstance(v, float) else v) for k, v in metrics.items()}
+    return metrics
 
 
 def m2po(batch: Batch, dev: Deviation) -> M2POResult:

@@ -1,0 +1,146 @@
+"""The diagnosis explains ports with several deviations at once, on the fields they supply,
+with precision that follows the arithmetic and behavioural findings kept apart."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+
+from m2po_oracle import diagnosis, oracle, strategies, variants
+from m2po_oracle.compare import run_compare
+from m2po_oracle.controls import COMPOSITE_CONTROLS, NEGATIVE_CONTROLS, planted
+from m2po_oracle.core import m2po_loss
+from m2po_oracle.deviations import ALGORITHM_1, VARIANTS, combine, variant
+from m2po_oracle.selftest import run_selftest, select_controls
+
+#: Examples per control: enough for every control's deviation to show on seed 0.
+EXAMPLES = 150
+
+
+@given(strategies.batches())
+def test_every_knob_at_its_default_is_algorithm_1(batch):
+    expected, got = oracle.m2po(batch), variants.m2po(batch.with_padding(0.0), ALGORITHM_1)
+    assert np.array_equal(expected.keep, got.keep)
+    assert got.loss == pytest.approx(expected.loss, rel=1e-12, abs=1e-300)
+    np.testing.assert_allclose(got.grad, expected.grad, rtol=1e-12, atol=1e-300)
+
+
+def test_variants_that_set_one_knob_differently_do_not_combine():
+    assert combine(["clamped_log_ratio", "hard_clamped_log_ratio"]) == variant("hard_clamped_log_ratio").deviation
+    assert combine(["authors_release_clip", "water_filling_clip"]) is None
+    assert combine([]) == ALGORITHM_1
+
+
+@pytest.mark.parametrize("control", NEGATIVE_CONTROLS + COMPOSITE_CONTROLS, ids=lambda c: c.name)
+def test_every_control_is_named_exactly(control):
+    """Single and composite controls alike: the explanation is the planted set of deviations
+    (or one the examples cannot tell from it), and no failing check is left unexplained."""
+    (row,) = run_selftest(select_controls([control.name]), examples=EXAMPLES, shrink=False)
+    assert row.caught, f"{control.name} escaped {EXAMPLES} examples"
+    assert row.diagnosed, f"{control.name}: planted {' + '.join(control.variants)}, diagnosed {row.diagnosis} (alternatives {row.alternatives}, unexplained {row.unexplained})"
+
+
+def test_without_combining_deviations_a_composite_is_only_partly_explained(monkeypatch):
+    """The planted bug for the search itself: one deviation at a time cannot explain a port
+    that has three."""
+    monkeypatch.setattr(diagnosis, "MAX_COMPONENTS", 1)
+    composite = next(c for c in COMPOSITE_CONTROLS if c.name == "leak_clamp_float32_metrics")
+    report = run_compare(composite.fn, composite.name, examples=EXAMPLES, shrink=False)
+    assert report.diagnosis["status"] == "partly_explained" and report.diagnosis["unexplained"], report.diagnosis["summary"]
+
+
+def test_the_report_names_each_failing_check_by_the_deviation_that_explains_it():
+    composite = next(c for c in COMPOSITE_CONTROLS if c.name == "leak_clamp_float32_metrics")
+    d = run_compare(composite.fn, composite.name, examples=EXAMPLES, shrink=False).diagnosis
+    assert d["status"] == "matched" and sorted(d["components"]) == sorted(composite.variants)
+    assert d["by_check"]["padding_immunity"] == ["nan_padding_leak"]
+    assert "clamped_log_ratio" in d["by_check"]["gradient"] and "nan_padding_leak" not in d["by_check"]["gradient"]
+    assert d["unexplained"] == [] and d["summary"].startswith("explained: ")
+    assert any("float32" in h["text"] and h["option"] == "--compute-dtype float32" for h in d["hints"]), d["hints"]
+
+
+def _clamped_with_doubled_m2_before(logp, behavior_logp, advantages, mask, *, tau):
+    out = planted(logp, behavior_logp, advantages, mask, tau=tau, deviation=variant("clamped_log_ratio").deviation)
+    return {**out, "m2_before": 2.0 * out["m2_before"]}
+
+
+def test_a_deviation_no_variant_knows_is_named_unexplained_next_to_the_known_one():
+    d = run_compare(_clamped_with_doubled_m2_before, "clamp + doubled m2_before", examples=EXAMPLES, shrink=False).diagnosis
+    assert d["status"] == "partly_explained", d["summary"]
+    assert "metrics.m2_before" in d["unexplained"] and d["by_check"]["loss"] == ["clamped_log_ratio"], d["summary"]
+    assert all(c["agreed"] > 0 for c in d["closest"]), "closest lists only variants that agree somewhere"
+
+
+def _nan_everywhere(logp, behavior_logp, advantages, mask, *, tau):
+    out = m2po_loss(logp, behavior_logp, advantages, mask, tau=tau)
+    return {"loss": out.loss * float("nan"), "keep": out.keep}
+
+
+def test_a_nan_result_on_valid_data_is_a_finding_not_a_padding_leak():
+    report = run_compare(_nan_everywhere, "nan everywhere", examples=40, shrink=False)
+    d = report.diagnosis
+    assert report.tallies["loss"].failures and not report.tallies["padding_immunity"].failures
+    assert "nan_padding_leak" not in d["components"]
+    assert [f["kind"] for f in d["findings"]] == ["non_finite_result"]
+
+
+def _float32_metrics(logp, behavior_logp, advantages, mask, *, tau):
+    return planted(logp, behavior_logp, advantages, mask, tau=tau, deviation=variant("float32_metrics").deviation)
+
+
+def test_the_compute_dtype_sets_the_metric_tolerance():
+    assert run_compare(_float32_metrics, "float32 metrics", examples=100, shrink=False).verdict == "divergent"
+    assert run_compare(_float32_metrics, "float32 metrics", examples=100, shrink=False, compute_dtype="float32").verdict == "equivalent"
+
+
+def _exp_in_bfloat16(logp, behavior_logp, advantages, mask, *, tau):
+    """Algorithm 1's mask, the objective computed the plain way in the input dtype (bfloat16)."""
+    keep = m2po_loss(logp.detach().double(), behavior_logp.double(), advantages.double(), mask, tau=tau).keep
+    d = torch.where(keep, logp - behavior_logp, torch.zeros_like(logp))
+    loss = -(torch.where(keep, torch.exp(d) * advantages, torch.zeros_like(logp))).sum() / mask.sum().clamp(min=1)
+    return {"loss": loss, "keep": keep}
+
+
+def test_the_error_bfloat16_puts_into_exp_at_large_log_ratios_is_tolerated():
+    from m2po_oracle.batch import Batch
+    from m2po_oracle.battery import run_battery
+
+    # d near 50: exp(d) computed in bfloat16 is off by about 10 % (the dtype's own error).
+    batch = Batch(np.array([[-1.0, 49.75]]), np.array([[-1.0, -0.25]]), np.array([[1.0, -1.0]]), np.ones((1, 2), bool), 10_000.0)
+    outcome = run_battery(_exp_in_bfloat16, batch, dtype="bfloat16")
+    assert not outcome.failed_checks, outcome.mismatches
+
+
+def _epsilon_denominator(logp, behavior_logp, advantages, mask, *, tau):
+    return planted(logp, behavior_logp, advantages, mask, tau=tau, deviation=variant("denominator_epsilon").deviation)
+
+
+def test_an_epsilon_in_the_denominator_is_named_with_the_option_that_accepts_it():
+    d = run_compare(_epsilon_denominator, "epsilon", examples=100, shrink=False).diagnosis
+    assert d["components"] == ["denominator_epsilon"], d["summary"]
+    assert any(h["option"] == "--dtype float32" for h in d["hints"]), d["hints"]
+    assert run_compare(_epsilon_denominator, "epsilon", examples=100, shrink=False, dtype="float32").verdict == "equivalent"
+
+
+def test_only_the_fields_the_port_supplied_are_compared():
+    """AReaL's mask behind --adapter mask_function: the adapter builds Algorithm 1's loss on
+    the mask, so comparing the loss with AReaL's kept-count loss would rule AReaL out."""
+    (row,) = run_selftest(select_controls(["areal_mask_function"]), examples=EXAMPLES, shrink=False)
+    assert row.diagnosed, row
+
+
+def test_each_counterexample_names_its_cause_and_the_checks_it_shows():
+    composite = next(c for c in COMPOSITE_CONTROLS if c.name == "hard_clamp_leak")
+    report = run_compare(composite.fn, composite.name, examples=100)
+    causes = [c.cause for c in report.counterexamples]
+    assert len(causes) == len(set(causes)), f"one counterexample per cause, got {causes}"
+    assert set(causes) <= set(report.diagnosis["components"]) | {" + ".join(n) for n in report.diagnosis["by_check"].values()}
+    leak = next(c for c in report.counterexamples if c.cause == "nan_padding_leak")
+    assert leak.checks == ("padding_immunity",)
+
+
+def test_every_named_variant_is_distinct():
+    assert len({v.name for v in VARIANTS}) == len(VARIANTS)
+    assert len({v.deviation for v in VARIANTS}) == len(VARIANTS), "two variants plant the same knobs"
