@@ -20,6 +20,7 @@ import pytest
 from m2po_oracle.compare import run_compare
 from m2po_oracle.resolve import load_implementation
 from m2po_oracle.distributed.runner import DistributedRunner
+from m2po_oracle.report import html as html_module
 from m2po_oracle.report.html import render_html, write_html
 from m2po_oracle.distributed.topology import Topology
 
@@ -98,6 +99,13 @@ def _poison(report: dict[str, Any]) -> dict[str, Any]:
     report["diagnosis"]["status"] = ATTRIBUTE
     report["diagnosis"]["matches"][0]["variant"] = PAYLOAD
     report["diagnosis"]["closest"][0]["first_difference"] = PAYLOAD
+    report["diagnosis"].update(summary=PAYLOAD, components=[PAYLOAD, "float32_metrics"], by_check={report["checks"][1]["name"]: [PAYLOAD, ATTRIBUTE]},
+                               unexplained=[PAYLOAD], alternatives=[[PAYLOAD, ATTRIBUTE]],
+                               findings=[{"kind": PAYLOAD, "checks": [PAYLOAD], "summary": PAYLOAD}],
+                               hints=[{"checks": [PAYLOAD], "text": PAYLOAD, "option": PAYLOAD}])
+    report["checks"][1]["status"] = "fail"  # so the explained-by cell shows the hostile names
+    cx["cause"], cx["checks"] = PAYLOAD, [PAYLOAD, ATTRIBUTE]
+    report["counterexamples"].append({**copy.deepcopy(cx), "cause": ATTRIBUTE})  # a cause group heading below
     report["validation"]["probes"][0]["message"] = PAYLOAD
     report["validation"]["probes"][1]["status"] = ATTRIBUTE
     return report
@@ -179,7 +187,7 @@ def test_divergent_report_shows_verdict_checks_replay_and_counterexample(diverge
     assert all(cells[3][1] != "0" for _, cells in failing)
     assert len(_tables(html)["tokens"]) - 1 == len(cx["tokens"])
     # Optional sections appear exactly when the report carries them.
-    assert ('id="diagnosis"' in html) == ("diagnosis" in divergent) and ('id="validation"' in html) == ("validation" in divergent)
+    assert ('id="explanation"' in html) == ("diagnosis" in divergent) and ('id="validation"' in html) == ("validation" in divergent)
 
 
 def test_equivalent_report_is_green_with_no_counterexamples(equivalent):
@@ -218,13 +226,232 @@ def test_a_raising_implementation_with_a_hostile_name_renders_escaped_and_unusab
 
 def test_diagnosis_and_validation_sections_render_when_present(divergent):
     html = render_html(_with_optional_sections(divergent))
-    assert 'id="diagnosis"' in html and "one_extra_removed" in html and "58 / 60" in html and "keep at (0, 1)" in html
+    assert 'id="explanation"' in html and "one_extra_removed" in html and "agreed on 58 of 60" in html and "keep at (0, 1)" in html
     assert 'id="validation"' in html
     rows = {cells[0][1]: (row_cls, cells) for row_cls, cells in _tables(html)["probes"][1:]}
     assert rows["shape_mismatch"][0] == "warn" and "badge warn" in rows["shape_mismatch"][1][2][0] + html
     assert "WARNING" in rows["shape_mismatch"][1][2][1]
     assert rows["nan_logp"][0] == "" and rows["huge_batch"][0] == "fail"
     assert "1 invalid input(s) were silently accepted" in html
+
+
+# --- the explanation (diagnosis schema with components, by_check, unexplained, ...) ----------
+
+FAILING = ("loss", "gradient", "metrics.m2_before", "metrics.m2_after", "padding_immunity")
+COMPONENTS = {
+    "clamped_log_ratio": ("straight-through clamp of d to +-20", "spec section 3 (ms-swift, Trinity-RFT guard)"),
+    "float32_metrics": ("logged metrics computed in float32", "spec section 4"),
+    "nan_padding_leak": ("padding zeroed by multiplying with the mask: 0 * nan = nan", "plausible port bug"),
+}
+BY_CHECK = {"loss": ["clamped_log_ratio"], "gradient": ["clamped_log_ratio"], "metrics.m2_before": ["float32_metrics"],
+            "padding_immunity": ["nan_padding_leak"]}
+# (check, cause, checks it demonstrates) of each counterexample, in report order: the first is shown at the top.
+CAUSES = [("loss", "clamped_log_ratio", ["loss", "gradient"]), ("metrics.m2_after", None, ["metrics.m2_after"]),
+          ("padding_immunity", "nan_padding_leak", ["padding_immunity"]), ("metrics.m2_before", "float32_metrics", ["metrics.m2_before"]),
+          ("gradient", "clamped_log_ratio", ["gradient"])]
+
+
+def _explained(base: dict[str, Any], status: str = "partly_explained") -> dict[str, Any]:
+    """A divergent report (a real one, its diagnosis replaced) whose failures three deviations explain but one."""
+    report = copy.deepcopy(base)
+    for check in report["checks"]:
+        failing = check["name"] in FAILING
+        check.update(status="fail" if failing else "pass", failures=7 if failing else 0)
+    report["diagnosis"] = {
+        "status": status, "examples_compared": 60,
+        "summary": "partly explained: loss, gradient by clamped_log_ratio; metrics.m2_before by float32_metrics; "
+                   "padding_immunity by nan_padding_leak; metrics.m2_after unexplained",
+        "components": list(COMPONENTS),
+        "by_check": {**BY_CHECK, "call": ["clamped_log_ratio"]},  # "call" passes: it shows nothing
+        "unexplained": ["metrics.m2_after"],
+        "matches": [{"variant": name, "description": description, "source": source, "evidence": f"reproduces {name} on all 60 examples"}
+                    for name, (description, source) in COMPONENTS.items()],
+        "alternatives": [["slime_pr"], ["hard_clamped_log_ratio", "float32_metrics"]],
+        "closest": [{"variant": "all_valid_candidates", "description": "every valid token is a candidate", "source": "spec section 3",
+                     "agreed": 0, "of": 60, "first_difference": "keep differs at (1, 1)"},
+                    {"variant": "hard_clamped_log_ratio", "description": "hard clamp of d to +-20", "source": "spec section 4",
+                     "agreed": 12, "of": 60, "first_difference": "gradient at (0, 1): variant 0.0, implementation 1.5"}],
+        "findings": [{"kind": "non_finite_result", "checks": ["loss"],
+                      "summary": "the loss is NaN on 12 batches whose inputs are finite on every valid token"}],
+        "hints": [{"checks": ["metrics.m2_before"], "text": "every failure of metrics.m2_before fits float32 rounding",
+                   "option": "--compute-dtype float32"}],
+    }
+    cx = base["counterexamples"][0]
+    report["counterexamples"] = [{**copy.deepcopy(cx), "check": check, "cause": cause, "checks": checks} for check, cause, checks in CAUSES]
+    return report
+
+
+def _section(html: str, section_id: str) -> str:
+    """The markup of ``<section id=...>`` (sections are not nested on this page)."""
+    match = re.search(rf'<section id="{section_id}"[^>]*>.*?</section>', html, re.DOTALL)
+    assert match, f"no section {section_id}"
+    return match.group(0)
+
+
+def test_check_table_says_what_explains_each_failing_check(divergent):
+    report = _explained(divergent)
+    html = render_html(report)
+    ((_, header), *rows) = _tables(html)["checks"]
+    assert [text for _, text in header][-1] == "explained by"
+    cells = {row[0][1]: row for _, row in rows}
+    for name, row in cells.items():
+        expected = ", ".join(BY_CHECK[name]) if name in BY_CHECK else "unexplained" if name == "metrics.m2_after" else ""
+        assert row[-1][1] == expected, name
+    # Each name links to its row in the explanation, which carries its description.
+    table = re.search(r'<table class="checks">.*?</table>', html, re.DOTALL).group(0)
+    links = dict(re.findall(r'<a class="deviation mono" href="#([^"]+)">([^<]+)</a>', table))
+    assert set(links.values()) == {"clamped_log_ratio", "float32_metrics", "nan_padding_leak"}
+    explanation = _section(html, "explanation")
+    for anchor, name in links.items():
+        row = re.search(rf'<tr id="{anchor}" class="deviation">.*?</tr>', explanation, re.DOTALL)
+        assert row and name in row.group(0) and str(markupsafe.escape(COMPONENTS[name][0])) in row.group(0), name
+    # "unexplained" is a warning, on the unexplained check only.
+    m2_after = re.search(r'<tr class="fail">\s*<td class="mono"><a href="#cx-\d+">metrics\.m2_after</a>.*?</tr>', table, re.DOTALL).group(0)
+    assert '<span class="badge warn">unexplained</span>' in m2_after and table.count("badge warn") == 1
+
+
+def test_an_old_report_without_the_new_keys_has_an_empty_explained_by_column(divergent):
+    report = _with_optional_sections(divergent)  # the diagnosis schema before by_check and components
+    for key in ("cause", "checks"):
+        report["counterexamples"][0].pop(key, None)
+    html = render_html(report)
+    ((_, header), *rows) = _tables(html)["checks"]
+    assert [text for _, text in header][-1] == "explained by" and all(row[-1][1] == "" for _, row in rows)
+    explanation = _section(html, "explanation")
+    # Its matches are still shown, as variants that reproduce the failures; the old table of closest variants too.
+    assert "Known variants that reproduce the failing examples" in explanation and "one_extra_removed" in explanation
+    assert "removes one token too many" in explanation and "agreed on 58 of 60" in explanation
+    assert '<p class="cause' not in html and 'class="cause-heading"' not in html
+
+
+def test_explanation_box_comes_first_with_components_findings_hints_and_the_first_counterexample(divergent):
+    report = _explained(divergent)
+    html = render_html(report)
+    explanation = _section(html, "explanation")
+    # Right after the verdict header, before every other section.
+    sections = re.findall(r'<section id="([^"]+)"', html)
+    assert sections[0] == "explanation" and html.index('id="verdict"') < html.index('<section id="explanation"')
+    assert {"checks", "validation", "counterexamples"} <= set(sections[1:])
+    assert "loss, gradient by clamped_log_ratio; metrics.m2_before by float32_metrics" in explanation
+    ((_, header), *rows) = _tables(explanation)["explanation-components"]
+    assert [text for _, text in header] == ["deviation", "what it does", "source", "explains", "evidence"]
+    assert [(cells[0][1], cells[1][1], cells[2][1], cells[3][1]) for _, cells in rows] == [
+        ("clamped_log_ratio", *COMPONENTS["clamped_log_ratio"], "loss, gradient"),
+        ("float32_metrics", *COMPONENTS["float32_metrics"], "metrics.m2_before"),
+        ("nan_padding_leak", *COMPONENTS["nan_padding_leak"], "padding_immunity")]
+    assert "metrics.m2_after</span>: no known deviation reproduces this failure" in explanation
+    alternatives = re.search(r'<p class="alternatives">(.*?)</p>', explanation, re.DOTALL).group(1)
+    assert re.sub(r"<[^>]+>", "", alternatives).split(":")[1].split() == ["slime_pr;", "hard_clamped_log_ratio", "+", "float32_metrics."]
+    assert "the loss is NaN on 12 batches whose inputs are finite on every valid token" in explanation and "non_finite_result" in explanation
+    assert "every failure of metrics.m2_before fits float32 rounding: try <code>--compute-dtype float32</code>" in explanation
+    # The first counterexample, with its cause linked to the component; the others stay below.
+    assert explanation.count('<article class="cx"') == 1 and '<article class="cx" id="cx-1">' in explanation
+    top = re.search(r'<article class="cx" id="cx-1">.*?</article>', explanation, re.DOTALL).group(0)
+    assert re.search(r'<p class="cause" data-cause="clamped_log_ratio">cause:\s*<a class="deviation mono" href="#deviation-1">clamped_log_ratio</a>', top)
+    assert "also shows gradient" in top
+    assert len(_tables(top)["tokens"]) - 1 == len(report["counterexamples"][0]["tokens"])
+
+
+def test_remaining_counterexamples_are_grouped_by_cause(divergent):
+    html = render_html(_explained(divergent))
+    below = _section(html, "counterexamples")
+    assert 'id="cx-1"' not in below and "Counterexample 1 is shown at the top" in below
+    groups = re.findall(r'<div class="cause-group" data-kind="(\w+)" data-cause="([^"]*)">(.*?)</div>\s*(?=<div class="cause-group"|</section>)',
+                        below, re.DOTALL)
+    # The explanation's component order, the unexplained last; report order within a group.
+    assert [(kind, cause, re.findall(r'<article class="cx" id="(cx-\d+)"', body)) for kind, cause, body in groups] == [
+        ("cause", "clamped_log_ratio", ["cx-5"]), ("cause", "float32_metrics", ["cx-4"]), ("cause", "nan_padding_leak", ["cx-3"]),
+        ("unexplained", "", ["cx-2"])]
+    assert re.search(r'<h3 class="cause-heading">Caused by <a class="deviation mono" href="#deviation-2">float32_metrics</a></h3>', below)
+    assert re.search(r'<p class="cause" data-cause="">cause:\s*<span class="badge warn">unexplained</span>', below)
+
+
+def test_counterexamples_without_a_cause_keep_one_flat_list(divergent):
+    report = _explained(divergent)
+    for cx in report["counterexamples"]:
+        del cx["cause"], cx["checks"]
+    below = _section(render_html(report), "counterexamples")
+    assert 'class="cause-heading"' not in below and '<p class="cause' not in below
+    assert re.findall(r'<article class="cx" id="(cx-\d+)"', below) == ["cx-2", "cx-3", "cx-4", "cx-5"]
+
+
+@pytest.mark.parametrize(("status", "word"), [("matched", "explained"), ("partly_explained", "partly explained"),
+                                              ("no_known_variant", "no known deviation explains it")])
+def test_diagnosis_status_wording(divergent, status, word):
+    explanation = _section(render_html(_explained(divergent, status)), "explanation")
+    assert re.search(rf'<p class="status-line"><span class="badge \w+">{word}</span>', explanation)
+    assert f'data-status="{status}"' in explanation
+    if status == "partly_explained":  # the summary's own lead is not repeated after the badge
+        assert "partly explained: loss" not in explanation
+
+
+@pytest.mark.parametrize("status", ["not_needed", "not_run"])
+def test_nothing_to_explain_shows_one_line(divergent, status):
+    html = render_html(_explained(divergent, status))  # even with content under the other keys
+    assert '<section id="explanation"' not in html and '<a href="#explanation">Explanation</a>' not in html
+    (note,) = re.findall(r'<p class="note [^"]*explanation-note" id="explanation" data-status="([^"]+)">([^<]*)</p>', html)
+    assert note[0] == status and note[1] == html_module._DIAGNOSIS_NOTE[status] and "\n" not in note[1]
+    for absent in ("explanation-components", "slime_pr", "the loss is NaN", "--compute-dtype float32", "hard_clamped_log_ratio"):
+        assert absent not in html, absent
+    assert html.index('<section id="counterexamples"') < html.index('id="cx-1"'), "the first counterexample stays in its section"
+    assert all(row[-1][1] == "" for _, row in _tables(html)["checks"][1:]), "nothing links to a box that is not drawn"
+    assert '<p class="cause' not in html and 'class="cause-heading"' not in html, "no cause, not even 'unexplained', without a diagnosis"
+
+
+def test_closest_lists_only_variants_that_agree_somewhere(divergent):
+    report = _explained(divergent, "no_known_variant")
+    report["diagnosis"].update(components=[], by_check={}, matches=[])
+    report["diagnosis"]["closest"] += [{"variant": v, "agreed": a, "of": 60} for v, a in
+                                       (("agreed_none", None), ("agreed_junk", "many"), ("agreed_nan", "nan"), ("agreed_negative", -1))]
+    html = render_html(report)
+    closest = _tables(_section(html, "explanation"))["diagnosis-closest"][1:]
+    assert [(cells[0][1], cells[3][1]) for _, cells in closest] == [("hard_clamped_log_ratio", "agreed on 12 of 60")]
+    assert "all_valid_candidates" not in html and "agreed_" not in html
+    assert re.search(r'<details class="closest" open>', html), "with nothing explained, the closest variants are the lead: open"
+    # The template filters too, whatever the view model hands it.
+    view = html_module._view(report)
+    view["diagnosis"]["closest"].append({**view["diagnosis"]["closest"][0], "variant": "sneaked_in", "agreed_n": 0})
+    assert "sneaked_in" not in html_module._environment().get_template(html_module._TEMPLATE).render(r=view)
+    view["diagnosis"]["closest"] = view["diagnosis"]["closest"][1:]
+    assert "No known variant agrees" in html_module._environment().get_template(html_module._TEMPLATE).render(r=view)
+
+
+def test_removed_tokens_are_labelled_removed_not_mask(divergent):
+    report = copy.deepcopy(divergent)
+    base = {"valid": True, "log_ratio": 0.5, "advantage": 1.0, "m2": 0.125, "trust_region": True, "expected_grad": 0.0, "actual_grad": 0.0}
+    report["counterexamples"][0]["tokens"] = [{**base, "index": [0, 0], "expected_keep": True, "actual_keep": False},
+                                              {**base, "index": [0, 1], "expected_keep": False, "actual_keep": True}]
+    rows = _tables(render_html(report))["tokens"][1:]
+    assert [(cells[6], cells[7][1]) for _, cells in rows] == [(("keep-keep", "keep"), "removed"), (("keep-removed", "removed"), "keep")]
+    assert all(text != "mask" for _, cells in rows for _, text in cells)
+
+
+def test_negative_zero_is_printed_as_zero(divergent):
+    fmt, short = html_module._fmt, html_module._fmt_short
+    assert fmt(-0.0) == fmt(0.0) == "0" and short(-0.0) == short(0.0) == "0"
+    assert fmt([-0.0, [0.0, -0.0]]) == "[0, [0, 0]]" and html_module._index([-0.0, 1]) == "(0, 1)"
+    assert html_module._duration(-0.0) == html_module._duration(-0.04) == "0.0 s" and html_module._r(-0.0) == 0.0
+    assert str(html_module._r(-0.001)) == "0.0"
+    assert fmt(-1e-300) == "-1e-300" and short(-2.5e-7) == "-2.5e-07", "a small negative number keeps its sign"
+    report = _explained(divergent)
+    report["duration_s"] = -0.0
+    report["options"]["tau"] = -0.0
+    report["tolerances"][0]["atol"] = -0.0
+    cx = report["counterexamples"][0]
+    for token in cx["tokens"]:
+        token.update(log_ratio=-0.0, advantage=-0.0, m2=-0.0, expected_grad=-0.0, actual_grad=-0.0)
+    for side in ("expected", "expected_on_actual_mask", "actual"):
+        cx[side] = {**cx[side], "loss": -0.0, "m2_before": -0.0}
+    cx["mismatches"][0].update(actual=-0.0, expected=[-0.0, 0.0], index=[-0.0, 0])
+    cx["removal_curve"].update(tau=-0.0, prefix_means=[-0.0, 0.0, 0.5], candidates=3)
+    cx["trainer_case"] = {"seed": -0.0, "lags": [-0.0, 1], "split": [[-0.0, 2]], "trainer": {"loss": -0.0, "rewards": [-0.0, 1.0]}}
+    cx["ranks"] = [_dist_rank(0, 0, 0, 0, MASK, loss=-0.0)]
+    report["diagnosis"]["closest"][1].update(agreed=12.0, of=-0.0)
+    html = render_html(report)
+    body = re.sub(r'<pre class="replay">.*?</pre>', "", html[html.index("<body>"):], flags=re.DOTALL)  # the replay is a command, kept verbatim
+    assert "-0.0" not in body
+    assert not re.search(r"(?<![\w.\-])-0(?![\w.])", body), re.search(r".{40}(?<![\w.\-])-0(?![\w.]).{40}", body)
+    assert not re.search(r'="-0(?:\.0)?"', html), "an SVG coordinate or attribute is -0"
 
 
 def test_token_table_highlights_differences_and_greys_padding(divergent):
@@ -316,7 +543,22 @@ def _empty_actual(report: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
+def _junk_explanation(report: dict[str, Any]) -> dict[str, Any]:
+    """The new diagnosis keys with every wrong type a hand-edited or newer report could hold."""
+    report["diagnosis"] = {"status": "partly_explained", "summary": None, "components": "clamped_log_ratio", "by_check": [1, 2],
+                           "unexplained": 3, "matches": [None, {"variant": None}, {"variant": 7, "checks": "loss"}], "alternatives": "slime_pr",
+                           "closest": [None, {"agreed": "nan"}, {"agreed": True}, {"agreed": 1e400}], "findings": [None, 3, {"checks": "loss"}],
+                           "hints": {"text": "x"}, "examples_compared": {"a": 1}}
+    cx = report["counterexamples"][0]
+    cx["cause"], cx["checks"] = 5, "loss"
+    report["counterexamples"] += [{**copy.deepcopy(cx), "cause": ""}, {**copy.deepcopy(cx), "cause": "a + b"}, {"cause": None}]
+    return report
+
+
 ODD_INPUTS = {
+    "junk explanation": _junk_explanation,
+    "explanation keys missing": lambda r: {**r, "diagnosis": {"status": "partly_explained"}},
+    "diagnosis not a mapping": lambda r: {**r, "diagnosis": ["matched"]},
     "empty dict": lambda r: {},
     "junk types": _junk_report,
     "no optional sections": lambda r: {k: v for k, v in r.items() if k not in ("diagnosis", "validation")},
@@ -660,8 +902,8 @@ def browser():
             chromium.close()
 
 
-def _open(browser, path: pathlib.Path):
-    page = browser.new_page(viewport={"width": 1280, "height": 900}, device_scale_factor=1)
+def _open(browser, path: pathlib.Path, height: int = 900):
+    page = browser.new_page(viewport={"width": 1280, "height": height}, device_scale_factor=1)
     page.set_default_timeout(30_000)
     seen = {"errors": [], "requests": [], "dialogs": []}
     page.on("pageerror", lambda error: seen["errors"].append(f"pageerror: {error}"))
@@ -740,6 +982,40 @@ def test_browser_shows_the_divergent_report_offline(browser, divergent, tmp_path
     assert len(colours) > 20, "the top of the page is (nearly) one colour"
     verdict_rows = rows[int(box["y"]) + 4:int(box["y"] + box["height"]) - 4]
     assert any(r > 150 and g < 90 and b < 90 for row in verdict_rows for r, g, b in row), "no red in the verdict banner"
+
+
+def test_browser_shows_the_explanation_and_the_first_counterexample_near_the_top(browser, divergent, tmp_path):
+    # Before the explanation box the first counterexample started about 2,650-2,900 px down, under
+    # the check table, the diagnosis and the validation; it must now be on the first screens.
+    report = _explained(divergent)
+    assert len(report["diagnosis"]["components"]) == 3 and report["verdict"] == "divergent"
+    path = tmp_path / "explained.html"
+    write_html(report, path)
+    page, seen = _open(browser, path, height=800)
+    try:
+        explanation = page.locator("section#explanation")
+        first = explanation.locator("article.cx#cx-1")
+        assert explanation.is_visible() and first.is_visible()
+        box, cx_box = explanation.bounding_box(), first.bounding_box()
+        checks_y = page.locator("section#checks").bounding_box()["y"]
+        print(f"explanation box at y={box['y']:.0f}, first counterexample at y={cx_box['y']:.0f}, checks at y={checks_y:.0f}")
+        assert 0 <= box["y"] < 1200 and 0 <= cx_box["y"] < 1200, (box, cx_box)
+        assert box["y"] < cx_box["y"] < checks_y, "the box, then its counterexample, then the check table"
+        assert page.locator("#verdict").bounding_box()["y"] < box["y"]
+        # Its content is drawn, not hidden: the components, the hint's option, the cause.
+        assert page.locator("table.explanation-components tbody tr").count() == 3
+        assert page.locator("ul.hints code").inner_text() == "--compute-dtype float32"
+        assert first.locator("p.cause").inner_text().startswith("cause: clamped_log_ratio")
+        # An explained-by link in the check table lands on its component's row.
+        page.locator("table.checks a.deviation", has_text="float32_metrics").first.click()
+        row = page.locator("table.explanation-components tr", has_text="float32_metrics")
+        assert page.evaluate("location.hash") == f"#{row.get_attribute('id')}"
+        row_box = row.bounding_box()
+        assert 0 <= row_box["y"] <= 800 - row_box["height"], "the target row is scrolled into view"
+    finally:
+        page.close()
+    assert seen["errors"] == [] and seen["dialogs"] == []
+    assert seen["requests"] == [path.as_uri()], "the page fetched something besides itself"
 
 
 def test_browser_runs_no_hostile_markup(browser, divergent, hostile, tmp_path):

@@ -104,7 +104,8 @@ def _fmt(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
-        return repr(value)
+        # -0.0 == 0.0: both print as "0", so equal numbers never print differently.
+        return "0" if value == 0 else repr(value)
     if isinstance(value, (int, str)):
         return str(value)
     if isinstance(value, Sequence):
@@ -114,9 +115,15 @@ def _fmt(value: Any) -> str:
 
 def _fmt_short(value: Any) -> str:
     """Six significant digits for dense tables; the full value goes in a tooltip."""
-    if isinstance(value, float) and math.isfinite(value):
+    if isinstance(value, float) and math.isfinite(value) and value != 0:
         return f"{value:.6g}"
     return _fmt(value)
+
+
+def _fixed(value: float, digits: int) -> str:
+    """``value`` with ``digits`` decimals; a value that rounds to zero prints without a minus sign."""
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
 
 
 def _index(value: Any) -> str:
@@ -176,11 +183,25 @@ _PROBE_NOTE = {
     "hung": "hung",
     "crashed": "crashed instead of raising a clean error",
 }
+# The diagnosis status as the page words it, and the class of its badge.
+_DIAGNOSIS_WORD = {
+    "matched": "explained",
+    "partly_explained": "partly explained",
+    "no_known_variant": "no known deviation explains it",
+    "not_needed": "not needed",
+    "not_run": "not run",
+}
+_DIAGNOSIS_CLASS = {"matched": "bad", "partly_explained": "warn", "no_known_variant": "warn", "not_needed": "ok", "not_run": "neutral"}
+# The one line a report without a diagnosis to show gets instead of the explanation box.
+_DIAGNOSIS_NOTE = {
+    "not_needed": "No explanation needed: no divergence was found.",
+    "not_run": "No explanation: there was no result to compare with Algorithm 1, or the run ended before the diagnosis.",
+}
+# What the box says when the report carries no summary line (reports older than the summary).
 _DIAGNOSIS_TEXT = {
-    "not_needed": "No diagnosis needed: no divergence was found.",
-    "not_run": "No diagnosis: there was no result to compare with Algorithm 1, or the run ended before it.",
-    "matched": "The implementation behaves like these known variants of Algorithm 1:",
-    "no_known_variant": "The implementation matches no known variant; the closest ones are:",
+    "matched": "Known deviations from Algorithm 1 reproduce every failing check.",
+    "partly_explained": "Known deviations from Algorithm 1 reproduce some failing checks; the others are unexplained.",
+    "no_known_variant": "No known deviation from Algorithm 1 reproduces the failing checks.",
 }
 # The order a reader expects; unknown extra metrics follow in report order.
 _METRIC_ORDER = ("loss", "m2_before", "m2_after", "masked_fraction", "trust_region_fraction", "valid_count", "trust_region_count", "kept_trust_region_count")
@@ -191,21 +212,40 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
     options = _mapping(report.get("options"))
     verdict = _text(report.get("verdict"), "unknown")
     examples = report.get("examples", options.get("examples"))
-    counterexamples = [_counterexample(i, cx) for i, cx in enumerate(_list(report.get("counterexamples")), start=1) if isinstance(cx, Mapping)]
+    raw_checks = [_mapping(check) for check in _list(report.get("checks"))]
+    diagnosis = (_diagnosis(report.get("diagnosis"), [(_text(c.get("name"), "?"), _text(c.get("status"), "?")) for c in raw_checks])
+                 if "diagnosis" in report else None)
+    anchors = diagnosis["anchors"] if diagnosis is not None else {}
+    counterexamples = [_counterexample(i, cx, anchors) for i, cx in enumerate(_list(report.get("counterexamples")), start=1) if isinstance(cx, Mapping)]
     first_cx: dict[str, str] = {}
     for cx in counterexamples:
-        first_cx.setdefault(cx["check"], cx["anchor"])
+        for name in [cx["check"], *cx["checks"]]:
+            first_cx.setdefault(name, cx["anchor"])
+    # A diagnosis that was not needed or not run explains nothing, whatever else it carries:
+    # no check is "unexplained" and no counterexample has a cause (not even "unexplained").
+    shown = diagnosis is not None and not diagnosis["brief"]
+    by_check = diagnosis["by_check"] if shown else {}
+    unexplained = set(diagnosis["unexplained"]) if shown else set()
+    if not shown:
+        for cx in counterexamples:
+            cx["cause"] = {"recorded": False, "name": None, "parts": []}
     checks = []
-    for check in _list(report.get("checks")):
-        check = _mapping(check)
+    for check in raw_checks:
         name = _text(check.get("name"), "?")
         status = _text(check.get("status"), "?")
-        checks.append({"name": name, "description": _text(check.get("description")), "status": status, "failed": status == "fail",
+        failed = status == "fail"
+        checks.append({"name": name, "description": _text(check.get("description")), "status": status, "failed": failed,
                        "status_class": _CHECK_CLASS.get(status, "neutral"), "failures": _fmt(check.get("failures")),
-                       "ran": _fmt(check.get("ran")), "anchor": first_cx.get(name)})
+                       "ran": _fmt(check.get("ran")), "anchor": first_cx.get(name),
+                       # Only a failing check has something to explain.
+                       "explained_by": [_linked(n, anchors) for n in by_check.get(name, [])] if failed else [],
+                       "unexplained": failed and name in unexplained})
     failed = sum(1 for c in checks if c["failed"])
     not_run = sum(1 for c in checks if c["status"] == "not run")
     topology = _topology_text(report.get("topology")) if report.get("topology") is not None else None
+    # The first counterexample goes in the explanation box at the top, unless there is nothing to explain.
+    top = counterexamples[0] if counterexamples and diagnosis is not None and not diagnosis["brief"] else None
+    rest = counterexamples[1:] if top is not None else counterexamples
     return {
         "schema": _text(report.get("schema"), "unknown schema"),
         "verdict": verdict,
@@ -230,8 +270,10 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
         "stopped_early": _text(report.get("stopped_early")) if report.get("stopped_early") else None,
         "output": _output(report.get("implementation_output")),
         "counterexamples": counterexamples,
+        "top_counterexample": top,
+        "cause_groups": _cause_groups(rest, diagnosis),
         "example_unit": _text(report.get("example_unit"), "batches"),
-        "diagnosis": _diagnosis(report.get("diagnosis")) if "diagnosis" in report else None,
+        "diagnosis": diagnosis,
         "validation": _validation(report.get("validation")) if "validation" in report else None,
         "collectives": _collectives(report.get("collectives_per_step")) if "collectives_per_step" in report else None,
         "tolerances": [
@@ -246,24 +288,120 @@ def _duration(value: Any) -> str:
     seconds = _as_float(value)
     if seconds is None or not math.isfinite(seconds):
         return _fmt(value)
-    return f"{seconds:.1f} s"
+    return f"{_fixed(seconds, 1)} s"
 
 
-def _diagnosis(raw: Any) -> dict[str, Any]:
+def _cause_groups(counterexamples: list[dict[str, Any]], diagnosis: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The counterexamples below the box, grouped by cause where the report records one.
+
+    Groups follow the explanation's components, then other causes in report order; the
+    unexplained and the unattributed come last. Without any cause: one group, no heading."""
+    if not any(cx["cause"]["recorded"] for cx in counterexamples):
+        return [{"kind": "all", "label": "", "parts": [], "members": counterexamples}] if counterexamples else []
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for cx in counterexamples:
+        cause = cx["cause"]
+        key = ("cause", cause["name"]) if cause["name"] is not None else ("unexplained", "") if cause["recorded"] else ("unattributed", "")
+        group = groups.setdefault(key, {"kind": key[0], "label": key[1], "parts": cause["parts"], "members": []})
+        group["members"].append(cx)
+    components = list(diagnosis["anchors"]) if diagnosis is not None else []
+    rank = {"cause": 0, "unexplained": 1, "unattributed": 2}
+
+    def position(key: tuple[str, str]) -> tuple[int, int]:
+        return rank[key[0]], components.index(key[1]) if key[1] in components else len(components)
+
+    return [groups[key] for key in sorted(groups, key=position)]  # stable: report order within a rank
+
+
+def _names(value: Any) -> list[str]:
+    """A list of names from a list (or, from a hand-edited report, a single string)."""
+    if isinstance(value, str):
+        return [value]
+    return [_text(v) for v in _list(value) if v is not None]
+
+
+def _number_or_zero(value: Any) -> float:
+    number = _as_float(value)
+    return number if number is not None and math.isfinite(number) else 0.0
+
+
+def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """The explanation box: the best explanation of the failing checks and what else the diagnosis found.
+
+    ``checks`` are the report's (name, status) pairs: a deviation is listed as explaining
+    only checks that failed, in the check table's order. Keys a report lacks (reports older
+    than the explanation schema) read as empty."""
     d = _mapping(raw)
     status = _text(d.get("status"), "unknown")
+    word = _DIAGNOSIS_WORD.get(status, status)
+    by_check = {_text(check): _names(names) for check, names in _mapping(d.get("by_check")).items()}
+    order = {name: i for i, (name, _) in enumerate(checks)}
+    passed = {name for name, state in checks if state != "fail"}
+    matches = {}
+    for m in map(_mapping, _list(d.get("matches"))):
+        if m.get("variant") is not None:
+            matches.setdefault(_text(m.get("variant")), m)
+    components = list(dict.fromkeys(_names(d.get("components"))))
+    # A described deviation: every component, then the matches that are not components
+    # (in a report older than "components", every match).
+    described = components + [name for name in matches if name not in components]
+    brief = status in _DIAGNOSIS_NOTE  # nothing to explain: the page shows one line, so nothing to link to
+    anchors = {} if brief else {name: f"deviation-{i + 1}" for i, name in enumerate(described)}
+
+    def explains(name: str) -> list[str]:
+        explained = [check for check, names in by_check.items() if name in names]
+        if not explained and "checks" in matches.get(name, {}):
+            explained = _names(matches[name].get("checks"))
+        return sorted((c for c in explained if c not in passed), key=lambda c: order.get(c, len(order)))
+
+    def entry(name: str) -> dict[str, Any]:
+        m = matches.get(name, {})
+        return {"name": name, "anchor": anchors.get(name), "description": _text(m.get("description")), "source": _text(m.get("source")),
+                "evidence": _text(m.get("evidence")), "checks": explains(name)}
+
+    closest = []
+    for c in map(_mapping, _list(d.get("closest"))):
+        agreed = _number_or_zero(c.get("agreed"))
+        if agreed <= 0:  # a variant that agrees nowhere is no lead
+            continue
+        closest.append({"variant": _text(c.get("variant")), "description": _text(c.get("description")), "source": _text(c.get("source")),
+                        "agreed": _fmt(c.get("agreed")), "agreed_n": agreed, "of": _fmt(c.get("of")),
+                        "first_difference": _text(c.get("first_difference"))})
+    summary = _text(d.get("summary")).strip()
+    if summary.lower().startswith(word.lower() + ":"):  # the badge already says it
+        summary = summary[len(word) + 1:].strip()
     return {
         "status": status,
-        "status_class": {"not_needed": "ok", "matched": "bad", "no_known_variant": "warn"}.get(status, "neutral"),
-        "text": _DIAGNOSIS_TEXT.get(status, "Diagnosis status not recognised."),
+        "status_class": _DIAGNOSIS_CLASS.get(status, "neutral"),
+        "word": word,
+        "brief": brief,
+        "note": _DIAGNOSIS_NOTE.get(status, ""),
+        "summary": summary or _DIAGNOSIS_TEXT.get(status, "" if status in _DIAGNOSIS_WORD else "Diagnosis status not recognised."),
         "examples_compared": _fmt(d.get("examples_compared")),
-        "matches": [{"variant": _text(m.get("variant")), "description": _text(m.get("description")), "source": _text(m.get("source")),
-                     "evidence": _text(m.get("evidence"))}
-                    for m in map(_mapping, _list(d.get("matches")))],
-        "closest": [{"variant": _text(c.get("variant")), "description": _text(c.get("description")), "source": _text(c.get("source")),
-                     "agreed": _fmt(c.get("agreed")), "of": _fmt(c.get("of")), "first_difference": _text(c.get("first_difference"))}
-                    for c in map(_mapping, _list(d.get("closest")))],
+        "components": [entry(name) for name in components],
+        "others": [entry(name) for name in described if name not in components],
+        "by_check": by_check,
+        "unexplained": [c for c in _names(d.get("unexplained")) if c not in passed],
+        "anchors": anchors,
+        "alternatives": [[_linked(name, anchors) for name in _names(alt)] for alt in _list(d.get("alternatives")) if _names(alt)],
+        "findings": [{"kind": _text(f.get("kind")), "checks": _names(f.get("checks")), "summary": _text(f.get("summary"))}
+                     for f in map(_mapping, _list(d.get("findings")))],
+        "hints": [{"checks": _names(h.get("checks")), "text": _text(h.get("text")),
+                   "option": _text(h.get("option")) if h.get("option") is not None else None}
+                  for h in map(_mapping, _list(d.get("hints")))],
+        "closest": closest,
     }
+
+
+def _linked(name: str, anchors: Mapping[str, str]) -> dict[str, Any]:
+    return {"name": name, "anchor": anchors.get(name)}
+
+
+def _cause_parts(cause: str, anchors: Mapping[str, str]) -> list[dict[str, Any]]:
+    """A cause as linked deviation names; a combined cause is written "a + b"."""
+    if cause in anchors or " + " not in cause:
+        return [_linked(cause, anchors)]
+    return [_linked(part.strip(), anchors) for part in cause.split(" + ")]
 
 
 def _unusable_note(report: Mapping[str, Any]) -> str:
@@ -304,7 +442,8 @@ def _validation(raw: Any) -> dict[str, Any]:
     }
 
 
-def _counterexample(number: int, raw: Mapping[str, Any]) -> dict[str, Any]:
+def _counterexample(number: int, raw: Mapping[str, Any], anchors: Mapping[str, str] | None = None) -> dict[str, Any]:
+    anchors = anchors or {}
     expected = _mapping(raw.get("expected"))
     on_mask = _mapping(raw.get("expected_on_actual_mask"))
     actual = _mapping(raw.get("actual"))
@@ -348,10 +487,18 @@ def _counterexample(number: int, raw: Mapping[str, Any]) -> dict[str, Any]:
         "details": [_text(d) for d in _list(m.get("details"))],
     } for m in map(_mapping, _list(raw.get("mismatches")))]
     shape = _list(raw.get("shape"))
+    check = _text(raw.get("check"), "?")
+    cause = raw.get("cause")
+    if isinstance(cause, str) and not cause.strip():
+        cause = None
     return {
         "number": number,
         "anchor": f"cx-{number}",
-        "check": _text(raw.get("check"), "?"),
+        "check": check,
+        # "cause": the deviation (or "a + b") that explains it, null when none does; absent in older reports.
+        "cause": {"recorded": "cause" in raw, "name": _text(cause) if cause is not None else None,
+                  "parts": _cause_parts(_text(cause), anchors) if cause is not None else []},
+        "checks": [c for c in _names(raw.get("checks")) if c != check] if "checks" in raw else [],
         "summary": _text(raw.get("summary")),
         "replay": _text(raw.get("replay")),
         "shape": " \u00d7 ".join(_fmt(s) for s in shape) if shape else "\u2014",
@@ -376,7 +523,8 @@ _CASE_LABELS = (("seed", "seed"), ("prompts", "prompts"), ("group_size", "comple
 def _trainer_case(raw: Any) -> list[tuple[str, str]]:
     """The training step a trainer counterexample came from, as (label, value) rows."""
     case = _mapping(raw)
-    rows = [(label, _text(json.dumps(case[key]) if isinstance(case.get(key), list) else _fmt(case[key]))) for key, label in _CASE_LABELS if key in case]
+    rows = [(label, _text(json.dumps(_no_negative_zero(case[key])) if isinstance(case.get(key), list) else _fmt(case[key])))
+            for key, label in _CASE_LABELS if key in case]
     step = _mapping(case.get("trainer"))
     if "loss" in step:
         rows.append(("step loss", _fmt(step["loss"])))
@@ -387,10 +535,22 @@ def _trainer_case(raw: Any) -> list[tuple[str, str]]:
     return rows or [("case", _text(raw))]
 
 
+def _no_negative_zero(value: Any) -> Any:
+    """``value`` with every float zero (of either sign) as the int 0, for ``json.dumps``."""
+    if isinstance(value, float) and value == 0:
+        return 0
+    if isinstance(value, list):
+        return [_no_negative_zero(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _no_negative_zero(v) for k, v in value.items()}
+    return value
+
+
 def _keep_label(value: Any) -> str:
     if value is None:
         return "\u2014"
-    return "keep" if value else "mask"
+    # "mask" is the input's name (valid tokens); a token the selection drops is "removed".
+    return "keep" if value else "removed"
 
 
 # --- distributed runs ----------------------------------------------------------------------
@@ -781,5 +941,5 @@ def _clamp(value: int, low: int, high: int) -> int:
 
 
 def _r(value: float) -> float:
-    # Two decimals keep the SVG small without visible error.
-    return round(value, 2)
+    # Two decimals keep the SVG small without visible error; + 0.0 turns -0.0 into 0.0.
+    return round(value, 2) + 0.0
