@@ -31,18 +31,47 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_UNUSABLE, f"{self.prog}: error: {message}\n")
 
 
+COMPARE_EPILOG = """\
+Options not given on the command line are read from [tool.m2po-oracle] in the nearest
+pyproject.toml (impl, adapter, bind, examples, seed, dtype, compute-dtype, topology,
+backend, accept, strict, ...); a flag overrides the file.
+
+exit status:
+  0    equivalent (or equivalent-with-accepted: every failure is an accepted deviation)
+  1    divergent, or an accepted deviation no longer shows (accepted-deviation-fixed)
+  2    unusable (the implementation could not be loaded or never returned a result) or a usage error
+  130  interrupted (Ctrl-C); the partial JSON/HTML report is written
+
+example:
+  m2po-oracle compare --impl my_framework.losses:m2po_loss --examples 500 --html reports/mine.html
+  m2po-oracle compare --impl port.py:compute_policy_loss --adapter policy_loss --accept clamped_log_ratio -x
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from m2po_oracle import __version__
+
     parser = _Parser(prog="m2po-oracle", description="Check an M2PO implementation against the Algorithm 1 oracle.")
+    parser.add_argument("--version", action="version", version=f"m2po-oracle {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    compare = commands.add_parser("compare", help="run the check battery on generated batches")
-    compare.add_argument("--impl", required=True, help="built-in name (core, control:NAME), package.module:function or path/file.py:function")
+    compare = commands.add_parser("compare", help="run the check battery on generated batches", epilog=COMPARE_EPILOG,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    compare.add_argument("--impl", default=None, help="built-in name (core, control:NAME), package.module:function or path/file.py:function "
+                         "(default: impl in [tool.m2po-oracle])")
     options.add_to_argparse(compare)
+    options.add_to_argparse(compare, options.RUN_SETTINGS)
+    compare.add_argument("-x", "--exitfirst", dest="exitfirst", action="store_true", help="stop exploring at the first failing example (--max-failures 1)")
+    verbosity = compare.add_mutually_exclusive_group()
+    verbosity.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1, default=0,
+                           help="print only the verdict, the failing checks and the explanation")
+    verbosity.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1,
+                           help="also print every counterexample's full batch and the implementation's captured output")
     compare.add_argument("--json", type=Path, default=None, help="write the JSON report here")
     compare.add_argument("--html", type=Path, default=None, help="write the self-contained HTML report (rendered from the JSON) here")
 
     replay = commands.add_parser("replay", help="run the battery on one saved batch")
-    replay.add_argument("--impl", required=True, help="as for compare")
+    replay.add_argument("--impl", default=None, help="as for compare")
     replay.add_argument("source", nargs="?", default=None, help="a compare JSON report or a batch JSON file (or JSON text)")
     replay.add_argument("--batch", default=None, help="the batch as JSON text or a file path (alternative to SOURCE)")
     options.add_to_argparse(replay, tuple(o for o in options.COMPARE_OPTIONS if o.name in REPLAY_OPTIONS))
@@ -72,7 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import time
+
+    started = time.perf_counter()  # the reported duration covers start-up (imports, the world) too
     args = build_parser().parse_args(argv)
+    args.started = started
     # Off a terminal (CI logs, pipes) rich would wrap at 80 columns: tables and messages keep their lines.
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 200)
     if args.command == "checks":
@@ -149,9 +182,21 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     from m2po_oracle.errors import LoadError
     from m2po_oracle.errors import UsageError
 
+    from m2po_oracle.config import load_config
+
     try:
-        run_options = options.run_options(vars(args))
-        runner = open_runner(args.impl, run_options)
+        project = load_config()
+        given = {o.name: getattr(args, o.name, None) for o in options.COMPARE_OPTIONS + options.RUN_SETTINGS if hasattr(args, o.name)}
+        if getattr(args, "exitfirst", False):
+            given["max_failures"] = 1
+        args.values = project.merged(given)
+        args.project = project
+        args.impl = args.impl or project.impl
+        if args.impl is None:
+            raise UsageError("--impl: required (or impl = \"module:function\" under [tool.m2po-oracle] in pyproject.toml)")
+        run_options = options.run_options({k: v for k, v in args.values.items() if k in {o.name for o in options.COMPARE_OPTIONS}})
+        with console.status(f"loading {args.impl}"):  # shown from the start: imports and world start-up can take seconds
+            runner = open_runner(args.impl, run_options)
     except UsageError as error:
         _error(str(error))
         return EXIT_UNUSABLE
@@ -163,7 +208,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     try:
         with runner:
             try:
-                runner.start()
+                with console.status(f"starting {args.impl}"):
+                    runner.start()
             except LoadError as error:  # raised where the worker loads the implementation
                 return _load_failed(args, error, run_options, console)
             return _compare(args, runner, console) if args.command == "compare" else _replay(args, runner, console)
@@ -190,10 +236,21 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
 
     from m2po_oracle.compare import run_compare
 
+    from m2po_oracle.compare import exploration_from
+
+    from m2po_oracle.errors import UsageError
+
+    try:
+        exploration = exploration_from(args.values, args.project, tuple(runner.checks))
+    except UsageError as error:
+        _error(str(error))
+        return EXIT_UNUSABLE
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as progress:
         task = progress.add_task(f"checking {args.impl}", total=runner.options.examples)
-        report = run_compare(runner, on_example=lambda _: progress.advance(task))
+        report = run_compare(runner, on_example=lambda _: progress.advance(task), exploration=exploration, started=args.started)
     record = report.to_json()
+    if args.verbosity < 0:
+        return _quiet_summary(args, report, record, console)
     if report.interrupted:
         _write_reports(args, record, console, quiet=True)
         written = " ".join(str(p) for p in (args.json, args.html) if p is not None)
@@ -232,10 +289,42 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
         console.print(format_mismatches(list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {cause}{shows})",
                                         replay=counterexample.replay), highlight=False, markup=False, soft_wrap=True)
     _print_validation(console, report)
-    _print_output(console, report)
-    colour = {"equivalent": "green", "divergent": "red", "unusable": "red"}[report.verdict]
-    console.print(f"verdict: [bold {colour}]{report.verdict}[/] in {report.duration_s:.1f} s")
+    _print_accepted(console, report)
+    _print_output(console, report, every_line=args.verbosity > 0)
+    _print_verdict(console, report)
     _write_reports(args, record, console)
+    return report.exit_status
+
+
+_COLOURS = {"equivalent": "green", "equivalent-with-accepted": "green", "divergent": "red", "accepted-deviation-fixed": "red", "unusable": "red"}
+
+
+def _print_verdict(console: Console, report) -> None:
+    console.print(f"verdict: [bold {_COLOURS[report.verdict]}]{report.verdict}[/] in {report.duration_s:.1f} s")
+
+
+def _print_accepted(console: Console, report) -> None:
+    say = lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
+    for accepted in report.accepted:
+        checks = report.accepted_shown[accepted.deviation]
+        why = f" ({accepted.reason})" if accepted.reason else ""
+        link = f" {accepted.link}" if accepted.link else ""
+        if checks:
+            say(f"accepted: {accepted.deviation}{why}{link}: explains {', '.join(checks)}")
+        else:
+            fate = "the run fails: remove it from accept" if report.strict_accept else "strict = false: reported only"
+            say(f"accepted deviation {accepted.deviation} no longer shows on these {report.examples} {report.example_unit}: fixed? {fate}")
+
+
+def _quiet_summary(args: argparse.Namespace, report, record: dict, console: Console) -> int:
+    """-q: the verdict, each failing check with its explanation, the accepted deviations."""
+    by_check = report.diagnosis.get("by_check", {})
+    for name in report.failing_checks:
+        explained = " + ".join(by_check.get(name, ())) or "unexplained"
+        console.print(f"FAIL {name}: {report.tallies[name].failures} of {report.examples} ({explained})", highlight=False, markup=False, soft_wrap=True)
+    _print_accepted(console, report)
+    _print_verdict(console, report)
+    _write_reports(args, record, console, quiet=True)
     return report.exit_status
 
 
@@ -253,12 +342,12 @@ def _write_reports(args: argparse.Namespace, record: dict, console: Console, qui
             console.print(f"HTML report: {args.html}")
 
 
-def _print_output(console: Console, report) -> None:
+def _print_output(console: Console, report, every_line: bool = False) -> None:
     output = report.output
     if not output["lines"]:
         return
     console.print(f"the implementation printed {output['lines']} line(s) (captured; --show-output lets them through); the first:", highlight=False, soft_wrap=True)
-    for line in output["first_lines"][:5]:
+    for line in output["first_lines"] if every_line else output["first_lines"][:5]:
         console.print(f"  | {line}", highlight=False, markup=False, soft_wrap=True)
 
 

@@ -6,6 +6,7 @@ checks it tallies, the strategy it explores, how it replays are the runner's.
 
 from __future__ import annotations
 
+import json
 import platform
 import random
 import subprocess
@@ -23,6 +24,7 @@ from m2po_oracle import __version__
 from m2po_oracle.batch import Batch
 from m2po_oracle.battery import BatteryOutcome
 from m2po_oracle.checks import ALL_CHECKS, BEHAVIOURAL_CHECKS
+from m2po_oracle.config import Accepted
 from m2po_oracle.contract import Implementation
 from m2po_oracle.diagnosis import Observation, diagnose
 from m2po_oracle.equivalence import Mismatch
@@ -59,6 +61,7 @@ class Counterexample:
     case: dict | None = None  # a trainer case: the step's input (the batch is what the trainer produced)
     cause: str | None = None  # the explanation it demonstrates ("a + b"), None for an unexplained check
     checks: tuple[str, ...] = ()  # every failing check it demonstrates
+    example: Any = None  # the example as generated (a batch with its drawn padding, or a trainer case)
 
 
 @dataclass
@@ -86,6 +89,8 @@ class CompareReport:
     interrupted: bool = False
     load_error: str | None = None  # the implementation could not be loaded at all
     output: dict[str, Any] = field(default_factory=lambda: {"lines": 0, "first_lines": []})
+    accepted: tuple[Accepted, ...] = ()  # deviations the project accepts ([tool.m2po-oracle] accept, --accept)
+    strict_accept: bool = True  # an accepted deviation that no longer shows fails the run
 
     @property
     def validation_warnings(self) -> list[ProbeResult]:
@@ -97,18 +102,40 @@ class CompareReport:
         return self.load_error is None and any(t.ran for n, t in self.tallies.items() if n != "call")
 
     @property
+    def failing_checks(self) -> list[str]:
+        return [n for n, t in self.tallies.items() if t.failures]
+
+    @property
+    def accepted_shown(self) -> dict[str, list[str]]:
+        """Each accepted deviation -> the failing checks it explains ([]: it did not show)."""
+        by_check = self.diagnosis.get("by_check", {})
+        return {a.deviation: [c for c, names in by_check.items() if a.deviation in names] for a in self.accepted}
+
+    @property
+    def fixed_accepted(self) -> list[str]:
+        return [name for name, checks in self.accepted_shown.items() if not checks]
+
+    def _explained_by_accepted(self, failing: list[str]) -> bool:
+        by_check, accepted = self.diagnosis.get("by_check", {}), {a.deviation for a in self.accepted}
+        return bool(accepted) and all(by_check.get(c) and set(by_check[c]) <= accepted for c in failing)
+
+    @property
     def verdict(self) -> str:
         if self.interrupted:
             return "interrupted"
         if self.load_error is not None or (self.examples and not self.usable):
             return "unusable"
-        if any(t.failures for t in self.tallies.values()) or (self.strict_validation and self.validation_warnings):
+        failing = self.failing_checks
+        if (self.strict_validation and self.validation_warnings) or (failing and not self._explained_by_accepted(failing)):
             return "divergent"
-        return "equivalent"
+        if self.strict_accept and self.fixed_accepted:
+            return "accepted-deviation-fixed"
+        return "equivalent-with-accepted" if failing else "equivalent"
 
     @property
     def exit_status(self) -> int:
-        return {"equivalent": 0, "divergent": 1, "unusable": 2, "interrupted": 130}[self.verdict]
+        return {"equivalent": 0, "equivalent-with-accepted": 0, "divergent": 1, "accepted-deviation-fixed": 1, "unusable": 2,
+                "interrupted": 130}[self.verdict]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -134,6 +161,9 @@ class CompareReport:
                 for c in self.counterexamples
             ],
             "diagnosis": self.diagnosis,
+            "accepted": [{**a.to_json(), "shown": bool(self.accepted_shown[a.deviation]), "checks": self.accepted_shown[a.deviation]}
+                         for a in self.accepted],
+            "strict_accept": self.strict_accept,
             "validation": {"strict": self.strict_validation, "not_run": self.validation_not_run, "probes": [p.to_json() for p in self.validation]},
             "implementation_output": self.output,
             **({"topology": self.topology, "collectives_per_step": self.collectives} if self.topology else {}),
@@ -185,14 +215,61 @@ def in_process_runner(fn: Implementation, impl: str, **option_values: Any) -> Ru
     return LossFunctionRunner(impl, InProcess(fn, capture=not options.show_output, rejecting=options.rejecting), options.but(in_process=True, given=options.given | {"in_process"}))
 
 
+@dataclass(frozen=True)
+class Exploration:
+    """How a compare run explores and reports, beyond what the runner is told."""
+
+    shrink: bool = True
+    max_failures: int | None = None  # stop after this many failing examples (-x: 1)
+    checks: tuple[str, ...] | None = None  # run only these checks (None: every check of the runner)
+    skip_validation: bool = False
+    database: str | None = None  # a Hypothesis example database folder: failing examples replay first
+    accept: tuple[Accepted, ...] = ()
+    strict_accept: bool = True
+
+
+def exploration_from(values: dict[str, Any], project: Any, available: tuple[str, ...] | list[str]) -> Exploration:
+    """The run settings (``options.RUN_SETTINGS``, parsed) over the project's configuration."""
+    from m2po_oracle.config import accepted_from_cli
+
+    accept = tuple(project.accept) + tuple(a for a in accepted_from_cli(values.get("accept")) if a.deviation not in {p.deviation for p in project.accept})
+    return Exploration(shrink=not values.get("no_shrink"), max_failures=values.get("max_failures"),
+                       checks=select_checks(available, values.get("checks")), skip_validation=bool(values.get("skip_validation")),
+                       database=values.get("hypothesis_database"), accept=accept, strict_accept=project.strict)
+
+
+def select_checks(available: tuple[str, ...] | list[str], patterns: str | None) -> tuple[str, ...] | None:
+    """The checks matching comma-separated glob ``patterns`` ("selection.*,loss"); a pattern
+    matching none of them is a usage error naming what there is."""
+    import fnmatch
+
+    from m2po_oracle.errors import UsageError
+
+    if not patterns:
+        return None
+    chosen: list[str] = []
+    for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
+        matched = [c for c in available if fnmatch.fnmatchcase(c, pattern)]
+        if not matched:
+            raise UsageError(f"checks: {pattern!r} matches none of this run's checks: {', '.join(available)}")
+        chosen += [c for c in matched if c not in chosen]
+    # "call" always runs: nothing else can run without a result.
+    return tuple(c for c in available if c in chosen or c == "call")
+
+
 def run_compare(target: Runner | Implementation, impl: str | None = None, *, shrink: bool = True,
-                on_example: Callable[[BatteryOutcome], None] | None = None, until_first_failure: bool = False, **option_values: Any) -> CompareReport:
+                on_example: Callable[[BatteryOutcome], None] | None = None, until_first_failure: bool = False,
+                exploration: Exploration | None = None, started: float | None = None, **option_values: Any) -> CompareReport:
     """Try the runner's examples; for each failing check, shrink a minimal one.
 
     ``target`` is a :class:`Runner` (from ``launch.open_runner``) or a plain loss-function
     callable, called in this process. ``option_values`` (examples, seed, dtype, ...) override
     the runner's options. With ``shrink=False`` each counterexample is the first failing
-    example, as generated. Ctrl-C ends the run with a partial report (verdict "interrupted")."""
+    example, as generated. ``exploration`` adds -x, --checks, --skip-validation, the example
+    database and the accepted deviations; ``started`` (a ``time.perf_counter()``) makes the
+    reported duration cover the caller's start-up too. Ctrl-C ends the run with a partial
+    report (verdict "interrupted")."""
+    exploration = exploration or Exploration(shrink=shrink, max_failures=1 if until_first_failure else None)
     if isinstance(target, Runner):
         runner = target
         if option_values:
@@ -200,12 +277,13 @@ def run_compare(target: Runner | Implementation, impl: str | None = None, *, shr
     else:
         runner = in_process_runner(target, impl or getattr(target, "__name__", "implementation"), **option_values)
     options = runner.options
-    started = time.perf_counter()
-    report = CompareReport(runner.spec, options.dtype, options.effective_compute_dtype, options.seed, 0, {n: CheckTally(n) for n in runner.checks},
+    started = time.perf_counter() if started is None else started
+    selected = exploration.checks or tuple(runner.checks)
+    report = CompareReport(runner.spec, options.dtype, options.effective_compute_dtype, options.seed, 0, {n: CheckTally(n) for n in selected},
                            tau=options.tau, device=options.device, strict_validation=options.strict_validation, example_unit=runner.example_unit,
-                           examples_requested=options.examples, **_describe(runner))
+                           examples_requested=options.examples, accepted=exploration.accept, strict_accept=exploration.strict_accept, **_describe(runner))
     try:
-        _explore_and_judge(runner, report, shrink, on_example, until_first_failure)
+        _explore_and_judge(runner, report, exploration, on_example, until_first_failure)
     except KeyboardInterrupt:
         report.interrupted = True
         report.validation_not_run = report.validation_not_run or "the run was interrupted"
@@ -276,16 +354,30 @@ def _finite_on_valid(batch: Batch, result: M2POResult) -> bool:
     return grad_finite or not bool(np.all(np.isfinite(expected.grad[batch.valid])))
 
 
-def _explore_and_judge(runner: Runner, report: CompareReport, shrink: bool, on_example: Callable[[BatteryOutcome], None] | None,
+def _battery(runner: Runner, example: Any, checks: tuple[str, ...] | None) -> BatteryOutcome:
+    """The runner's battery on one example, reduced to the selected checks (--checks)."""
+    outcome = runner.run_battery(example)
+    if checks is None:
+        return outcome
+    from dataclasses import replace
+
+    return replace(outcome, mismatches=tuple(m for m in outcome.mismatches if m.check in checks), checked=tuple(c for c in outcome.checked if c in checks))
+
+
+def _explore_and_judge(runner: Runner, report: CompareReport, exploration: Exploration, on_example: Callable[[BatteryOutcome], None] | None,
                        until_first_failure: bool = False) -> None:
     options = runner.options
     strategy = runner.strategy()
     tallies = report.tallies
     evidence = _Evidence()
+    checks = exploration.checks
+    failing_examples = 0
+    database = _ExampleDatabase(exploration.database, runner) if exploration.database else None
 
     def explore(example: Any) -> bool:
+        nonlocal failing_examples
         report.examples += 1
-        outcome = runner.run_battery(example)
+        outcome = _battery(runner, example, checks)
         for name in outcome.checked:
             if name in tallies:
                 tallies[name].ran += 1
@@ -301,8 +393,11 @@ def _explore_and_judge(runner: Runner, report: CompareReport, shrink: bool, on_e
             report.collectives.extend({"rank": r["rank"], "coords": r["coords"], "collectives": r["collectives"]} for r in outcome.ranks)
         if on_example is not None:
             on_example(outcome)
+        failing_examples += bool(outcome.failed_checks)
         if until_first_failure and outcome.failed_checks:
             raise _StopExploring(f"first failure at example {report.examples} (measuring how soon it is caught)")
+        if exploration.max_failures and failing_examples >= exploration.max_failures:
+            raise _StopExploring(f"stopped after {failing_examples} failing example(s) (--max-failures {exploration.max_failures})")
         health = runner.health
         if health.timeouts >= MAX_TIMEOUTS:
             raise _StopExploring(f"{health.timeouts} calls timed out (--timeout {options.timeout:g} s): every further call would likely wait it out too")
@@ -313,7 +408,11 @@ def _explore_and_judge(runner: Runner, report: CompareReport, shrink: bool, on_e
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            find(strategy, explore, settings=_search_settings(options.examples), random=random.Random(options.seed))
+            for saved in database.saved() if database else ():  # last run's failing examples first, as Hypothesis does
+                explore(saved)
+            remaining = options.examples - report.examples
+            if remaining > 0:
+                find(strategy, explore, settings=_search_settings(remaining), random=random.Random(options.seed))
         except NoSuchExample:
             pass
         except _StopExploring as stop:
@@ -322,13 +421,49 @@ def _explore_and_judge(runner: Runner, report: CompareReport, shrink: bool, on_e
     hung = runner.health.timeouts >= MAX_TIMEOUTS
     supplied = _supplied(runner)
     _diagnose(runner, report, evidence, supplied)
-    report.counterexamples = _counterexamples(runner, report, strategy, shrink and not runner.health.timeouts, supplied)
-    if hung:  # each probe would wait out the timeout too
+    report.counterexamples = _counterexamples(runner, report, strategy, exploration.shrink and not runner.health.timeouts, supplied, checks)
+    if database:
+        database.save(c.example for c in report.counterexamples)
+    if exploration.skip_validation:
+        report.validation_not_run = "skipped (--skip-validation)"
+    elif hung:  # each probe would wait out the timeout too
         report.validation_not_run = f"the implementation hangs ({runner.health.timeouts} calls timed out)"
     elif not report.usable:
         report.validation_not_run = "no call returned a result, so a refusal of invalid input cannot be told from any other failure"
     else:
         report.validation = runner.validation()
+
+
+class _ExampleDatabase:
+    """Failing examples kept between runs in a Hypothesis example database folder, under a
+    key of the implementation and the options that shape a call."""
+
+    def __init__(self, folder: str, runner: Runner) -> None:
+        import hashlib
+
+        from hypothesis.database import DirectoryBasedExampleDatabase
+
+        self.db = DirectoryBasedExampleDatabase(folder)
+        self.runner = runner
+        o = runner.options
+        shape = [runner.spec, o.dtype, o.compute_dtype, o.adapter, list(o.bind), str(o.topology), o.tau, runner.example_key()]
+        self.key = b"m2po-oracle:" + hashlib.sha256(json.dumps(shape, default=str).encode()).hexdigest().encode()
+
+    def saved(self) -> list[Any]:
+        found = []
+        for value in sorted(self.db.fetch(self.key)):
+            try:
+                found.append(self.runner.parse_example(json.loads(value)))
+            except (ValueError, KeyError, TypeError):  # written by another version: forget it
+                self.db.delete(self.key, value)
+        return found
+
+    def save(self, examples: Any) -> None:
+        for example in examples:
+            if example is None:
+                continue
+            text = example.to_json() if isinstance(example, Batch) else json.dumps(example.to_dict())
+            self.db.save(self.key, text.encode())
 
 
 def _supplied(runner: Runner) -> frozenset[str] | None:
@@ -342,8 +477,8 @@ def _diagnose(runner: Runner, report: CompareReport, evidence: _Evidence, suppli
         report.diagnosis = {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
         return
     observations = evidence.failing + evidence.passing if evidence.failing else []
-    report.diagnosis = diagnose(observations, [n for n, t in report.tallies.items() if t.failures], dtype=report.dtype,
-                                divergent=report.verdict == "divergent", compute_dtype=report.compute_dtype, supplied=supplied,
+    report.diagnosis = diagnose(observations, report.failing_checks, dtype=report.dtype, divergent=bool(report.failing_checks),
+                                compute_dtype=report.compute_dtype, supplied=supplied, prefer=frozenset(a.deviation for a in report.accepted),
                                 step_explanations={c: names for c, names in evidence.step_by_check.items() if names},
                                 step_descriptions=runner.variant_descriptions, step_source=runner.variant_source, findings=evidence.findings())
 
@@ -364,7 +499,8 @@ def _causes(report: CompareReport, value_variants: set[str]) -> list[tuple[str |
     return [(cause, names, tuple(checks)) for cause, (names, checks) in groups.items()] + plan
 
 
-def _counterexamples(runner: Runner, report: CompareReport, strategy: Any, shrink: bool, supplied: frozenset[str] | None) -> list[Counterexample]:
+def _counterexamples(runner: Runner, report: CompareReport, strategy: Any, shrink: bool, supplied: frozenset[str] | None,
+                     checks_run: tuple[str, ...] | None = None) -> list[Counterexample]:
     """One counterexample per distinct cause: each explained group of checks is shrunk on
     examples where its deviations alone reproduce the port (when any does), every other
     failing check on its own."""
@@ -379,7 +515,7 @@ def _counterexamples(runner: Runner, report: CompareReport, strategy: Any, shrin
         tallies = [report.tallies[c] for c in checks]
         first = min(tallies, key=lambda t: t.first_failure_at or 0)
         if not shrink:  # shrinking a hanging implementation would wait out the timeout on every try
-            outcome = runner.run_battery(first.first_failure)
+            outcome = _battery(runner, first.first_failure, checks_run)
             found.append(_counterexample(runner, first.name, first.first_failure, outcome, cause, checks))
             continue
         prior = next(((e, o) for e, o in shrunk_outcomes if set(checks) & set(o.failed_checks)), None) if runner.costly_examples else None
@@ -387,7 +523,7 @@ def _counterexamples(runner: Runner, report: CompareReport, strategy: Any, shrin
             found.append(_counterexample(runner, first.name, *prior, cause, checks))
             continue
         shows = _shows_alone(report, alone, checks, supplied) if alone else None
-        example, outcome = _shrink(runner, set(checks), first.first_failure, strategy, shows)
+        example, outcome = _shrink(runner, set(checks), first.first_failure, strategy, shows, checks_run)
         shrunk_outcomes.append((example, outcome))
         check = next((c for c in checks if c in outcome.failed_checks), first.name)
         found.append(_counterexample(runner, check, example, outcome, cause, checks))
@@ -414,11 +550,11 @@ def _counterexample(runner: Runner, check: str, example: Any, outcome: BatteryOu
     shown = set(checks or (check,))
     mismatches = tuple(m for m in outcome.mismatches if m.check in shown) or outcome.mismatches
     return Counterexample(check, outcome.batch, mismatches, runner.replay_command(example), outcome.measurement.result, outcome.ranks, outcome.case,
-                          cause, tuple(c for c in (checks or (check,)) if c in outcome.failed_checks) or (check,))
+                          cause, tuple(c for c in (checks or (check,)) if c in outcome.failed_checks) or (check,), example)
 
 
 def _shrink(runner: Runner, checks: set[str], fallback: Any, strategy: Any,
-            shows: Callable[[BatteryOutcome], bool] | None = None) -> tuple[Any, BatteryOutcome]:
+            shows: Callable[[BatteryOutcome], bool] | None = None, checks_run: tuple[str, ...] | None = None) -> tuple[Any, BatteryOutcome]:
     """Replay the same search with "one of these checks fails" (and, given ``shows``, "the
     cause shows alone") as the goal; Hypothesis shrinks it."""
 
@@ -426,7 +562,7 @@ def _shrink(runner: Runner, checks: set[str], fallback: Any, strategy: Any,
         options = runner.options
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return find(strategy, lambda example: goal(runner.run_battery(example)), settings=_search_settings(options.examples),
+            return find(strategy, lambda example: goal(_battery(runner, example, checks_run)), settings=_search_settings(options.examples),
                         random=random.Random(options.seed))
 
     example = fallback
@@ -436,7 +572,7 @@ def _shrink(runner: Runner, checks: set[str], fallback: Any, strategy: Any,
             break
         except (NoSuchExample, Exception):  # no example shows it alone, or a flaky check did not fail again
             continue
-    return example, runner.run_battery(example)
+    return example, _battery(runner, example, checks_run)
 
 
 def load_error_report(spec: str, error: str, options: RunOptions) -> CompareReport:

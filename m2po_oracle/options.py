@@ -1,4 +1,4 @@
-"""Options shared by the command line and (later) the pytest plugin, defined once."""
+"""Options shared by the command line and the pytest plugin, defined once."""
 
 from __future__ import annotations
 
@@ -92,6 +92,21 @@ COMPARE_OPTIONS: tuple[Option, ...] = (
 )
 
 
+#: How a compare run explores and judges (``compare.Exploration``), shared by the CLI and the
+#: plugin like the options above; none of them changes how the implementation is called.
+RUN_SETTINGS: tuple[Option, ...] = (
+    Option("accept", "a deviation the project accepts (a diagnosis name, e.g. clamped_log_ratio), repeatable: failures it alone explains give "
+           "verdict equivalent-with-accepted (exit 0); if it no longer shows, the run fails (exit 1) unless strict = false in pyproject.toml",
+           str, repeat=True),
+    Option("checks", "run only the checks matching these comma-separated glob patterns, e.g. 'selection.*,loss' (call always runs)", str),
+    Option("max_failures", "stop exploring after N failing examples (-x: 1); the counterexamples and diagnosis cover what was found", _positive_int),
+    Option("no_shrink", "report each check's first failing example as generated instead of shrinking it (faster)", bool, False, switch=True),
+    Option("skip_validation", "do not run the invalid-input probes (reported as skipped, never as passed)", bool, False, switch=True),
+    Option("hypothesis_database", "a folder for a Hypothesis example database: this run's failing examples are replayed first on the next run",
+           str),
+)
+
+
 def run_options(values: dict[str, Any]) -> Any:
     """``runner.RunOptions`` from parsed values keyed by option name (unset: None/False)."""
     from m2po_oracle.runner import RunOptions
@@ -125,6 +140,7 @@ def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...]
         if option.switch:
             parser.add_argument(option.flag, dest=option.name, action="store_true", help=option.help)
         elif option.repeat:
-            parser.add_argument(option.flag, dest=option.name, action="append", type=option.type, default=None, metavar="KEY=VALUE", help=option.help)
+            parser.add_argument(option.flag, dest=option.name, action="append", type=option.type, default=None,
+                                metavar="NAME" if option.name == "accept" else "KEY=VALUE", help=option.help)
         else:
             parser.add_argument(option.flag, dest=option.name, type=option.type, default=option.default, choices=option.choices, help=option.help)

@@ -28,31 +28,48 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--m2po-impl", dest="m2po_impl", default=None, metavar="SPEC",
                     help="implementation to check: built-in name, module:function or file.py:function")
     options.add_to_pytest(group)
+    options.add_to_pytest(group, options.RUN_SETTINGS)
 
 
-def _option_values(config: pytest.Config) -> dict[str, Any]:
-    return {o.name: config.getoption(f"m2po_{o.name}") for o in options.COMPARE_OPTIONS}
+def _project(config: pytest.Config) -> Any:
+    """``[tool.m2po-oracle]`` of the project pytest runs in (its rootdir's pyproject.toml)."""
+    from m2po_oracle.config import load_config
+    from m2po_oracle.errors import UsageError
+
+    try:
+        return load_config(Path(config.rootpath))
+    except UsageError as error:
+        raise pytest.UsageError(f"m2po-oracle: {error}") from None
 
 
-def item_outcomes(spec: str, values: dict[str, Any]) -> dict[str, Any]:
+def _option_values(config: pytest.Config, project: Any) -> dict[str, Any]:
+    given = {o.name: config.getoption(f"m2po_{o.name}") for o in options.COMPARE_OPTIONS + options.RUN_SETTINGS}
+    return project.merged(given)
+
+
+def item_outcomes(spec: str, values: dict[str, Any], project: Any = None) -> dict[str, Any]:
     """Run the battery once and reduce it to what each item reports: JSON-ready, so that
     xdist workers can share it. ``{"error": str}`` when the run could not start."""
-    from m2po_oracle.compare import run_compare
+    from m2po_oracle.compare import exploration_from, run_compare
+    from m2po_oracle.config import ProjectConfig
     from m2po_oracle.equivalence import format_mismatches
     from m2po_oracle.launch import open_runner
     from m2po_oracle.errors import LoadError
     from m2po_oracle.errors import UsageError
 
+    project = project or ProjectConfig()
     try:
-        runner = open_runner(spec, options.run_options(values))
+        runner = open_runner(spec, options.run_options({k: v for k, v in values.items() if k in {o.name for o in options.COMPARE_OPTIONS}}))
         with runner:
             runner.start()
-            report = run_compare(runner)
+            report = run_compare(runner, exploration=exploration_from(values, project, tuple(runner.checks)))
     except UsageError as error:
         return {"error": f"usage error: {error}"}
     except (LoadError, ValueError) as error:
         return {"error": f"the implementation could not be loaded: {error}"}
     items: dict[str, Any] = {}
+    by_check = report.diagnosis.get("by_check", {})
+    accepted = {a.deviation: a for a in report.accepted}
     beyond_adapter = (report.adapter or {}).get("not_run", {})  # checks on what the adapter, not the port, decides
     for name, tally in report.tallies.items():
         if tally.status == "not run":
@@ -64,12 +81,27 @@ def item_outcomes(spec: str, values: dict[str, Any]) -> dict[str, Any]:
             items[name] = {"status": "pass", "message": ""}
             continue
         message = f"failed on {tally.failures} of {report.examples} {report.example_unit}"
+        explained = by_check.get(name, [])
+        if explained and set(explained) <= set(accepted):  # a strict xfail: the project accepts this deviation
+            reasons = "; ".join(f"{n}: {accepted[n].reason or 'accepted'}" + (f" ({accepted[n].link})" if accepted[n].link else "") for n in explained)
+            items[name] = {"status": "xfail", "message": f"{message}, explained by accepted deviation(s) {reasons}"}
+            continue
+        if explained:
+            message += f" (explained by {' + '.join(explained)})"
         for counterexample in report.counterexamples:
-            if counterexample.check == name:
+            if name in (counterexample.checks or (counterexample.check,)):
                 message += "\n" + format_mismatches(list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {name})",
                                                     replay=counterexample.replay)
                 break
         items[name] = {"status": "fail", "message": message}
+    for name, a in accepted.items():
+        shows = report.accepted_shown[name]
+        if shows:
+            items[f"accept:{name}"] = {"status": "xfail", "message": f"accepted deviation {name} ({a.reason or 'accepted'}) explains {', '.join(shows)}"}
+        else:
+            fixed = f"accepted deviation {name} no longer shows on {report.examples} {report.example_unit}"
+            items[f"accept:{name}"] = ({"status": "fail", "message": f"{fixed}: fixed? remove it from accept (or set strict = false)"} if report.strict_accept
+                                       else {"status": "pass", "message": "", "warnings": [f"{fixed} (strict = false)"]})
     if report.validation_not_run:
         items["validation"] = {"status": "skip", "message": f"validation not run: {report.validation_not_run}"}
     else:
@@ -77,7 +109,7 @@ def item_outcomes(spec: str, values: dict[str, Any]) -> dict[str, Any]:
         failing = bool(problems) and report.strict_validation
         items["validation"] = {"status": "fail" if failing else "pass", "message": "invalid input not rejected:\n" + "\n".join(problems) if failing else "",
                                "warnings": problems}
-    return {"checks": list(report.tallies), "items": items, "verdict": report.verdict}
+    return {"checks": list(report.tallies) + [f"accept:{n}" for n in accepted], "items": items, "verdict": report.verdict}
 
 
 class _SharedRun:
@@ -86,24 +118,26 @@ class _SharedRun:
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
-        self.spec = config.getoption("m2po_impl")
-        self.values = _option_values(config)
+        self.project = _project(config)
+        self.spec = config.getoption("m2po_impl") or self.project.impl
+        self.values = _option_values(config, self.project)
         self._outcomes: dict[str, Any] | None = None
 
     def get(self) -> dict[str, Any]:
         if self._outcomes is None:
-            self._outcomes = self._shared() if hasattr(self.config, "workerinput") else item_outcomes(self.spec, self.values)
+            self._outcomes = self._shared() if hasattr(self.config, "workerinput") else item_outcomes(self.spec, self.values, self.project)
         return self._outcomes
 
     def _shared(self) -> dict[str, Any]:
         run_id = self.config.workerinput.get("testrunuid", "run")  # type: ignore[attr-defined]
-        key = hashlib.sha256(json.dumps([self.spec, {k: str(v) for k, v in self.values.items()}], sort_keys=True).encode()).hexdigest()[:16]
+        accept = [a.to_json() for a in self.project.accept] + [self.project.strict]
+        key = hashlib.sha256(json.dumps([self.spec, {k: str(v) for k, v in self.values.items()}, accept], sort_keys=True).encode()).hexdigest()[:16]
         path = Path(tempfile.gettempdir()) / f"m2po-oracle-{run_id}-{key}.json"
         with open(f"{path}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker runs the battery; the rest wait for its file
             if path.exists():
                 return json.loads(path.read_text())
-            outcomes = item_outcomes(self.spec, self.values)
+            outcomes = item_outcomes(self.spec, self.values, self.project)
             scratch = path.with_suffix(f".{os.getpid()}.tmp")
             scratch.write_text(json.dumps(outcomes))
             scratch.replace(path)
@@ -127,6 +161,8 @@ class M2POCheckItem(pytest.Item):
             self.warn(pytest.PytestWarning(f"m2po validation: {warning}"))
         if item["status"] == "skip":
             pytest.skip(item["message"])
+        if item["status"] == "xfail":
+            pytest.xfail(item["message"])
         if item["status"] == "fail":
             raise M2POCheckFailed(item["message"])
 
@@ -143,23 +179,31 @@ class M2POCheckFailed(AssertionError):
     pass
 
 
-def _declared_checks(spec: str, values: dict[str, Any]) -> tuple[str, ...]:
-    """The checks the runner for ``spec`` declares (the single-process battery's if it
-    cannot be opened: every item then reports why)."""
+def _declared_checks(spec: str, values: dict[str, Any], project: Any) -> tuple[str, ...]:
+    """The checks the runner for ``spec`` declares, narrowed by --checks, and one item per
+    accepted deviation (the single-process battery's if it cannot be opened: every item then
+    reports why)."""
     from m2po_oracle.checks import CHECKS
+    from m2po_oracle.compare import select_checks
     from m2po_oracle.launch import open_runner
 
+    accepted = tuple(f"accept:{a.deviation}" for a in project.accept) + tuple(f"accept:{n}" for n in values.get("accept") or ()
+                                                                                if n not in {a.deviation for a in project.accept})
     try:
-        return tuple(open_runner(spec, options.run_options(values)).checks)
+        declared = tuple(open_runner(spec, options.run_options({k: v for k, v in values.items() if k in {o.name for o in options.COMPARE_OPTIONS}})).checks)
     except Exception:  # reported by every item when the run cannot start
-        return tuple(CHECKS)
+        return tuple(CHECKS) + accepted
+    try:
+        return (select_checks(declared, values.get("checks")) or declared) + accepted
+    except Exception:  # a --checks pattern matching nothing: every item reports the usage error
+        return declared + accepted
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    spec = config.getoption("m2po_impl")
+    shared = _SharedRun(config)
+    spec = shared.spec
     if not spec:
         return
-    shared = _SharedRun(config)
-    for check in (*_declared_checks(spec, shared.values), "validation"):
+    for check in (*_declared_checks(spec, shared.values, shared.project), "validation"):
         items.append(M2POCheckItem.from_parent(session, name=f"m2po[{spec}]::{check}", check=check, shared=shared))

@@ -51,11 +51,17 @@ def test_bad_input_exits_2_with_a_clear_error(argv, capsys):
     assert "closest matches: core" in err or "batch: expected JSON" in err
 
 
-@pytest.mark.parametrize("argv", [["compare"], ["compare", "--impl", "core", "--examples", "0"], ["compare", "--impl", "core", "--tau", "nan"]])
+@pytest.mark.parametrize("argv", [["compare", "--impl", "core", "--examples", "0"], ["compare", "--impl", "core", "--tau", "nan"]])
 def test_usage_errors_exit_2(argv):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == EXIT_UNUSABLE
+
+
+def test_compare_without_an_impl_anywhere_names_both_places(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no pyproject.toml above a fresh temporary folder
+    assert main(["compare"]) == EXIT_UNUSABLE
+    assert "--impl: required (or impl = " in capsys.readouterr().err
 
 
 def test_console_script_is_installed():
