@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     selftest.add_argument("--only", default=None, help="comma-separated control names, trainer:NAME for a trainer control (default: all)")
     selftest.add_argument("--trainer", action="store_true", help="also the trainer-level controls (needs the trainer extra)")
     selftest.add_argument("--distributed", action="store_true", help="also the distributed controls, each on a gloo world of the topology it shows on")
+    selftest.add_argument("--quick", action="store_true",
+                          help="each control at the examples that catch and name it on seeds 0-9 (its own number), unshrunk: the CI run")
     selftest.add_argument("--seeds", type=options._positive_int, default=1,
                           help="also run each control on this many seeds until its first failing example; shows min / median / max (default 1)")
     options.add_to_argparse(selftest, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("examples", "seed")))
@@ -191,6 +193,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             given["max_failures"] = 1
         args.values = project.merged(given)
         args.project = project
+        for kind, path in project.reports.items():  # --json / --html override the file's
+            if getattr(args, kind, None) is None and args.command == "compare":
+                setattr(args, kind, path)
         args.impl = args.impl or project.impl
         if args.impl is None:
             raise UsageError("--impl: required (or impl = \"module:function\" under [tool.m2po-oracle] in pyproject.toml)")
@@ -268,17 +273,27 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
         console.print(f"[bold red]unusable[/]: no call returned a usable result on {report.examples} {unit}; no check other than 'call' ran", soft_wrap=True)
     if report.stopped_early:
         console.print(f"stopped early after {report.examples} of {report.examples_requested} {unit}: {report.stopped_early}", highlight=False, soft_wrap=True)
-    table = Table(title=f"{args.impl} vs Algorithm 1 ({report.examples} {unit}, {report.dtype}, seed {report.seed})")
+    from m2po_oracle.coverage import rate_text
+
+    coverage = report.coverage
+    families = ", ".join(f"{name} {count}" for name, count in coverage.families.most_common())
+    features = ", ".join(f"{name} {count}" for name, count in coverage.features.items())
+    table = Table(title=f"{args.impl} vs Algorithm 1 ({report.examples} {unit}, {report.dtype}, seed {report.seed})",
+                  caption=(f"exercised: {unit} that could have failed the check; failure rate: observed, and its one-sided 95% "
+                           f"Clopper-Pearson upper bound\nfamilies: {families or '-'}\nfeatures (of {coverage.judged} judged): {features}"))
     table.add_column("check")
     table.add_column("result")
     table.add_column(f"failing {unit}", justify="right")
     table.add_column(f"{unit} checked", justify="right")
+    table.add_column("exercised", justify="right")
+    table.add_column("failure rate (95%)", justify="right")
     table.add_column("explained by")
     labels = {"fail": "[red]FAIL[/]", "pass": "[green]pass[/]", "not run": "[yellow]not run[/]"}
     by_check, unexplained = report.diagnosis.get("by_check", {}), set(report.diagnosis.get("unexplained", ()))
     for name, tally in report.tallies.items():
         explained = " + ".join(by_check.get(name, ())) or ("[yellow]unexplained[/]" if name in unexplained else "")
-        table.add_row(name, labels[tally.status], str(tally.failures), str(tally.ran), explained)
+        table.add_row(name, labels[tally.status], str(tally.failures), str(tally.ran), str(tally.exercised),
+                      rate_text(tally.failures, tally.exercised, tally.failure_rate_upper_95), explained)
     console.print(table)
     _print_diagnosis(console, report.diagnosis)
     for counterexample in report.counterexamples:
@@ -413,7 +428,8 @@ def _selftest(args: argparse.Namespace, console: Console) -> int:
         return EXIT_UNUSABLE
     examples, seed = args.examples or 500, args.seed or 0
     seeds = f"seeds {seed}..{seed + args.seeds - 1}" if args.seeds > 1 else f"seed {seed}"
-    table = Table(title=f"selftest: {len(controls)} negative controls, {examples} examples each, {seeds}")
+    each = "each at its own number of examples (--quick)" if args.quick else f"{examples} examples each"
+    table = Table(title=f"selftest: {len(controls)} negative controls, {each}, {seeds}")
     columns = ("control", "status", "first failing example" + (" (min / median / max)" if args.seeds > 1 else ""), "caught by", "diagnosis", "seconds")
     for column in columns:
         table.add_column(column)
@@ -422,12 +438,12 @@ def _selftest(args: argparse.Namespace, console: Console) -> int:
             status.update(f"{row.control}: {row.status}")
             first = spread(row.first_failures) if args.seeds > 1 else str(row.examples_needed or "-")
             table.add_row(row.control, row.status if row.status != "ok" else "[green]ok[/]", first,
-                          ", ".join(row.caught_by) or "-", ", ".join(row.diagnosis) or "-", f"{row.seconds:.1f}")
-        rows = run_selftest(controls, examples=examples, seed=seed, seeds=args.seeds, on_row=show)
+                          ", ".join(row.caught_by) or "-", " + ".join(row.diagnosis) or "-", f"{row.seconds:.1f}")
+        rows = run_selftest(controls, examples=examples, seed=seed, seeds=args.seeds, on_row=show, quick=args.quick)
     console.print(table)
     bad = [r for r in rows if r.status != "ok"]
     total = sum(r.seconds for r in rows)
-    console.print(f"{len(rows) - len(bad)}/{len(rows)} controls caught and correctly diagnosed in {total:.1f} s", highlight=False)
+    console.print(f"{len(rows) - len(bad)}/{len(rows)} controls caught and named in {total:.1f} s", highlight=False)
     return EXIT_DIVERGENT if bad else EXIT_EQUIVALENT
 
 

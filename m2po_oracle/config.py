@@ -4,6 +4,7 @@ Read alike by the CLI and the pytest plugin; a flag given on the command line ov
 the file. Keys are the compare options by their flag names (``examples``, ``compute-dtype``
 or ``compute_dtype``, ...), plus ``impl`` and:
 
+* ``json``, ``html``: where to write the reports (relative to the pyproject.toml);
 * ``bind``: a list of ``"KEY=VALUE"`` texts, or a table ``{KEY = VALUE}``;
 * ``accept``: deviations accepted like strict xfails, each ``{deviation = NAME, reason =
   TEXT, link = URL}``: a run whose every failure they explain is
@@ -32,7 +33,7 @@ else:  # pragma: no cover - the tested Python is 3.11
 
 SECTION = "tool.m2po-oracle"
 _OPTIONS: dict[str, Option] = {o.name: o for o in COMPARE_OPTIONS + RUN_SETTINGS if o.name != "accept"}
-_OWN_KEYS = ("impl", "accept", "strict")
+_OWN_KEYS = ("impl", "accept", "strict", "json", "html")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class ProjectConfig:
     path: Path | None = None  # the pyproject.toml read (None: none found, or no section)
     impl: str | None = None
     values: dict[str, Any] = field(default_factory=dict)  # compare options by name, converted
+    reports: dict[str, Path] = field(default_factory=dict)  # "json" / "html" -> where to write that report, relative to the project
     accept: tuple[Accepted, ...] = ()
     strict: bool = True
 
@@ -94,12 +96,14 @@ def parse_section(section: Any, path: Path | None = None) -> ProjectConfig:
     if not isinstance(section, dict):
         raise UsageError(f"{where}: expected a table, got {type(section).__name__}")
     values: dict[str, Any] = {}
-    impl, accept, strict = None, (), True
+    impl, accept, strict, reports = None, (), True, {}
     known = [*_OPTIONS, *_OWN_KEYS]
     for raw_key, value in section.items():
         key = raw_key.replace("-", "_")
         if key == "impl":
             impl = _text(where, raw_key, value)
+        elif key in ("json", "html"):
+            reports[key] = (path.parent if path else Path.cwd()) / _text(where, raw_key, value)
         elif key == "strict":
             if not isinstance(value, bool):
                 raise UsageError(f"{where}: strict: expected true or false, got {value!r}")
@@ -112,7 +116,7 @@ def parse_section(section: Any, path: Path | None = None) -> ProjectConfig:
             close = difflib.get_close_matches(key, known, n=3)
             hint = f"; closest: {', '.join(close)}" if close else f"; known: {', '.join(known)}"
             raise UsageError(f"{where}: unknown key {raw_key!r}{hint}")
-    return ProjectConfig(path, impl, values, accept, strict)
+    return ProjectConfig(path=path, impl=impl, values=values, reports=reports, accept=accept, strict=strict)
 
 
 def _text(where: str, key: str, value: Any) -> str:

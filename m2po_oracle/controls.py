@@ -394,6 +394,38 @@ COMPOSITE_CONTROLS: tuple[NegativeControl, ...] = (
 )
 
 
+#: ``selftest --quick``: examples per control, 1.5 times the latest first failure over seeds
+#: 0-9 (measured with 500 examples at most; the seeds' first failures after the #), at least
+#: 20. A composite with a clamp gets the clamp's: the leak shows at once, the clamp only where
+#: |d| > 20, and naming needs both.
+QUICK_EXAMPLES: dict[str, int] = {
+    "all_valid_candidates": 51,  # 3, 20, 19, 28, 13, 12, 3, 5, 34, 7
+    "swapped_quadrants": 20,  # 2, 3, 4, 8, 13, 2, 2, 2, 4, 2
+    "zero_advantage_candidate": 231,  # 102, 60, 79, 82, 92, 65, 82, 154, 65, 65
+    "first_token_advantage_sign": 110,  # 3, 3, 7, 28, 73, 4, 3, 3, 9, 7
+    "strict_stop": 225,  # 20, 7, 150, 8, 76, 21, 3, 5, 5, 5
+    "mean_over_valid": 194,  # 3, 66, 19, 28, 129, 31, 3, 5, 67, 7
+    "per_sequence_selection": 60,  # 2, 6, 4, 20, 40, 2, 2, 2, 4, 2
+    "one_extra_removed": 60,  # 2, 3, 4, 8, 40, 2, 2, 2, 4, 2
+    "kept_count_denominator": 20,  # 2, 3, 4, 8, 13, 2, 2, 2, 4, 2
+    "padded_denominator": 20,  # 3, 7, 9, 3, 13, 4, 3, 3, 5, 5
+    "ppo_clip_still_applied": 75,  # 28, 3, 17, 8, 50, 6, 12, 3, 9, 7
+    "ratio_inverted": 20,  # 2, 3, 4, 3, 13, 2, 2, 2, 4, 2
+    "mask_not_applied": 20,  # 2, 3, 4, 8, 13, 2, 2, 2, 4, 2
+    "masked_keep_value": 20,  # 2, 3, 4, 8, 13, 2, 2, 2, 4, 2
+    "nan_padding_leak": 20,  # 1, 1, 1, 1, 1, 1, 1, 1, 1, 1
+    "clamped_log_ratio": 390,  # 28, 13, 79, 260, 88, 79, 120, 53, 9, 59
+    "mutates_inputs": 20,  # 1, 1, 1, 1, 1, 1, 1, 1, 1, 1
+    "m2_after_over_valid": 51,  # 3, 20, 9, 3, 13, 6, 3, 3, 34, 7
+    "random_tie_break": 60,  # 2, 6, 4, 20, 40, 2, 2, 2, 8, 2
+    "leak_clamp_float32_metrics": 390,  # 1, 1, 1, 1, 1, 1, 1, 1, 1, 1
+    "areal_mask_function": 20,  # 3, 7, 7, 8, 13, 9, 3, 5, 5, 5
+    "release_clip": 20,  # 2, 3, 4, 3, 13, 2, 2, 2, 4, 2
+    "water_filling_epsilon": 20,  # 2, 3, 4, 3, 13, 2, 2, 2, 4, 2
+    "hard_clamp_leak": 390,  # 1, 1, 1, 1, 1, 1, 1, 1, 1, 1
+}
+
+
 def control(name: str) -> NegativeControl:
     for c in NEGATIVE_CONTROLS + COMPOSITE_CONTROLS:
         if c.name == name:

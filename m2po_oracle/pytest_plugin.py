@@ -29,6 +29,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="implementation to check: built-in name, module:function or file.py:function")
     options.add_to_pytest(group)
     options.add_to_pytest(group, options.RUN_SETTINGS)
+    group.addoption("--m2po-json", dest="m2po_json", default=None, metavar="PATH", help="write the JSON report of the battery here")
+    group.addoption("--m2po-html", dest="m2po_html", default=None, metavar="PATH", help="write the HTML report of the battery here (a CI artifact)")
 
 
 def _project(config: pytest.Config) -> Any:
@@ -47,7 +49,7 @@ def _option_values(config: pytest.Config, project: Any) -> dict[str, Any]:
     return project.merged(given)
 
 
-def item_outcomes(spec: str, values: dict[str, Any], project: Any = None) -> dict[str, Any]:
+def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, reports: dict[str, Path] | None = None) -> dict[str, Any]:
     """Run the battery once and reduce it to what each item reports: JSON-ready, so that
     xdist workers can share it. ``{"error": str}`` when the run could not start."""
     from m2po_oracle.compare import exploration_from, run_compare
@@ -67,6 +69,7 @@ def item_outcomes(spec: str, values: dict[str, Any], project: Any = None) -> dic
         return {"error": f"usage error: {error}"}
     except (LoadError, ValueError) as error:
         return {"error": f"the implementation could not be loaded: {error}"}
+    _write_reports(report, reports or {})
     items: dict[str, Any] = {}
     by_check = report.diagnosis.get("by_check", {})
     accepted = {a.deviation: a for a in report.accepted}
@@ -112,6 +115,17 @@ def item_outcomes(spec: str, values: dict[str, Any], project: Any = None) -> dic
     return {"checks": list(report.tallies) + [f"accept:{n}" for n in accepted], "items": items, "verdict": report.verdict}
 
 
+def _write_reports(report: Any, reports: dict[str, Path]) -> None:
+    record = report.to_json()
+    if "json" in reports:
+        reports["json"].parent.mkdir(parents=True, exist_ok=True)
+        reports["json"].write_text(json.dumps(record, indent=2))
+    if "html" in reports:
+        from m2po_oracle.report.html import write_html
+
+        write_html(record, reports["html"])
+
+
 class _SharedRun:
     """The one compare run all items of a session read from, shared across xdist workers
     through a file keyed by the implementation and its options."""
@@ -121,11 +135,13 @@ class _SharedRun:
         self.project = _project(config)
         self.spec = config.getoption("m2po_impl") or self.project.impl
         self.values = _option_values(config, self.project)
+        given = {kind: config.getoption(f"m2po_{kind}") for kind in ("json", "html")}
+        self.reports = {**self.project.reports, **{kind: Path(path) for kind, path in given.items() if path}}
         self._outcomes: dict[str, Any] | None = None
 
     def get(self) -> dict[str, Any]:
         if self._outcomes is None:
-            self._outcomes = self._shared() if hasattr(self.config, "workerinput") else item_outcomes(self.spec, self.values, self.project)
+            self._outcomes = self._shared() if hasattr(self.config, "workerinput") else item_outcomes(self.spec, self.values, self.project, self.reports)
         return self._outcomes
 
     def _shared(self) -> dict[str, Any]:
@@ -137,7 +153,7 @@ class _SharedRun:
             fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker runs the battery; the rest wait for its file
             if path.exists():
                 return json.loads(path.read_text())
-            outcomes = item_outcomes(self.spec, self.values, self.project)
+            outcomes = item_outcomes(self.spec, self.values, self.project, self.reports)
             scratch = path.with_suffix(f".{os.getpid()}.tmp")
             scratch.write_text(json.dumps(outcomes))
             scratch.replace(path)

@@ -17,7 +17,7 @@ from typing import Any
 
 from m2po_oracle.compare import in_process_runner, run_compare
 from m2po_oracle.runner import Runner
-from m2po_oracle.controls import COMPOSITE_CONTROLS, NEGATIVE_CONTROLS
+from m2po_oracle.controls import COMPOSITE_CONTROLS, NEGATIVE_CONTROLS, QUICK_EXAMPLES
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class SelftestTarget:
     variant: str  # the deviations the diagnosis must name, exactly ("a + b" for several)
     load: Callable[[], Runner]
     shrink: bool = True  # a trainer step is costly; catching and naming need no minimal case
+    quick_examples: int | None = None  # enough to catch and name it on seeds 0-9 (controls.QUICK_EXAMPLES)
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ def _trainer_targets() -> list[SelftestTarget]:
 
 def select_controls(names: list[str] | None, *, trainer: bool = False, distributed: bool = False) -> list[SelftestTarget]:
     """The loss-function controls (and with ``trainer`` / ``distributed`` those too), or those named."""
-    targets = [SelftestTarget(c.name, c.bug, " + ".join(c.variants), lambda c=c: in_process_runner(c.fn, f"control:{c.name}", adapter=c.adapter))
-               for c in NEGATIVE_CONTROLS + COMPOSITE_CONTROLS]
+    targets = [SelftestTarget(c.name, c.bug, " + ".join(c.variants), lambda c=c: in_process_runner(c.fn, f"control:{c.name}", adapter=c.adapter),
+                              quick_examples=QUICK_EXAMPLES.get(c.name)) for c in NEGATIVE_CONTROLS + COMPOSITE_CONTROLS]
     if trainer or any(n.startswith("trainer:") for n in names or ()):
         targets += _trainer_targets()
     if distributed or any(n.startswith("distributed:") for n in names or ()):
@@ -113,17 +114,19 @@ def _open(control: SelftestTarget) -> Runner:
 
 
 def run_selftest(controls: list[SelftestTarget], *, examples: int = 500, seed: int = 0, seeds: int = 1,
-                 on_row: Callable[[SelftestRow], None] | None = None, shrink: bool = True) -> list[SelftestRow]:
-    """``shrink=False`` skips the minimal counterexamples (catching and naming need none)."""
+                 on_row: Callable[[SelftestRow], None] | None = None, shrink: bool = True, quick: bool = False) -> list[SelftestRow]:
+    """``shrink=False`` skips the minimal counterexamples (catching and naming need none);
+    ``quick`` runs each control at its ``quick_examples`` (else ``examples``), unshrunk."""
     rows = []
     for control in controls:
         started = time.perf_counter()
         runner = _open(control)
         try:
-            report = run_compare(runner, _spec(control), examples=examples, seed=seed, shrink=control.shrink and shrink)
+            count = (control.quick_examples or examples) if quick else examples
+            report = run_compare(runner, _spec(control), examples=count, seed=seed, shrink=control.shrink and shrink and not quick)
             failing = [t for t in report.tallies.values() if t.failures]
             first = min((t.first_failure_at for t in failing if t.first_failure_at), default=None)
-            later = [_first_failure(runner, control, examples, seed + k) for k in range(1, seeds)]
+            later = [_first_failure(runner, control, count, seed + k) for k in range(1, seeds)]
         finally:
             runner.close()
         row = SelftestRow(

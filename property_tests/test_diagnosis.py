@@ -144,3 +144,12 @@ def test_each_counterexample_names_its_cause_and_the_checks_it_shows():
 def test_every_named_variant_is_distinct():
     assert len({v.name for v in VARIANTS}) == len(VARIANTS)
     assert len({v.deviation for v in VARIANTS}) == len(VARIANTS), "two variants plant the same knobs"
+
+
+def test_every_control_has_its_quick_example_count():
+    """selftest --quick (run by .ci/run) needs, per control, the examples that catch and
+    name it on 10 seeds; a control added without a measured number would run at 500."""
+    from m2po_oracle.controls import QUICK_EXAMPLES
+
+    assert set(QUICK_EXAMPLES) == {c.name for c in NEGATIVE_CONTROLS + COMPOSITE_CONTROLS}
+    assert all(20 <= n <= 500 for n in QUICK_EXAMPLES.values())
