@@ -241,7 +241,7 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
 
     from m2po_oracle.compare import run_compare
 
-    from m2po_oracle.compare import exploration_from
+    from m2po_oracle.config import exploration_from
 
     from m2po_oracle.errors import UsageError
 
@@ -337,6 +337,9 @@ def _quiet_summary(args: argparse.Namespace, report, record: dict, console: Cons
     for name in report.failing_checks:
         explained = " + ".join(by_check.get(name, ())) or "unexplained"
         console.print(f"FAIL {name}: {report.tallies[name].failures} of {report.examples} ({explained})", highlight=False, markup=False, soft_wrap=True)
+    if report.verdict == "unusable":  # the one thing to read: why no call returned a result
+        why = report.load_error or next((m.summary.splitlines()[-1] for c in report.counterexamples for m in c.mismatches if m.check == "call"), "")
+        console.print(f"  {why}", highlight=False, markup=False, soft_wrap=True)
     _print_accepted(console, report)
     _print_verdict(console, report)
     _write_reports(args, record, console, quiet=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from m2po_oracle.deviations import Accepted
 from m2po_oracle.errors import UsageError
 from m2po_oracle.options import COMPARE_OPTIONS, RUN_SETTINGS, Option
 
@@ -34,18 +35,6 @@ else:  # pragma: no cover - the tested Python is 3.11
 SECTION = "tool.m2po-oracle"
 _OPTIONS: dict[str, Option] = {o.name: o for o in COMPARE_OPTIONS + RUN_SETTINGS if o.name != "accept"}
 _OWN_KEYS = ("impl", "accept", "strict", "json", "html")
-
-
-@dataclass(frozen=True)
-class Accepted:
-    """A deviation the project accepts, and why."""
-
-    deviation: str
-    reason: str
-    link: str = ""
-
-    def to_json(self) -> dict[str, str]:
-        return {"deviation": self.deviation, "reason": self.reason, "link": self.link}
 
 
 @dataclass(frozen=True)
@@ -189,3 +178,14 @@ def known_deviations() -> list[str]:
 
 def accepted_from_cli(names: list[str] | tuple[str, ...] | None) -> tuple[Accepted, ...]:
     return tuple(Accepted(validate_deviation("--accept", n), "accepted on the command line (--accept)") for n in names or ())
+
+
+def exploration_from(values: dict[str, Any], project: ProjectConfig, available: tuple[str, ...] | list[str]) -> Any:
+    """``compare.Exploration`` from the run settings (``options.RUN_SETTINGS``, parsed) over the
+    project's configuration."""
+    from m2po_oracle.compare import Exploration, select_checks
+
+    accept = tuple(project.accept) + tuple(a for a in accepted_from_cli(values.get("accept")) if a.deviation not in {p.deviation for p in project.accept})
+    return Exploration(shrink=not values.get("no_shrink"), max_failures=values.get("max_failures"),
+                       checks=select_checks(available, values.get("checks")), skip_validation=bool(values.get("skip_validation")),
+                       database=values.get("hypothesis_database"), accept=accept, strict_accept=project.strict)

@@ -162,3 +162,15 @@ def combine(names: Iterable[str]) -> Deviation | None:
                 return None
             knobs[f.name] = value
     return replace(ALGORITHM_1, **knobs)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A deviation a project accepts (``[tool.m2po-oracle] accept``, ``--accept``), and why."""
+
+    deviation: str
+    reason: str
+    link: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return {"deviation": self.deviation, "reason": self.reason, "link": self.link}

@@ -52,7 +52,8 @@ def _option_values(config: pytest.Config, project: Any) -> dict[str, Any]:
 def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, reports: dict[str, Path] | None = None) -> dict[str, Any]:
     """Run the battery once and reduce it to what each item reports: JSON-ready, so that
     xdist workers can share it. ``{"error": str}`` when the run could not start."""
-    from m2po_oracle.compare import exploration_from, run_compare
+    from m2po_oracle.compare import run_compare
+    from m2po_oracle.config import exploration_from
     from m2po_oracle.config import ProjectConfig
     from m2po_oracle.equivalence import format_mismatches
     from m2po_oracle.launch import open_runner

@@ -13,7 +13,8 @@ import m2po_oracle
 
 PACKAGE = Path(m2po_oracle.__file__).parent
 #: Modules at the top (options: the flags): what imports them must itself be one of them.
-ENTRY_POINTS = {"m2po_oracle.cli", "m2po_oracle.pytest_plugin", "m2po_oracle.selftest", "m2po_oracle.launch", "m2po_oracle.options"}
+ENTRY_POINTS = {"m2po_oracle.cli", "m2po_oracle.pytest_plugin", "m2po_oracle.selftest", "m2po_oracle.launch", "m2po_oracle.options",
+                "m2po_oracle.config"}
 ABOVE_ENTRY_POINTS = ENTRY_POINTS | {"m2po_oracle.torchrun"}
 
 
