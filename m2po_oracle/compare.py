@@ -24,8 +24,9 @@ from m2po_oracle import __version__
 from m2po_oracle.batch import Batch
 from m2po_oracle.battery import BatteryOutcome
 from m2po_oracle.checks import ALL_CHECKS, BEHAVIOURAL_CHECKS
-from m2po_oracle.config import Accepted
+from m2po_oracle.deviations import Accepted
 from m2po_oracle.contract import Implementation
+from m2po_oracle.coverage import CoverageTally, failure_rate_upper
 from m2po_oracle.diagnosis import Observation, diagnose
 from m2po_oracle.equivalence import Mismatch
 from m2po_oracle.record import M2POResult
@@ -41,6 +42,12 @@ class CheckTally:
     ran: int = 0  # examples on which the check actually ran
     first_failure: Any = None
     first_failure_at: int | None = None  # 1-based number of the first failing example
+    exercised: int = 0  # examples that could have failed it (m2po_oracle.coverage.EXERCISED; a failing one always)
+
+    @property
+    def failure_rate_upper_95(self) -> float | None:
+        """One-sided 95% Clopper-Pearson upper bound on the failure rate over the exercised examples."""
+        return failure_rate_upper(self.failures, self.exercised)
 
     @property
     def status(self) -> str:
@@ -89,6 +96,7 @@ class CompareReport:
     interrupted: bool = False
     load_error: str | None = None  # the implementation could not be loaded at all
     output: dict[str, Any] = field(default_factory=lambda: {"lines": 0, "first_lines": []})
+    coverage: CoverageTally = field(default_factory=CoverageTally)  # families and features of the examples tried
     accepted: tuple[Accepted, ...] = ()  # deviations the project accepts ([tool.m2po-oracle] accept, --accept)
     strict_accept: bool = True  # an accepted deviation that no longer shows fails the run
 
@@ -151,9 +159,10 @@ class CompareReport:
             "load_error": self.load_error,
             "checks": [
                 {"name": name, "description": ALL_CHECKS[name], "status": t.status, "failures": t.failures, "ran": t.ran,
-                 "first_failure_at": t.first_failure_at}
+                 "first_failure_at": t.first_failure_at, "exercised": t.exercised, "failure_rate_upper_95": t.failure_rate_upper_95}
                 for name, t in self.tallies.items()
             ],
+            "coverage": self.coverage.to_json(self.tallies),
             "counterexamples": [
                 {**counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype), "cause": c.cause,
                  "checks": list(c.checks or (c.check,)), **({"ranks": list(c.ranks)} if c.ranks else {}),
@@ -226,16 +235,6 @@ class Exploration:
     database: str | None = None  # a Hypothesis example database folder: failing examples replay first
     accept: tuple[Accepted, ...] = ()
     strict_accept: bool = True
-
-
-def exploration_from(values: dict[str, Any], project: Any, available: tuple[str, ...] | list[str]) -> Exploration:
-    """The run settings (``options.RUN_SETTINGS``, parsed) over the project's configuration."""
-    from m2po_oracle.config import accepted_from_cli
-
-    accept = tuple(project.accept) + tuple(a for a in accepted_from_cli(values.get("accept")) if a.deviation not in {p.deviation for p in project.accept})
-    return Exploration(shrink=not values.get("no_shrink"), max_failures=values.get("max_failures"),
-                       checks=select_checks(available, values.get("checks")), skip_validation=bool(values.get("skip_validation")),
-                       database=values.get("hypothesis_database"), accept=accept, strict_accept=project.strict)
 
 
 def select_checks(available: tuple[str, ...] | list[str], patterns: str | None) -> tuple[str, ...] | None:
@@ -381,6 +380,9 @@ def _explore_and_judge(runner: Runner, report: CompareReport, exploration: Explo
         for name in outcome.checked:
             if name in tallies:
                 tallies[name].ran += 1
+        for name in report.coverage.add(example, outcome, options.effective_compute_dtype):
+            if name in tallies:
+                tallies[name].exercised += 1
         for name in outcome.failed_checks:
             tally = tallies[name]
             tally.failures += 1

@@ -31,7 +31,7 @@ def batch_strategy(tau: float | None, base: st.SearchStrategy[Batch] | None = No
     base = base if base is not None else strategies.batches()
     if tau is None:
         return base
-    return base.map(lambda b: Batch(b.logp, b.behavior_logp, b.advantages, b.valid, tau))
+    return base.map(lambda b: strategies.with_family(Batch(b.logp, b.behavior_logp, b.advantages, b.valid, tau), strategies.family_of(b)))
 
 
 class LossFunctionRunner:

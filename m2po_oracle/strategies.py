@@ -22,6 +22,25 @@ DYADIC_LOG_RATIOS = (0.0, 0.125, -0.125, 0.25, -0.25, 0.375, -0.375, 0.5, -0.5, 
 DYADIC_TAUS = (0.015625, 0.0625, 0.140625, 0.25, 0.0)
 
 
+#: The attribute that names the family a generated batch was drawn from. It is not a field
+#: of the dataclass: the batch's JSON, replay, repr and equality are what they were.
+_FAMILY = "_m2po_family"
+
+
+def family_of(batch: Batch) -> str | None:
+    """The strategy family that drew ``batch`` ("grpo", "token_advantage", "dyadic", "ties",
+    "extreme", "degenerate", "scope"), or None for a batch built any other way (by hand,
+    parsed from JSON, or derived from another batch)."""
+    return getattr(batch, "__dict__", {}).get(_FAMILY)
+
+
+def with_family(batch: Batch, family: str | None) -> Batch:
+    """``batch``, tagged as drawn by ``family`` (None: left as it is)."""
+    if family is not None:
+        object.__setattr__(batch, _FAMILY, family)  # Batch is frozen; the tag is no field
+    return batch
+
+
 def _check_range(name: str, value: int, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
@@ -123,7 +142,7 @@ def _grpo_batches(draw, max_groups: int, max_group_size: int, max_len: int, stal
     valid = draw(_valid_mask(groups * group_size, max_len))
     advantages = np.repeat(_group_normalised(rewards, group_size)[:, None], valid.shape[1], axis=1)
     d = draw(_log_ratios(valid.shape, staleness))
-    return draw(_assemble(d, advantages, valid, tau))
+    return with_family(draw(_assemble(d, advantages, valid, tau)), "grpo")
 
 
 def token_advantage_batches(*, max_rows: int = 6, max_len: int = 12, staleness: float | None = None, tau: float | None = None) -> st.SearchStrategy[Batch]:
@@ -135,12 +154,12 @@ def token_advantage_batches(*, max_rows: int = 6, max_len: int = 12, staleness: 
 
 
 @st.composite
-def _token_advantage_batches(draw, max_rows: int, max_len: int, staleness: float | None, tau: float | None) -> Batch:
+def _token_advantage_batches(draw, max_rows: int, max_len: int, staleness: float | None, tau: float | None, family: str = "token_advantage") -> Batch:
     rows = draw(st.integers(1, max_rows), label="rows")
     valid = draw(_valid_mask(rows, max_len))
     advantages = draw(hnp.arrays(np.float64, valid.shape, elements=st.just(0.0) | st.floats(-3.0, 3.0)), label="advantages")
     d = draw(_log_ratios(valid.shape, staleness))
-    return draw(_assemble(d, advantages, valid, tau))
+    return with_family(draw(_assemble(d, advantages, valid, tau)), family)
 
 
 def dyadic_batches(*, max_rows: int = 4, max_len: int = 8) -> st.SearchStrategy[Batch]:
@@ -156,7 +175,7 @@ def _dyadic_batches(draw, max_rows: int, max_len: int) -> Batch:
     valid = draw(_valid_mask(rows, max_len))
     d = draw(hnp.arrays(np.float64, valid.shape, elements=st.sampled_from(DYADIC_LOG_RATIOS)), label="dyadic log ratios")
     advantages = draw(hnp.arrays(np.float64, valid.shape, elements=st.sampled_from((1.0, -1.0, 0.5, -2.0, 0.0))), label="advantages")
-    return draw(_assemble(d, advantages, valid, None, dyadic=True))
+    return with_family(draw(_assemble(d, advantages, valid, None, dyadic=True)), "dyadic")
 
 
 def tie_batches(*, max_rows: int = 4, max_len: int = 10) -> st.SearchStrategy[Batch]:
@@ -172,18 +191,23 @@ def _tie_batches(draw, max_rows: int, max_len: int) -> Batch:
     magnitudes = draw(st.lists(st.sampled_from((0.125, 0.25, 0.5, 1.0)), min_size=1, max_size=2, unique=True), label="magnitudes")
     d = draw(hnp.arrays(np.float64, valid.shape, elements=st.sampled_from(tuple(magnitudes) + tuple(-m for m in magnitudes))), label="tied log ratios")
     advantages = np.sign(d) * draw(st.sampled_from((1.0, 0.5)), label="advantage size")
-    return draw(_assemble(d, advantages, valid, None, dyadic=True))
+    return with_family(draw(_assemble(d, advantages, valid, None, dyadic=True)), "ties")
 
 
 def extreme_batches(*, max_rows: int = 4, max_len: int = 10) -> st.SearchStrategy[Batch]:
     """|log r| up to 50 (exp(d) up to 5e21), well past any +-20 clamp."""
     # _log_ratios scales tan(0.45 pi u), at most ~6.3: this scale reaches |d| = 50.
-    return token_advantage_batches(max_rows=max_rows, max_len=max_len, staleness=50.0 / np.tan(0.45 * np.pi))
+    _check_shape_args(max_rows=max_rows, max_len=max_len)
+    return _token_advantage_batches(max_rows, max_len, 50.0 / np.tan(0.45 * np.pi), None, family="extreme")
+
+
+def degenerate_batches() -> st.SearchStrategy[Batch]:
+    """Everything masked, an empty trust region, a single token, all-padding rows."""
+    return _degenerate_batches().map(lambda batch: with_family(batch, "degenerate"))
 
 
 @st.composite
-def degenerate_batches(draw) -> Batch:
-    """Everything masked, an empty trust region, a single token, all-padding rows."""
+def _degenerate_batches(draw) -> Batch:
     kind = draw(st.sampled_from(("everything masked", "empty trust region", "single token", "all-padding rows")), label="degenerate kind")
     if kind == "single token":
         return draw(token_advantage_batches(max_rows=1, max_len=1))
@@ -261,7 +285,7 @@ def _scope_batches(draw, max_shards: int, max_len: int) -> Batch:
     flip = draw(hnp.arrays(np.bool_, valid.shape), label="opposed tokens")  # of every third column
     advantages = np.where(flip & (np.arange(width)[None, :] % 3 == 0), -advantages, advantages)
     # Dyadic behaviour log-probs too when exact: logp - behavior_logp is then d itself.
-    return draw(_assemble(d, advantages, valid, _cut_inside(draw, d, advantages, valid, exact), dyadic=exact))
+    return with_family(draw(_assemble(d, advantages, valid, _cut_inside(draw, d, advantages, valid, exact), dyadic=exact)), "scope")
 
 
 def _sorted_trust_m2(d: np.ndarray, advantages: np.ndarray, valid: np.ndarray) -> np.ndarray:

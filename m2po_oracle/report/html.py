@@ -237,6 +237,9 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
         checks.append({"name": name, "description": _text(check.get("description")), "status": status, "failed": failed,
                        "status_class": _CHECK_CLASS.get(status, "neutral"), "failures": _fmt(check.get("failures")),
                        "ran": _fmt(check.get("ran")), "anchor": first_cx.get(name),
+                       "exercised": _fmt(check.get("exercised")) if "exercised" in check else "\u2014",
+                       "failure_rate": _failure_rate(check.get("failures"), check.get("exercised"), check.get("failure_rate_upper_95")),
+                       "exercised_when": _text(_mapping(_mapping(report.get("coverage")).get("exercised_when")).get(name)),
                        # Only a failing check has something to explain.
                        "explained_by": [_linked(n, anchors) for n in by_check.get(name, [])] if failed else [],
                        "unexplained": failed and name in unexplained})
@@ -266,6 +269,7 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
         "checks": checks,
         "checks_failed": failed,
         "checks_not_run": not_run,
+        "coverage": _coverage(report.get("coverage")) if "coverage" in report else None,
         "unusable_note": _unusable_note(report) if verdict in ("unusable", "interrupted") else None,
         "stopped_early": _text(report.get("stopped_early")) if report.get("stopped_early") else None,
         "output": _output(report.get("implementation_output")),
@@ -282,6 +286,38 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
         ],
         "environment": [(_text(k), _text(v, "\u2014")) for k, v in _mapping(report.get("environment")).items()],
     }
+
+
+def _percent(value: float) -> str:
+    v = 100.0 * value
+    if v >= 10 or v == 0:
+        return f"{v:.0f}%"
+    if v >= 1:
+        return f"{v:.1f}%"
+    return f"{v:#.2g}%"
+
+
+def _failure_rate(failures: Any, exercised: Any, upper: Any) -> str:
+    """"< 0.6%" with no failure, "30% (< 42%)" with some, a dash where nothing was exercised
+    (or the report predates the bound)."""
+    n, f, bound = _as_int(exercised), _as_int(failures), _as_float(upper)
+    if n is None or n <= 0 or f is None or f < 0 or bound is None or not 0 <= bound <= 1:
+        return "\u2014"
+    return f"< {_percent(bound)}" if f == 0 else f"{_percent(min(f, n) / n)} (< {_percent(bound)})"
+
+
+def _coverage(raw: Any) -> dict[str, Any]:
+    """The coverage table: strategy families and features, each with its count."""
+    raw = _mapping(raw)
+    descriptions = _mapping(raw.get("feature_descriptions"))
+
+    def counts(value: Any) -> list[tuple[str, str]]:
+        return [(_text(k), _fmt(v)) for k, v in _mapping(value).items()]
+
+    return {"examples": _fmt(raw.get("examples")), "judged": _fmt(raw.get("judged")),
+            "families": counts(raw.get("families")),
+            "features": [(name, count, _text(descriptions.get(name))) for name, count in counts(raw.get("features"))],
+            "unmeasured": _fmt(raw.get("unmeasured")) if raw.get("unmeasured") else None}
 
 
 def _duration(value: Any) -> str:
