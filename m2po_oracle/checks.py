@@ -53,3 +53,14 @@ VALUE_CHECKS: tuple[str, ...] = tuple(n for n in CHECKS if n in ("loss", "gradie
 #: observation evidence for an output variant. A trainer's own checks are about the step
 #: around the loss (which model, how accumulated); trainer variants explain those.
 BEHAVIOURAL_CHECKS = frozenset({"call", "padding_immunity", "determinism", "inputs_not_mutated"}) | frozenset(TRAINER_CHECKS)
+
+
+def result_field(check: str) -> str | None:
+    """The ``M2POResult`` field a value check judges (None: a behavioural or step check)."""
+    if check.startswith("selection."):
+        return "keep"
+    if check in ("loss", "gradient"):
+        return {"loss": "loss", "gradient": "grad"}[check]
+    if check.startswith("metrics."):
+        return check.partition(".")[2]
+    return None

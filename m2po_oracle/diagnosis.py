@@ -28,6 +28,7 @@ import numpy as np
 
 from m2po_oracle import variants
 from m2po_oracle.batch import Batch
+from m2po_oracle.checks import result_field
 from m2po_oracle.deviations import ALGORITHM_1, VARIANTS, Deviation, Variant, combine
 from m2po_oracle.equivalence import check_selection, coarser, compare_fields, same_up_to_ties
 from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
@@ -45,17 +46,8 @@ MAX_COMPONENTS = 4
 BEAM = 4
 
 
-def field_of(check: str) -> str | None:
-    """The result field a value check judges (None: a behavioural or step check)."""
-    if check.startswith("selection."):
-        return "keep"
-    if check == "loss":
-        return "loss"
-    if check == "gradient":
-        return "grad"
-    if check.startswith("metrics."):
-        return check.split(".", 1)[1]
-    return None
+#: The result field a value check judges (None: a behavioural or step check).
+field_of = result_field
 
 
 @dataclass(frozen=True)

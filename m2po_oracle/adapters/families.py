@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from m2po_oracle.adapters.binding import METRIC_NAMES, BoundCall, Config, Output, Param, bound_metric_names
-from m2po_oracle.checks import CHECKS, DISTRIBUTED_CHECKS
+from m2po_oracle.checks import CHECKS, DISTRIBUTED_CHECKS, result_field
 from m2po_oracle.contract import Implementation
 
 
@@ -73,17 +73,8 @@ class Adapter:
         return tuple(check for check in self.judged_by if check not in skipped)
 
 
-def check_field(check: str) -> str | None:
-    """The result field a value check judges (None: a behavioural check, judged on the call)."""
-    if check.startswith("selection."):
-        return "keep"
-    if check == "loss":
-        return "loss"
-    if check == "gradient":
-        return "grad"
-    if check.startswith("metrics."):
-        return check.partition(".")[2]
-    return None
+#: The result field a value check judges (None: a behavioural check, judged on the call).
+check_field = result_field
 
 
 # --- helpers: translating the contract's tensors, reading results back ------------------
