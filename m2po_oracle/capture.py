@@ -704,7 +704,9 @@ def _relative(directory: Path, name: object, manifest: Path, problems: list[tupl
     return directory / name
 
 
-def _inspect(directory: str | os.PathLike[str]) -> tuple[list[tuple[str, str]], Capture | None]:
+def inspect_capture(directory: str | os.PathLike[str]) -> tuple[list[tuple[str, str]], Capture | None]:
+    """Every (file, problem) of a capture, and the capture of what is readable (None when
+    nothing is): what a partial audit works from."""
     root = Path(directory)
     problems: list[tuple[str, str]] = []
     if not root.is_dir():
@@ -788,13 +790,13 @@ def check_capture(directory: str | os.PathLike[str]) -> list[str]:
     Files are checked from their safetensors headers (which safetensors validates against the
     file's size, so a truncated file is caught) without loading tensor data.
     """
-    problems, _ = _inspect(directory)
+    problems, _ = inspect_capture(directory)
     return [f"{path}: {problem}" for path, problem in problems]
 
 
 def load_capture(directory: str | os.PathLike[str]) -> Capture:
     """Read a capture directory for the audit; :class:`CaptureError` on its first problem."""
-    problems, capture = _inspect(directory)
+    problems, capture = inspect_capture(directory)
     if problems:
         path, problem = problems[0]
         if len(problems) > 1:

@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, default=None)
     bench.add_argument("--html", type=Path, default=None)
 
+    audit = commands.add_parser("audit", help="audit a capture of a training run (m2po_oracle.capture) against Algorithm 1, step by step")
+    audit.add_argument("directory", type=Path, help="the capture directory (manifest.rank-*.json)")
+    audit.add_argument("--json", type=Path, default=None, help="write the JSON report (schema m2po-oracle/audit/1) here")
+
     commands.add_parser("checks", help="list the checks of the battery")
     commands.add_parser("adapters", help="list the adapters (--adapter): each family's signature, what it reads back, which checks it can run")
     return parser
@@ -125,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         return _selftest(args, console)
     if args.command == "bench":
         return _bench(args, console)
+    if args.command == "audit":
+        return _audit(args, console)
     return _run(args, console)
 
 
@@ -419,6 +425,37 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         args.html.write_text(render_bench_html(record))
     identical = all(r["identical"] for r in record["rows"]) and record.get("across_ranks", {}).get("identical", True)
     return EXIT_EQUIVALENT if identical else EXIT_DIVERGENT
+
+
+def _audit(args: argparse.Namespace, console: Console) -> int:
+    """audit DIR: per step verdict, failing checks and diagnosis; exit 0 / 1 / 2 as compare."""
+    from m2po_oracle.audit import audit_capture
+
+    report = audit_capture(args.directory)
+    say = lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
+    for problem in report.problems:
+        say(f"problem: {problem}")
+    if report.refused:
+        _error(report.refused)
+    for step in report.steps:
+        failing = step.failing
+        line = f"step {step.step}: {step.verdict}"
+        if failing:
+            line += f": FAIL {', '.join(failing)}"
+        if step.diagnosis:
+            line += f" (diagnosis: {' + '.join(step.diagnosis)})"
+        if step.verdict == "unusable":
+            line += f": {step.checks[0].summary}"
+        say(line)
+        for check in step.checks:
+            if check.status == "fail":
+                say(f"  [{check.name}] {check.summary}")
+    worst = f"; worst step {report.worst_step}" if report.worst_step is not None else ""
+    say(f"verdict: {report.verdict} ({len(report.steps)} step(s), {len(report.problems)} problem(s){worst})")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report.to_json(), indent=2))
+    return report.exit_status
 
 
 def _selftest(args: argparse.Namespace, console: Console) -> int:
