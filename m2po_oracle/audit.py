@@ -310,8 +310,8 @@ def _unusable(step: int, why: str) -> StepAudit:
     return StepAudit(step, "unusable", [AuditCheck(name, "not run", why) for name in CHECK_NAMES])
 
 
-def audit_capture(directory: str | Path) -> AuditReport:
-    """Audit every recorded optimizer step of a capture; never raises on a bad capture."""
+def audit_capture(directory: str | Path, *, steps: set[int] | None = None) -> AuditReport:
+    """Audit every recorded optimizer step of a capture (or only ``steps``); never raises on a bad capture."""
     problems_found, capture = capture_module.inspect_capture(directory)
     problems = [f"{path}: {problem}" for path, problem in problems_found]
     if capture is None:
@@ -323,6 +323,8 @@ def audit_capture(directory: str | Path) -> AuditReport:
         return report
     bad_paths = {path for path, _ in problems_found}
     for step in capture.steps():
+        if steps is not None and step not in steps:
+            continue
         keys = sorted(k for k in capture.keys() if k[1] == step)  # noqa: SIM118 - Capture.keys() is a method, not a dict
         ranks = {k[0] for k in keys}
         missing = sorted(set(range(capture.world_size)) - ranks)

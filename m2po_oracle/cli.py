@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit = commands.add_parser("audit", help="audit a capture of a training run (m2po_oracle.capture) against Algorithm 1, step by step")
     audit.add_argument("directory", type=Path, help="the capture directory (manifest.rank-*.json)")
     audit.add_argument("--json", type=Path, default=None, help="write the JSON report (schema m2po-oracle/audit/1) here")
+    audit.add_argument("--step", type=int, action="append", default=None, metavar="N", help="audit only this optimizer step (repeatable)")
 
     commands.add_parser("checks", help="list the checks of the battery")
     commands.add_parser("adapters", help="list the adapters (--adapter): each family's signature, what it reads back, which checks it can run")
@@ -431,8 +432,13 @@ def _audit(args: argparse.Namespace, console: Console) -> int:
     """audit DIR: per step verdict, failing checks and diagnosis; exit 0 / 1 / 2 as compare."""
     from m2po_oracle.audit import audit_capture
 
-    report = audit_capture(args.directory)
+    import shlex
+
+    report = audit_capture(args.directory, steps=set(args.step) if args.step else None)
     say = lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
+    if args.step and not report.steps and not report.refused:
+        _error(f"--step: no step {', '.join(map(str, args.step))} in the capture")
+        return EXIT_UNUSABLE
     for problem in report.problems:
         say(f"problem: {problem}")
     if report.refused:
@@ -450,6 +456,8 @@ def _audit(args: argparse.Namespace, console: Console) -> int:
         for check in step.checks:
             if check.status == "fail":
                 say(f"  [{check.name}] {check.summary}")
+        if step.verdict == "divergent":
+            say(f"  replay: {shlex.join(['m2po-oracle', 'audit', str(args.directory), '--step', str(step.step)])}")
     worst = f"; worst step {report.worst_step}" if report.worst_step is not None else ""
     say(f"verdict: {report.verdict} ({len(report.steps)} step(s), {len(report.problems)} problem(s){worst})")
     if args.json is not None:

@@ -160,3 +160,15 @@ def test_the_denominator_bug_is_caught_by_the_loss_alone_without_gradients(tmp_p
     assert status == 1 and _checks(bad)["audit.loss_sum"] == "fail" and _checks(bad)["audit.gradient"] == "not run"
     assert bad["diagnosis"] == ["per_micro_batch_denominator"]
     assert "expected" in next(c["summary"] for c in bad["checks"] if c["name"] == "audit.loss_sum")
+
+
+def test_a_divergent_step_prints_the_command_that_replays_it(tmp_path: Path, capsys) -> None:
+    capture = tmp_path / "capture"
+    _simulate(capture, bug="per_micro_batch_denominator", bug_step=1)
+    assert main(["audit", str(capture)]) == 1
+    out = capsys.readouterr().out
+    replay = f"m2po-oracle audit {capture} --step 1"
+    assert f"replay: {replay}" in out, out
+    assert main(["audit", str(capture), "--step", "1"]) == 1 and "step 0" not in capsys.readouterr().out
+    assert main(["audit", str(capture), "--step", "0"]) == 0
+    assert main(["audit", str(capture), "--step", "9"]) == 2 and "no step 9" in capsys.readouterr().err
