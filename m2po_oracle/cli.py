@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit = commands.add_parser("audit", help="audit a capture of a training run (m2po_oracle.capture) against Algorithm 1, step by step")
     audit.add_argument("directory", type=Path, help="the capture directory (manifest.rank-*.json)")
     audit.add_argument("--json", type=Path, default=None, help="write the JSON report (schema m2po-oracle/audit/1) here")
+    audit.add_argument("--html", type=Path, default=None, help="write the HTML report (a timeline of every step, the worst step first) here")
     audit.add_argument("--step", type=int, action="append", default=None, metavar="N", help="audit only this optimizer step (repeatable)")
 
     commands.add_parser("checks", help="list the checks of the battery")
@@ -463,6 +464,10 @@ def _audit(args: argparse.Namespace, console: Console) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report.to_json(), indent=2))
+    if args.html is not None:
+        from m2po_oracle.report.audit_html import write_audit_html
+
+        write_audit_html(report.to_json(), args.html)
     return report.exit_status
 
 

@@ -172,3 +172,32 @@ def test_a_divergent_step_prints_the_command_that_replays_it(tmp_path: Path, cap
     assert main(["audit", str(capture), "--step", "1"]) == 1 and "step 0" not in capsys.readouterr().out
     assert main(["audit", str(capture), "--step", "0"]) == 0
     assert main(["audit", str(capture), "--step", "9"]) == 2 and "no step 9" in capsys.readouterr().err
+
+
+def test_the_html_report_has_a_timeline_of_every_step_and_the_worst_step_first(tmp_path: Path) -> None:
+    import re
+
+    capture = tmp_path / "capture"
+    _simulate(capture, bug="per_micro_batch_mask", bug_step=1)
+    page = tmp_path / "audit.html"
+    assert main(["audit", str(capture), "--html", str(page)]) == 1
+    html = page.read_text()
+    rows = re.findall(r'<tr class="(equivalent|divergent|unusable)"><td>(\d+)</td>', html)
+    assert rows == [("equivalent", "0"), ("divergent", "1"), ("equivalent", "2")], rows
+    for series in ("m2_before", "m2_after", "tau", "masked_fraction"):
+        points = re.search(rf'<polyline class="{series}" points="([^"]*)"', html).group(1).split()
+        assert len(points) == 3, (series, points)
+    assert html.index('id="worst"') < html.index('id="timeline"') < html.index('id="steps"')
+    assert f"m2po-oracle audit {capture} --step 1" in html and "per_micro_batch_mask" in html and "-0.0" not in html
+
+
+def test_the_html_report_escapes_what_the_capture_says() -> None:
+    from m2po_oracle.report.audit_html import render_audit_html
+
+    hostile = "<script>alert(1)</script>"
+    report = {"schema": "m2po-oracle/audit/1", "verdict": "unusable", "worst_step": None,
+              "capture": {"directory": hostile, "world_size": 1, "topology": "dp=1,cp=1,tp=1", "steps": [0], "problems": [hostile], "refused": None},
+              "steps": [{"step": 0, "verdict": "unusable", "checks": [{"name": "audit.selection", "status": "not run", "summary": hostile}],
+                         "diagnosis": [], "metrics": {}}]}
+    html = render_audit_html(report)
+    assert "<script>" not in html and "&lt;script&gt;" in html
