@@ -13,7 +13,7 @@ import subprocess
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -358,8 +358,6 @@ def _battery(runner: Runner, example: Any, checks: tuple[str, ...] | None) -> Ba
     outcome = runner.run_battery(example)
     if checks is None:
         return outcome
-    from dataclasses import replace
-
     return replace(outcome, mismatches=tuple(m for m in outcome.mismatches if m.check in checks), checked=tuple(c for c in outcome.checked if c in checks))
 
 

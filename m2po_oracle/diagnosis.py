@@ -79,7 +79,7 @@ class Judge:
         self.fields = [self._fields(o.result, supplied) for o in self.observations]
         self.total = sum(len(f) for f in self.fields)
         self._differences: dict[tuple[Deviation, int], dict[str, str]] = {}
-        self._keeps: dict[tuple[tuple, int], np.ndarray] = {}
+        self._keeps: dict[tuple[tuple, int], tuple[np.ndarray, np.ndarray]] = {}
         self._values: dict[tuple[tuple, int], dict[str, str]] = {}
 
     @staticmethod
@@ -130,11 +130,10 @@ class Judge:
             wrong = check_selection(batch, actual.keep, coarser(self.compute_dtype, dev.selection_dtype))
             return f"keep: {wrong[0].summary}" if wrong else None
         selection_key = (tuple(getattr(dev, k) for k in SELECTION_KNOBS), i)
-        if selection_key not in self._keeps:
-            self._keeps[selection_key] = variants.select(batch, dev)
-        keep = self._keeps[selection_key]
-        d = variants.selection_log_ratio(variants.log_ratio(batch, dev), dev)
-        levels = np.where(batch.valid, variants._selection_m2(d, dev), np.nan)
+        if selection_key not in self._keeps:  # the mask and its M2 levels depend on the selection's knobs only
+            d = variants.selection_log_ratio(variants.log_ratio(batch, dev), dev)
+            self._keeps[selection_key] = (variants.select(batch, dev), np.where(batch.valid, variants._selection_m2(d, dev), np.nan))
+        keep, levels = self._keeps[selection_key]
         if same_up_to_ties(keep, actual.keep, levels):
             return None
         index = tuple(int(j) for j in np.argwhere(keep != actual.keep)[0])
@@ -263,12 +262,11 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
             unexplained.append(check)
 
     components = list(dict.fromkeys(n for names in by_check.values() for n in names))
-    descriptions = {**{v.name: v for v in VARIANTS}}
     matches = []
     for name in components:
         explained = [c for c, names in by_check.items() if name in names]
-        if name in descriptions:
-            v = descriptions[name]
+        if name in _VARIANTS:
+            v = _VARIANTS[name]
             evidence = (f"check {v.behaviour_check} failed" if v.is_behavioural else
                         f"reproduces {', '.join(sorted({field_of(c) or c for c in explained}))} on all {len(observations)} examples")
             matches.append({"variant": name, "description": v.description, "source": v.source, "evidence": evidence, "checks": explained})

@@ -167,9 +167,11 @@ def clip_outcome(batch: Batch, dev: Deviation) -> ClipOutcome:
 # --- objective and metrics ---------------------------------------------------------------
 
 def _denominator(batch: Batch, keep: np.ndarray, dev: Deviation) -> float:
+    """The loss's divisor: a count, at least 1 (an empty batch's loss is 0), or N + epsilon."""
     valid = int(batch.valid.sum())
-    return {"valid": float(valid), "kept": float(keep.sum()), "padded": float(batch.valid.size),
-            "valid_epsilon": valid + DENOMINATOR_EPSILON}[dev.denominator]
+    if dev.denominator == "valid_epsilon":
+        return valid + DENOMINATOR_EPSILON
+    return float(max({"valid": valid, "kept": int(keep.sum()), "padded": batch.valid.size}[dev.denominator], 1))
 
 
 def evaluate_with_mask(batch: Batch, keep: np.ndarray, dev: Deviation) -> M2POResult:
@@ -203,7 +205,7 @@ def evaluate_with_mask(batch: Batch, keep: np.ndarray, dev: Deviation) -> M2PORe
     else:
         value_tokens = valid if (not dev.apply_mask or dev.masked_keep_value) else keep
         gradient_tokens = keep if dev.apply_mask else valid
-    denominator = max(_denominator(batch, keep, dev), 1.0) if dev.denominator != "valid_epsilon" else _denominator(batch, keep, dev)
+    denominator = _denominator(batch, keep, dev)
     loss = -math.fsum(np.where(value_tokens, term, 0.0).ravel()) / denominator if valid.any() else 0.0
     grad = np.where(gradient_tokens, -gradient_per_token / denominator, 0.0)
     return M2POResult(loss=loss, keep=keep, grad=grad, **_metrics(batch, d_value, keep, dev, clip))

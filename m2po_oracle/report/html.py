@@ -22,6 +22,8 @@ from typing import Any
 
 import jinja2
 
+from m2po_oracle.coverage import percent
+
 __all__ = ["render_html", "write_html"]
 
 _TEMPLATE = "report.html.j2"
@@ -288,22 +290,13 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _percent(value: float) -> str:
-    v = 100.0 * value
-    if v >= 10 or v == 0:
-        return f"{v:.0f}%"
-    if v >= 1:
-        return f"{v:.1f}%"
-    return f"{v:#.2g}%"
-
-
 def _failure_rate(failures: Any, exercised: Any, upper: Any) -> str:
     """"< 0.6%" with no failure, "30% (< 42%)" with some, a dash where nothing was exercised
     (or the report predates the bound)."""
     n, f, bound = _as_int(exercised), _as_int(failures), _as_float(upper)
     if n is None or n <= 0 or f is None or f < 0 or bound is None or not 0 <= bound <= 1:
         return "\u2014"
-    return f"< {_percent(bound)}" if f == 0 else f"{_percent(min(f, n) / n)} (< {_percent(bound)})"
+    return f"< {percent(bound)}" if f == 0 else f"{percent(min(f, n) / n)} (< {percent(bound)})"
 
 
 def _coverage(raw: Any) -> dict[str, Any]:
