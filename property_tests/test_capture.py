@@ -443,9 +443,58 @@ def test_not_a_capture_and_a_file_damaged_after_loading(tmp_path: Path) -> None:
     _clean_capture(tmp_path)
     capture = load_capture(tmp_path)
     path = _truncate(tmp_path)
-    with pytest.raises(CaptureError, match="truncated or corrupt") as raised:
+    with pytest.raises(CaptureError, match=r"CRC-32 0x[0-9a-f]{8} differs from the manifest's 0x[0-9a-f]{8}") as raised:
         capture.load(0, 1, 1)
     assert raised.value.path == str(path)
+
+
+def test_a_flipped_bit_in_tensor_data_is_caught_by_the_checksum(tmp_path: Path) -> None:
+    # Same size, valid header: only the CRC-32 of the manifest can tell the data changed.
+    _clean_capture(tmp_path)
+    path = tmp_path / "step-000000" / "rank-001.mb-000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert check_capture(tmp_path) == [], "the header check reads no data: the flip is invisible to it"
+    with pytest.raises(CaptureError, match="CRC-32 .* the file changed after it was written") as raised:
+        load_capture(tmp_path).load(1, 0, 0)
+    assert raised.value.path == str(path)
+    # A capture written before checksums (no crc32 in its manifest) still loads.
+    manifest = tmp_path / "manifest.rank-001.json"
+    text = json.loads(manifest.read_text())
+    for entry in text["records"]:
+        entry.pop("crc32")
+    manifest.write_text(json.dumps(text))
+    load_capture(tmp_path).load(1, 0, 0)
+
+
+def test_optional_tensors_a_passed_gradient_and_parameter_norms_round_trip(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    shape = (2, 5)
+    logp, behavior, advantages = torch.randn(shape), torch.randn(shape), torch.randn(shape)
+    mask = torch.ones(shape, dtype=torch.bool)
+    selection, rollout, grad = torch.randn(shape), torch.randn(shape), torch.randn(shape)
+    recorder = Recorder(tmp_path, rank=0, world_size=1, topology="dp=1")
+    recorder.record(step=0, micro_batch=0, logp=logp, behavior_logp=behavior, advantages=advantages, mask=mask, keep=mask,
+                    loss=0.5, tau=0.04, selection_logp=selection, rollout_logp=rollout, grad=grad)
+    model = torch.nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    model.bias.grad.zero_()
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    recorder.record_parameter_gradients(step=0, named_parameters=[*model.named_parameters(), ("frozen", frozen), ("unused", torch.nn.Parameter(torch.ones(1)))])
+    capture = load_capture(tmp_path)
+    record = capture.load(0, 0, 0)
+    for name, value in (("selection_logp", selection), ("rollout_logp", rollout), ("grad", grad)):
+        assert torch.equal(record[name], value), name
+    norms = capture.parameter_gradients(0)[0]
+    assert set(norms) == {"weight", "bias", "unused"}, "frozen parameters are not listed"
+    assert norms["bias"] == {"numel": 2, "norm": 0.0} and norms["unused"]["norm"] is None
+    assert norms["weight"]["norm"] == pytest.approx(float(model.weight.grad.double().norm()))
+    with pytest.raises(ValueError, match="selection_logp must have the shape of logp"):
+        recorder.record(step=1, micro_batch=0, logp=logp, behavior_logp=behavior, advantages=advantages, mask=mask, keep=mask,
+                        loss=0.5, tau=0.04, selection_logp=torch.zeros(3))
+    with pytest.raises(ValueError, match="named_parameters must be"):
+        recorder.record_parameter_gradients(step=1, named_parameters=[("w", 3)])
 
 
 # ---------------------------------------------------------------------------------------------
