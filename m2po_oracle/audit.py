@@ -1,39 +1,59 @@
-"""Offline audit of a recorded training run against Algorithm 1 (issue 15, step 2).
+"""Offline audit of a recorded training run against Algorithm 1 (issue 15).
 
 Reads a capture (:mod:`m2po_oracle.capture`) and, for every recorded optimizer step,
-reassembles the optimizer batch from every data-parallel rank's micro-batches (rows
-concatenated in (rank, micro_batch) order, sequences padded to the longest T with invalid
-positions) and judges it with the float64 oracle. Pure data parallel only (``cp=1, tp=1``):
-a capture with context- or tensor-parallel ranks is refused, their reassembly (CP shards,
-TP replicas) is not implemented yet.
+reassembles the optimizer batch from every rank's micro-batches and judges it with the
+float64 oracle. The world is the manifest's ``dp x cp x tp`` in Megatron order
+(:mod:`m2po_oracle.distributed.topology`):
+
+- **TP ranks hold replicas**: the audit checks they recorded identical tensors, losses and
+  metrics, then uses tensor-parallel rank 0's;
+- **CP ranks hold shards**: each CP rank records its shard of every sequence in the
+  Megatron layout (``2 * cp`` chunks, CP rank ``i`` holding chunks ``i`` and ``2 * cp - 1 - i``);
+  the audit puts the shards back into sequences;
+- **DP ranks hold rows**: the optimizer batch is every DP rank's micro-batches, rows
+  concatenated in (dp rank, micro-batch) order, sequences padded to the longest T with
+  invalid positions.
 
 Checks per step (loss, gradient and metrics are judged on the mask the run chose, as
 ``compare`` does, so that a selection bug does not also fail them):
 
+- ``audit.replicas_identical``: TP replicas recorded the same thing ("not run" when tp = 1);
 - ``audit.selection``: the assembled ``keep`` is an outcome of Algorithm 1 on the whole
-  optimizer batch (:func:`equivalence.check_selection`, the captured dtype as compute dtype);
-- ``audit.loss_sum``: the captured losses of every rank and micro-batch add up to the
-  oracle's global loss ``-(1/N) sum keep exp(d) A``, N the valid count of the whole
-  optimizer batch. This is the project's convention: each micro-batch's loss is its share
-  with the global N, so the rank losses of one replica set add up to the global loss
-  (under DDP, which averages gradients over the DP group, a trainer multiplies by the DP
-  size for the backward; the *recorded* loss is the share before that factor);
-- ``audit.gradient``: each captured gradient (d loss / d logp of that micro-batch) equals
-  ``-(1/N) keep exp(d) A`` on that micro-batch's tokens; "not run" when no gradient was captured;
+  optimizer batch (:func:`equivalence.check_selection`), on the log-probs the selection
+  saw (``selection_logp`` when recorded, else ``logp``);
+- ``audit.policy_logp``: the selection's log-probs are the loss pass's (a mask prepass and the
+  loss pass must see one deterministic forward of one policy); "not run" without ``selection_logp``;
+- ``audit.behavior_logp``: the behaviour log-probs the loss used are the ones the sampler
+  reported (``rollout_logp``), at float32 precision at best; "not run" without ``rollout_logp``;
+- ``audit.loss_sum``: the losses of one replica set (every DP and CP rank, every micro-batch,
+  TP rank 0) add up to the oracle's global loss ``-(1/N) sum keep exp(d) A``, N the valid
+  count of the whole optimizer batch. Each recorded loss is that rank's and micro-batch's
+  share with the global N (under DDP, which averages gradients over the DP group, a
+  trainer multiplies by the DP size for the backward; the *recorded* loss is the share
+  before that factor);
+- ``audit.gradient``: each captured gradient (d loss / d logp of that record) equals
+  ``-(1/N) keep exp(d) A`` on that record's tokens; "not run" when none was captured;
 - ``audit.metrics``: every captured metric named like ours (``m2_before``, ``m2_after``,
   ``masked_fraction``, ``trust_region_fraction``, ``valid_count``, ``trust_region_count``,
-  ``kept_trust_region_count``) equals the optimizer batch's; "not run" when none is logged.
+  ``kept_trust_region_count``) equals the optimizer batch's, on every rank; "not run" when
+  none is logged;
+- ``audit.parameter_gradient``: no trainable parameter has an all-zero (or no) gradient on
+  every rank while the loss's gradient is not zero; "not run" when no rank noted its
+  parameters' gradient norms.
 
-Diagnosis of a failing step, only of what it reproduces: ``per_micro_batch_mask`` (every
-micro-batch's ``keep`` is Algorithm 1 run on that micro-batch alone, and the assembled one
-is not an outcome on the whole batch), ``per_micro_batch_denominator`` (the losses, and the
-gradients where captured, match N counted per micro-batch).
+Diagnosis of a failing step names only what it reproduces from the files (:data:`DESCRIPTIONS`):
+the selection's scope (each micro-batch, DP rank or CP shard selecting alone), the loss's
+denominator (its own valid count, k times it, the kept count, N counted per CP shard or
+once per CP replica), the behaviour log-probs (the current policy's), the policy's forward
+(stochastic, or moved by an optimizer step between micro-batches) and parameters left without
+a gradient.
 """
 
 from __future__ import annotations
 
 import math
-import re
+import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,13 +63,33 @@ import numpy as np
 from m2po_oracle import capture as capture_module
 from m2po_oracle import equivalence, oracle
 from m2po_oracle.batch import Batch
+from m2po_oracle.distributed.topology import RankCoords, Topology, cp_token_indices
 from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS
 
 SCHEMA = "m2po-oracle/audit/1"
-CHECK_NAMES = ("audit.selection", "audit.loss_sum", "audit.gradient", "audit.metrics")
+CHECK_NAMES = ("audit.replicas_identical", "audit.selection", "audit.policy_logp", "audit.behavior_logp", "audit.loss_sum",
+               "audit.gradient", "audit.metrics", "audit.parameter_gradient")
 EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_UNUSABLE = 0, 1, 2
-REFUSED_CP_TP = ("CP/TP reassembly is not implemented yet: the audit handles pure data-parallel captures "
-                 "(cp=1, tp=1) only")
+#: Rollout engines report log-probs in float32 at best (vLLM, HF generate's float32 logits).
+ROLLOUT_LOGP_DTYPE = "float32"
+#: Rows of the worst step's token table: enough to see the pattern, short enough to read.
+COUNTEREXAMPLE_TOKENS = 24
+
+DESCRIPTIONS = {
+    "per_micro_batch_mask": "the mask is selected within each gradient-accumulation micro-batch alone, not over the optimizer batch",
+    "per_rank_selection_global_n": "each DP rank selects over its own rows without communication (dividing by the global N)",
+    "per_cp_chunk_selection_global_n": "each CP rank selects over its own shard without communication, dividing by the global N",
+    "local_shard_selection": "each rank selects over its own CP shard without communication and divides by the shard's valid count",
+    "dp_cp_group_double_count": "selection and N over the DP x CP group after CP reconstruction: every token counted once per CP replica",
+    "per_micro_batch_denominator": "each micro-batch divides by its own valid count (then by k), not the optimizer batch's N",
+    "local_denominator": "the global mask, but each rank's loss divided by its own (shard's) valid count",
+    "kept_count_denominator": "the optimizer batch's mask, but the loss divided by the global kept count instead of N",
+    "cp_shard_counts": "the global mask, but N counted on the CP shard and summed over DP only: too low by a factor cp",
+    "current_policy_as_behavior": "the behaviour log-probs are the current policy's, not the sampler's: d is 0 and nothing is ever masked",
+    "stochastic_forward": "the policy's forward is stochastic (dropout left on?): the selection's and the loss's forwards differ in every micro-batch",
+    "optimizer_step_per_micro_batch": "optimizer.step() runs after every micro-batch: micro-batch 0's loss pass sees the selection's policy, later ones a moved policy",
+    "parameters_without_gradient": "some parameters get no gradient (frozen or detached by mistake) while the loss depends on them",
+}
 
 
 @dataclass
@@ -69,14 +109,18 @@ class StepAudit:
     checks: list[AuditCheck] = field(default_factory=list)
     diagnosis: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
+    counterexample: dict[str, Any] | None = None
 
     @property
     def failing(self) -> list[str]:
         return [c.name for c in self.checks if c.status == "fail"]
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "verdict": self.verdict, "checks": [c.to_json() for c in self.checks],
-                "diagnosis": list(self.diagnosis), "metrics": {k: _number(v) for k, v in self.metrics.items()}}
+        out = {"step": self.step, "verdict": self.verdict, "checks": [c.to_json() for c in self.checks],
+               "diagnosis": list(self.diagnosis), "metrics": {k: _number(v) for k, v in self.metrics.items()}}
+        if self.counterexample is not None:
+            out["counterexample"] = self.counterexample
+        return out
 
 
 @dataclass
@@ -105,6 +149,7 @@ class AuditReport:
         return max(divergent, key=lambda s: (len(s.failing), -s.step)).step if divergent else None
 
     def to_json(self) -> dict[str, Any]:
+        named = sorted({name for s in self.steps for name in s.diagnosis})
         return {
             "schema": SCHEMA,
             "verdict": self.verdict,
@@ -112,6 +157,7 @@ class AuditReport:
                         "steps": [s.step for s in self.steps], "problems": list(self.problems), "refused": self.refused},
             "steps": [s.to_json() for s in self.steps],
             "worst_step": self.worst_step,
+            "descriptions": {name: DESCRIPTIONS[name] for name in named if name in DESCRIPTIONS},
         }
 
 
@@ -121,37 +167,43 @@ def _number(value: Any) -> Any:
     return value
 
 
-def _sizes(topology: str) -> dict[str, int]:
-    return {key: int(value) for key, value in re.findall(r"(dp|cp|tp)=([0-9]+)", topology or "")}
-
-
 # ---------------------------------------------------------------------------------------------
+# One record, and the optimizer batch reassembled from them.
 
 
 @dataclass
-class _Part:
-    """One micro-batch of one rank, as 2-d float64 rows."""
+class _Record:
+    """One micro-batch of one rank, as 2-d float64 rows, and where it sits in the optimizer batch."""
 
     rank: int
+    coords: RankCoords
     micro_batch: int
-    shape: tuple[int, ...]
     logp: np.ndarray
     behavior_logp: np.ndarray
     advantages: np.ndarray
     mask: np.ndarray
     keep: np.ndarray
+    selection_logp: np.ndarray | None
+    rollout_logp: np.ndarray | None
     grad: np.ndarray | None
     loss: float
     tau: float
     metrics: dict[str, Any]
     dtype: str
+    rows: slice = field(default_factory=lambda: slice(0, 0))
+    columns: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
-    def batch(self) -> Batch:
-        return Batch(self.logp, self.behavior_logp, self.advantages, self.mask, self.tau)
+    @property
+    def where(self) -> str:
+        c = self.coords
+        return f"rank {self.rank} (dp={c.dp}, cp={c.cp}, tp={c.tp}) micro-batch {self.micro_batch}"
+
+    def batch(self, logp: np.ndarray | None = None) -> Batch:
+        return Batch(self.logp if logp is None else logp, self.behavior_logp, self.advantages, self.mask, self.tau)
 
 
-def _rows(tensor: Any, dtype: Any) -> np.ndarray:
-    array = tensor.detach().to("cpu").double().numpy() if dtype is None else tensor.detach().to("cpu").numpy().astype(bool)
+def _rows(tensor: Any, boolean: bool = False) -> np.ndarray:
+    array = tensor.detach().to("cpu").numpy().astype(bool) if boolean else tensor.detach().to("cpu").double().numpy()
     if array.ndim == 0:
         return array.reshape(1, 1)
     if array.ndim == 1:
@@ -159,33 +211,119 @@ def _rows(tensor: Any, dtype: Any) -> np.ndarray:
     return array.reshape(-1, array.shape[-1])
 
 
-def _part(record: dict[str, Any], info: capture_module.RecordInfo) -> _Part:
+def _record(record: dict[str, Any], info: capture_module.RecordInfo, coords: RankCoords) -> _Record:
     shape = tuple(record["logp"].shape)
-    grad = record.get("grad")
-    grad_rows = None
-    if grad is not None:
-        if tuple(grad.shape) != shape:
-            raise capture_module.CaptureError(info.grad_path or info.path, f"grad has shape {list(grad.shape)}, logp {list(shape)}")
-        grad_rows = _rows(grad, None)
+    optional = {}
+    for name in ("grad", "selection_logp", "rollout_logp"):
+        value = record.get(name)
+        if value is not None and tuple(value.shape) != shape:
+            path = info.grad_path if name == "grad" and info.grad_path else info.path
+            raise capture_module.CaptureError(path, f"{name} has shape {list(value.shape)}, logp {list(shape)}")
+        optional[name] = None if value is None else _rows(value)
     dtype = str(record["logp"].dtype).removeprefix("torch.")
-    return _Part(info.rank, info.micro_batch, shape, _rows(record["logp"], None), _rows(record["behavior_logp"], None),
-                 _rows(record["advantages"], None), _rows(record["mask"], bool), _rows(record["keep"], bool), grad_rows,
-                 float(record["loss"]), float(record["tau"]), dict(record["metrics"]), dtype)
+    return _Record(info.rank, coords, info.micro_batch, _rows(record["logp"]), _rows(record["behavior_logp"]),
+                   _rows(record["advantages"]), _rows(record["mask"], True), _rows(record["keep"], True),
+                   optional["selection_logp"], optional["rollout_logp"], optional["grad"],
+                   float(record["loss"]), float(record["tau"]), dict(record["metrics"]), dtype)
 
 
-def _assemble(parts: list[_Part]) -> tuple[Batch, np.ndarray, list[slice]]:
-    width = max(p.logp.shape[1] for p in parts)
-    rows = sum(p.logp.shape[0] for p in parts)
-    logp, behavior, advantages = (np.zeros((rows, width)) for _ in range(3))
-    valid, keep = np.zeros((rows, width), bool), np.zeros((rows, width), bool)
-    slices, start = [], 0
-    for p in parts:
-        r, t = p.logp.shape
-        for target, source in ((logp, p.logp), (behavior, p.behavior_logp), (advantages, p.advantages), (valid, p.mask), (keep, p.keep)):
-            target[start:start + r, :t] = source
-        slices.append(slice(start, start + r))
-        start += r
-    return Batch(logp, behavior, advantages, valid, parts[0].tau), keep, slices
+class _Unusable(Exception):
+    """A step whose records cannot be put together (the reason is the message)."""
+
+
+@dataclass
+class _Step:
+    step: int
+    topology: Topology
+    records: list[_Record]  # every rank's
+    replica_set: list[_Record]  # TP rank 0's: one record per (dp, cp, micro-batch)
+    batch: Batch  # the loss pass's log-probs
+    selection_batch: Batch  # the selection's log-probs (the loss pass's where not recorded)
+    keep: np.ndarray
+    blocks: dict[tuple[int, int], slice]  # (dp, micro-batch) -> its rows
+    micro_batches: dict[int, int]  # dp rank -> k
+    dtype: str
+
+    def block_rows(self, record: _Record) -> slice:
+        return self.blocks[(record.coords.dp, record.micro_batch)]
+
+
+def _non_finite_on_valid(record: _Record) -> str | None:
+    for name in ("logp", "behavior_logp", "advantages", "selection_logp", "rollout_logp"):
+        values = getattr(record, name)
+        if values is None:
+            continue
+        bad = record.mask & ~np.isfinite(values)
+        if bad.any():
+            first = tuple(int(i) for i in np.argwhere(bad)[0])
+            return f"{record.where}: {name} is {values[first].item()!r} on a valid token at {list(first)} ({int(bad.sum())} such token(s))"
+    return None
+
+
+def _assemble(step: int, topology: Topology, records: list[_Record]) -> _Step:
+    cp = topology.cp
+    by_place = {(r.coords.dp, r.coords.cp, r.coords.tp, r.micro_batch): r for r in records}
+    micro_batches: dict[int, int] = {}
+    for dp in range(topology.dp):
+        counts = {(c, t): 1 + max((mb for (d, cc, tt, mb) in by_place if (d, cc, tt) == (dp, c, t)), default=-1)
+                  for c in range(cp) for t in range(topology.tp)}
+        if len(set(counts.values())) > 1:
+            said = ", ".join(f"rank {topology.rank(dp=dp, cp=c, tp=t)}: {k}" for (c, t), k in sorted(counts.items()))
+            raise _Unusable(f"the ranks of DP rank {dp} recorded different numbers of micro-batches ({said}); "
+                            f"its CP and TP ranks must record the same micro-batches")
+        micro_batches[dp] = next(iter(counts.values()))
+    for record in records:
+        why = _non_finite_on_valid(record)
+        if why:
+            raise _Unusable(f"non-finite input: {why}")
+
+    replica_set = [r for r in records if r.coords.tp == 0]
+    blocks: dict[tuple[int, int], slice] = {}
+    widths: dict[tuple[int, int], int] = {}
+    start = 0
+    for dp in range(topology.dp):
+        for mb in range(micro_batches[dp]):
+            shards = [by_place[(dp, c, 0, mb)] for c in range(cp)]
+            shapes = {s.logp.shape for s in shards}
+            if len(shapes) > 1:
+                said = ", ".join(f"rank {s.rank}: {list(s.logp.shape)}" for s in shards)
+                raise _Unusable(f"the CP shards of DP rank {dp} micro-batch {mb} disagree in shape ({said}); "
+                                f"every CP rank holds the same rows and an equal share of each sequence")
+            rows, width = shards[0].logp.shape
+            if cp > 1 and width % 2:
+                raise _Unusable(f"DP rank {dp} micro-batch {mb}: a CP shard of width {width} cannot hold two equal chunks "
+                                f"(the Megatron layout: 2 * cp chunks per sequence)")
+            blocks[(dp, mb)] = slice(start, start + rows)
+            widths[(dp, mb)] = width * cp
+            start += rows
+    width = max(widths.values(), default=0)
+    logp, behavior, advantages, selection = (np.zeros((start, width)) for _ in range(4))
+    valid, keep = np.zeros((start, width), bool), np.zeros((start, width), bool)
+    for record in replica_set:
+        key = (record.coords.dp, record.micro_batch)
+        record.rows = blocks[key]
+        record.columns = cp_token_indices(widths[key], cp, record.coords.cp)
+        at = (record.rows, record.columns)
+        sources = ((logp, record.logp), (behavior, record.behavior_logp), (advantages, record.advantages), (valid, record.mask),
+                   (keep, record.keep), (selection, record.logp if record.selection_logp is None else record.selection_logp))
+        for target, source in sources:
+            target[at] = source
+    for record in records:  # TP replicas sit where their TP rank 0 sits
+        twin = by_place[(record.coords.dp, record.coords.cp, 0, record.micro_batch)]
+        record.rows, record.columns = twin.rows, twin.columns
+    taus = {r.tau for r in records}
+    if len(taus) > 1:
+        raise _Unusable(f"the records of this step disagree on tau: {sorted(taus)}")
+    tau = records[0].tau
+    if not math.isfinite(tau) or tau < 0:
+        raise _Unusable(f"tau {tau!r} is not a finite number >= 0")
+    dtype = records[0].dtype if records[0].dtype in equivalence.FORMATS else "float32"
+    return _Step(step, topology, records, replica_set, Batch(logp, behavior, advantages, valid, tau),
+                 Batch(selection, behavior, advantages, valid, tau), keep, blocks, micro_batches, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparisons.
 
 
 def _fmt(mismatches: list[equivalence.Mismatch]) -> str:
@@ -200,11 +338,19 @@ def _fmt(mismatches: list[equivalence.Mismatch]) -> str:
     return text + (f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
 
 
-def _loss_mismatch(actual: float, expected: Any, batch: Batch, dtype: str, check: str) -> equivalence.Mismatch | None:
-    allowance = equivalence.exp_rounding(batch, expected.grad, dtype)
+def _share(record: _Record, denominator: float) -> tuple[float, np.ndarray]:
+    """The record's loss and d loss / d logp on its own keep, divided by ``denominator``."""
+    own = oracle.evaluate_with_mask(record.batch(), record.keep)
+    factor = own.valid_count / denominator if denominator else 0.0
+    return own.loss * factor, own.grad * factor
+
+
+def _loss_mismatch(actual: float, expected: float, batch: Batch, grad: np.ndarray, dtype: str, check: str, name: str = "loss"
+                   ) -> equivalence.Mismatch | None:
+    allowance = equivalence.exp_rounding(batch, grad, dtype)
     with np.errstate(over="ignore", invalid="ignore"):
-        scale = float(np.sum(np.abs(expected.grad)))
-    return equivalence.compare_values(check, "loss", actual, expected.loss, equivalence.tolerance(dtype, "loss"),
+        scale = float(np.sum(np.abs(grad)))
+    return equivalence.compare_values(check, name, actual, expected, equivalence.tolerance(dtype, "loss"),
                                       scale=scale, allowance=float(np.sum(allowance)))
 
 
@@ -215,59 +361,127 @@ def _grad_mismatch(actual: np.ndarray, expected: np.ndarray, batch: Batch, dtype
                                       allowance=equivalence.exp_rounding(batch, expected, dtype))
 
 
-def _audit_parts(step: int, parts: list[_Part]) -> StepAudit:
-    dtype = parts[0].dtype if parts[0].dtype in equivalence.FORMATS else "float32"
-    batch, keep, slices = _assemble(parts)
-    audit = StepAudit(step, "equivalent")
-    algorithm = oracle.m2po(batch, vectorised=True)
-    audit.metrics = {"m2_before": algorithm.m2_before, "m2_after": algorithm.m2_after,
-                     "masked_fraction": algorithm.masked_fraction, "tau": batch.tau}
+def _logp_mismatch(check: str, what: str, actual: np.ndarray, expected: np.ndarray, valid: np.ndarray, dtype: str
+                   ) -> equivalence.Mismatch | None:
+    # Log-probs are O(1): scale 1 keeps near-zero log-probs from demanding relative precision.
+    return equivalence.compare_values(check, what, np.where(valid, actual, 0.0), np.where(valid, expected, 0.0),
+                                      equivalence.tolerance(dtype, "metric"), scale=1.0)
 
-    selection = equivalence.check_selection(batch, keep, dtype)
-    audit.checks.append(AuditCheck("audit.selection", "fail" if selection else "pass",
-                                   _fmt(selection) if selection else f"the assembled keep ({int((keep & batch.valid).sum())} of "
-                                   f"{int(batch.valid.sum())} valid tokens kept) is an outcome of Algorithm 1 on the optimizer batch"))
-    expected = oracle.evaluate_with_mask(batch, keep)
 
-    total = math.fsum(p.loss for p in parts)
-    loss = _loss_mismatch(total, expected, batch, dtype, "audit.loss_sum")
-    audit.checks.append(AuditCheck("audit.loss_sum", "fail" if loss else "pass",
-                                   _fmt([loss]) if loss else f"the {len(parts)} captured losses add up to {total!r}, "
-                                   f"the global loss {expected.loss!r} (N = {expected.valid_count})"))
+def _shares_match(step: _Step, denominator: Callable[[_Record], float]) -> bool:
+    """Every record's loss (and gradient, where captured) is its share with ``denominator(record)``."""
+    for record in step.replica_set:
+        loss, grad = _share(record, denominator(record))
+        if _loss_mismatch(record.loss, loss, record.batch(), grad, step.dtype, "diagnosis") is not None:
+            return False
+        if record.grad is not None:
+            largest = float(np.max(np.abs(grad))) if grad.size else 0.0
+            if _grad_mismatch(record.grad, grad, record.batch(), step.dtype, "diagnosis", "grad", largest) is not None:
+                return False
+    return True
 
-    with_grad = [(p, s) for p, s in zip(parts, slices) if p.grad is not None]
+
+# ---------------------------------------------------------------------------------------------
+# The checks of one step.
+
+
+def _replicas_check(step: _Step) -> AuditCheck:
+    if step.topology.tp == 1:
+        return AuditCheck("audit.replicas_identical", "not run", "no TP replicas (tp = 1)")
+    first = {(r.coords.dp, r.coords.cp, r.micro_batch): r for r in step.replica_set}
+    found = []
+    for record in step.records:
+        if record.coords.tp == 0:
+            continue
+        twin = first[(record.coords.dp, record.coords.cp, record.micro_batch)]
+        for name in ("logp", "behavior_logp", "advantages", "mask", "keep", "selection_logp", "rollout_logp", "grad"):
+            mine, theirs = getattr(record, name), getattr(twin, name)
+            if (mine is None) != (theirs is None):
+                found.append(f"{record.where}: {name} is {'missing' if mine is None else 'recorded'} while its TP rank 0 (rank {twin.rank}) "
+                             f"{'records' if mine is None else 'lacks'} it")
+            elif mine is not None and not np.array_equal(mine, theirs, equal_nan=mine.dtype != bool):
+                differ = np.argwhere(~((mine == theirs) | (np.isnan(mine) & np.isnan(theirs)) if mine.dtype != bool else mine == theirs))
+                at = tuple(int(i) for i in differ[0])
+                found.append(f"{record.where}: {name}{list(at)} is {mine[at].item()!r}, its TP rank 0 (rank {twin.rank}) has {theirs[at].item()!r} "
+                             f"({len(differ)} element(s) differ)")
+        if not (record.loss == twin.loss or (math.isnan(record.loss) and math.isnan(twin.loss))):
+            found.append(f"{record.where}: loss {record.loss!r}, its TP rank 0 (rank {twin.rank}) {twin.loss!r}")
+    if found:
+        return AuditCheck("audit.replicas_identical", "fail", "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else ""))
+    return AuditCheck("audit.replicas_identical", "pass",
+                      f"the {step.topology.tp} TP replicas of each of {len(step.replica_set)} records are identical")
+
+
+def _selection_check(step: _Step) -> AuditCheck:
+    batch = step.selection_batch
+    found = equivalence.check_selection(batch, step.keep, step.dtype)
+    if found:
+        return AuditCheck("audit.selection", "fail", _fmt(found))
+    on = "the selection's log-probs" if any(r.selection_logp is not None for r in step.replica_set) else "logp"
+    return AuditCheck("audit.selection", "pass", f"the assembled keep ({int((step.keep & batch.valid).sum())} of {int(batch.valid.sum())} "
+                      f"valid tokens kept) is an outcome of Algorithm 1 on the optimizer batch ({on})")
+
+
+def _policy_logp_check(step: _Step) -> AuditCheck:
+    with_selection = [r for r in step.replica_set if r.selection_logp is not None]
+    if not with_selection:
+        return AuditCheck("audit.policy_logp", "not run", "no selection_logp recorded: the selection is taken to have seen logp")
+    found = [m for r in with_selection
+             if (m := _logp_mismatch("audit.policy_logp", f"logp of {r.where} against its selection_logp", r.logp, r.selection_logp,
+                                     r.mask, step.dtype))]
+    if found:
+        return AuditCheck("audit.policy_logp", "fail", f"{len(found)} of {len(with_selection)} records: the loss pass's log-probs are not the "
+                          f"selection's: " + _fmt(found))
+    return AuditCheck("audit.policy_logp", "pass", f"in {len(with_selection)} records the loss pass's log-probs equal the selection's")
+
+
+def _behavior_logp_check(step: _Step) -> AuditCheck:
+    with_rollout = [r for r in step.replica_set if r.rollout_logp is not None]
+    if not with_rollout:
+        return AuditCheck("audit.behavior_logp", "not run", "no rollout_logp recorded: nothing to check the behaviour log-probs against")
+    dtype = equivalence.coarser(step.dtype, ROLLOUT_LOGP_DTYPE)
+    found = [m for r in with_rollout
+             if (m := _logp_mismatch("audit.behavior_logp", f"behavior_logp of {r.where} against the sampler's rollout_logp",
+                                     r.behavior_logp, r.rollout_logp, r.mask, dtype))]
+    if found:
+        return AuditCheck("audit.behavior_logp", "fail", f"{len(found)} of {len(with_rollout)} records: the behaviour log-probs are not the "
+                          f"sampler's: " + _fmt(found))
+    return AuditCheck("audit.behavior_logp", "pass", f"in {len(with_rollout)} records the behaviour log-probs equal the sampler's ({dtype} precision)")
+
+
+def _loss_check(step: _Step, expected: Any) -> AuditCheck:
+    total = math.fsum(r.loss for r in step.replica_set)
+    found = _loss_mismatch(total, expected.loss, step.batch, expected.grad, step.dtype, "audit.loss_sum")
+    if found:
+        return AuditCheck("audit.loss_sum", "fail", _fmt([found]))
+    return AuditCheck("audit.loss_sum", "pass", f"the {len(step.replica_set)} captured losses of one replica set add up to {total!r}, "
+                      f"the global loss {expected.loss!r} (N = {expected.valid_count})")
+
+
+def _gradient_check(step: _Step, expected: Any) -> AuditCheck:
+    with_grad = [r for r in step.replica_set if r.grad is not None]
     if not with_grad:
-        audit.checks.append(AuditCheck("audit.gradient", "not run", "no gradient was captured at this step (watch_gradient)"))
-    else:
-        largest = float(np.max(np.abs(expected.grad))) if expected.grad.size else 0.0
-        found = []
-        for p, s in with_grad:
-            t = p.logp.shape[1]
-            m = _grad_mismatch(p.grad, expected.grad[s, :t], p.batch(), dtype, "audit.gradient", f"grad of rank {p.rank} micro-batch {p.micro_batch}", largest)
-            if m:
-                found.append(m)
-        audit.checks.append(AuditCheck("audit.gradient", "fail" if found else "pass",
-                                       _fmt(found) if found else f"{len(with_grad)} of {len(parts)} micro-batch gradients captured, "
-                                       f"each equals -(1/N) keep exp(d) A with the global N = {expected.valid_count}"))
-
-    audit.checks.append(_metrics_check(parts, batch, expected, dtype))
-    if audit.failing:
-        audit.verdict = "divergent"
-        audit.diagnosis = _diagnose(audit, parts, slices, dtype)
-    return audit
+        return AuditCheck("audit.gradient", "not run", "no gradient was captured at this step (watch_gradient or record(grad=))")
+    largest = float(np.max(np.abs(expected.grad))) if expected.grad.size else 0.0
+    found = [m for r in with_grad
+             if (m := _grad_mismatch(r.grad, expected.grad[r.rows][:, r.columns], r.batch(), step.dtype, "audit.gradient", f"grad of {r.where}", largest))]
+    if found:
+        return AuditCheck("audit.gradient", "fail", _fmt(found))
+    return AuditCheck("audit.gradient", "pass", f"{len(with_grad)} of {len(step.replica_set)} record gradients captured, each equals "
+                      f"-(1/N) keep exp(d) A with the global N = {expected.valid_count}")
 
 
-def _metrics_check(parts: list[_Part], batch: Batch, expected: Any, dtype: str) -> AuditCheck:
-    tol = equivalence.tolerance(dtype, "metric")
-    allowance = equivalence.m2_rounding(batch, expected.keep, dtype)
+def _metrics_check(step: _Step, expected: Any) -> AuditCheck:
+    tol = equivalence.tolerance(step.dtype, "metric")
+    allowance = equivalence.m2_rounding(step.batch, expected.keep, step.dtype)
     found, compared = [], set()
-    for p in parts:
+    for r in step.records:
         for name in METRIC_FIELDS + COUNT_FIELDS:
-            if name not in p.metrics:
+            if name not in r.metrics:
                 continue
             compared.add(name)
-            value, want = p.metrics[name], getattr(expected, name)
-            where = f"{name} of rank {p.rank} micro-batch {p.micro_batch}"
+            value, want = r.metrics[name], getattr(expected, name)
+            where = f"{name} of {r.where}"
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 found.append(equivalence.Mismatch("audit.metrics", f"{where}: {value!r} is not a number"))
             elif name in COUNT_FIELDS:
@@ -281,33 +495,247 @@ def _metrics_check(parts: list[_Part], batch: Batch, expected: Any, dtype: str) 
         return AuditCheck("audit.metrics", "not run", "no captured metric is named like ours (m2_before, m2_after, masked_fraction, ...)")
     if found:
         return AuditCheck("audit.metrics", "fail", _fmt(found))
-    return AuditCheck("audit.metrics", "pass", f"{', '.join(sorted(compared))} equal the optimizer batch's in every micro-batch")
+    return AuditCheck("audit.metrics", "pass", f"{', '.join(sorted(compared))} equal the optimizer batch's in every record")
 
 
-def _diagnose(audit: StepAudit, parts: list[_Part], slices: list[slice], dtype: str) -> list[str]:
-    found = []
-    failing = set(audit.failing)
-    if "audit.selection" in failing and all(not equivalence.check_selection(p.batch(), p.keep, dtype) for p in parts):
-        found.append("per_micro_batch_mask")
+def _parameter_check(noted: dict[int, dict[str, Any]], expected: Any) -> AuditCheck:
+    if not noted:
+        return AuditCheck("audit.parameter_gradient", "not run", "no rank noted its parameters' gradient norms (record_parameter_gradients)")
+    names = sorted({name for norms in noted.values() for name in norms})
+    if not np.any(expected.grad):
+        return AuditCheck("audit.parameter_gradient", "pass", f"{len(names)} parameters noted; the loss's gradient is zero at this step, "
+                          f"so no parameter needs one")
+    silent = [name for name in names
+              if all((norms.get(name) or {}).get("norm") in (None, 0.0) for norms in noted.values() if name in norms)]
+    if silent:
+        none = [n for n in silent if all((noted[r].get(n) or {}).get("norm") is None for r in noted if n in noted[r])]
+        shown = ", ".join(f"{n} ({'no gradient' if n in none else 'all zero'})" for n in silent[:5])
+        more = f" and {len(silent) - 5} more" if len(silent) > 5 else ""
+        return AuditCheck("audit.parameter_gradient", "fail", f"{len(silent)} of {len(names)} trainable parameters have no or an all-zero "
+                          f"gradient on every rank while the loss's gradient is not zero: {shown}{more}")
+    return AuditCheck("audit.parameter_gradient", "pass", f"all {len(names)} trainable parameters noted by {len(noted)} rank(s) have a gradient")
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnosis: each name is tested against the files, never fitted to them.
+
+
+def _group_selects_alone(step: _Step, group: list[_Record]) -> bool:
+    """The records of ``group`` (one region of the optimizer batch) kept what Algorithm 1 keeps on that region alone."""
+    if len(group) == 1 and step.topology.cp > 1:  # one CP shard: its own columns
+        r = group[0]
+        alone = r.batch(r.logp if r.selection_logp is None else r.selection_logp)
+        return not equivalence.check_selection(alone, r.keep, step.dtype)
+    # Otherwise the group holds every CP shard of its rows: whole rows of the assembled batch.
+    index = np.concatenate([np.arange(r.rows.start, r.rows.stop) for r in group if r.coords.cp == 0])
+    s = step.selection_batch
+    alone = Batch(s.logp[index], s.behavior_logp[index], s.advantages[index], s.valid[index], s.tau)
+    return not equivalence.check_selection(alone, step.keep[index], step.dtype)
+
+
+def _scope_groups(step: _Step) -> dict[str, list[list[_Record]]]:
+    """The regions each scope deviation selects over, where that scope differs from the others."""
+    by_block: dict[tuple[int, int], list[_Record]] = {}
+    by_dp: dict[int, list[_Record]] = {}
+    for r in step.replica_set:
+        by_block.setdefault((r.coords.dp, r.micro_batch), []).append(r)
+        by_dp.setdefault(r.coords.dp, []).append(r)
+    groups: dict[str, list[list[_Record]]] = {}
+    if any(k > 1 for k in step.micro_batches.values()):
+        groups["per_micro_batch_mask"] = list(by_block.values())
+    if step.topology.dp > 1:
+        groups["per_rank_selection_global_n"] = list(by_dp.values())
+    if step.topology.cp > 1:
+        groups["per_cp_shard"] = [[r] for r in step.replica_set]
+    return groups
+
+
+def _denominators(step: _Step) -> dict[str, Callable[[_Record], float]]:
+    """Each denominator deviation's divisor per record, in the order ties are resolved."""
+    n = float(step.batch.valid.sum())
+    kept = float((step.keep & step.batch.valid).sum())
+    block_n = {key: float(step.batch.valid[rows].sum()) for key, rows in step.blocks.items()}
+    cp_n = {c: float(sum(r.mask.sum() for r in step.replica_set if r.coords.cp == c)) for c in range(step.topology.cp)}
+    out: dict[str, Callable[[_Record], float]] = {}
+    if any(k > 1 for k in step.micro_batches.values()):
+        out["per_micro_batch_denominator"] = lambda r: step.micro_batches[r.coords.dp] * block_n[(r.coords.dp, r.micro_batch)]
+    out["local_denominator"] = lambda r: float(r.mask.sum())
+    if step.topology.cp > 1:
+        out["cp_shard_counts"] = lambda r: cp_n[r.coords.cp]
+        out["dp_cp_group_double_count"] = lambda r: step.topology.cp * n
+    out["kept_count_denominator"] = lambda r: kept
+    out["global"] = lambda r: n
+    return out
+
+
+def _distinct(step: _Step, candidates: dict[str, Callable[[_Record], float]]) -> dict[str, Callable[[_Record], float]]:
+    """Drop a candidate whose divisors equal an earlier one's on every record: the files cannot tell them apart."""
+    seen, out = [], {}
+    for name, fn in candidates.items():
+        values = tuple(fn(r) for r in step.replica_set)
+        if values in seen:
+            continue
+        seen.append(values)
+        out[name] = fn
+    return out
+
+
+def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]]) -> list[str]:
+    found: list[str] = []
+    denominator = None
     if failing & {"audit.loss_sum", "audit.gradient"}:
-        matches = True
-        for p in parts:
-            own = oracle.evaluate_with_mask(p.batch(), p.keep)
-            if _loss_mismatch(p.loss, own, p.batch(), dtype, "loss") is not None:
-                matches = False
+        for name, fn in _distinct(step, _denominators(step)).items():
+            if name != "global" and _shares_match(step, fn):
+                denominator = name
                 break
-            if p.grad is not None:
-                largest = float(np.max(np.abs(own.grad))) if own.grad.size else 0.0
-                if _grad_mismatch(p.grad, own.grad, p.batch(), dtype, "gradient", "grad", largest) is not None:
-                    matches = False
-                    break
-        if matches:
-            found.append("per_micro_batch_denominator")
+    if "audit.selection" in failing:
+        for scope, groups in _scope_groups(step).items():
+            if not all(_group_selects_alone(step, g) for g in groups):
+                continue
+            if scope == "per_cp_shard":
+                if denominator == "local_denominator":
+                    found.append("local_shard_selection")
+                    denominator = None
+                elif denominator is None:
+                    found.append("per_cp_chunk_selection_global_n")
+            else:
+                found.append(scope)
+            break
+    if denominator == "dp_cp_group_double_count" or (denominator is None and step.topology.cp > 1 and _double_counted(step, failing)):
+        found.append("dp_cp_group_double_count")
+    elif denominator is not None:
+        found.append(denominator)
+    if "audit.behavior_logp" in failing and _behaviour_is_the_policy(step):
+        found.append("current_policy_as_behavior")
+    if "audit.policy_logp" in failing:
+        found += _forward_deviation(step)
+    if "audit.parameter_gradient" in failing:
+        found.append("parameters_without_gradient")
     return found
+
+
+def _double_counted(step: _Step, failing: set[str]) -> bool:
+    """Every logged valid_count is cp times N (the loss may be right if the port rescales it)."""
+    counts = [r.metrics["valid_count"] for r in step.records if "valid_count" in r.metrics]
+    return "audit.metrics" in failing and bool(counts) and all(c == step.topology.cp * int(step.batch.valid.sum()) for c in counts)
+
+
+def _behaviour_is_the_policy(step: _Step) -> bool:
+    """The behaviour log-probs equal the policy's (the selection's forward) on every record, and not the sampler's."""
+    with_rollout = [r for r in step.replica_set if r.rollout_logp is not None]
+    return bool(with_rollout) and all(
+        _logp_mismatch("diagnosis", "behavior_logp", r.behavior_logp, r.logp if r.selection_logp is None else r.selection_logp,
+                       r.mask, step.dtype) is None for r in with_rollout)
+
+
+def _forward_deviation(step: _Step) -> list[str]:
+    differs = {(r.coords.dp, r.coords.cp, r.micro_batch): _logp_mismatch("diagnosis", "logp", r.logp, r.selection_logp, r.mask, step.dtype) is not None
+               for r in step.replica_set if r.selection_logp is not None and r.mask.any()}
+    if not differs:
+        return []
+    first = [v for (dp, cp, mb), v in differs.items() if mb == 0]
+    later = [v for (dp, cp, mb), v in differs.items() if mb > 0]
+    if later and not any(first) and all(later):
+        return ["optimizer_step_per_micro_batch"]
+    if all(differs.values()):
+        return ["stochastic_forward"]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# The worst step's token table.
+
+
+def _counterexample(step: _Step, audit: StepAudit, directory: str) -> dict[str, Any]:
+    """The tokens that show the worst step's first failing check, one row per token."""
+    check = audit.failing[0]
+    batch, s = step.batch, step.selection_batch
+    d = oracle.log_ratio(s.logp, s.behavior_logp, s.valid)
+    expected_keep = oracle.m2po(s, vectorised=True).keep
+    expected = oracle.evaluate_with_mask(batch, step.keep)
+    grad = np.full(batch.shape, np.nan)
+    owner = np.full(batch.shape, -1, dtype=np.int64)  # index into the replica set, -1 on padding
+    for index, r in enumerate(step.replica_set):
+        if r.grad is not None:
+            grad[r.rows, r.columns] = r.grad
+        owner[r.rows, r.columns] = index
+    if check == "audit.selection":
+        differ = batch.valid & (step.keep != expected_keep)
+        note = ("tokens whose captured keep differs from Algorithm 1's on the whole optimizer batch "
+                "(a tie at the cut may fall either way; the check allows it)")
+        order = np.argwhere(differ)
+    elif check in ("audit.gradient", "audit.loss_sum"):
+        error = np.where(batch.valid & np.isfinite(grad), np.abs(np.nan_to_num(grad) - expected.grad), 0.0)
+        if not np.any(error):  # no gradient captured: the kept tokens with the largest terms
+            error = np.where(step.keep & batch.valid, np.abs(expected.grad), 0.0)
+        note = "the tokens where the captured gradient differs most from -(1/N) keep exp(d) A with the global N"
+        flat = np.flatnonzero(error)
+        flat = flat[np.argsort(-error.flat[flat], kind="stable")]
+        order = np.stack(np.unravel_index(flat, batch.shape), axis=1)
+    else:
+        differ = batch.valid & (step.keep != expected_keep)
+        note = "the valid tokens, with what Algorithm 1 keeps on the optimizer batch"
+        order = np.argwhere(differ) if differ.any() else np.argwhere(batch.valid)
+    shown = order[:COUNTEREXAMPLE_TOKENS]
+    rows = []
+    for row, column in (tuple(int(i) for i in at) for at in shown):
+        record = step.replica_set[owner[row, column]] if owner[row, column] >= 0 else None
+        rows.append({
+            "row": row, "position": column,
+            "rank": record.rank if record else None, "micro_batch": record.micro_batch if record else None,
+            "d": _number(float(d[row, column])), "m2": _number(float(d[row, column]) ** 2), "advantage": _number(float(batch.advantages[row, column])),
+            "keep": bool(step.keep[row, column]), "algorithm_1_keeps": bool(expected_keep[row, column]),
+            "grad": _number(float(grad[row, column])) if np.isfinite(grad[row, column]) else None,
+            "expected_grad": _number(float(expected.grad[row, column])),
+        })
+    return {"check": check, "note": note, "tokens": rows, "shown": len(rows), "of": int(len(order)),
+            "tau": _number(float(batch.tau)), "valid_count": int(batch.valid.sum()),
+            "replay": shlex.join(["m2po-oracle", "audit", directory, "--step", str(step.step)])}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _audit_step(step: _Step, noted: dict[int, dict[str, Any]], directory: str) -> StepAudit:
+    audit = StepAudit(step.step, "equivalent")
+    algorithm = oracle.m2po(step.selection_batch, vectorised=True)
+    audit.metrics = {"m2_before": algorithm.m2_before, "m2_after": algorithm.m2_after,
+                     "masked_fraction": algorithm.masked_fraction, "tau": step.batch.tau}
+    expected = oracle.evaluate_with_mask(step.batch, step.keep)
+    audit.checks = [_replicas_check(step), _selection_check(step), _policy_logp_check(step), _behavior_logp_check(step),
+                    _loss_check(step, expected), _gradient_check(step, expected), _metrics_check(step, expected),
+                    _parameter_check(noted, expected)]
+    if audit.failing:
+        audit.verdict = "divergent"
+        audit.diagnosis = _diagnose(step, set(audit.failing), noted)
+    return audit
 
 
 def _unusable(step: int, why: str) -> StepAudit:
     return StepAudit(step, "unusable", [AuditCheck(name, "not run", why) for name in CHECK_NAMES])
+
+
+def _records_of(capture: capture_module.Capture, topology: Topology, step: int, bad_paths: set[str],
+                problems: list[str]) -> list[_Record]:
+    keys = sorted(k for k in capture.keys() if k[1] == step)  # noqa: SIM118 - Capture.keys() is a method, not a dict
+    ranks = {k[0] for k in keys}
+    missing = sorted(set(range(capture.world_size)) - ranks)
+    if missing:
+        raise _Unusable(f"incomplete step: no records of rank(s) {missing}")
+    gaps = [r for r in ranks if sorted(k[2] for k in keys if k[0] == r) != list(range(1 + max(k[2] for k in keys if k[0] == r)))]
+    if gaps:
+        raise _Unusable(f"incomplete step: rank(s) {sorted(gaps)} miss micro-batches")
+    records = []
+    for key in keys:
+        info = capture.info(*key)
+        if str(info.path) in bad_paths or (info.grad_path is not None and str(info.grad_path) in bad_paths):
+            raise _Unusable(f"incomplete step: the files of rank {key[0]} micro-batch {key[2]} have problems (listed in the capture's problems)")
+        try:
+            records.append(_record(capture.load(*key), info, topology.coords(key[0])))
+        except capture_module.CaptureError as error:
+            problems.append(str(error))
+            raise _Unusable(f"incomplete step: {error}") from None
+    return records
 
 
 def audit_capture(directory: str | Path, *, steps: set[int] | None = None) -> AuditReport:
@@ -317,45 +745,31 @@ def audit_capture(directory: str | Path, *, steps: set[int] | None = None) -> Au
     if capture is None:
         return AuditReport(str(directory), None, None, problems, [])
     report = AuditReport(str(capture.directory), capture.world_size, capture.topology, problems, [])
-    sizes = _sizes(capture.topology)
-    if sizes.get("cp", 1) > 1 or sizes.get("tp", 1) > 1:
-        report.refused = f"topology {capture.topology}: {REFUSED_CP_TP}"
+    try:
+        topology = Topology.parse(capture.topology)
+        if topology.world_size != capture.world_size:
+            raise ValueError(f"it has {topology.world_size} ranks, the manifests say world_size = {capture.world_size}")
+    except ValueError as error:
+        report.refused = f"topology {capture.topology!r} cannot be read: {error}"
         return report
     bad_paths = {path for path, _ in problems_found}
     for step in capture.steps():
         if steps is not None and step not in steps:
             continue
-        keys = sorted(k for k in capture.keys() if k[1] == step)  # noqa: SIM118 - Capture.keys() is a method, not a dict
-        ranks = {k[0] for k in keys}
-        missing = sorted(set(range(capture.world_size)) - ranks)
-        if missing:
-            report.steps.append(_unusable(step, f"incomplete step: no records of rank(s) {missing}"))
-            continue
-        gaps = [r for r in ranks if sorted(k[2] for k in keys if k[0] == r) != list(range(1 + max(k[2] for k in keys if k[0] == r)))]
-        if gaps:
-            report.steps.append(_unusable(step, f"incomplete step: rank(s) {sorted(gaps)} miss micro-batches"))
-            continue
-        parts, why = [], None
-        for key in keys:
-            info = capture.info(*key)
-            if str(info.path) in bad_paths or (info.grad_path is not None and str(info.grad_path) in bad_paths):
-                why = f"incomplete step: the files of rank {key[0]} micro-batch {key[2]} have problems (listed in the capture's problems)"
-                break
-            try:
-                parts.append(_part(capture.load(*key), info))
-            except capture_module.CaptureError as error:
-                problems.append(str(error))
-                why = f"incomplete step: {error}"
-                break
-        if why is None and len({p.tau for p in parts}) > 1:
-            why = f"the micro-batches of this step disagree on tau: {sorted({p.tau for p in parts})}"
-        if why is None and (not math.isfinite(parts[0].tau) or parts[0].tau < 0):
-            why = f"tau {parts[0].tau!r} is not a finite number >= 0"
-        if why is not None:
-            report.steps.append(_unusable(step, why))
-            continue
         try:
-            report.steps.append(_audit_parts(step, parts))
+            assembled = _assemble(step, topology, _records_of(capture, topology, step, bad_paths, problems))
+            report.steps.append(_audit_step(assembled, capture.parameter_gradients(step), str(directory)))
+        except _Unusable as why:
+            report.steps.append(_unusable(step, str(why)))
         except Exception as error:  # noqa: BLE001 - a capture is data: one odd step must not end the audit
             report.steps.append(_unusable(step, f"could not be audited: {type(error).__name__}: {error}"))
+    worst = report.worst_step
+    if worst is not None:
+        # Reassembled once more, for the worst step only: the token table is not worth keeping every step's arrays.
+        try:
+            assembled = _assemble(worst, topology, _records_of(capture, topology, worst, bad_paths, []))
+            audit = next(s for s in report.steps if s.step == worst)
+            audit.counterexample = _counterexample(assembled, audit, str(directory))
+        except Exception as error:  # noqa: BLE001 - the table is an aid; the verdicts stand without it
+            problems.append(f"step {worst}: the counterexample table could not be built: {type(error).__name__}: {error}")
     return report

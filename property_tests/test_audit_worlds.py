@@ -1,0 +1,297 @@
+"""m2po-oracle audit on DP x CP x TP worlds and on the trainer-level records: CP shards are put
+back into sequences in the Megatron layout, TP replicas are checked identical, and every
+planted scope, denominator, behaviour, forward and parameter bug is caught by its check and
+named by the diagnosis, from the files alone.
+
+The worlds are simulated in one process with the torch core (``select_tokens``,
+``loss_from_selection``), independently of the audit's NumPy oracle: each rank records what a
+Megatron rank holds (its CP shard of its DP rank's micro-batch rows, its loss share with the
+global N, the shard's gradient)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from m2po_oracle.audit import audit_capture
+from m2po_oracle.capture import Recorder
+from m2po_oracle.core import loss_from_selection, select_tokens
+from m2po_oracle.distributed.topology import Topology, cp_token_indices, dp_row_slices
+
+TAU = 0.04
+
+
+@dataclass(frozen=True)
+class World:
+    topology: str
+    micro_batches: int = 1
+    rows_per_mb: int = 2
+    width: int = 8  # a multiple of 2 * cp
+
+
+def _batch(step: int, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(7919 * step + 17)
+    logp = -torch.rand(rows, width, generator=generator, dtype=torch.float64) - 0.1
+    behavior = logp + 0.35 * torch.randn(rows, width, generator=generator, dtype=torch.float64)
+    sign = torch.where(torch.rand(rows, 1, generator=generator) < 0.5, -1.0, 1.0).double()
+    advantages = sign.expand(rows, width).clone()
+    lengths = torch.randint(width // 2, width + 1, (rows, 1), generator=generator)
+    mask = torch.arange(width)[None, :] < lengths  # right padding
+    return logp, behavior, advantages, mask
+
+
+def _rows(t: tuple[torch.Tensor, ...], rows: slice | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(x[rows] for x in t)
+
+
+def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tuple[int, ...] = (0, 1), bug_step: int = 1,
+             selection_logp: bool = True, rollout_logp: bool = True, parameters: bool = True, grads: bool = True) -> None:
+    topology = Topology.parse(world.topology)
+    recorders = [Recorder(directory, rank=r, world_size=topology.world_size, topology=world.topology) for r in range(topology.world_size)]
+    cp, k = topology.cp, world.micro_batches
+    for step in steps:
+        planted = bug if step == bug_step else None
+        rows = topology.dp * k * world.rows_per_mb
+        logp, behavior, advantages, mask = _batch(step, rows, world.width)
+        rollout = behavior.clone()
+        if planted == "current_policy_as_behavior":
+            behavior = logp.clone()
+        whole = select_tokens(logp, behavior, advantages, mask, tau=TAU)
+        keep, n = whole.keep.clone(), whole.valid_count
+        valid_count = int(n)
+        dp_rows = dp_row_slices(rows, topology.dp)
+        blocks = {(dp, mb): torch.arange(dp_rows[dp].start + mb * world.rows_per_mb, dp_rows[dp].start + (mb + 1) * world.rows_per_mb)
+                  for dp in range(topology.dp) for mb in range(k)}
+        shard = lambda c: torch.from_numpy(cp_token_indices(world.width, cp, c))  # noqa: E731
+        if planted == "per_micro_batch_mask":
+            for index in blocks.values():
+                keep[index] = select_tokens(*_rows((logp, behavior, advantages, mask), index), tau=TAU).keep
+        if planted == "per_rank_selection_global_n":
+            for s in dp_rows:
+                keep[s] = select_tokens(*_rows((logp, behavior, advantages, mask), s), tau=TAU).keep
+        if planted in ("local_shard_selection", "per_cp_chunk_selection_global_n"):
+            for index in blocks.values():
+                for c in range(cp):
+                    cols = shard(c)
+                    part = tuple(x[index][:, cols] for x in (logp, behavior, advantages, mask))
+                    sub = keep[index]
+                    sub[:, cols] = select_tokens(*part, tau=TAU).keep
+                    keep[index] = sub
+        if planted == "dp_cp_group_double_count":
+            doubled = select_tokens(*(torch.cat([x] * cp) for x in (logp, behavior, advantages, mask)), tau=TAU)
+            keep = doubled.keep[:rows].clone()
+            valid_count = int(doubled.valid_count)
+        metrics = {"m2_before": float(whole.m2_before), "m2_after": float(whole.m2_after), "masked_fraction": float(whole.masked_fraction),
+                   "valid_count": valid_count}
+        kept = keep.sum()
+        for rank in range(topology.world_size):
+            coords = topology.coords(rank)
+            for mb in range(k):
+                index, cols = blocks[(coords.dp, mb)], shard(coords.cp)
+                cut = lambda x: x[index][:, cols].clone()  # noqa: E731
+                sel_logp, beh, adv, msk, kp = cut(logp), cut(behavior), cut(advantages), cut(mask), cut(keep)
+                loss_logp = sel_logp.clone()
+                if planted == "stochastic_forward":
+                    loss_logp = loss_logp + 0.05 * torch.randn(loss_logp.shape, generator=torch.Generator().manual_seed(rank * 10 + mb), dtype=torch.float64)
+                if planted == "optimizer_step_per_micro_batch" and mb > 0:
+                    loss_logp = loss_logp + 0.03
+                denominator = n
+                if planted in ("local_shard_selection", "local_denominator"):
+                    denominator = msk.sum()
+                elif planted == "per_micro_batch_denominator":
+                    denominator = k * mask[index].sum()
+                elif planted == "kept_count_denominator":
+                    denominator = kept
+                elif planted == "cp_shard_counts":
+                    denominator = mask[:, shard(coords.cp)].sum()
+                elif planted == "dp_cp_group_double_count":
+                    denominator = cp * n
+                if planted == "tp_replica_differs" and coords.tp == 1 and mb == 0:
+                    first = torch.nonzero(msk)[0]
+                    kp[first[0], first[1]] = ~kp[first[0], first[1]]
+                leaf = loss_logp.clone().requires_grad_()
+                loss = loss_from_selection(leaf, beh, adv, kp, denominator)
+                loss.backward()
+                recorders[rank].record(step=step, micro_batch=mb, logp=loss_logp, behavior_logp=beh, advantages=adv, mask=msk, keep=kp,
+                                       loss=loss, tau=TAU, metrics=metrics, grad=leaf.grad if grads else None,
+                                       selection_logp=sel_logp if selection_logp else None,
+                                       rollout_logp=cut(rollout) if rollout_logp else None)
+            if parameters:
+                norm = 0.0 if planted == "parameters_without_gradient" else 1.5
+                weight, embedding = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))
+                weight.grad, embedding.grad = torch.full((3,), 0.5), torch.full((4,), norm)
+                recorders[rank].record_parameter_gradients(step=step, named_parameters={"layer.weight": weight, "embed_tokens.weight": embedding})
+
+
+def _statuses(step) -> dict[str, str]:
+    return {c.name: c.status for c in step.checks}
+
+
+WORLDS = {
+    "dp=2,cp=2,tp=1": World("dp=2,cp=2,tp=1"),
+    "dp=1,cp=2,tp=2": World("dp=1,cp=2,tp=2"),
+    "dp=2,cp=1,tp=2,k=2": World("dp=2,cp=1,tp=2", micro_batches=2),
+    "dp=1,cp=4,tp=1": World("dp=1,cp=4,tp=1", width=16),
+}
+
+
+@pytest.mark.parametrize("name", WORLDS)
+def test_a_correct_world_is_equivalent_with_every_check_run(tmp_path: Path, name: str) -> None:
+    world = WORLDS[name]
+    simulate(tmp_path, world)
+    report = audit_capture(tmp_path)
+    assert report.verdict == "equivalent", json.dumps(report.to_json(), indent=1)[:3000]
+    for step in report.steps:
+        statuses = _statuses(step)
+        tp = Topology.parse(world.topology).tp
+        assert statuses.pop("audit.replicas_identical") == ("pass" if tp > 1 else "not run")
+        assert set(statuses.values()) == {"pass"}, statuses
+        assert step.metrics["masked_fraction"] > 0, "the cut is exercised"
+
+
+#: (planted bug, world, the check that must fail, the diagnosis that must be named)
+PLANTED = [
+    ("per_micro_batch_mask", World("dp=1,cp=2,tp=1", micro_batches=3), "audit.selection", ["per_micro_batch_mask"]),
+    ("per_rank_selection_global_n", World("dp=2,cp=1,tp=2"), "audit.selection", ["per_rank_selection_global_n"]),
+    ("local_shard_selection", World("dp=2,cp=2,tp=1"), "audit.selection", ["local_shard_selection"]),
+    ("per_cp_chunk_selection_global_n", World("dp=1,cp=2,tp=1", rows_per_mb=6), "audit.selection", ["per_cp_chunk_selection_global_n"]),
+    ("local_denominator", World("dp=1,cp=2,tp=2"), "audit.gradient", ["local_denominator"]),
+    ("per_micro_batch_denominator", World("dp=2,cp=1,tp=1", micro_batches=2), "audit.loss_sum", ["per_micro_batch_denominator"]),
+    ("kept_count_denominator", World("dp=2,cp=1,tp=1"), "audit.gradient", ["kept_count_denominator"]),
+    ("cp_shard_counts", World("dp=2,cp=2,tp=1"), "audit.gradient", ["cp_shard_counts"]),
+    ("dp_cp_group_double_count", World("dp=2,cp=2,tp=1"), "audit.metrics", ["dp_cp_group_double_count"]),
+    ("tp_replica_differs", World("dp=1,cp=2,tp=2"), "audit.replicas_identical", []),
+    ("current_policy_as_behavior", World("dp=2,cp=1,tp=1"), "audit.behavior_logp", ["current_policy_as_behavior"]),
+    ("stochastic_forward", World("dp=1,cp=1,tp=1", micro_batches=2), "audit.policy_logp", ["stochastic_forward"]),
+    ("optimizer_step_per_micro_batch", World("dp=1,cp=1,tp=1", micro_batches=3), "audit.policy_logp", ["optimizer_step_per_micro_batch"]),
+    ("parameters_without_gradient", World("dp=2,cp=1,tp=1"), "audit.parameter_gradient", ["parameters_without_gradient"]),
+]
+
+
+@pytest.mark.parametrize("bug, world, check, diagnosis", PLANTED, ids=[p[0] for p in PLANTED])
+def test_a_planted_bug_is_caught_by_its_check_and_named(tmp_path: Path, bug: str, world: World, check: str, diagnosis: list[str]) -> None:
+    simulate(tmp_path, world, bug=bug)
+    report = audit_capture(tmp_path)
+    good, bad = report.steps
+    assert good.verdict == "equivalent", [c.to_json() for c in good.checks if c.status == "fail"]
+    assert bad.verdict == "divergent" and check in bad.failing, [c.to_json() for c in bad.checks]
+    assert bad.diagnosis == diagnosis, (bad.diagnosis, [c.to_json() for c in bad.checks if c.status == "fail"])
+    table = report.to_json()["steps"][1]["counterexample"]
+    assert table["check"] == bad.failing[0] and table["replay"].endswith(f"--step 1")
+    assert table["shown"] <= table["of"] and (table["tokens"] or bad.failing[0] not in ("audit.selection", "audit.gradient"))
+
+
+def test_the_selection_counterexample_lists_the_tokens_that_differ_with_their_rank(tmp_path: Path) -> None:
+    simulate(tmp_path, World("dp=2,cp=2,tp=1"), bug="local_shard_selection")
+    table = audit_capture(tmp_path).to_json()["steps"][1]["counterexample"]
+    assert table["check"] == "audit.selection" and table["tokens"]
+    for token in table["tokens"]:
+        assert token["keep"] != token["algorithm_1_keeps"] and token["rank"] in range(4) and token["micro_batch"] == 0
+        assert token["m2"] == pytest.approx(token["d"] ** 2)
+
+
+def test_without_the_optional_records_their_checks_are_not_run_never_pass(tmp_path: Path) -> None:
+    simulate(tmp_path, World("dp=2,cp=1,tp=1"), bug="current_policy_as_behavior", selection_logp=False, rollout_logp=False, parameters=False)
+    bad = audit_capture(tmp_path).steps[1]
+    statuses = _statuses(bad)
+    assert statuses["audit.behavior_logp"] == statuses["audit.policy_logp"] == statuses["audit.parameter_gradient"] == "not run"
+    # d = 0 everywhere: the selection keeps everything, which Algorithm 1 does too. Without the
+    # sampler's log-probs this bug is invisible, and the audit must not pretend otherwise.
+    assert bad.verdict == "equivalent"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad captures: a named reason, the other steps still audited.
+
+
+def _edit_record(directory: Path, step: int, rank: int, mb: int, change) -> None:
+    """Rewrite one record through a fresh Recorder state: the manifest stays consistent (size, CRC)."""
+    from safetensors.torch import load_file
+
+    from m2po_oracle import capture
+
+    manifest_path = directory / f"manifest.rank-{rank:03d}.json"
+    manifest = json.loads(manifest_path.read_text())
+    entry = next(e for e in manifest["records"] if e["step"] == step and e["micro_batch"] == mb)
+    path = directory / entry["file"]
+    tensors = change(load_file(path))
+    metadata = {"schema": capture.SCHEMA, "rank": str(rank), "step": str(step), "micro_batch": str(mb)}
+    entry["crc32"] = capture._write_tensors(path, tensors, metadata)
+    entry["tensors"] = {name: capture._describe(t) for name, t in tensors.items()}
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def test_cp_shards_that_disagree_in_shape_make_that_step_unusable(tmp_path: Path) -> None:
+    simulate(tmp_path, World("dp=1,cp=2,tp=1"), grads=False)
+    _edit_record(tmp_path, 1, 1, 0, lambda t: {name: x[:, :-2].contiguous() for name, x in t.items()})
+    report = audit_capture(tmp_path)
+    assert [s.verdict for s in report.steps] == ["equivalent", "unusable"]
+    assert "the CP shards of DP rank 0 micro-batch 0 disagree in shape (rank 0: [2, 4], rank 1: [2, 2])" in report.steps[1].checks[0].summary
+
+
+def test_nan_on_a_valid_token_makes_that_step_unusable_and_names_the_token(tmp_path: Path) -> None:
+    simulate(tmp_path, World("dp=2,cp=1,tp=1"))
+
+    def poison(t):
+        t["logp"][1, 0] = float("nan")
+        t["mask"][1, 0] = True
+        return t
+
+    _edit_record(tmp_path, 1, 1, 0, poison)
+    report = audit_capture(tmp_path)
+    assert [s.verdict for s in report.steps] == ["equivalent", "unusable"]
+    assert ("non-finite input: rank 1 (dp=1, cp=0, tp=0) micro-batch 0: logp is nan on a valid token at [1, 0]"
+            in report.steps[1].checks[0].summary)
+
+
+def test_a_tp_rank_missing_a_micro_batch_makes_that_step_unusable(tmp_path: Path) -> None:
+    simulate(tmp_path, World("dp=1,cp=1,tp=2", micro_batches=2))
+    manifest_path = tmp_path / "manifest.rank-001.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["records"] = [e for e in manifest["records"] if not (e["step"] == 1 and e["micro_batch"] == 1)]
+    manifest_path.write_text(json.dumps(manifest))
+    report = audit_capture(tmp_path)
+    assert [s.verdict for s in report.steps] == ["equivalent", "unusable"]
+    assert "recorded different numbers of micro-batches (rank 0: 2, rank 1: 1)" in report.steps[1].checks[0].summary
+
+
+def test_a_topology_that_does_not_fit_the_world_is_refused(tmp_path: Path) -> None:
+    simulate(tmp_path, World("dp=2,cp=1,tp=1"), steps=(0,))
+    for rank in range(2):
+        path = tmp_path / f"manifest.rank-{rank:03d}.json"
+        path.write_text(path.read_text().replace('"dp=2,cp=1,tp=1"', '"dp=2,cp=2,tp=1"'))
+    report = audit_capture(tmp_path)
+    assert report.verdict == "unusable" and "it has 4 ranks, the manifests say world_size = 2" in report.refused
+
+
+def test_reassembly_puts_every_cp_shard_back_where_megatron_took_it() -> None:
+    # The layout itself, independently of any capture: chunks i and 2cp-1-i.
+    width, cp = 16, 4
+    full = np.arange(width)
+    back = np.empty(width, dtype=int)
+    for c in range(cp):
+        back[cp_token_indices(width, cp, c)] = full[cp_token_indices(width, cp, c)]
+    assert np.array_equal(back, full)
+    assert list(cp_token_indices(width, cp, 1)) == [2, 3, 12, 13]
+
+
+def test_the_html_shows_the_worst_step_as_a_token_table_with_its_explanation(tmp_path: Path) -> None:
+    import re
+
+    from m2po_oracle.report.audit_html import render_audit_html
+
+    simulate(tmp_path / "cap", World("dp=2,cp=2,tp=1"), bug="local_shard_selection")
+    report = audit_capture(tmp_path / "cap").to_json()
+    html = render_audit_html(report)
+    table = report["steps"][1]["counterexample"]
+    assert html.index('id="worst"') < html.index('id="counterexample"') < html.index('id="timeline"')
+    body = html[html.index('<table class="tokens">'):]
+    body = body[:body.index("</table>")]
+    assert len(re.findall(r"<tr class=\"divergent\">", body)) == table["shown"] > 0
+    assert "each rank selects over its own CP shard without communication" in html
+    assert "-0.0" not in html
