@@ -191,6 +191,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     from m2po_oracle.launch import open_runner
     from m2po_oracle.errors import LoadError
     from m2po_oracle.errors import UsageError
+    from m2po_oracle.runner import CaptureFailed
 
     from m2po_oracle.config import load_config
 
@@ -207,6 +208,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         args.impl = args.impl or project.impl
         if args.impl is None:
             raise UsageError("--impl: required (or impl = \"module:function\" under [tool.m2po-oracle] in pyproject.toml)")
+        if args.command != "compare":  # capture = DIR in pyproject.toml is for compare: a replay must not refuse or add to it
+            args.values.pop("capture", None)
         run_options = options.run_options({k: v for k, v in args.values.items() if k in {o.name for o in options.COMPARE_OPTIONS}})
         with console.status(f"loading {args.impl}"):  # shown from the start: imports and world start-up can take seconds
             runner = open_runner(args.impl, run_options)
@@ -228,6 +231,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             return _compare(args, runner, console) if args.command == "compare" else _replay(args, runner, console)
     except WorldError as error:
         _error(f"the world of {args.topology} could not run: {error}")
+        return EXIT_UNUSABLE
+    except CaptureFailed as error:  # the run cannot go on without losing steps from the capture
+        _error(str(error))
         return EXIT_UNUSABLE
     except KeyboardInterrupt:  # outside a compare (which reports its own interruption)
         Console(stderr=True).print("interrupted", highlight=False)
@@ -314,9 +320,19 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
     _print_validation(console, report)
     _print_accepted(console, report)
     _print_output(console, report, every_line=args.verbosity > 0)
+    _print_capture(console, report)
     _print_verdict(console, report)
     _write_reports(args, record, console)
     return report.exit_status
+
+
+def _print_capture(console: Console, report) -> None:
+    if report.capture:
+        import shlex
+
+        directory = report.capture["directory"]
+        console.print(f"capture: {directory} ({report.capture['steps']} steps): {shlex.join(['m2po-oracle', 'audit', directory])}",
+                      highlight=False, markup=False, soft_wrap=True)
 
 
 _COLOURS = {"equivalent": "green", "equivalent-with-accepted": "green", "divergent": "red", "accepted-deviation-fixed": "red", "unusable": "red"}

@@ -99,6 +99,7 @@ class CompareReport:
     coverage: CoverageTally = field(default_factory=CoverageTally)  # families and features of the examples tried
     accepted: tuple[Accepted, ...] = ()  # deviations the project accepts ([tool.m2po-oracle] accept, --accept)
     strict_accept: bool = True  # an accepted deviation that no longer shows fails the run
+    capture: dict[str, Any] | None = None  # --capture: {"directory", "steps"} the run recorded for `m2po-oracle audit`
 
     @property
     def validation_warnings(self) -> list[ProbeResult]:
@@ -177,6 +178,7 @@ class CompareReport:
             "implementation_output": self.output,
             **({"topology": self.topology, "collectives_per_step": self.collectives} if self.topology else {}),
             **({"adapter": self.adapter} if self.adapter else {}),
+            **({"capture": self.capture} if self.capture else {}),
             "tolerances": tolerances_json(),
             "environment": environment(),
         }
@@ -288,6 +290,8 @@ def run_compare(target: Runner | Implementation, impl: str | None = None, *, shr
         report.validation_not_run = report.validation_not_run or "the run was interrupted"
         report.diagnosis = report.diagnosis or {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
     report.output = runner.output.to_json()
+    if options.capture:  # after every step the run took: exploration, shrinking, the counterexamples' replays
+        report.capture = runner.describe().get("capture")
     report.duration_s = time.perf_counter() - started
     return report
 

@@ -17,7 +17,7 @@ from m2po_oracle.batch import Batch
 from m2po_oracle.battery import BatteryOutcome, replay_command, run_battery
 from m2po_oracle.checks import CHECKS
 from m2po_oracle.isolation import InProcess, Isolated
-from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, refuse_unhonoured
+from m2po_oracle.runner import CAPTURE_NEEDS_A_STEP, CallHealth, CapturedOutput, RunOptions, refuse_unhonoured
 from m2po_oracle.validation import PROBES, ProbeResult
 
 #: What both ways honour; the worker adds the per-call timeout and output pass-through.
@@ -52,7 +52,7 @@ class LossFunctionRunner:
         refuse_unhonoured("a loss function run in a worker" if self.isolated else "a loss function run in this process (--in-process)",
                           ISOLATED_HONOURS if self.isolated else IN_PROCESS_HONOURS, options,
                           {"timeout": "no timeout can stop a call in this process; drop --in-process",
-                           "in_process": "--in-process and a worker exclude each other"})
+                           "in_process": "--in-process and a worker exclude each other", "capture": CAPTURE_NEEDS_A_STEP})
 
     @property
     def health(self) -> CallHealth:

@@ -18,6 +18,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     switch: bool = False  # a flag without a value (store_true)
     repeat: bool = False  # may be given several times; the values are kept in order (append)
+    metavar: str | None = None  # the value's name in --help (argparse's default: the name upper-cased)
 
     @property
     def flag(self) -> str:
@@ -89,6 +90,8 @@ COMPARE_OPTIONS: tuple[Option, ...] = (
            "(ValueError and TypeError always do)", str),
     Option("in_process", "call the implementation in this process (faster; no timeout, a crash or hang takes the tool down)", bool, False, switch=True),
     Option("show_output", "let the implementation's stdout/stderr through instead of capturing it per call", bool, False, switch=True),
+    Option("capture", "write what every step fed its loss to DIR as a capture (m2po_oracle.capture) for `m2po-oracle audit DIR`; "
+           "trainer and distributed runs only", str, metavar="DIR"),
 )
 
 
@@ -132,7 +135,8 @@ def add_to_pytest(group: Any, options: tuple[Option, ...] = COMPARE_OPTIONS, pre
         elif option.repeat:
             group.addoption(flag, dest=dest, action="append", type=option.type, default=None, help=option.help)
         else:
-            group.addoption(flag, dest=dest, type=option.type, default=option.default, choices=option.choices, help=option.help)
+            group.addoption(flag, dest=dest, type=option.type, default=option.default, choices=option.choices, metavar=option.metavar,
+                            help=option.help)
 
 
 def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...] = COMPARE_OPTIONS) -> None:
@@ -143,4 +147,5 @@ def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...]
             parser.add_argument(option.flag, dest=option.name, action="append", type=option.type, default=None,
                                 metavar="NAME" if option.name == "accept" else "KEY=VALUE", help=option.help)
         else:
-            parser.add_argument(option.flag, dest=option.name, type=option.type, default=option.default, choices=option.choices, help=option.help)
+            parser.add_argument(option.flag, dest=option.name, type=option.type, default=option.default, choices=option.choices,
+                                metavar=option.metavar, help=option.help)

@@ -12,6 +12,7 @@ An option a runner cannot honour is a :class:`UsageError` (exit 2), never droppe
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from m2po_oracle.contract import OUTPUT_LINES_KEPT
@@ -44,6 +45,7 @@ class RunOptions:
     in_process: bool = False
     show_output: bool = False
     validation_errors: str | None = None  # comma-separated exception names that also count as a deliberate refusal
+    capture: str | None = None  # a directory for a capture (m2po_oracle.capture) of every step run (trainer, distributed)
     given: frozenset[str] = field(default_factory=frozenset)
 
     @classmethod
@@ -80,6 +82,53 @@ def refuse_unhonoured(runner_name: str, honours: frozenset[str], options: RunOpt
         reasons = why or {}
         detail = "; ".join(f"--{name.replace('_', '-')}: {reasons.get(name, 'not supported by this runner')}" for name in ignored)
         raise UsageError(f"{runner_name} cannot honour {', '.join('--' + n.replace('_', '-') for n in ignored)} ({detail})")
+
+
+#: Why a run that calls a loss function alone refuses ``--capture``.
+CAPTURE_NEEDS_A_STEP = ("a single-process run has no training step to capture: record your own trainer with "
+                        "m2po_oracle.capture.Recorder; --capture records --impl trainer and --topology runs")
+
+
+class CaptureFailed(BaseException):
+    """Writing the capture failed (a full disk, an unwritable directory): the run stops, since
+    a capture that silently lost a step would audit as if the step never ran.
+
+    A BaseException, like compare's own stop signal: neither a runner's ``except Exception``
+    (which would count it against the implementation) nor Hypothesis (which would shrink it,
+    rerunning steps against a broken capture) may swallow it."""
+
+
+@dataclass
+class CaptureTarget:
+    """The directory a trainer or distributed run captures into (``--capture``), and the
+    optimizer steps it has numbered: every ``run_battery`` call is the next one."""
+
+    directory: Path
+    steps: int = 0
+
+    @classmethod
+    def prepare(cls, directory: str) -> "CaptureTarget":
+        """Create ``directory`` if needed; a :class:`UsageError` if it already holds a capture
+        (the recorder never mixes two runs) or cannot be a directory."""
+        path = Path(directory)
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"capture: {directory} exists and is not a directory; expected an empty or new directory")
+        if path.is_dir() and any(path.glob("manifest.rank-*.json")):
+            raise UsageError(f"capture: {directory} already holds a capture; choose an empty directory")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"capture: cannot create the directory {directory}: {error}") from None
+        return cls(path)
+
+    def next_step(self) -> int:
+        """The number of the step about to run (0, 1, 2, ...)."""
+        step = self.steps
+        self.steps += 1
+        return step
+
+    def to_json(self) -> dict[str, Any]:
+        return {"directory": str(self.directory), "steps": self.steps}
 
 
 @dataclass

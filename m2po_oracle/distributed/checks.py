@@ -14,6 +14,12 @@ replicas) and runs the implementation under the distributed contract
 
 The step also yields the assembled global result, so the single-process checks,
 diagnosis and reports apply unchanged.
+
+With ``--capture`` (the payload's ``capture``: directory and step number) every rank
+whose implementation returned also records its step through one
+:class:`m2po_oracle.capture.Recorder` per rank process: micro-batch 0, its CP shard in the
+Megatron layout (the CP-padded batch as the rank was fed it), its loss share, metrics and
+gradient; TP ranks each record their replica.
 """
 
 from __future__ import annotations
@@ -43,7 +49,10 @@ def pad_for_cp(batch: Batch, cp: int) -> Batch:
 
 
 def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
-    """Runs in every rank: the implementation on this rank's rows; never raises for it."""
+    """Runs in every rank: the implementation on this rank's rows; never raises for it.
+
+    A capture that cannot be written is returned as ``capture_error`` (the parent stops the
+    run), never raised: raising would read as the implementation failing."""
     from m2po_oracle.contract import normalise_result, to_tensors
     from m2po_oracle.distributed.implementations import ParallelState, load_distributed_implementation
 
@@ -51,6 +60,13 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
     batch = Batch.from_dict(payload["batch"])
     rows = dp_row_slices(batch.shape[0], ctx.topology.dp)[ctx.coords.dp]
     local = Batch(batch.logp[rows], batch.behavior_logp[rows], batch.advantages[rows], batch.valid[rows], batch.tau)
+    capture, recorder, capture_error = payload.get("capture"), None, None
+    if capture is not None:
+        # Before the implementation: every rank's manifest exists, also one whose implementation raises.
+        try:
+            recorder = _rank_recorder(ctx, capture["directory"])
+        except Exception as error:  # noqa: BLE001 - any failure to record is the capture's, reported to the parent
+            capture_error = f"rank {ctx.rank}: cannot start recording in {capture['directory']}: {type(error).__name__}: {error}"
     try:
         fn = load_distributed_implementation(spec, payload.get("adapter"))
         tensors = to_tensors(local, dtype, ctx.device)
@@ -61,9 +77,48 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
         # stuck in a collective this rank will never join.
         raise RankFailure(f"rank {ctx.rank} (rows {rows.start}..{rows.stop - 1}): {type(error).__name__}: {error}") from error
     value: dict[str, Any] = {"rows": (rows.start, rows.stop), "result": result}
+    if recorder is not None:
+        try:
+            _record_shard(recorder, capture["step"], ParallelState.of_rank(ctx), tensors, result, batch.tau)
+        except Exception as error:  # noqa: BLE001 - as above
+            capture_error = f"rank {ctx.rank}: recording step {capture['step']} failed: {type(error).__name__}: {error}"
+    if capture_error is not None:
+        value["capture_error"] = capture_error
     if ctx.rank == 0:  # after the step, so no rank waits for it: the same batch through one rank
         value["single"] = _as_one_rank(ctx, fn, batch, dtype)
     return value
+
+
+#: This rank process's recorder per capture directory: made at its first captured step, kept
+#: while the world lives (a world restarted after a failed step makes new ones).
+_RANK_RECORDERS: dict[str, Any] = {}
+
+
+def _rank_recorder(ctx: RankContext, directory: str) -> Any:
+    recorder = _RANK_RECORDERS.get(directory)
+    if recorder is None:
+        from m2po_oracle.capture import Recorder
+
+        # resume=True: a world restarted after a failed step continues the manifests its ranks
+        # wrote (the parent refused a directory that held a capture before the run began).
+        recorder = Recorder(directory, rank=ctx.rank, world_size=ctx.topology.world_size, topology=str(ctx.topology), resume=True)
+        _RANK_RECORDERS[directory] = recorder
+    return recorder
+
+
+def _record_shard(recorder: Any, step: int, parallel: Any, tensors: dict[str, Any], result: M2POResult, tau: float) -> None:
+    """Micro-batch 0 of ``step``: this rank's CP shard (chunk i, then chunk 2cp-1-i) of what
+    its implementation was fed, the shard of its keep and gradient, its loss share and the
+    metrics it reported."""
+    import torch
+
+    logp = tensors["logp"].detach()
+    columns = parallel.shard_columns(logp.shape[1])
+    # normalise_result took d loss / d logp in logp's dtype and widened it: narrowing back is exact.
+    grad = None if result.grad is None else torch.from_numpy(result.grad)[:, columns].to(logp.dtype)
+    recorder.record(step=step, micro_batch=0, logp=parallel.shard(logp), behavior_logp=parallel.shard(tensors["behavior_logp"]),
+                    advantages=parallel.shard(tensors["advantages"]), mask=parallel.shard(tensors["mask"]),
+                    keep=torch.from_numpy(result.keep)[:, columns], loss=result.loss, tau=tau, metrics=result.reported(), grad=grad)
 
 
 def _as_one_rank(ctx: RankContext, fn: Any, batch: Batch, dtype: str) -> M2POResult | str:

@@ -23,12 +23,12 @@ from m2po_oracle.distributed.world import RankOutcome, World, WorldError
 from m2po_oracle.equivalence import Mismatch
 from m2po_oracle.loss_function import batch_strategy
 from m2po_oracle.errors import UsageError
-from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, refuse_unhonoured
+from m2po_oracle.runner import CallHealth, CapturedOutput, CaptureFailed, CaptureTarget, RunOptions, refuse_unhonoured
 from m2po_oracle.validation import ProbeResult
 
 #: The device each backend places its ranks on.
 BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
-DISTRIBUTED_HONOURS = frozenset({"dtype", "compute_dtype", "timeout", "topology", "backend", "device"})
+DISTRIBUTED_HONOURS = frozenset({"dtype", "compute_dtype", "timeout", "topology", "backend", "device", "capture"})
 
 
 def step_mismatches(error: WorldError, world_size: int, timeout_s: float) -> tuple[list[Mismatch], bool]:
@@ -86,18 +86,28 @@ class DistributedRunner:
         self.world = world if world is not None else World(topology, backend=backend, timeout_s=timeout_s)
         self.health = CallHealth()
         self.output = CapturedOutput()
+        # Last, so that a refused run leaves no directory behind; each rank makes its recorder at its first step.
+        self.capture = CaptureTarget.prepare(self.options.capture) if self.options.capture else None
 
-    def step(self, batch: Batch, *, dtype: str | None = None) -> DistributedStep:
+    def step(self, batch: Batch, *, dtype: str | None = None, capture_step: int | None = None) -> DistributedStep:
+        """One optimizer batch through the world; with ``capture_step`` (and ``--capture``) every
+        rank records it as that optimizer step."""
         dtype = dtype or self.options.dtype
         seen = pad_for_cp(rounded_batch(batch, dtype), self.topology.cp)
+        payload = {"spec": self.spec, "batch": seen.to_dict(), "dtype": dtype, "adapter": self._adapter_payload}
+        if self.capture is not None and capture_step is not None:
+            # Absolute: the ranks' working directory is the forkserver's, not necessarily this process's.
+            payload["capture"] = {"directory": str(self.capture.directory.resolve()), "step": capture_step}
         try:
-            outcomes = self.world.run(rank_step, {"spec": self.spec, "batch": seen.to_dict(), "dtype": dtype, "adapter": self._adapter_payload})
+            outcomes = self.world.run(rank_step, payload)
         except WorldError as error:
+            _stop_if_capture_failed(error.outcomes)
             step = DistributedStep(seen, error.outcomes)
             mismatches, timed_out = step_mismatches(error, self.topology.world_size, self.world.timeout_s)
             self.health.timeouts += timed_out
             step.mismatches.extend(mismatches)
             return step
+        _stop_if_capture_failed(outcomes)
         return check_step(seen, self.topology, outcomes, dtype, self.options.compute_dtype)
 
     def strategy(self) -> st.SearchStrategy[Batch]:
@@ -105,7 +115,7 @@ class DistributedRunner:
         return batch_strategy(self.options.tau, strategies.scope_first_batches())
 
     def run_battery(self, example: Batch) -> BatteryOutcome:
-        step = self.step(example)
+        step = self.step(example, capture_step=self.capture.next_step() if self.capture is not None else None)
         explained = tuple(v["variant"] for v in step.explained_by) if step.mismatches else None
         return BatteryOutcome(step.batch, as_measurement(step, self.options.dtype), tuple(step.mismatches), tuple(step.ranks_json()), explained,
                               checked=checks_ran(step))
@@ -131,6 +141,8 @@ class DistributedRunner:
     def describe(self) -> dict[str, Any]:
         t = self.topology
         described: dict[str, Any] = {"topology": {"dp": t.dp, "cp": t.cp, "tp": t.tp, "backend": self.world.backend}}
+        if self.capture is not None:
+            described["capture"] = self.capture.to_json()
         if self._adapter_payload:
             from m2po_oracle.distributed.implementations import load_distributed_implementation
 
@@ -151,6 +163,13 @@ class DistributedRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stop_if_capture_failed(outcomes: list[RankOutcome]) -> None:
+    """:class:`CaptureFailed` naming every rank whose recording failed (none: nothing happens)."""
+    failed = [o.value["capture_error"] for o in outcomes if isinstance(o.value, dict) and o.value.get("capture_error")]
+    if failed:
+        raise CaptureFailed(f"capture: {'; '.join(failed)}")
 
 
 def checks_ran(step: DistributedStep) -> tuple[str, ...]:

@@ -313,6 +313,11 @@ def _rows_logp(model: Any, rollout: Rollout, rows: slice) -> torch.Tensor:
     return token_logp(model, rollout.prompt_ids[rows], rollout.completion_ids[rows])
 
 
+def selection_metrics(selection: Any) -> dict[str, float | int]:
+    """A selection's metrics and counts as Python numbers (what a framework logs)."""
+    return {**{name: float(getattr(selection, name)) for name in METRIC_FIELDS}, **{name: int(getattr(selection, name)) for name in COUNT_FIELDS}}
+
+
 class GRPOTrainer:
     """One GRPO + M2PO optimizer step per :meth:`step`; the policy is updated in place."""
 
@@ -339,9 +344,32 @@ class GRPOTrainer:
             raise ValueError("behaviour: behavior_logp_source='trainer' needs the model that sampled the rollout")
         return behaviour_logp_of(self.behaviour, rollout)
 
-    def step(self, rollout: Rollout, split: Sequence[int] | None = None) -> StepRecord:
-        """One optimizer step over ``rollout`` split into micro-batches of ``split`` rows."""
+    def _sampler_logp(self, rollout: Rollout) -> torch.Tensor | None:
+        """The log-probs the sampler assigned to the rollout's tokens: the rollout engine's,
+        else recomputed under the behaviour model; ``None`` when neither is known. Never the
+        current policy's, whatever the faults: a capture that holds them next to the
+        behaviour log-probs the loss used is how an audit sees current_policy_as_behavior."""
+        if rollout.behavior_logp is not None:
+            return rollout.behavior_logp
+        if self.behaviour is not None:
+            return behaviour_logp_of(self.behaviour, rollout)
+        return None
+
+    def step(self, rollout: Rollout, split: Sequence[int] | None = None, *, recorder: Any = None, step_index: int | None = None) -> StepRecord:
+        """One optimizer step over ``rollout`` split into micro-batches of ``split`` rows.
+
+        With ``recorder`` (an ``m2po_oracle.capture.Recorder``) the step is recorded as
+        optimizer step ``step_index``: for micro-batch ``i``, after its backward, the loss
+        pass's log-probs, the behaviour log-probs, advantages, valid mask and kept mask it was
+        fed, its loss, its own selection's metrics, the mask prepass's log-probs
+        (``selection_logp``), the sampler's log-probs (``rollout_logp``, when known) and
+        d loss / d logp (``grad``); then the parameter gradients, right before the optimizer
+        step. With ``beta != 0`` the recorded loss and grad include ``beta * KL``, which
+        Algorithm 1 does not have (compare runs use beta = 0).
+        """
         policy, faults = self.policy, self.faults
+        if recorder is not None and (isinstance(step_index, bool) or not isinstance(step_index, int) or step_index < 0):
+            raise ValueError(f"step_index: a recorded step needs its optimizer step number, an integer >= 0; got {step_index!r}")
         parts = _check_split(split, rollout.rows)
         if self.config.beta != 0 and self.reference is None:
             raise ValueError("reference: beta != 0 needs a reference model for the KL term")
@@ -353,6 +381,8 @@ class GRPOTrainer:
             bounds.append(bounds[-1] + n)
         rows = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
         params_before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+        # Before policy.train(): recomputing under a behaviour model sets it to eval mode.
+        sampler_logp = self._sampler_logp(rollout) if recorder is not None else None
         policy.train()
         with torch.no_grad():  # the mask prepass: every micro-batch of the optimizer batch before any backward
             prepass = [_rows_logp(policy, rollout, r) for r in rows]
@@ -364,7 +394,7 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, kl_total, logps, token_grads = 0.0, 0.0, [], []
         k = len(rows)
-        for r, selection in zip(rows, selections):
+        for i, (r, selection) in enumerate(zip(rows, selections)):
             logp = _rows_logp(policy, rollout, r)
             if logp.requires_grad:
                 logp.retain_grad()
@@ -378,21 +408,28 @@ class GRPOTrainer:
                 loss = loss + self.config.beta * kl
             if loss.requires_grad:
                 loss.backward()
+            token_grad = logp.grad.detach() if logp.grad is not None else torch.zeros_like(logp)
+            if recorder is not None:
+                recorder.record(step=step_index, micro_batch=i, logp=logp, behavior_logp=behavior_logp[r], advantages=token_advantages[r],
+                                mask=rollout.valid[r], keep=selection.keep, loss=float(loss.detach()), tau=self.config.tau,
+                                metrics=selection_metrics(selection), selection_logp=prepass[i],
+                                rollout_logp=None if sampler_logp is None else sampler_logp[r], grad=token_grad)
             if faults.optimizer_step_per_micro_batch:
                 self.optimizer.step()
             total_loss += float(loss.detach())
             logps.append(logp.detach())
-            token_grads.append(logp.grad.detach() if logp.grad is not None else torch.zeros_like(logp))
+            token_grads.append(token_grad)
         if faults.drop_gradient_of is not None:
             dropped = dict(policy.named_parameters())[faults.drop_gradient_of]
             if dropped.grad is not None:
                 dropped.grad.zero_()
         param_grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in policy.named_parameters()}
+        if recorder is not None:  # where the one optimizer step is (noted once even where the fault stepped per micro-batch)
+            recorder.record_parameter_gradients(step=step_index, named_parameters=policy.named_parameters())
         if not faults.optimizer_step_per_micro_batch:
             self.optimizer.step()
         policy.eval()
-        first = selections[0]
-        metrics = {**{name: float(getattr(first, name)) for name in METRIC_FIELDS}, **{name: int(getattr(first, name)) for name in COUNT_FIELDS}}
+        metrics = selection_metrics(selections[0])
         if faults.per_micro_batch_mask:  # metrics exist per micro-batch only: the step reports none
             metrics = {}
         cpu = lambda t: t.detach().cpu()  # noqa: E731  # the record is for checks, on the host

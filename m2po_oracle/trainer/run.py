@@ -94,8 +94,12 @@ def setup_case(case: TrainerCase, *, dtype: str = "float64", dropout: float = 0.
 
 
 def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerControl | None = None, device: str = "cpu",
-             make_trainer: TrainerFactory | None = None) -> TrainerStep:
-    """``case`` through the trainer (ours, with ``control``'s faults, or ``make_trainer``'s)."""
+             make_trainer: TrainerFactory | None = None, recorder: Any = None, step_index: int | None = None) -> TrainerStep:
+    """``case`` through the trainer (ours, with ``control``'s faults, or ``make_trainer``'s).
+
+    With ``recorder`` (an ``m2po_oracle.capture.Recorder``; the built-in trainer only) the
+    step is recorded as optimizer step ``step_index`` (``GRPOTrainer.step``); the same step
+    rerun as one micro-batch, the reference of ``trainer.accumulation``, is not."""
     from m2po_oracle.trainer.grpo import TrainerConfig
 
     make_trainer = make_trainer or _builtin_trainer(control.faults if control else None)
@@ -107,7 +111,8 @@ def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerContr
     trainer = make_trainer(policy, config, behaviour=samplers, reference=versions[0])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(case.seed)
-        record = check_record(trainer.step(rollout, case.split), rollout, policy_before)
+        recording = {"recorder": recorder, "step_index": step_index} if recorder is not None else {}
+        record = check_record(trainer.step(rollout, case.split, **recording), rollout, policy_before)
         single = None
         if single_policy is not None:
             single = check_record(make_trainer(single_policy, config, behaviour=samplers, reference=versions[0]).step(rollout), rollout, policy_before)

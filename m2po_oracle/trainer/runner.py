@@ -33,7 +33,7 @@ from m2po_oracle.contract import Finding, Measurement
 from m2po_oracle.equivalence import Mismatch
 from m2po_oracle.errors import LoadError
 from m2po_oracle.errors import UsageError
-from m2po_oracle.runner import CallHealth, CapturedOutput, RunOptions, refuse_unhonoured
+from m2po_oracle.runner import CallHealth, CapturedOutput, CaptureFailed, CaptureTarget, RunOptions, refuse_unhonoured
 from m2po_oracle.trainer.cases import TrainerCase, trainer_cases
 from m2po_oracle.trainer.checks import CHECK_NAMES, check_trainer_step, trainer_checks_ran
 from m2po_oracle.trainer.controls import CONTROLS_BY_NAME
@@ -43,7 +43,9 @@ from m2po_oracle.trainer.run import TRAINER_DTYPES, TrainerFactory, TrainerStep,
 
 
 #: Options a trainer run honours (it runs in this process: no per-call timeout).
-TRAINER_HONOURS = frozenset({"dtype", "compute_dtype", "device"})
+TRAINER_HONOURS = frozenset({"dtype", "compute_dtype", "device", "capture"})
+#: The world of a trainer run, as a capture's manifest names it.
+TRAINER_TOPOLOGY = "dp=1,cp=1,tp=1"
 
 
 class TrainerRunner:
@@ -70,8 +72,11 @@ class TrainerRunner:
         if trainer is not None and not callable(trainer):
             raise LoadError(f"impl: the trainer must be a callable (a class or factory), got {type(trainer).__name__}")
         self.options = options or RunOptions()
-        refuse_unhonoured("a training step (--impl trainer)", TRAINER_HONOURS, self.options,
+        # The built-in trainer records through the capture; a trainer under test is not ours to instrument.
+        honours = TRAINER_HONOURS if trainer is None else TRAINER_HONOURS - {"capture"}
+        refuse_unhonoured("a training step (--impl trainer)", honours, self.options,
                           {"timeout": "the trainer runs in this process; no timeout can stop a step",
+                           "capture": "a custom trainer records through m2po_oracle.capture itself",
                            "adapter": "a training step is not a loss function; adapters do not apply",
                            "topology": "the trainer runs one process", "backend": "the trainer runs one process",
                            "in_process": "the trainer always runs in this process", "show_output": "the trainer's output is not captured"})
@@ -82,15 +87,34 @@ class TrainerRunner:
         self.spec = spec or (f"trainer:{control}" if control else "trainer")
         self.health = CallHealth()
         self.output = CapturedOutput()
+        # Last, so that a refused run leaves no directory behind; the recorder itself is made
+        # at the first step, so that opening a runner (the pytest plugin opens two) writes nothing.
+        self.capture = CaptureTarget.prepare(self.options.capture) if self.options.capture else None
+        self._recorder: _Recording | None = None
+
+    def _recording(self) -> _Recording | None:
+        if self.capture is None:
+            return None
+        if self._recorder is None:
+            from m2po_oracle.capture import Recorder
+
+            try:
+                self._recorder = _Recording(Recorder(self.capture.directory, rank=0, world_size=1, topology=TRAINER_TOPOLOGY))
+            except (OSError, ValueError) as error:
+                raise CaptureFailed(f"capture: cannot start recording in {self.capture.directory}: {error}") from error
+        return self._recorder
 
     def strategy(self) -> st.SearchStrategy[TrainerCase]:
         return trainer_cases(self.options.tau)
 
     def run_battery(self, case: TrainerCase) -> Any:
         dtype = self.options.dtype
+        recorder = self._recording()
+        step_index = self.capture.next_step() if self.capture is not None else None
         try:
-            step = run_case(case, dtype=dtype, control=self.control, device=self.options.device, make_trainer=self.make_trainer)
-        except Exception as error:
+            step = run_case(case, dtype=dtype, control=self.control, device=self.options.device, make_trainer=self.make_trainer,
+                            recorder=recorder, step_index=step_index)
+        except Exception as error:  # not CaptureFailed, a BaseException: a lost record stops the run
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-4)).rstrip()
             empty = Batch(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1), dtype=bool), case.tau)
             return BatteryOutcome(empty, Measurement(empty, dtype, None, Finding("raised", text)),
@@ -120,7 +144,7 @@ class TrainerRunner:
         return "trainer_case"
 
     def describe(self) -> dict[str, Any]:
-        return {}
+        return {"capture": self.capture.to_json()} if self.capture is not None else {}
 
     def start(self) -> None:
         pass
@@ -133,6 +157,27 @@ class TrainerRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Recording:
+    """The run's :class:`~m2po_oracle.capture.Recorder`, whose failures stop the run
+    (:class:`CaptureFailed`) instead of reading as the trainer's step raising."""
+
+    def __init__(self, recorder: Any) -> None:
+        self.recorder = recorder
+
+    def record(self, **record: Any) -> Any:
+        return self._call(self.recorder.record, record)
+
+    def record_parameter_gradients(self, **noted: Any) -> Any:
+        return self._call(self.recorder.record_parameter_gradients, noted)
+
+    def _call(self, write: Any, arguments: dict[str, Any]) -> Any:
+        try:
+            return write(**arguments)
+        except Exception as error:  # noqa: BLE001 - whatever stops a record (a full disk, a refused tensor) stops the run
+            where = f"step {arguments.get('step')}" + (f", micro-batch {arguments['micro_batch']}" if "micro_batch" in arguments else "")
+            raise CaptureFailed(f"capture: recording {where} in {self.recorder.directory} failed: {type(error).__name__}: {error}") from error
 
 
 def _step_summary(step: TrainerStep) -> dict[str, Any]:
