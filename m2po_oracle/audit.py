@@ -38,8 +38,8 @@ Checks per step (loss, gradient and metrics are judged on the mask the run chose
   ``kept_trust_region_count``) equals the optimizer batch's, on every rank; "not run" when
   none is logged;
 - ``audit.parameter_gradient``: no trainable parameter has an all-zero (or no) gradient on
-  every rank while the loss's gradient is not zero; "not run" when no rank noted its
-  parameters' gradient norms.
+  every rank at every recorded step where some parameter has one (one step is not evidence:
+  :func:`always_silent_parameters`); "not run" when no rank noted its parameters' gradient norms.
 
 Diagnosis of a failing step names only what it reproduces from the files (:data:`DESCRIPTIONS`):
 the selection's scope (each micro-batch, DP rank or CP shard selecting alone), the loss's
@@ -498,22 +498,53 @@ def _metrics_check(step: _Step, expected: Any) -> AuditCheck:
     return AuditCheck("audit.metrics", "pass", f"{', '.join(sorted(compared))} equal the optimizer batch's in every record")
 
 
-def _parameter_check(noted: dict[int, dict[str, Any]], expected: Any) -> AuditCheck:
+def always_silent_parameters(capture: capture_module.Capture) -> tuple[set[str], int]:
+    """The parameters with no or an all-zero gradient at every recorded step where some parameter
+    has one, and the number of such steps.
+
+    One step is not evidence: a parameter's gradient can be exactly zero at one step for good
+    reasons (an attention query or key projection when every position attends to one key).
+    A freeze or a detach on the wrong tensor silences it at every step. All the capture's
+    steps count, not only the audited ones (``--step``): the norms are in the manifests.
+    """
+    silent: set[str] | None = None
+    steps = 0
+    for step in capture.steps():
+        noted = capture.parameter_gradients(step)
+        norms: dict[str, list[Any]] = {}
+        for by_name in noted.values():
+            for name, entry in by_name.items():
+                norms.setdefault(name, []).append(entry.get("norm"))
+        if not any(n not in (None, 0.0) for values in norms.values() for n in values):
+            continue  # no gradient at all this step (nothing kept, or advantages all zero)
+        steps += 1
+        here = {name for name, values in norms.items() if all(n in (None, 0.0) for n in values)}
+        silent = here if silent is None else silent & here
+    return silent or set(), steps
+
+
+def _parameter_check(noted: dict[int, dict[str, Any]], expected: Any, silent_always: set[str], steps_with_gradient: int) -> AuditCheck:
     if not noted:
         return AuditCheck("audit.parameter_gradient", "not run", "no rank noted its parameters' gradient norms (record_parameter_gradients)")
     names = sorted({name for norms in noted.values() for name in norms})
     if not np.any(expected.grad):
         return AuditCheck("audit.parameter_gradient", "pass", f"{len(names)} parameters noted; the loss's gradient is zero at this step, "
                           f"so no parameter needs one")
-    silent = [name for name in names
-              if all((norms.get(name) or {}).get("norm") in (None, 0.0) for norms in noted.values() if name in norms)]
-    if silent:
-        none = [n for n in silent if all((noted[r].get(n) or {}).get("norm") is None for r in noted if n in noted[r])]
-        shown = ", ".join(f"{n} ({'no gradient' if n in none else 'all zero'})" for n in silent[:5])
-        more = f" and {len(silent) - 5} more" if len(silent) > 5 else ""
-        return AuditCheck("audit.parameter_gradient", "fail", f"{len(silent)} of {len(names)} trainable parameters have no or an all-zero "
-                          f"gradient on every rank while the loss's gradient is not zero: {shown}{more}")
-    return AuditCheck("audit.parameter_gradient", "pass", f"all {len(names)} trainable parameters noted by {len(noted)} rank(s) have a gradient")
+    silent_here = [name for name in names
+                   if all((norms.get(name) or {}).get("norm") in (None, 0.0) for norms in noted.values() if name in norms)]
+    frozen = [name for name in silent_here if name in silent_always]
+    if frozen:
+        none = [n for n in frozen if all((noted[r].get(n) or {}).get("norm") is None for r in noted if n in noted[r])]
+        shown = ", ".join(f"{n} ({'no gradient' if n in none else 'all zero'})" for n in frozen[:5])
+        more = f" and {len(frozen) - 5} more" if len(frozen) > 5 else ""
+        return AuditCheck("audit.parameter_gradient", "fail", f"{len(frozen)} of {len(names)} trainable parameters have no or an all-zero "
+                          f"gradient on every rank at every one of the {steps_with_gradient} recorded step(s) with a gradient: {shown}{more}")
+    passing = f"all {len(names)} trainable parameters noted by {len(noted)} rank(s) have a gradient"
+    if silent_here:
+        passing = (f"{len(names) - len(silent_here)} of {len(names)} trainable parameters have a gradient; {', '.join(silent_here[:3])}"
+                   f"{' and more' if len(silent_here) > 3 else ''} are all zero at this step but not at every step (a gradient can be "
+                   f"exactly zero at one step, e.g. attention with one key)")
+    return AuditCheck("audit.parameter_gradient", "pass", passing)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -635,7 +666,7 @@ def _forward_deviation(step: _Step) -> list[str]:
         return []
     first = [v for (dp, cp, mb), v in differs.items() if mb == 0]
     later = [v for (dp, cp, mb), v in differs.items() if mb > 0]
-    if later and not any(first) and all(later):
+    if first and later and not any(first) and all(later):
         return ["optimizer_step_per_micro_batch"]
     if all(differs.values()):
         return ["stochastic_forward"]
@@ -696,7 +727,7 @@ def _counterexample(step: _Step, audit: StepAudit, directory: str) -> dict[str, 
 # ---------------------------------------------------------------------------------------------
 
 
-def _audit_step(step: _Step, noted: dict[int, dict[str, Any]], directory: str) -> StepAudit:
+def _audit_step(step: _Step, noted: dict[int, dict[str, Any]], silent: tuple[set[str], int]) -> StepAudit:
     audit = StepAudit(step.step, "equivalent")
     algorithm = oracle.m2po(step.selection_batch, vectorised=True)
     audit.metrics = {"m2_before": algorithm.m2_before, "m2_after": algorithm.m2_after,
@@ -704,7 +735,7 @@ def _audit_step(step: _Step, noted: dict[int, dict[str, Any]], directory: str) -
     expected = oracle.evaluate_with_mask(step.batch, step.keep)
     audit.checks = [_replicas_check(step), _selection_check(step), _policy_logp_check(step), _behavior_logp_check(step),
                     _loss_check(step, expected), _gradient_check(step, expected), _metrics_check(step, expected),
-                    _parameter_check(noted, expected)]
+                    _parameter_check(noted, expected, *silent)]
     if audit.failing:
         audit.verdict = "divergent"
         audit.diagnosis = _diagnose(step, set(audit.failing), noted)
@@ -753,12 +784,13 @@ def audit_capture(directory: str | Path, *, steps: set[int] | None = None) -> Au
         report.refused = f"topology {capture.topology!r} cannot be read: {error}"
         return report
     bad_paths = {path for path, _ in problems_found}
+    silent = always_silent_parameters(capture)
     for step in capture.steps():
         if steps is not None and step not in steps:
             continue
         try:
             assembled = _assemble(step, topology, _records_of(capture, topology, step, bad_paths, problems))
-            report.steps.append(_audit_step(assembled, capture.parameter_gradients(step), str(directory)))
+            report.steps.append(_audit_step(assembled, capture.parameter_gradients(step), silent))
         except _Unusable as why:
             report.steps.append(_unusable(step, str(why)))
         except Exception as error:  # noqa: BLE001 - a capture is data: one odd step must not end the audit

@@ -122,7 +122,9 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
                                        selection_logp=sel_logp if selection_logp else None,
                                        rollout_logp=cut(rollout) if rollout_logp else None)
             if parameters:
-                norm = 0.0 if planted == "parameters_without_gradient" else 1.5
+                # A freeze is permanent: planted at every step. "zero_at_one_step" is legitimate.
+                frozen = bug == "parameters_without_gradient" or planted == "zero_at_one_step"
+                norm = 0.0 if frozen else 1.5
                 weight, embedding = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))
                 weight.grad, embedding.grad = torch.full((3,), 0.5), torch.full((4,), norm)
                 recorders[rank].record_parameter_gradients(step=step, named_parameters={"layer.weight": weight, "embed_tokens.weight": embedding})
@@ -169,7 +171,6 @@ PLANTED = [
     ("current_policy_as_behavior", World("dp=2,cp=1,tp=1"), "audit.behavior_logp", ["current_policy_as_behavior"]),
     ("stochastic_forward", World("dp=1,cp=1,tp=1", micro_batches=2), "audit.policy_logp", ["stochastic_forward"]),
     ("optimizer_step_per_micro_batch", World("dp=1,cp=1,tp=1", micro_batches=3), "audit.policy_logp", ["optimizer_step_per_micro_batch"]),
-    ("parameters_without_gradient", World("dp=2,cp=1,tp=1"), "audit.parameter_gradient", ["parameters_without_gradient"]),
 ]
 
 
@@ -184,6 +185,20 @@ def test_a_planted_bug_is_caught_by_its_check_and_named(tmp_path: Path, bug: str
     table = report.to_json()["steps"][1]["counterexample"]
     assert table["check"] == bad.failing[0] and table["replay"].endswith(f"--step 1")
     assert table["shown"] <= table["of"] and (table["tokens"] or bad.failing[0] not in ("audit.selection", "audit.gradient"))
+
+
+def test_a_parameter_silent_at_every_step_is_caught_one_silent_at_one_step_is_not(tmp_path: Path) -> None:
+    simulate(tmp_path / "frozen", World("dp=2,cp=1,tp=1"), bug="parameters_without_gradient", steps=(0, 1, 2))
+    report = audit_capture(tmp_path / "frozen")
+    for step in report.steps:
+        assert step.failing == ["audit.parameter_gradient"] and step.diagnosis == ["parameters_without_gradient"]
+        summary = next(c.summary for c in step.checks if c.name == "audit.parameter_gradient")
+        assert "embed_tokens.weight (all zero)" in summary and "every one of the 3 recorded step(s)" in summary
+    simulate(tmp_path / "once", World("dp=2,cp=1,tp=1"), bug="zero_at_one_step", steps=(0, 1, 2))
+    report = audit_capture(tmp_path / "once")
+    assert report.verdict == "equivalent"
+    summary = next(c.summary for c in report.steps[1].checks if c.name == "audit.parameter_gradient")
+    assert "embed_tokens.weight are all zero at this step but not at every step" in summary
 
 
 def test_the_selection_counterexample_lists_the_tokens_that_differ_with_their_rank(tmp_path: Path) -> None:
