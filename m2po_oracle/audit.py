@@ -632,6 +632,10 @@ def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]]) 
             else:
                 found.append(scope)
             break
+    if "audit.metrics" in failing and not any(name in found for name in _SCOPES):
+        scope = _metrics_scope(step)
+        if scope:
+            found.append(scope)
     if denominator == "dp_cp_group_double_count" or (denominator is None and step.topology.cp > 1 and _double_counted(step, failing)):
         found.append("dp_cp_group_double_count")
     elif denominator is not None:
@@ -643,6 +647,35 @@ def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]]) 
     if "audit.parameter_gradient" in failing:
         found.append("parameters_without_gradient")
     return found
+
+
+_SCOPES = ("per_micro_batch_mask", "per_rank_selection_global_n", "per_cp_chunk_selection_global_n", "local_shard_selection")
+
+
+def _metrics_scope(step: _Step) -> str | None:
+    """The scope whose regions, each run through Algorithm 1 alone, give every record's logged
+    metrics (a port that selects per micro-batch logs per-micro-batch M2, even on a step where
+    the masks happen to agree with the optimizer batch's)."""
+    tol = equivalence.tolerance(step.dtype, "metric")
+
+    def logged_as(record: _Record, alone: Any) -> list[bool]:
+        # M2 and fractions only: such a port may still divide by (and log) the optimizer batch's N.
+        return [equivalence.compare_values("diagnosis", name, record.metrics[name], getattr(alone, name), tol) is None
+                for name in ("m2_before", "m2_after", "masked_fraction") if name in record.metrics]
+
+    s = step.selection_batch
+    for scope, groups in _scope_groups(step).items():
+        if scope == "per_cp_shard":
+            continue
+        verdicts: list[bool] = []
+        for group in groups:
+            index = np.concatenate([np.arange(r.rows.start, r.rows.stop) for r in group if r.coords.cp == 0])
+            alone = oracle.m2po(Batch(s.logp[index], s.behavior_logp[index], s.advantages[index], s.valid[index], s.tau), vectorised=True)
+            places = {(r.coords.dp, r.micro_batch) for r in group}
+            verdicts += [ok for r in step.records if (r.coords.dp, r.micro_batch) in places for ok in logged_as(r, alone)]
+        if verdicts and all(verdicts):
+            return scope
+    return None
 
 
 def _double_counted(step: _Step, failing: set[str]) -> bool:
