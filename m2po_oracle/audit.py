@@ -710,50 +710,89 @@ def _forward_deviation(step: _Step) -> list[str]:
 # The worst step's token table.
 
 
-def _counterexample(step: _Step, audit: StepAudit, directory: str) -> dict[str, Any]:
-    """The tokens that show the worst step's first failing check, one row per token."""
-    check = audit.failing[0]
+#: Which failing check the worst step's table shows: the first of these that failed.
+TABLE_ORDER = ("audit.selection", "audit.behavior_logp", "audit.policy_logp", "audit.gradient", "audit.loss_sum", "audit.metrics",
+               "audit.parameter_gradient", "audit.replicas_identical")
+
+
+def _largest_first(error: np.ndarray) -> np.ndarray:
+    flat = np.flatnonzero(error)
+    flat = flat[np.argsort(-error.flat[flat], kind="stable")]
+    return np.stack(np.unravel_index(flat, error.shape), axis=1)
+
+
+def _counterexample(step: _Step, audit: StepAudit, directory: str, noted: dict[int, dict[str, Any]], silent_always: set[str]) -> dict[str, Any]:
+    """What shows the worst step's failure: one row per token (``tokens``) or per logged value (``values``)."""
+    check = next(name for name in TABLE_ORDER if name in audit.failing)
     batch, s = step.batch, step.selection_batch
     d = oracle.log_ratio(s.logp, s.behavior_logp, s.valid)
     expected_keep = oracle.m2po(s, vectorised=True).keep
     expected = oracle.evaluate_with_mask(batch, step.keep)
-    grad = np.full(batch.shape, np.nan)
+    grad, rollout = np.full(batch.shape, np.nan), np.full(batch.shape, np.nan)
     owner = np.full(batch.shape, -1, dtype=np.int64)  # index into the replica set, -1 on padding
     for index, r in enumerate(step.replica_set):
         if r.grad is not None:
             grad[r.rows, r.columns] = r.grad
+        if r.rollout_logp is not None:
+            rollout[r.rows, r.columns] = r.rollout_logp
         owner[r.rows, r.columns] = index
+    compared: tuple[str, np.ndarray, np.ndarray] | None = None
+    values: list[dict[str, Any]] = []
+    order = np.zeros((0, 2), dtype=np.int64)
     if check == "audit.selection":
-        differ = batch.valid & (step.keep != expected_keep)
         note = ("tokens whose captured keep differs from Algorithm 1's on the whole optimizer batch "
                 "(a tie at the cut may fall either way; the check allows it)")
-        order = np.argwhere(differ)
+        order = np.argwhere(batch.valid & (step.keep != expected_keep))
+    elif check in ("audit.behavior_logp", "audit.policy_logp"):
+        if check == "audit.behavior_logp":
+            compared = ("behavior_logp against rollout_logp", batch.behavior_logp, rollout)
+            note = "the tokens where the behaviour log-probs the loss used differ most from the sampler's"
+        else:
+            compared = ("logp against selection_logp", batch.logp, s.logp)
+            note = "the tokens where the loss pass's log-probs differ most from those the selection saw"
+        with np.errstate(invalid="ignore"):
+            order = _largest_first(np.where(batch.valid & np.isfinite(compared[2]), np.abs(compared[1] - compared[2]), 0.0))
     elif check in ("audit.gradient", "audit.loss_sum"):
         error = np.where(batch.valid & np.isfinite(grad), np.abs(np.nan_to_num(grad) - expected.grad), 0.0)
-        if not np.any(error):  # no gradient captured: the kept tokens with the largest terms
-            error = np.where(step.keep & batch.valid, np.abs(expected.grad), 0.0)
         note = "the tokens where the captured gradient differs most from -(1/N) keep exp(d) A with the global N"
-        flat = np.flatnonzero(error)
-        flat = flat[np.argsort(-error.flat[flat], kind="stable")]
-        order = np.stack(np.unravel_index(flat, batch.shape), axis=1)
+        if not np.any(error):
+            error = np.where(step.keep & batch.valid, np.abs(expected.grad), 0.0)
+            note = "no gradient captured: the kept tokens with the largest terms of the global loss, -(1/N) exp(d) A"
+        order = _largest_first(error)
+    elif check == "audit.metrics":
+        note = "the logged metrics that differ from the optimizer batch's"
+        for r in step.records:
+            for name in METRIC_FIELDS + COUNT_FIELDS:
+                if name in r.metrics and isinstance(r.metrics[name], (int, float)) and not isinstance(r.metrics[name], bool):
+                    want = getattr(expected, name)
+                    if not math.isclose(float(r.metrics[name]), float(want), rel_tol=1e-9, abs_tol=1e-12):
+                        values.append({"where": r.where, "name": name, "captured": _number(float(r.metrics[name])), "expected": _number(float(want))})
+    elif check == "audit.parameter_gradient":
+        note = "the trainable parameters whose gradient norm is zero (or that have no gradient) on every rank at every recorded step with a gradient"
+        for rank, norms in sorted(noted.items()):
+            for name, entry in sorted(norms.items()):
+                if entry.get("norm") in (None, 0.0) and name in silent_always:
+                    values.append({"where": f"rank {rank}", "name": name, "captured": entry.get("norm"), "expected": "a non-zero norm"})
     else:
-        differ = batch.valid & (step.keep != expected_keep)
-        note = "the valid tokens, with what Algorithm 1 keeps on the optimizer batch"
-        order = np.argwhere(differ) if differ.any() else np.argwhere(batch.valid)
-    shown = order[:COUNTEREXAMPLE_TOKENS]
+        note = "the TP replicas differ: the check's summary names the field, rank and element"
     rows = []
-    for row, column in (tuple(int(i) for i in at) for at in shown):
+    for row, column in (tuple(int(i) for i in at) for at in order[:COUNTEREXAMPLE_TOKENS]):
         record = step.replica_set[owner[row, column]] if owner[row, column] >= 0 else None
-        rows.append({
+        token = {
             "row": row, "position": column,
             "rank": record.rank if record else None, "micro_batch": record.micro_batch if record else None,
             "d": _number(float(d[row, column])), "m2": _number(float(d[row, column]) ** 2), "advantage": _number(float(batch.advantages[row, column])),
             "keep": bool(step.keep[row, column]), "algorithm_1_keeps": bool(expected_keep[row, column]),
             "grad": _number(float(grad[row, column])) if np.isfinite(grad[row, column]) else None,
             "expected_grad": _number(float(expected.grad[row, column])),
-        })
-    return {"check": check, "note": note, "tokens": rows, "shown": len(rows), "of": int(len(order)),
-            "tau": _number(float(batch.tau)), "valid_count": int(batch.valid.sum()),
+        }
+        if compared is not None:
+            token["compared"] = {"what": compared[0], "captured": _number(float(compared[1][row, column])),
+                                 "expected": _number(float(compared[2][row, column]))}
+        rows.append(token)
+    found = len(order) if not values else len(values)
+    return {"check": check, "note": note, "tokens": rows, "values": values[:COUNTEREXAMPLE_TOKENS], "shown": len(rows) or len(values[:COUNTEREXAMPLE_TOKENS]),
+            "of": int(found), "tau": _number(float(batch.tau)), "valid_count": int(batch.valid.sum()),
             "replay": shlex.join(["m2po-oracle", "audit", directory, "--step", str(step.step)])}
 
 
@@ -834,7 +873,7 @@ def audit_capture(directory: str | Path, *, steps: set[int] | None = None) -> Au
         try:
             assembled = _assemble(worst, topology, _records_of(capture, topology, worst, bad_paths, []))
             audit = next(s for s in report.steps if s.step == worst)
-            audit.counterexample = _counterexample(assembled, audit, str(directory))
+            audit.counterexample = _counterexample(assembled, audit, str(directory), capture.parameter_gradients(worst), silent[0])
         except Exception as error:  # noqa: BLE001 - the table is an aid; the verdicts stand without it
             problems.append(f"step {worst}: the counterexample table could not be built: {type(error).__name__}: {error}")
     return report

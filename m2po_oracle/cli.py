@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -447,7 +448,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 
 def _audit(args: argparse.Namespace, console: Console) -> int:
     """audit DIR: per step verdict, failing checks and diagnosis; exit 0 / 1 / 2 as compare."""
-    from m2po_oracle.audit import audit_capture
+    from m2po_oracle.audit import DESCRIPTIONS, audit_capture
 
     import shlex
 
@@ -473,6 +474,10 @@ def _audit(args: argparse.Namespace, console: Console) -> int:
         for check in step.checks:
             if check.status == "fail":
                 say(f"  [{check.name}] {check.summary}")
+        for name in step.diagnosis:
+            say(f"  {name}: {DESCRIPTIONS.get(name, '')}")
+        if step.counterexample:
+            _print_audit_table(say, step.counterexample)
         if step.verdict == "divergent":
             say(f"  replay: {shlex.join(['m2po-oracle', 'audit', str(args.directory), '--step', str(step.step)])}")
     worst = f"; worst step {report.worst_step}" if report.worst_step is not None else ""
@@ -485,6 +490,19 @@ def _audit(args: argparse.Namespace, console: Console) -> int:
 
         write_audit_html(report.to_json(), args.html)
     return report.exit_status
+
+
+def _print_audit_table(say: Any, table: dict[str, Any], rows: int = 8) -> None:
+    """The first rows of the worst step's counterexample (the HTML and the JSON have them all)."""
+    say(f"  counterexample ({table['check']}): {table['shown']} of {table['of']}: {table['note']}")
+    for t in table["tokens"][:rows]:
+        grad = "not captured" if t["grad"] is None else f"{t['grad']:.6g}"
+        compared = f", {t['compared']['what']}: {t['compared']['captured']!r} vs {t['compared']['expected']!r}" if "compared" in t else ""
+        say(f"    row {t['row']} position {t['position']} (rank {t['rank']}, micro-batch {t['micro_batch']}): d {t['d']:.6g}, "
+            f"A {t['advantage']:.6g}, keep {t['keep']} (Algorithm 1: {t['algorithm_1_keeps']}), grad {grad} "
+            f"(expected {t['expected_grad']:.6g}){compared}")
+    for value in table["values"][:rows]:
+        say(f"    {value['where']}: {value['name']} = {value['captured']!r}, expected {value['expected']!r}")
 
 
 def _selftest(args: argparse.Namespace, console: Console) -> int:
