@@ -399,6 +399,8 @@ def _replicas_check(step: _Step) -> AuditCheck:
             if (mine is None) != (theirs is None):
                 found.append(f"{record.where}: {name} is {'missing' if mine is None else 'recorded'} while its TP rank 0 (rank {twin.rank}) "
                              f"{'records' if mine is None else 'lacks'} it")
+            elif mine is not None and mine.shape != theirs.shape:
+                found.append(f"{record.where}: {name} has shape {list(mine.shape)}, its TP rank 0 (rank {twin.rank}) {list(theirs.shape)}")
             elif mine is not None and not np.array_equal(mine, theirs, equal_nan=mine.dtype != bool):
                 differ = np.argwhere(~((mine == theirs) | (np.isnan(mine) & np.isnan(theirs)) if mine.dtype != bool else mine == theirs))
                 at = tuple(int(i) for i in differ[0])

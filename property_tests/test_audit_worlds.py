@@ -319,3 +319,12 @@ def test_the_html_shows_the_worst_step_as_a_token_table_with_its_explanation(tmp
     assert len(re.findall(r"<tr class=\"divergent\">", body)) == table["shown"] > 0
     assert "each rank selects over its own CP shard without communication" in html
     assert "-0.0" not in html
+
+
+def test_tp_replicas_of_another_shape_fail_the_replica_check_naming_both_shapes(tmp_path: Path) -> None:
+    simulate(tmp_path, World("dp=1,cp=1,tp=2"), grads=False)
+    _edit_record(tmp_path, 1, 1, 0, lambda t: {name: x[:, :-1].contiguous() for name, x in t.items()})
+    bad = audit_capture(tmp_path).steps[1]
+    assert bad.verdict == "divergent" and bad.failing[0] == "audit.replicas_identical"
+    summary = next(c.summary for c in bad.checks if c.name == "audit.replicas_identical")
+    assert "rank 1 (dp=0, cp=0, tp=1) micro-batch 0: logp has shape [2, 7], its TP rank 0 (rank 0) [2, 8]" in summary
