@@ -24,7 +24,7 @@ from m2po_oracle.distributed.torchrun_runner import serve
 from m2po_oracle.runner import RunOptions
 
 #: The compare options torchrun takes (the backend follows CUDA; the world is torchrun's).
-TORCHRUN_OPTIONS = ("examples", "seed", "dtype", "compute_dtype", "tau", "timeout", "topology", "strict_validation")
+TORCHRUN_OPTIONS = ("examples", "seed", "dtype", "compute_dtype", "tau", "timeout", "topology", "strict_validation", "capture")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -162,13 +162,18 @@ def test_the_same_checks_run_under_torchrun(tmp_path):
     import sys
 
     torchrun = shutil.which("torchrun") or str(__import__("pathlib").Path(sys.executable).with_name("torchrun"))
-    report = tmp_path / "torchrun.json"
+    report, capture = tmp_path / "torchrun.json", tmp_path / "capture"
     command = [torchrun, "--standalone", "--nproc-per-node", "4", "-m", "m2po_oracle.torchrun", "--impl", "core", "--topology", "dp=2,cp=2,tp=1",
-               "--examples", "15", "--json", str(report)]
+               "--examples", "15", "--json", str(report), "--capture", str(capture)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     data = json.loads(report.read_text())
     assert data["verdict"] == "equivalent" and data["topology"]["dp"] == 2 and len(data["collectives_per_step"]) == 4
+    # Every torchrun process recorded its own rank; the audit of the files agrees with compare.
+    from m2po_oracle.audit import audit_capture
+
+    audited = audit_capture(capture)
+    assert audited.world_size == 4 and len(audited.steps) == data["capture"]["steps"] > 0 and audited.verdict == "equivalent"
     control = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "m2po_oracle.torchrun", "--impl", "control:dp_cp_group_double_count",
                               "--topology", "dp=1,cp=2,tp=1", "--examples", "30"],
                              capture_output=True, text=True, timeout=300)
