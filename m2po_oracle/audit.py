@@ -110,6 +110,7 @@ class StepAudit:
     diagnosis: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
     counterexample: dict[str, Any] | None = None
+    alternatives: dict[str, list[str]] = field(default_factory=dict)  # diagnosis name -> names identical on this step
 
     @property
     def failing(self) -> list[str]:
@@ -117,7 +118,8 @@ class StepAudit:
 
     def to_json(self) -> dict[str, Any]:
         out = {"step": self.step, "verdict": self.verdict, "checks": [c.to_json() for c in self.checks],
-               "diagnosis": list(self.diagnosis), "metrics": {k: _number(v) for k, v in self.metrics.items()}}
+               "diagnosis": list(self.diagnosis), "alternatives": dict(self.alternatives),
+               "metrics": {k: _number(v) for k, v in self.metrics.items()}}
         if self.counterexample is not None:
             out["counterexample"] = self.counterexample
         return out
@@ -149,7 +151,7 @@ class AuditReport:
         return max(divergent, key=lambda s: (len(s.failing), -s.step)).step if divergent else None
 
     def to_json(self) -> dict[str, Any]:
-        named = sorted({name for s in self.steps for name in s.diagnosis})
+        named = sorted({name for s in self.steps for name in s.diagnosis} | {n for s in self.steps for names in s.alternatives.values() for n in names})
         return {
             "schema": SCHEMA,
             "verdict": self.verdict,
@@ -601,43 +603,64 @@ def _denominators(step: _Step) -> dict[str, Callable[[_Record], float]]:
     return out
 
 
-def _distinct(step: _Step, candidates: dict[str, Callable[[_Record], float]]) -> dict[str, Callable[[_Record], float]]:
-    """Drop a candidate whose divisors equal an earlier one's on every record: the files cannot tell them apart."""
-    seen, out = [], {}
+def _distinct(step: _Step, candidates: dict[str, Callable[[_Record], float]]) -> tuple[dict[str, Callable[[_Record], float]], dict[str, list[str]]]:
+    """The candidates whose divisors differ from every earlier one's on some record, and for
+    each the later ones the files cannot tell from it (equal divisors on every record)."""
+    first_of: dict[tuple[float, ...], str] = {}
+    out: dict[str, Callable[[_Record], float]] = {}
+    twins: dict[str, list[str]] = {}
     for name, fn in candidates.items():
         values = tuple(fn(r) for r in step.replica_set)
-        if values in seen:
+        if values in first_of:
+            twins.setdefault(first_of[values], []).append(name)
             continue
-        seen.append(values)
+        first_of[values] = name
         out[name] = fn
-    return out
+    return out, twins
 
 
-def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]]) -> list[str]:
+def _logged_count(step: _Step, fn: Callable[[_Record], float]) -> bool:
+    """Every logged ``valid_count`` is ``fn``'s divisor for its record, and not the batch's N:
+    a denominator's evidence on a step whose loss cannot show it (nothing kept, or A = 0)."""
+    n = int(step.batch.valid.sum())
+    twin = {(r.coords.dp, r.coords.cp, r.micro_batch): r for r in step.replica_set}
+    logged = [(r.metrics["valid_count"], fn(twin[(r.coords.dp, r.coords.cp, r.micro_batch)])) for r in step.records if "valid_count" in r.metrics]
+    return bool(logged) and all(value == want for value, want in logged) and any(value != n for value, _ in logged)
+
+
+def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], alternatives: dict[str, list[str]]) -> list[str]:
+    """The deviations the files reproduce; ``alternatives`` gets, per name, the others that
+    reproduce this step identically (the files cannot tell them apart)."""
     found: list[str] = []
     denominator = None
+    candidates, twins = _distinct(step, _denominators(step))
+    matching: list[str] = []
     if failing & {"audit.loss_sum", "audit.gradient"}:
-        for name, fn in _distinct(step, _denominators(step)).items():
-            if name != "global" and _shares_match(step, fn):
-                denominator = name
-                break
+        matching = [name for name, fn in candidates.items() if name != "global" and _shares_match(step, fn)]
+        # Records without kept terms fit any divisor: a logged valid_count may still tell them apart.
+        logged = [name for name in matching if _logged_count(step, candidates[name])]
+        matching = logged or matching
+    elif "audit.metrics" in failing:
+        matching = [name for name, fn in candidates.items() if name != "global" and _logged_count(step, fn)]
+    if matching:
+        denominator = matching[0]
+        same = twins.get(denominator, []) + matching[1:]
+        if same:
+            alternatives[denominator] = same
+    # On a small step several scopes can reproduce one mask; one name explaining the mask and
+    # the denominator together (a CP shard alone, its own count) beats two.
+    scopes: list[str] = []
     if "audit.selection" in failing:
-        for scope, groups in _scope_groups(step).items():
-            if not all(_group_selects_alone(step, g) for g in groups):
-                continue
-            if scope == "per_cp_shard":
-                if denominator == "local_denominator":
-                    found.append("local_shard_selection")
-                    denominator = None
-                elif denominator is None:
-                    found.append("per_cp_chunk_selection_global_n")
-            else:
-                found.append(scope)
-            break
-    if "audit.metrics" in failing and not any(name in found for name in _SCOPES):
-        scope = _metrics_scope(step)
-        if scope:
-            found.append(scope)
+        scopes = [scope for scope, groups in _scope_groups(step).items() if all(_group_selects_alone(step, g) for g in groups)]
+    if not scopes and "audit.metrics" in failing:
+        scopes = _metrics_scopes(step)
+    if scopes and (denominator == "dp_cp_group_double_count" or _double_counted(step, failing)) and _doubled_selection(step):
+        scopes = []  # the doubled multiset's selection: the double count explains the mask too
+    if "per_cp_shard" in scopes and denominator == "local_denominator":
+        found.append("local_shard_selection")
+        denominator = None
+    elif scopes:
+        found.append("per_cp_chunk_selection_global_n" if scopes[0] == "per_cp_shard" else scopes[0])
     if denominator == "dp_cp_group_double_count" or (denominator is None and step.topology.cp > 1 and _double_counted(step, failing)):
         found.append("dp_cp_group_double_count")
     elif denominator is not None:
@@ -651,13 +674,11 @@ def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]]) 
     return found
 
 
-_SCOPES = ("per_micro_batch_mask", "per_rank_selection_global_n", "per_cp_chunk_selection_global_n", "local_shard_selection")
-
-
-def _metrics_scope(step: _Step) -> str | None:
-    """The scope whose regions, each run through Algorithm 1 alone, give every record's logged
+def _metrics_scopes(step: _Step) -> list[str]:
+    """The scopes whose regions, each run through Algorithm 1 alone, give every record's logged
     metrics (a port that selects per micro-batch logs per-micro-batch M2, even on a step where
-    the masks happen to agree with the optimizer batch's)."""
+    the masks happen to agree with the optimizer batch's). The narrowest region first: a CP
+    shard's metrics can equal its DP rank's by chance (the other shard all padding), not the reverse."""
     tol = equivalence.tolerance(step.dtype, "metric")
 
     def logged_as(record: _Record, alone: Any) -> list[bool]:
@@ -666,18 +687,31 @@ def _metrics_scope(step: _Step) -> str | None:
                 for name in ("m2_before", "m2_after", "masked_fraction") if name in record.metrics]
 
     s = step.selection_batch
-    for scope, groups in _scope_groups(step).items():
-        if scope == "per_cp_shard":
-            continue
+    matching = []
+    groups_by_scope = _scope_groups(step)
+    for scope in sorted(groups_by_scope, key=lambda name: name != "per_cp_shard"):
         verdicts: list[bool] = []
-        for group in groups:
+        for group in groups_by_scope[scope]:
+            if scope == "per_cp_shard":
+                r = group[0]
+                alone = oracle.m2po(r.batch(r.logp if r.selection_logp is None else r.selection_logp), vectorised=True)
+                places = {(r.coords.dp, r.coords.cp, r.micro_batch)}
+                verdicts += [ok for t in step.records if (t.coords.dp, t.coords.cp, t.micro_batch) in places for ok in logged_as(t, alone)]
+                continue
             index = np.concatenate([np.arange(r.rows.start, r.rows.stop) for r in group if r.coords.cp == 0])
             alone = oracle.m2po(Batch(s.logp[index], s.behavior_logp[index], s.advantages[index], s.valid[index], s.tau), vectorised=True)
             places = {(r.coords.dp, r.micro_batch) for r in group}
             verdicts += [ok for r in step.records if (r.coords.dp, r.micro_batch) in places for ok in logged_as(r, alone)]
         if verdicts and all(verdicts):
-            return scope
-    return None
+            matching.append(scope)
+    return matching
+
+
+def _doubled_selection(step: _Step) -> bool:
+    """The joined mask is an outcome of Algorithm 1 on the batch with every token counted cp times."""
+    s, cp = step.selection_batch, step.topology.cp
+    doubled = Batch(*(np.concatenate([a] * cp) for a in (s.logp, s.behavior_logp, s.advantages, s.valid)), s.tau)
+    return not equivalence.check_selection(doubled, np.concatenate([step.keep] * cp), step.dtype)
 
 
 def _double_counted(step: _Step, failing: set[str]) -> bool:
@@ -812,7 +846,7 @@ def _audit_step(step: _Step, noted: dict[int, dict[str, Any]], silent: tuple[set
                     _parameter_check(noted, expected, *silent)]
     if audit.failing:
         audit.verdict = "divergent"
-        audit.diagnosis = _diagnose(step, set(audit.failing), noted)
+        audit.diagnosis = _diagnose(step, set(audit.failing), noted, audit.alternatives)
     return audit
 
 

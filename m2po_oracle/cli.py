@@ -475,7 +475,8 @@ def _audit(args: argparse.Namespace, console: Console) -> int:
             if check.status == "fail":
                 say(f"  [{check.name}] {check.summary}")
         for name in step.diagnosis:
-            say(f"  {name}: {DESCRIPTIONS.get(name, '')}")
+            same = step.alternatives.get(name)
+            say(f"  {name}: {DESCRIPTIONS.get(name, '')}" + (f" (identical on this step: {', '.join(same)})" if same else ""))
         if step.counterexample:
             _print_audit_table(say, step.counterexample)
         if step.verdict == "divergent":

@@ -328,3 +328,14 @@ def test_tp_replicas_of_another_shape_fail_the_replica_check_naming_both_shapes(
     assert bad.verdict == "divergent" and bad.failing[0] == "audit.replicas_identical"
     summary = next(c.summary for c in bad.checks if c.name == "audit.replicas_identical")
     assert "rank 1 (dp=0, cp=0, tp=1) micro-batch 0: logp has shape [2, 7], its TP rank 0 (rank 0) [2, 8]" in summary
+
+
+def test_denominators_the_files_cannot_tell_apart_are_named_as_alternatives(tmp_path: Path) -> None:
+    # dp = 1: N counted on the CP shard and summed over DP is the shard's own count.
+    simulate(tmp_path / "dp1", World("dp=1,cp=2,tp=1"), bug="local_denominator")
+    bad = audit_capture(tmp_path / "dp1").steps[1]
+    assert bad.diagnosis == ["local_denominator"] and bad.alternatives == {"local_denominator": ["cp_shard_counts"]}
+    # dp = 2: they differ, and only the planted one is named.
+    simulate(tmp_path / "dp2", World("dp=2,cp=2,tp=1"), bug="local_denominator")
+    bad = audit_capture(tmp_path / "dp2").steps[1]
+    assert bad.diagnosis == ["local_denominator"] and bad.alternatives == {}
