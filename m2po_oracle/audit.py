@@ -702,7 +702,9 @@ def _metrics_scopes(step: _Step) -> list[str]:
             alone = oracle.m2po(Batch(s.logp[index], s.behavior_logp[index], s.advantages[index], s.valid[index], s.tau), vectorised=True)
             places = {(r.coords.dp, r.micro_batch) for r in group}
             verdicts += [ok for r in step.records if (r.coords.dp, r.micro_batch) in places for ok in logged_as(r, alone)]
-        if verdicts and all(verdicts):
+        # The metrics alone do not make a scope: the mask must be that scope's selection too
+        # (a port may select globally and still log per-micro-batch M2).
+        if verdicts and all(verdicts) and all(_group_selects_alone(step, g) for g in groups_by_scope[scope]):
             matching.append(scope)
     return matching
 
@@ -717,7 +719,8 @@ def _doubled_selection(step: _Step) -> bool:
 def _double_counted(step: _Step, failing: set[str]) -> bool:
     """Every logged valid_count is cp times N (the loss may be right if the port rescales it)."""
     counts = [r.metrics["valid_count"] for r in step.records if "valid_count" in r.metrics]
-    return "audit.metrics" in failing and bool(counts) and all(c == step.topology.cp * int(step.batch.valid.sum()) for c in counts)
+    return (step.topology.cp > 1 and "audit.metrics" in failing and bool(counts)
+            and all(c == step.topology.cp * int(step.batch.valid.sum()) for c in counts))
 
 
 def _behaviour_is_the_policy(step: _Step) -> bool:

@@ -89,6 +89,12 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
         metrics = {"m2_before": float(whole.m2_before), "m2_after": float(whole.m2_after), "masked_fraction": float(whole.masked_fraction),
                    "valid_count": valid_count}
         kept = keep.sum()
+        own_metrics = {}
+        if planted == "per_micro_batch_metrics":  # the global mask, but each micro-batch logs its own M2
+            for key, index in blocks.items():
+                alone = select_tokens(*_rows((logp, behavior, advantages, mask), index), tau=TAU)
+                own_metrics[key] = {**metrics, "m2_before": float(alone.m2_before), "m2_after": float(alone.m2_after),
+                                    "masked_fraction": float(alone.masked_fraction)}
         for rank in range(topology.world_size):
             coords = topology.coords(rank)
             for mb in range(k):
@@ -118,7 +124,7 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
                 loss = loss_from_selection(leaf, beh, adv, kp, denominator)
                 loss.backward()
                 recorders[rank].record(step=step, micro_batch=mb, logp=loss_logp, behavior_logp=beh, advantages=adv, mask=msk, keep=kp,
-                                       loss=loss, tau=TAU, metrics=metrics, grad=leaf.grad if grads else None,
+                                       loss=loss, tau=TAU, metrics=own_metrics.get((coords.dp, mb), metrics), grad=leaf.grad if grads else None,
                                        selection_logp=sel_logp if selection_logp else None,
                                        rollout_logp=cut(rollout) if rollout_logp else None)
             if parameters:
@@ -339,3 +345,12 @@ def test_denominators_the_files_cannot_tell_apart_are_named_as_alternatives(tmp_
     simulate(tmp_path / "dp2", World("dp=2,cp=2,tp=1"), bug="local_denominator")
     bad = audit_capture(tmp_path / "dp2").steps[1]
     assert bad.diagnosis == ["local_denominator"] and bad.alternatives == {}
+
+
+def test_per_micro_batch_metrics_over_a_global_mask_are_not_called_a_per_micro_batch_mask(tmp_path: Path) -> None:
+    simulate(tmp_path, World("dp=1,cp=1,tp=1", micro_batches=3), bug="per_micro_batch_metrics")
+    bad = audit_capture(tmp_path).steps[1]
+    assert bad.failing == ["audit.metrics"] and bad.diagnosis == [], (bad.diagnosis, bad.failing)
+    # The same metrics over masks each micro-batch selected alone: that is the scope deviation.
+    simulate(tmp_path / "scoped", World("dp=1,cp=1,tp=1", micro_batches=3), bug="per_micro_batch_mask")
+    assert audit_capture(tmp_path / "scoped").steps[1].diagnosis == ["per_micro_batch_mask"]
