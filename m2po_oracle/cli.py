@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also compare distributed selection on a gloo world of this many ranks (tokens per rank: the largest --sizes)")
     bench.add_argument("--json", type=Path, default=None)
     bench.add_argument("--html", type=Path, default=None)
+    bench.add_argument("--audit", action="store_true",
+                       help="instead: time the offline audit (audit_capture) of one synthetic dp=4 x 2 micro-batch step, correct and with a planted bug")
+    bench.add_argument("--tokens", type=options._positive_int, default=1 << 24, help="with --audit: tokens of that step (default 16,777,216)")
 
     audit = commands.add_parser("audit", help="audit a capture of a training run (m2po_oracle.capture) against Algorithm 1, step by step")
     audit.add_argument("directory", type=Path, help="the capture directory (manifest.rank-*.json)")
@@ -395,6 +398,10 @@ def _print_output(console: Console, report, every_line: bool = False) -> None:
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
+    if args.audit:
+        from m2po_oracle.bench_audit import main_audit
+
+        return main_audit(args, console)
     import torch
 
     from m2po_oracle.bench import render_bench_html, run_bench

@@ -18,6 +18,7 @@ import math
 import dataclasses
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import cached_property
 
 import numpy as np
 
@@ -135,45 +136,59 @@ def _exact_decision(sorted_d: np.ndarray, k: int, tau: float, fmt: FloatFormat) 
 class SelectionBounds:
     """The outcomes Algorithm 1 can produce for one batch and compute dtype."""
 
-    order: np.ndarray  # flat candidate indices, M2 ascending
     sorted_m2: np.ndarray
     prefix_means: np.ndarray
     band: np.ndarray  # rounding band of each prefix-mean decision
     k_min: int  # fewest candidates Algorithm 1 may keep
     k_max: int  # most candidates Algorithm 1 may keep
     tie_rtol: float
+    m2: np.ndarray = dataclasses.field(repr=False)  # every token's M2 (0 on padding)
+    trust: np.ndarray = dataclasses.field(repr=False)  # the candidates
+
+    @cached_property
+    def order(self) -> np.ndarray:
+        """Flat candidate indices, M2 ascending (ties by descending index): computed on first
+        use only, since a full index sort of millions of candidates costs seconds and the
+        checks need the sorted values alone."""
+        return oracle.sorted_candidates(self.m2, self.trust)
 
 
 _EXACT_CHECK_LIMIT = 20_000  # candidates; beyond this an ambiguous decision stays ambiguous
 
 
 def selection_bounds(batch: Batch, compute_dtype: str = "float64") -> SelectionBounds:
+    d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
+    return _selection_bounds(batch, d, oracle.trust_region(d, batch.advantages, batch.valid), compute_dtype)
+
+
+def _selection_bounds(batch: Batch, d: np.ndarray, trust: np.ndarray, compute_dtype: str) -> SelectionBounds:
     fmt = FORMATS[compute_dtype]
     u = fmt.unit_roundoff
-    d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
     m2 = oracle.second_moment(d)
-    trust = oracle.trust_region(d, batch.advantages, batch.valid)
-    order = oracle.sorted_candidates(m2, trust)
-    sorted_m2 = m2.ravel()[order]
+    sorted_m2 = np.sort(m2[trust])  # = m2.ravel()[order]: equal values are equal whatever their order
     means = oracle.prefix_means(sorted_m2)
-    k = np.arange(1, means.size + 1)
     # Rounding of d, of d^2, of a k-term sum and of the division, with a factor 2 to spare,
-    # plus the rounding of tau itself; in float64 this is ~1e-16 * k relative.
-    band = 2.0 * (k + 3) * u * np.abs(means) + 2.0 * u * batch.tau
+    # plus the rounding of tau itself; in float64 this is ~1e-16 * k relative. Computed as
+    # 2.0 * (k + 3) * u * |P_k| + 2.0 * u * tau, operation by operation, in place.
+    band = np.multiply(2.0, np.arange(4, means.size + 4))
+    band *= u
+    band *= np.abs(means)
+    band += 2.0 * u * batch.tau
     tau = batch.tau
     with np.errstate(invalid="ignore"):
         keep_clear = means <= tau - band
         remove_clear = means > tau + band
     ambiguous = np.flatnonzero(~keep_clear & ~remove_clear)
     if 0 < ambiguous.size <= 16 and means.size <= _EXACT_CHECK_LIMIT:
-        sorted_d = d.ravel()[order]
+        sorted_d = d.ravel()[oracle.sorted_candidates(m2, trust)]
         for i in ambiguous:
             decided = _exact_decision(sorted_d, int(i) + 1, tau, fmt)
             if decided is not None:
                 keep_clear[i], remove_clear[i] = decided, not decided
     k_min = int(np.argmin(keep_clear)) if not keep_clear.all() else int(means.size)
     k_max = int(np.argmax(remove_clear)) if remove_clear.any() else int(means.size)
-    return SelectionBounds(order, sorted_m2, means, band, k_min, max(k_min, k_max), tie_rtol=4.0 * u if compute_dtype != "float64" else 0.0)
+    return SelectionBounds(sorted_m2, means, band, k_min, max(k_min, k_max), tie_rtol=4.0 * u if compute_dtype != "float64" else 0.0,
+                           m2=m2, trust=trust)
 
 
 def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -193,12 +208,17 @@ def check_selection(batch: Batch, keep: np.ndarray, compute_dtype: str = "float6
     if masked_outside.any():
         found.append(_count_mismatch("selection.only_trust_region_masked", "tokens outside the trust region were masked", masked_outside, keep, valid))
 
-    bounds = selection_bounds(batch, compute_dtype)
-    kept_flat = keep.ravel()[bounds.order]
-    kept_count = int(kept_flat.sum())
-    candidates = int(bounds.order.size)
+    bounds = _selection_bounds(batch, d, trust, compute_dtype)
+    # The candidates in flat index order; no index sort is needed: the properties below
+    # depend on the M2 values alone, and "first in M2 order among equal values" is the
+    # highest flat index (sorted_candidates' tie order).
+    candidate_index = np.flatnonzero(trust)
+    candidate_m2 = bounds.m2.ravel()[candidate_index]
+    kept_flat = keep.ravel()[candidate_index]
+    kept_count = int(np.count_nonzero(kept_flat))
+    candidates = int(candidate_index.size)
     if kept_count > bounds.k_max:
-        mean_kept = float(np.mean(bounds.sorted_m2[kept_flat])) if kept_count else 0.0
+        mean_kept = float(np.mean(np.sort(candidate_m2[kept_flat]))) if kept_count else 0.0  # in M2 order, as summed before
         found.append(Mismatch(
             "selection.budget",
             f"kept {kept_count} of {candidates} trust-region tokens; Algorithm 1 keeps at most {bounds.k_max}: "
@@ -214,11 +234,13 @@ def check_selection(batch: Batch, keep: np.ndarray, compute_dtype: str = "float6
             field="keep", actual=kept_count, expected=_range(bounds),
         ))
     if 0 < kept_count < candidates:
-        kept_m2 = bounds.sorted_m2[kept_flat]
-        removed_m2 = bounds.sorted_m2[~kept_flat]
+        kept_m2 = candidate_m2[kept_flat]
+        removed_m2 = candidate_m2[~kept_flat]
         if kept_m2.max() > removed_m2.min() * (1.0 + bounds.tie_rtol):
-            kept_at = bounds.order[kept_flat][np.argmax(kept_m2)]
-            removed_at = bounds.order[~kept_flat][np.argmin(removed_m2)]
+            # The first largest kept and the first smallest removed in M2 order: among equal
+            # values, the highest index.
+            kept_at = candidate_index[kept_flat][np.flatnonzero(kept_m2 == kept_m2.max())[-1]]
+            removed_at = candidate_index[~kept_flat][np.flatnonzero(removed_m2 == removed_m2.min())[-1]]
             found.append(Mismatch(
                 "selection.largest_removed_first",
                 f"kept trust-region token at {_index(kept_at, keep.shape)} with M2 {float(kept_m2.max())!r} while removing "
@@ -264,9 +286,21 @@ def compare_values(check: str, name: str, actual: np.ndarray | float, expected: 
     expected_array = np.asarray(expected, dtype=np.float64)
     if actual_array.shape != expected_array.shape:
         return Mismatch(check, f"{name}: shape {actual_array.shape} differs from expected {expected_array.shape}", field=name)
+    allowance_array = np.asarray(allowance, dtype=np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
-        allowed = tol.atol + tol.rtol * np.maximum(np.abs(expected_array), scale) + np.asarray(allowance, dtype=np.float64)
-        difference = np.abs(actual_array - expected_array)
+        if expected_array.ndim and allowance_array.shape in ((), expected_array.shape):
+            # atol + rtol * max(|expected|, scale) + allowance, operation by operation, in
+            # place: two arrays of the input's size instead of six (millions of tokens).
+            allowed = np.abs(expected_array)
+            np.maximum(allowed, scale, out=allowed)
+            np.multiply(tol.rtol, allowed, out=allowed)
+            np.add(tol.atol, allowed, out=allowed)
+            allowed += allowance_array
+            difference = np.subtract(actual_array, expected_array)
+            np.abs(difference, out=difference)
+        else:
+            allowed = tol.atol + tol.rtol * np.maximum(np.abs(expected_array), scale) + allowance_array
+            difference = np.abs(actual_array - expected_array)
         bad = ~(difference <= allowed)  # NaN counts as a mismatch
     if not bad.any():
         return None
@@ -306,8 +340,18 @@ def exp_rounding(batch: Batch, expected_grad: np.ndarray, dtype: str) -> np.ndar
     |d| near 50 in bfloat16 is tens of percent (a factor 2 to spare)."""
     u = FORMATS[dtype].unit_roundoff
     d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
+    if np.shape(expected_grad) != d.shape:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.nan_to_num(2.0 * u * (np.abs(d) + 1.0) * np.abs(expected_grad), nan=0.0, posinf=np.inf)
     with np.errstate(over="ignore", invalid="ignore"):
-        return np.nan_to_num(2.0 * u * (np.abs(d) + 1.0) * np.abs(expected_grad), nan=0.0, posinf=np.inf)
+        # 2u (|d| + 1) |g| in that order, in place (one array of the batch's size, not five);
+        # NaN (0 * inf) becomes 0, inf stays (-inf cannot occur: every factor is >= 0).
+        allowance = np.abs(d, out=d)
+        allowance += 1.0
+        np.multiply(2.0 * u, allowance, out=allowance)
+        allowance *= np.abs(expected_grad)
+    allowance[np.isnan(allowance)] = 0.0
+    return allowance
 
 
 def m2_rounding(batch: Batch, keep: np.ndarray, dtype: str) -> dict[str, float]:
@@ -318,14 +362,17 @@ def m2_rounding(batch: Batch, keep: np.ndarray, dtype: str) -> dict[str, float]:
         return {}
     u = FORMATS[dtype].unit_roundoff
     valid = batch.valid
-    with np.errstate(over="ignore", invalid="ignore"):
-        lost = 2.0 * u * (np.abs(np.where(valid, batch.logp, 0.0)) + np.abs(np.where(valid, batch.behavior_logp, 0.0)))
-        d = oracle.log_ratio(batch.logp, batch.behavior_logp, valid)
-        error = np.nan_to_num(lost * (2.0 * np.abs(d) + lost), nan=np.inf)
+    d = oracle.log_ratio(batch.logp, batch.behavior_logp, valid)
     trust = oracle.trust_region(d, batch.advantages, valid)
-    kept = trust & keep
-    mean = lambda where: float(error[where].mean()) if where.any() else 0.0  # noqa: E731
-    return {"m2_before": mean(trust), "m2_after": mean(kept)}
+    # Only trust-region tokens (all valid) enter the means: the error of those alone, in
+    # flat order, element for element the values the full-size arrays would hold there.
+    logp, behavior, d = batch.logp[trust], batch.behavior_logp[trust], d[trust]
+    with np.errstate(over="ignore", invalid="ignore"):
+        lost = 2.0 * u * (np.abs(logp) + np.abs(behavior))
+        error = np.nan_to_num(lost * (2.0 * np.abs(d) + lost), nan=np.inf)
+    kept = keep[trust]
+    mean = lambda values: float(values.mean()) if values.size else 0.0  # noqa: E731
+    return {"m2_before": mean(error), "m2_after": mean(error[kept])}
 
 
 def compare_fields(batch: Batch, actual: M2POResult, expected: M2POResult, dtype: str, compute_dtype: str | None = None,

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from m2po_oracle.batch import Batch
+from m2po_oracle.exactsum import fsum
 from m2po_oracle.record import M2POResult
 
 
@@ -19,7 +20,11 @@ from m2po_oracle.record import M2POResult
 def log_ratio(logp: np.ndarray, behavior_logp: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """d = log r = logp - behavior_logp on valid tokens, 0 on padding."""
     with np.errstate(invalid="ignore", over="ignore"):
-        return np.where(valid, logp - behavior_logp, 0.0)
+        d = np.subtract(logp, behavior_logp)
+    if d.shape != np.shape(valid) or d.dtype.kind != "f":
+        return np.where(valid, d, 0.0)
+    np.copyto(d, 0.0, where=np.logical_not(valid))  # in place: one array of the batch's size, not two
+    return d
 
 
 def second_moment(d: np.ndarray) -> np.ndarray:
@@ -30,9 +35,10 @@ def second_moment(d: np.ndarray) -> np.ndarray:
 
 # Step 2: trust-region (candidate) tokens: PPO's active clipping quadrants.
 def trust_region(d: np.ndarray, advantages: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """T = valid & ((A > 0 & d > 0) | (A < 0 & d < 0)); A == 0 or d == 0 is never a candidate."""
-    a = np.where(valid, advantages, 0.0)
-    return valid & (((a > 0) & (d > 0)) | ((a < 0) & (d < 0)))
+    """T = valid & ((A > 0 & d > 0) | (A < 0 & d < 0)); A == 0 or d == 0 is never a candidate.
+    (Padding values of A, NaN included, never matter: ``valid &`` drops those positions.)"""
+    with np.errstate(invalid="ignore"):
+        return valid & (((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
 
 
 # Step 3: selection, literally: remove the largest M2 while the remaining mean exceeds tau.
@@ -98,33 +104,62 @@ def sorted_candidates(m2: np.ndarray, trust: np.ndarray) -> np.ndarray:
 def prefix_means(sorted_m2: np.ndarray) -> np.ndarray:
     """P_k = mean of the k smallest candidate M2, k = 1..n (non-decreasing)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        return np.cumsum(sorted_m2) / np.arange(1, sorted_m2.size + 1)
+        sums = np.cumsum(sorted_m2)
+        # k < 2^53: the float64 counts are exactly the integers; in place for float64 sums.
+        return np.divide(sums, np.arange(1, sorted_m2.size + 1, dtype=np.float64), out=sums if sums.dtype == np.float64 else None)
 
 
 def select_sorted(m2: np.ndarray, trust: np.ndarray, tau: float) -> np.ndarray:
-    """Vectorised selection: keep the k* = #{k : P_k <= tau} smallest candidates."""
-    order = sorted_candidates(m2, trust)
-    kept_count = int(np.count_nonzero(prefix_means(m2.ravel()[order]) <= tau))
+    """Vectorised selection: keep the k* = #{k : P_k <= tau} smallest candidates.
+
+    The same mask as removing ``sorted_candidates(m2, trust)[k*:]``, without ordering the
+    candidates: only their M2 values are sorted (the prefix means depend on nothing else),
+    then everything above the k*-th value is removed and, among the candidates equal to it,
+    the lowest indices (which ``sorted_candidates`` puts last among ties).
+    """
+    candidates = np.flatnonzero(trust)
+    values = m2.ravel()[candidates]
+    sorted_m2 = np.sort(values)
+    kept_count = int(np.count_nonzero(prefix_means(sorted_m2) <= tau))
     masked = np.zeros(m2.size, dtype=bool)
-    masked[order[kept_count:]] = True
+    masked[candidates[removed_beyond(values, sorted_m2, kept_count)]] = True
     return masked.reshape(m2.shape)
+
+
+def removed_beyond(values: np.ndarray, sorted_values: np.ndarray, kept_count: int) -> np.ndarray:
+    """Which of ``values`` (candidate M2 in flat index order; ``sorted_values`` the same,
+    ascending) are not among the first ``kept_count`` in :func:`sorted_candidates` order
+    (M2 ascending, equal M2 by descending index)."""
+    if kept_count >= values.size:
+        return np.zeros(values.size, dtype=bool)
+    cut = sorted_values[kept_count]  # the smallest removed value
+    removed = values > cut
+    tied = np.flatnonzero(values == cut)  # ascending index
+    kept_tied = kept_count - int(np.searchsorted(sorted_values, cut, side="left"))
+    removed[tied[: tied.size - kept_tied]] = True
+    return removed
 
 
 # Objective: loss = -(1/N) sum keep * exp(d) * A, N = valid count before masking.
 def objective(d: np.ndarray, advantages: np.ndarray, keep: np.ndarray, valid_count: int) -> float:
     if valid_count == 0:
         return 0.0
+    keep, d, advantages = np.broadcast_arrays(np.asarray(keep, dtype=bool), d, advantages)
     with np.errstate(over="ignore", invalid="ignore"):
-        terms = np.where(keep, np.exp(np.where(keep, d, 0.0)) * np.where(keep, advantages, 0.0), 0.0)
-    return -math.fsum(terms.ravel()) / valid_count
+        terms = np.exp(d[keep]) * advantages[keep]  # the kept tokens' terms: padding is never read
+    return -fsum(terms) / valid_count
 
 
 def gradient(d: np.ndarray, advantages: np.ndarray, keep: np.ndarray, valid_count: int) -> np.ndarray:
     """d loss / d logp = -(1/N) * keep * exp(d) * A; exactly 0 on masked and invalid tokens."""
     if valid_count == 0:
         return np.zeros(d.shape)
+    keep, d, advantages = np.broadcast_arrays(np.asarray(keep, dtype=bool), d, advantages)
     with np.errstate(over="ignore", invalid="ignore"):
-        return np.where(keep, -np.exp(np.where(keep, d, 0.0)) * np.where(keep, advantages, 0.0) / valid_count, 0.0)
+        kept = -np.exp(d[keep]) * advantages[keep] / valid_count
+    grad = np.zeros(keep.shape, dtype=kept.dtype)
+    grad[keep] = kept
+    return grad
 
 
 def metrics(m2: np.ndarray, trust: np.ndarray, keep: np.ndarray, valid: np.ndarray) -> dict[str, float | int]:
@@ -136,8 +171,8 @@ def metrics(m2: np.ndarray, trust: np.ndarray, keep: np.ndarray, valid: np.ndarr
     kept_trust_count = int(kept_trust.sum())
     masked_count = int((valid & ~keep).sum())
     return {
-        "m2_before": math.fsum(m2[trust]) / trust_count if trust_count else 0.0,
-        "m2_after": math.fsum(m2[kept_trust]) / kept_trust_count if kept_trust_count else 0.0,
+        "m2_before": fsum(m2[trust]) / trust_count if trust_count else 0.0,
+        "m2_after": fsum(m2[kept_trust]) / kept_trust_count if kept_trust_count else 0.0,
         "masked_fraction": masked_count / valid_count if valid_count else 0.0,
         "trust_region_fraction": trust_count / valid_count if valid_count else 0.0,
         "valid_count": valid_count,

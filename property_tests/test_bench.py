@@ -27,6 +27,24 @@ def test_bench_html_escapes_and_renders_a_single_size():
     assert "&lt;script&gt;" in html and "<script>" not in html
 
 
-@pytest.mark.parametrize("argv", [["bench", "--sizes", "x"], ["bench", "--sizes", "40"], ["bench", "--device", "cuda:9"]])
+def test_bench_audit_times_a_correct_and_a_planted_capture_in_fresh_processes(tmp_path):
+    path = tmp_path / "audit.json"
+    assert main(["bench", "--audit", "--tokens", "65536", "--json", str(path)]) == EXIT_EQUIVALENT
+    record = json.loads(path.read_text())
+    assert record["schema"] == "m2po-oracle/bench-audit/1" and record["target"] == {"wall_s": 30.0, "peak_rss_bytes": 4 << 30}
+    step = record["step"]
+    assert (step["dp"], step["micro_batches"], step["T"], step["tokens"]) == (4, 2, 4096, 65536)
+    assert 0 < step["kept_trust_region_count"] < step["trust_region_count"] < step["valid_count"] < step["tokens"]  # it masks; ~10 % padding
+    assert step["planted_micro_batch"]["tokens_changed"] > 0
+    cases = {c["case"]: c for c in record["cases"]}
+    assert (cases["correct"]["verdict"], cases["planted"]["verdict"]) == ("equivalent", "divergent")
+    assert "audit.selection" in cases["planted"]["steps"][0]["failing"]  # one micro-batch alone: no scope diagnosis fits every block
+    for case in cases.values():
+        assert case["as_expected"] and case["wall_s"] > 0 and case["disk_bytes"] > 65536 * 4 * 4
+        assert case["peak_rss_bytes"] >= case["rss_after_imports_bytes"] > 0 and isinstance(case["within_target"], bool)
+
+
+@pytest.mark.parametrize("argv", [["bench", "--sizes", "x"], ["bench", "--sizes", "40"], ["bench", "--device", "cuda:9"],
+                                  ["bench", "--audit", "--tokens", "4"]])
 def test_bench_bad_arguments_exit_2(argv):
     assert main(argv) == EXIT_UNUSABLE

@@ -17,6 +17,7 @@ from m2po_oracle.equivalence import (
     compare_values,
     format_mismatches,
     representable,
+    selection_bounds,
     tolerance,
 )
 from m2po_oracle import oracle
@@ -134,3 +135,14 @@ def test_tolerance_lookup_names_what_is_known():
     with pytest.raises(ValueError, match="tolerance: no entry for dtype 'int8'"):
         tolerance("int8", "loss")
     assert tolerance("float32", "gradient").rtol > tolerance("float64", "gradient").rtol
+
+
+def test_selection_bounds_sort_values_and_order_candidates_only_on_demand():
+    rng = np.random.default_rng(0)
+    d = rng.choice([-0.5, -0.25, 0.125, 0.25, 0.5], size=(6, 40))
+    batch = Batch(d - 1.0, np.full(d.shape, -1.0), np.where(rng.random(d.shape) < 0.5, 1.0, -1.0), rng.random(d.shape) < 0.9, 0.0625)
+    bounds = selection_bounds(batch)
+    m2 = oracle.second_moment(oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid))
+    trust = oracle.trust_region(oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid), batch.advantages, batch.valid)
+    assert np.array_equal(bounds.order, oracle.sorted_candidates(m2, trust))
+    assert np.array_equal(bounds.sorted_m2, m2.ravel()[bounds.order])

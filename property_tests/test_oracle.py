@@ -40,6 +40,21 @@ def test_loop_equals_vectorised(batch):
         assert check_selection(batch, batch.valid & ~loop) == []
 
 
+@given(st.lists(st.sampled_from([0.0, 0.0625, 0.125, 0.25, 0.5, 1.0]), min_size=1, max_size=60), st.integers(0, 2**32 - 1),
+       st.sampled_from([0.0, 0.01, 0.04, 0.0625, 0.25]))
+def test_select_sorted_is_the_cut_of_sorted_candidates_ties_included(levels, seed, tau):
+    """select_sorted sorts values only; it must remove exactly sorted_candidates(m2, trust)[k*:]
+    (M2 ascending, equal M2 by descending index), however many ties sit at the cut."""
+    rng = np.random.default_rng(seed)
+    m2 = np.array(levels) ** 2
+    trust = rng.random(m2.size) < 0.8
+    order = oracle.sorted_candidates(m2, trust)
+    kept_count = int(np.count_nonzero(oracle.prefix_means(m2[order]) <= tau))
+    expected = np.zeros(m2.size, dtype=bool)
+    expected[order[kept_count:]] = True
+    assert np.array_equal(oracle.select_sorted(m2, trust, tau), expected)
+
+
 @given(strategies.batches())
 def test_loop_output_is_admissible(batch):
     result = oracle.m2po(batch)
