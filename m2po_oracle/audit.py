@@ -193,7 +193,7 @@ class _Record:
     metrics: dict[str, Any]
     dtype: str
     rows: slice = field(default_factory=lambda: slice(0, 0))
-    columns: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    columns: np.ndarray | slice = field(default_factory=lambda: slice(0, 0))
 
     @property
     def where(self) -> str:
@@ -299,15 +299,19 @@ def _assemble(step: int, topology: Topology, records: list[_Record]) -> _Step:
             widths[(dp, mb)] = width * cp
             start += rows
     width = max(widths.values(), default=0)
-    logp, behavior, advantages, selection = (np.zeros((start, width)) for _ in range(4))
+    separate_selection = any(r.selection_logp is not None for r in replica_set)
+    logp, behavior, advantages = (np.zeros((start, width)) for _ in range(3))
+    selection = np.zeros((start, width)) if separate_selection else logp  # no prepass recorded: the same array
     valid, keep = np.zeros((start, width), bool), np.zeros((start, width), bool)
     for record in replica_set:
         key = (record.coords.dp, record.micro_batch)
         record.rows = blocks[key]
-        record.columns = cp_token_indices(widths[key], cp, record.coords.cp)
+        # A slice where it can be one: a fancy-index scatter of 16M float64 costs 0.3-0.6 s, a slice 0.02 s.
+        record.columns = slice(0, widths[key]) if cp == 1 else cp_token_indices(widths[key], cp, record.coords.cp)
         at = (record.rows, record.columns)
-        sources = ((logp, record.logp), (behavior, record.behavior_logp), (advantages, record.advantages), (valid, record.mask),
-                   (keep, record.keep), (selection, record.logp if record.selection_logp is None else record.selection_logp))
+        sources = [(logp, record.logp), (behavior, record.behavior_logp), (advantages, record.advantages), (valid, record.mask), (keep, record.keep)]
+        if separate_selection:
+            sources.append((selection, record.logp if record.selection_logp is None else record.selection_logp))
         for target, source in sources:
             target[at] = source
     for record in records:  # TP replicas sit where their TP rank 0 sits
@@ -681,9 +685,9 @@ def _metrics_scopes(step: _Step) -> list[str]:
     shard's metrics can equal its DP rank's by chance (the other shard all padding), not the reverse."""
     tol = equivalence.tolerance(step.dtype, "metric")
 
-    def logged_as(record: _Record, alone: Any) -> list[bool]:
+    def logged_as(record: _Record, alone: dict[str, Any]) -> list[bool]:
         # M2 and fractions only: such a port may still divide by (and log) the optimizer batch's N.
-        return [equivalence.compare_values("diagnosis", name, record.metrics[name], getattr(alone, name), tol) is None
+        return [equivalence.compare_values("diagnosis", name, record.metrics[name], alone[name], tol) is None
                 for name in ("m2_before", "m2_after", "masked_fraction") if name in record.metrics]
 
     s = step.selection_batch
@@ -694,12 +698,12 @@ def _metrics_scopes(step: _Step) -> list[str]:
         for group in groups_by_scope[scope]:
             if scope == "per_cp_shard":
                 r = group[0]
-                alone = oracle.m2po(r.batch(r.logp if r.selection_logp is None else r.selection_logp), vectorised=True)
+                alone = _algorithm_1(r.batch(r.logp if r.selection_logp is None else r.selection_logp))
                 places = {(r.coords.dp, r.coords.cp, r.micro_batch)}
                 verdicts += [ok for t in step.records if (t.coords.dp, t.coords.cp, t.micro_batch) in places for ok in logged_as(t, alone)]
                 continue
             index = np.concatenate([np.arange(r.rows.start, r.rows.stop) for r in group if r.coords.cp == 0])
-            alone = oracle.m2po(Batch(s.logp[index], s.behavior_logp[index], s.advantages[index], s.valid[index], s.tau), vectorised=True)
+            alone = _algorithm_1(Batch(s.logp[index], s.behavior_logp[index], s.advantages[index], s.valid[index], s.tau))
             places = {(r.coords.dp, r.micro_batch) for r in group}
             verdicts += [ok for r in step.records if (r.coords.dp, r.micro_batch) in places for ok in logged_as(r, alone)]
         # The metrics alone do not make a scope: the mask must be that scope's selection too
@@ -765,7 +769,7 @@ def _counterexample(step: _Step, audit: StepAudit, directory: str, noted: dict[i
     check = next(name for name in TABLE_ORDER if name in audit.failing)
     batch, s = step.batch, step.selection_batch
     d = oracle.log_ratio(s.logp, s.behavior_logp, s.valid)
-    expected_keep = oracle.m2po(s, vectorised=True).keep
+    expected_keep = _algorithm_1(s)["keep"]
     expected = oracle.evaluate_with_mask(batch, step.keep)
     grad, rollout = np.full(batch.shape, np.nan), np.full(batch.shape, np.nan)
     owner = np.full(batch.shape, -1, dtype=np.int64)  # index into the replica set, -1 on padding
@@ -838,11 +842,21 @@ def _counterexample(step: _Step, audit: StepAudit, directory: str, noted: dict[i
 # ---------------------------------------------------------------------------------------------
 
 
+def _algorithm_1(batch: Batch) -> dict[str, Any]:
+    """Algorithm 1's keep and metrics on ``batch`` (``oracle.m2po`` without its loss and gradient,
+    which cost half its time at 16M tokens and are not needed here)."""
+    d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
+    m2 = oracle.second_moment(d)
+    trust = oracle.trust_region(d, batch.advantages, batch.valid)
+    keep = batch.valid & ~oracle.select_sorted(m2, trust, batch.tau)
+    return {"keep": keep, **oracle.metrics(m2, trust, keep, batch.valid)}
+
+
 def _audit_step(step: _Step, noted: dict[int, dict[str, Any]], silent: tuple[set[str], int]) -> StepAudit:
     audit = StepAudit(step.step, "equivalent")
-    algorithm = oracle.m2po(step.selection_batch, vectorised=True)
-    audit.metrics = {"m2_before": algorithm.m2_before, "m2_after": algorithm.m2_after,
-                     "masked_fraction": algorithm.masked_fraction, "tau": step.batch.tau}
+    algorithm = _algorithm_1(step.selection_batch)
+    audit.metrics = {"m2_before": algorithm["m2_before"], "m2_after": algorithm["m2_after"],
+                     "masked_fraction": algorithm["masked_fraction"], "tau": step.batch.tau}
     expected = oracle.evaluate_with_mask(step.batch, step.keep)
     audit.checks = [_replicas_check(step), _selection_check(step), _policy_logp_check(step), _behavior_logp_check(step),
                     _loss_check(step, expected), _gradient_check(step, expected), _metrics_check(step, expected),
@@ -896,23 +910,32 @@ def audit_capture(directory: str | Path, *, steps: set[int] | None = None) -> Au
         return report
     bad_paths = {path for path, _ in problems_found}
     silent = always_silent_parameters(capture)
+    worst: StepAudit | None = None  # as AuditReport.worst_step: most failing checks, the earliest among equals
     for step in capture.steps():
         if steps is not None and step not in steps:
             continue
         try:
             assembled = _assemble(step, topology, _records_of(capture, topology, step, bad_paths, problems))
-            report.steps.append(_audit_step(assembled, capture.parameter_gradients(step), silent))
+            audit = _audit_step(assembled, capture.parameter_gradients(step), silent)
+            report.steps.append(audit)
+            if audit.verdict == "divergent" and (worst is None or len(audit.failing) > len(worst.failing)):
+                # Built while the step's arrays are in memory (not re-read at the end); a later,
+                # worse step replaces it, at most once per number of failing checks.
+                _attach_counterexample(report, worst, audit, assembled, str(directory), capture.parameter_gradients(step), silent[0])
+                worst = audit
         except _Unusable as why:
             report.steps.append(_unusable(step, str(why)))
         except Exception as error:  # noqa: BLE001 - a capture is data: one odd step must not end the audit
             report.steps.append(_unusable(step, f"could not be audited: {type(error).__name__}: {error}"))
-    worst = report.worst_step
-    if worst is not None:
-        # Reassembled once more, for the worst step only: the token table is not worth keeping every step's arrays.
-        try:
-            assembled = _assemble(worst, topology, _records_of(capture, topology, worst, bad_paths, []))
-            audit = next(s for s in report.steps if s.step == worst)
-            audit.counterexample = _counterexample(assembled, audit, str(directory), capture.parameter_gradients(worst), silent[0])
-        except Exception as error:  # noqa: BLE001 - the table is an aid; the verdicts stand without it
-            problems.append(f"step {worst}: the counterexample table could not be built: {type(error).__name__}: {error}")
     return report
+
+
+def _attach_counterexample(report: AuditReport, displaced: StepAudit | None, audit: StepAudit, step: _Step, directory: str,
+                           noted: dict[int, dict[str, Any]], silent_always: set[str]) -> None:
+    """The worst step so far gets the token table; the one it displaces loses its table."""
+    if displaced is not None:
+        displaced.counterexample = None
+    try:
+        audit.counterexample = _counterexample(step, audit, directory, noted, silent_always)
+    except Exception as error:  # noqa: BLE001 - the table is an aid; the verdicts stand without it
+        report.problems.append(f"step {step.step}: the counterexample table could not be built: {type(error).__name__}: {error}")
