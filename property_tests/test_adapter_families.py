@@ -41,7 +41,8 @@ class Case:
 
     def options(self, prefix: str = "--") -> list[str]:
         bindings = [part for binding in self.bind for part in (f"{prefix}bind", binding)]
-        how = [f"{prefix}topology", self.topology] if self.topology else [] if self.isolated else [f"{prefix}in-process"]
+        # In the worker every call is a round trip: shrinking there (tested elsewhere) would cost 20 s.
+        how = [f"{prefix}topology", self.topology] if self.topology else [f"{prefix}no-shrink"] if self.isolated else [f"{prefix}in-process"]
         return [f"{prefix}adapter", self.adapter, *bindings, f"{prefix}examples", EXAMPLES, *how]
 
 

@@ -485,8 +485,9 @@ def _counterexample(number: int, raw: Mapping[str, Any], anchors: Mapping[str, s
         "on_mask": _fmt(on_mask.get(name)),
         "actual": _fmt(actual.get(name)),
         # The loss and metric checks compare against Algorithm 1 evaluated on the
-        # implementation's own mask, so that is the reference for the highlight.
-        "differs": _numbers_differ(actual.get(name), on_mask.get(name) if name in on_mask else expected.get(name)),
+        # implementation's own mask, so that is the reference for the highlight. A metric
+        # the port does not report is not a difference: its check is "not run".
+        "differs": actual.get(name) is not None and _numbers_differ(actual.get(name), on_mask.get(name) if name in on_mask else expected.get(name)),
     } for name in names]
     tokens = []
     for t in map(_mapping, _list(raw.get("tokens"))):
