@@ -228,3 +228,11 @@ def test_a_distributed_compare_captures_every_ranks_cp_shard(tmp_path):
             np.testing.assert_array_equal(whole["keep"], outcome.measurement.result.keep[rows])
         assert sum(r["loss"] for r in records.values()) == pytest.approx(outcome.measurement.result.loss, rel=1e-9, abs=1e-12)
         assert all("grad" in r and r["metrics"]["valid_count"] == int(batch.valid.sum()) for r in records.values())
+
+
+def test_the_html_report_names_the_capture_and_the_command_that_audits_it():
+    from m2po_oracle.report.html import render_html
+
+    html = render_html({"schema": "m2po-oracle/compare/1", "verdict": "equivalent", "capture": {"directory": "runs/<cap>", "steps": 7}})
+    assert "runs/&lt;cap&gt; (7 steps): m2po-oracle audit runs/&lt;cap&gt;" in html
+    assert "m2po-oracle audit" not in render_html({"schema": "m2po-oracle/compare/1", "verdict": "equivalent"})

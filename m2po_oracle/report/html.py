@@ -267,6 +267,8 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
             ("tau", f"drawn per {'step' if report.get('example_unit') == 'steps' else 'batch'}" if options.get("tau") is None else _fmt(options.get("tau"))),
             ("device", _text(options.get("device"), "\u2014")),
             ("duration", _duration(report.get("duration_s"))),
+            *([("capture", f"{_text(capture.get('directory'))} ({_fmt(capture.get('steps'))} steps): m2po-oracle audit {_text(capture.get('directory'))}")]
+              if isinstance(capture := report.get("capture"), Mapping) else []),
         ],
         "checks": checks,
         "checks_failed": failed,
