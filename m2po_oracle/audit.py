@@ -24,7 +24,9 @@ Checks per step (loss, gradient and metrics are judged on the mask the run chose
 - ``audit.policy_logp``: the selection's log-probs are the loss pass's (a mask prepass and the
   loss pass must see one deterministic forward of one policy); "not run" without ``selection_logp``;
 - ``audit.behavior_logp``: the behaviour log-probs the loss used are the ones the sampler
-  reported (``rollout_logp``), at float32 precision at best; "not run" without ``rollout_logp``;
+  reported (``rollout_logp``), at float32 precision at best or within ``rollout_atol``
+  (``--rollout-atol``: a recomputation under the sampler's weights with other kernels);
+  "not run" without ``rollout_logp``;
 - ``audit.loss_sum``: the losses of one replica set (every DP and CP rank, every micro-batch,
   TP rank 0) add up to the oracle's global loss ``-(1/N) sum keep exp(d) A``, N the valid
   count of the whole optimizer batch. Each recorded loss is that rank's and micro-batch's
@@ -443,18 +445,30 @@ def _policy_logp_check(step: _Step) -> AuditCheck:
     return AuditCheck("audit.policy_logp", "pass", f"in {len(with_selection)} records the loss pass's log-probs equal the selection's")
 
 
-def _behavior_logp_check(step: _Step) -> AuditCheck:
+def _behavior_logp_check(step: _Step, rollout_atol: float | None) -> AuditCheck:
     with_rollout = [r for r in step.replica_set if r.rollout_logp is not None]
     if not with_rollout:
         return AuditCheck("audit.behavior_logp", "not run", "no rollout_logp recorded: nothing to check the behaviour log-probs against")
-    dtype = equivalence.coarser(step.dtype, ROLLOUT_LOGP_DTYPE)
-    found = [m for r in with_rollout
-             if (m := _logp_mismatch("audit.behavior_logp", f"behavior_logp of {r.where} against the sampler's rollout_logp",
-                                     r.behavior_logp, r.rollout_logp, r.mask, dtype))]
+    with np.errstate(invalid="ignore"):
+        largest = max(float(np.max(np.abs(r.behavior_logp - r.rollout_logp), where=r.mask, initial=0.0)) for r in with_rollout)
+    if rollout_atol is None:
+        dtype = equivalence.coarser(step.dtype, ROLLOUT_LOGP_DTYPE)
+        precision = f"{dtype} precision"
+        found = [m for r in with_rollout
+                 if (m := _logp_mismatch("audit.behavior_logp", f"behavior_logp of {r.where} against the sampler's rollout_logp",
+                                         r.behavior_logp, r.rollout_logp, r.mask, dtype))]
+    else:
+        # An inference engine's log-probs differ from a trainer's recomputation under the same
+        # weights (kernels, precision): the user states how far that may go.
+        precision = f"|difference| <= --rollout-atol {rollout_atol!r}"
+        found = [equivalence.Mismatch("audit.behavior_logp", f"behavior_logp of {r.where} differs from the sampler's rollout_logp by up to "
+                                      f"{float(np.max(np.abs(r.behavior_logp - r.rollout_logp), where=r.mask, initial=0.0))!r} > {rollout_atol!r}")
+                 for r in with_rollout if np.any(r.mask & ~(np.abs(r.behavior_logp - r.rollout_logp) <= rollout_atol))]
     if found:
         return AuditCheck("audit.behavior_logp", "fail", f"{len(found)} of {len(with_rollout)} records: the behaviour log-probs are not the "
-                          f"sampler's: " + _fmt(found))
-    return AuditCheck("audit.behavior_logp", "pass", f"in {len(with_rollout)} records the behaviour log-probs equal the sampler's ({dtype} precision)")
+                          f"sampler's ({precision}; largest |difference| {largest!r}): " + _fmt(found))
+    return AuditCheck("audit.behavior_logp", "pass", f"in {len(with_rollout)} records the behaviour log-probs equal the sampler's ({precision}; "
+                      f"largest |difference| {largest!r})")
 
 
 def _loss_check(step: _Step, expected: Any) -> AuditCheck:
@@ -852,13 +866,13 @@ def _algorithm_1(batch: Batch) -> dict[str, Any]:
     return {"keep": keep, **oracle.metrics(m2, trust, keep, batch.valid)}
 
 
-def _audit_step(step: _Step, noted: dict[int, dict[str, Any]], silent: tuple[set[str], int]) -> StepAudit:
+def _audit_step(step: _Step, noted: dict[int, dict[str, Any]], silent: tuple[set[str], int], rollout_atol: float | None = None) -> StepAudit:
     audit = StepAudit(step.step, "equivalent")
     algorithm = _algorithm_1(step.selection_batch)
     audit.metrics = {"m2_before": algorithm["m2_before"], "m2_after": algorithm["m2_after"],
                      "masked_fraction": algorithm["masked_fraction"], "tau": step.batch.tau}
     expected = oracle.evaluate_with_mask(step.batch, step.keep)
-    audit.checks = [_replicas_check(step), _selection_check(step), _policy_logp_check(step), _behavior_logp_check(step),
+    audit.checks = [_replicas_check(step), _selection_check(step), _policy_logp_check(step), _behavior_logp_check(step, rollout_atol),
                     _loss_check(step, expected), _gradient_check(step, expected), _metrics_check(step, expected),
                     _parameter_check(noted, expected, *silent)]
     if audit.failing:
@@ -894,8 +908,15 @@ def _records_of(capture: capture_module.Capture, topology: Topology, step: int, 
     return records
 
 
-def audit_capture(directory: str | Path, *, steps: set[int] | None = None) -> AuditReport:
-    """Audit every recorded optimizer step of a capture (or only ``steps``); never raises on a bad capture."""
+def audit_capture(directory: str | Path, *, steps: set[int] | None = None, rollout_atol: float | None = None) -> AuditReport:
+    """Audit every recorded optimizer step of a capture (or only ``steps``); never raises on a bad capture.
+
+    ``rollout_atol``: how far the behaviour log-probs may be from the sampler's (``rollout_logp``)
+    per valid token, for a trainer that recomputes them under the sampler's weights with other
+    kernels; None: they must be equal at float32 precision (the sampler's own numbers)."""
+    if rollout_atol is not None and (isinstance(rollout_atol, bool) or not isinstance(rollout_atol, (int, float))
+                                     or not math.isfinite(rollout_atol) or rollout_atol < 0):
+        raise ValueError(f"rollout_atol must be None or a finite number >= 0, got {rollout_atol!r}")
     problems_found, capture = capture_module.inspect_capture(directory)
     problems = [f"{path}: {problem}" for path, problem in problems_found]
     if capture is None:
@@ -916,7 +937,7 @@ def audit_capture(directory: str | Path, *, steps: set[int] | None = None) -> Au
             continue
         try:
             assembled = _assemble(step, topology, _records_of(capture, topology, step, bad_paths, problems))
-            audit = _audit_step(assembled, capture.parameter_gradients(step), silent)
+            audit = _audit_step(assembled, capture.parameter_gradients(step), silent, rollout_atol)
             report.steps.append(audit)
             if audit.verdict == "divergent" and (worst is None or len(audit.failing) > len(worst.failing)):
                 # Built while the step's arrays are in memory (not re-read at the end); a later,

@@ -354,3 +354,28 @@ def test_per_micro_batch_metrics_over_a_global_mask_are_not_called_a_per_micro_b
     # The same metrics over masks each micro-batch selected alone: that is the scope deviation.
     simulate(tmp_path / "scoped", World("dp=1,cp=1,tp=1", micro_batches=3), bug="per_micro_batch_mask")
     assert audit_capture(tmp_path / "scoped").steps[1].diagnosis == ["per_micro_batch_mask"]
+
+
+def test_rollout_atol_lets_a_recomputation_differ_by_what_the_user_states(tmp_path: Path) -> None:
+    from m2po_oracle.cli import main
+
+    simulate(tmp_path, World("dp=2,cp=1,tp=1"), steps=(0,))
+    # An inference engine's numbers: the sampler's log-probs off by up to 2e-3 from the trainer's.
+    for rank in range(2):
+        def jitter(t):
+            t["rollout_logp"] = (t["rollout_logp"] + 2e-3 * torch.sin(torch.arange(t["rollout_logp"].numel(), dtype=torch.float64))
+                                 .reshape(t["rollout_logp"].shape)).contiguous()
+            return t
+        _edit_record(tmp_path, 0, rank, 0, jitter)
+    strict = audit_capture(tmp_path).steps[0]
+    assert strict.failing == ["audit.behavior_logp"], strict.failing
+    assert "float32 precision; largest |difference| 0.00199" in next(c.summary for c in strict.checks if c.name == "audit.behavior_logp")
+    loose = audit_capture(tmp_path, rollout_atol=5e-3).steps[0]
+    assert loose.verdict == "equivalent"
+    assert "|difference| <= --rollout-atol 0.005" in next(c.summary for c in loose.checks if c.name == "audit.behavior_logp")
+    assert audit_capture(tmp_path, rollout_atol=1e-3).steps[0].failing == ["audit.behavior_logp"]
+    assert main(["audit", str(tmp_path), "--rollout-atol", "5e-3"]) == 0
+    with pytest.raises(SystemExit):
+        main(["audit", str(tmp_path), "--rollout-atol", "-1"])
+    with pytest.raises(ValueError, match="rollout_atol must be None or a finite number >= 0, got nan"):
+        audit_capture(tmp_path, rollout_atol=float("nan"))
