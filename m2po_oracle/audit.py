@@ -22,7 +22,8 @@ Checks per step (loss, gradient and metrics are judged on the mask the run chose
   optimizer batch (:func:`equivalence.check_selection`), on the log-probs the selection
   saw (``selection_logp`` when recorded, else ``logp``);
 - ``audit.policy_logp``: the selection's log-probs are the loss pass's (a mask prepass and the
-  loss pass must see one deterministic forward of one policy); "not run" without ``selection_logp``;
+  loss pass must see one deterministic forward of one policy; ``policy_atol`` / ``--policy-atol``
+  for nondeterministic kernels); "not run" without ``selection_logp``;
 - ``audit.behavior_logp``: the behaviour log-probs the loss used are the ones the sampler
   reported (``rollout_logp``), at float32 precision at best or within ``rollout_atol``
   (``--rollout-atol``: a recomputation under the sampler's weights with other kernels);
@@ -432,41 +433,56 @@ def _selection_check(step: _Step) -> AuditCheck:
                       f"valid tokens kept) is an outcome of Algorithm 1 on the optimizer batch ({on})")
 
 
-def _policy_logp_check(step: _Step) -> AuditCheck:
+@dataclass(frozen=True)
+class LogpBounds:
+    """How far two recordings of log-probs may differ per valid token (None: equal at the dtype's
+    precision). ``rollout``: the behaviour log-probs against the sampler's, for a trainer that
+    recomputes them under the sampler's weights with other kernels; ``policy``: the loss pass
+    against the selection's prepass, for nondeterministic kernels (bf16 atomics)."""
+
+    rollout: float | None = None
+    policy: float | None = None
+
+
+def _logp_pairs(check: str, records: list[_Record], what: str, pair: Callable[[_Record], tuple[np.ndarray, np.ndarray]], dtype: str,
+                atol: float | None, flag: str) -> tuple[dict[int, equivalence.Mismatch], str, float]:
+    """Per record whose two log-prob recordings differ (by ``id``), the mismatch; the precision
+    judged at; the largest difference on valid tokens."""
+    with np.errstate(invalid="ignore"):
+        gaps = {id(r): float(np.max(np.abs(np.subtract(*pair(r))), where=r.mask, initial=0.0)) for r in records}
+    largest = max(gaps.values(), default=0.0)
+    if atol is None:
+        found = {id(r): m for r in records if (m := _logp_mismatch(check, f"{what} of {r.where}", *pair(r), r.mask, dtype))}
+        return found, f"{dtype} precision", largest
+    # The user states how far they may go: kernels and precision differ between the two.
+    found = {id(r): equivalence.Mismatch(check, f"{what} of {r.where} differs by up to {gaps[id(r)]!r} > {atol!r}")
+             for r in records if not gaps[id(r)] <= atol}
+    return found, f"|difference| <= {flag} {atol!r}", largest
+
+
+def _policy_logp_check(step: _Step, bounds: LogpBounds) -> AuditCheck:
     with_selection = [r for r in step.replica_set if r.selection_logp is not None]
     if not with_selection:
         return AuditCheck("audit.policy_logp", "not run", "no selection_logp recorded: the selection is taken to have seen logp")
-    found = [m for r in with_selection
-             if (m := _logp_mismatch("audit.policy_logp", f"logp of {r.where} against its selection_logp", r.logp, r.selection_logp,
-                                     r.mask, step.dtype))]
+    found, precision, largest = _logp_pairs("audit.policy_logp", with_selection, "logp against its selection_logp",
+                                            lambda r: (r.logp, r.selection_logp), step.dtype, bounds.policy, "--policy-atol")
     if found:
         return AuditCheck("audit.policy_logp", "fail", f"{len(found)} of {len(with_selection)} records: the loss pass's log-probs are not the "
-                          f"selection's: " + _fmt(found))
-    return AuditCheck("audit.policy_logp", "pass", f"in {len(with_selection)} records the loss pass's log-probs equal the selection's")
+                          f"selection's ({precision}; largest |difference| {largest!r}): " + _fmt(list(found.values())))
+    return AuditCheck("audit.policy_logp", "pass", f"in {len(with_selection)} records the loss pass's log-probs equal the selection's "
+                      f"({precision}; largest |difference| {largest!r})")
 
 
-def _behavior_logp_check(step: _Step, rollout_atol: float | None) -> AuditCheck:
+def _behavior_logp_check(step: _Step, bounds: LogpBounds) -> AuditCheck:
     with_rollout = [r for r in step.replica_set if r.rollout_logp is not None]
     if not with_rollout:
         return AuditCheck("audit.behavior_logp", "not run", "no rollout_logp recorded: nothing to check the behaviour log-probs against")
-    with np.errstate(invalid="ignore"):
-        largest = max(float(np.max(np.abs(r.behavior_logp - r.rollout_logp), where=r.mask, initial=0.0)) for r in with_rollout)
-    if rollout_atol is None:
-        dtype = equivalence.coarser(step.dtype, ROLLOUT_LOGP_DTYPE)
-        precision = f"{dtype} precision"
-        found = [m for r in with_rollout
-                 if (m := _logp_mismatch("audit.behavior_logp", f"behavior_logp of {r.where} against the sampler's rollout_logp",
-                                         r.behavior_logp, r.rollout_logp, r.mask, dtype))]
-    else:
-        # An inference engine's log-probs differ from a trainer's recomputation under the same
-        # weights (kernels, precision): the user states how far that may go.
-        precision = f"|difference| <= --rollout-atol {rollout_atol!r}"
-        found = [equivalence.Mismatch("audit.behavior_logp", f"behavior_logp of {r.where} differs from the sampler's rollout_logp by up to "
-                                      f"{float(np.max(np.abs(r.behavior_logp - r.rollout_logp), where=r.mask, initial=0.0))!r} > {rollout_atol!r}")
-                 for r in with_rollout if np.any(r.mask & ~(np.abs(r.behavior_logp - r.rollout_logp) <= rollout_atol))]
+    found, precision, largest = _logp_pairs("audit.behavior_logp", with_rollout, "behavior_logp against the sampler's rollout_logp",
+                                            lambda r: (r.behavior_logp, r.rollout_logp), equivalence.coarser(step.dtype, ROLLOUT_LOGP_DTYPE),
+                                            bounds.rollout, "--rollout-atol")
     if found:
         return AuditCheck("audit.behavior_logp", "fail", f"{len(found)} of {len(with_rollout)} records: the behaviour log-probs are not the "
-                          f"sampler's ({precision}; largest |difference| {largest!r}): " + _fmt(found))
+                          f"sampler's ({precision}; largest |difference| {largest!r}): " + _fmt(list(found.values())))
     return AuditCheck("audit.behavior_logp", "pass", f"in {len(with_rollout)} records the behaviour log-probs equal the sampler's ({precision}; "
                       f"largest |difference| {largest!r})")
 
@@ -495,7 +511,7 @@ def _gradient_check(step: _Step, expected: Any) -> AuditCheck:
 
 def _metrics_check(step: _Step, expected: Any) -> AuditCheck:
     tol = equivalence.tolerance(step.dtype, "metric")
-    allowance = equivalence.m2_rounding(step.batch, expected.keep, step.dtype)
+    allowance = equivalence.m2_rounding(step.selection_batch, expected.keep, step.dtype)
     found, compared = [], set()
     for r in step.records:
         for name in METRIC_FIELDS + COUNT_FIELDS:
@@ -646,7 +662,8 @@ def _logged_count(step: _Step, fn: Callable[[_Record], float]) -> bool:
     return bool(logged) and all(value == want for value, want in logged) and any(value != n for value, _ in logged)
 
 
-def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], alternatives: dict[str, list[str]]) -> list[str]:
+def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], alternatives: dict[str, list[str]],
+              bounds: LogpBounds = LogpBounds()) -> list[str]:
     """The deviations the files reproduce; ``alternatives`` gets, per name, the others that
     reproduce this step identically (the files cannot tell them apart)."""
     found: list[str] = []
@@ -686,7 +703,7 @@ def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], 
     if "audit.behavior_logp" in failing and _behaviour_is_the_policy(step):
         found.append("current_policy_as_behavior")
     if "audit.policy_logp" in failing:
-        found += _forward_deviation(step)
+        found += _forward_deviation(step, bounds)
     if "audit.parameter_gradient" in failing:
         found.append("parameters_without_gradient")
     return found
@@ -749,9 +766,10 @@ def _behaviour_is_the_policy(step: _Step) -> bool:
                        r.mask, step.dtype) is None for r in with_rollout)
 
 
-def _forward_deviation(step: _Step) -> list[str]:
-    differs = {(r.coords.dp, r.coords.cp, r.micro_batch): _logp_mismatch("diagnosis", "logp", r.logp, r.selection_logp, r.mask, step.dtype) is not None
-               for r in step.replica_set if r.selection_logp is not None and r.mask.any()}
+def _forward_deviation(step: _Step, bounds: LogpBounds) -> list[str]:
+    records = [r for r in step.replica_set if r.selection_logp is not None and r.mask.any()]
+    found, _, _ = _logp_pairs("diagnosis", records, "logp", lambda r: (r.logp, r.selection_logp), step.dtype, bounds.policy, "--policy-atol")
+    differs = {(r.coords.dp, r.coords.cp, r.micro_batch): id(r) in found for r in records}
     if not differs:
         return []
     first = [v for (dp, cp, mb), v in differs.items() if mb == 0]
@@ -818,10 +836,11 @@ def _counterexample(step: _Step, audit: StepAudit, directory: str, noted: dict[i
         order = _largest_first(error)
     elif check == "audit.metrics":
         note = "the logged metrics that differ from the optimizer batch's"
+        selected = expected if s.logp is batch.logp else oracle.evaluate_with_mask(s, step.keep)
         for r in step.records:
             for name in METRIC_FIELDS + COUNT_FIELDS:
                 if name in r.metrics and isinstance(r.metrics[name], (int, float)) and not isinstance(r.metrics[name], bool):
-                    want = getattr(expected, name)
+                    want = getattr(selected, name)
                     if not math.isclose(float(r.metrics[name]), float(want), rel_tol=1e-9, abs_tol=1e-12):
                         values.append({"where": r.where, "name": name, "captured": _number(float(r.metrics[name])), "expected": _number(float(want))})
     elif check == "audit.parameter_gradient":
@@ -866,18 +885,20 @@ def _algorithm_1(batch: Batch) -> dict[str, Any]:
     return {"keep": keep, **oracle.metrics(m2, trust, keep, batch.valid)}
 
 
-def _audit_step(step: _Step, noted: dict[int, dict[str, Any]], silent: tuple[set[str], int], rollout_atol: float | None = None) -> StepAudit:
+def _audit_step(step: _Step, noted: dict[int, dict[str, Any]], silent: tuple[set[str], int], bounds: LogpBounds = LogpBounds()) -> StepAudit:
     audit = StepAudit(step.step, "equivalent")
     algorithm = _algorithm_1(step.selection_batch)
     audit.metrics = {"m2_before": algorithm["m2_before"], "m2_after": algorithm["m2_after"],
                      "masked_fraction": algorithm["masked_fraction"], "tau": step.batch.tau}
     expected = oracle.evaluate_with_mask(step.batch, step.keep)
-    audit.checks = [_replicas_check(step), _selection_check(step), _policy_logp_check(step), _behavior_logp_check(step, rollout_atol),
-                    _loss_check(step, expected), _gradient_check(step, expected), _metrics_check(step, expected),
+    # M2 and the counts are the selection's: judged on the log-probs it saw (a prepass when recorded).
+    selected = expected if step.selection_batch.logp is step.batch.logp else oracle.evaluate_with_mask(step.selection_batch, step.keep)
+    audit.checks = [_replicas_check(step), _selection_check(step), _policy_logp_check(step, bounds), _behavior_logp_check(step, bounds),
+                    _loss_check(step, expected), _gradient_check(step, expected), _metrics_check(step, selected),
                     _parameter_check(noted, expected, *silent)]
     if audit.failing:
         audit.verdict = "divergent"
-        audit.diagnosis = _diagnose(step, set(audit.failing), noted, audit.alternatives)
+        audit.diagnosis = _diagnose(step, set(audit.failing), noted, audit.alternatives, bounds)
     return audit
 
 
@@ -908,15 +929,19 @@ def _records_of(capture: capture_module.Capture, topology: Topology, step: int, 
     return records
 
 
-def audit_capture(directory: str | Path, *, steps: set[int] | None = None, rollout_atol: float | None = None) -> AuditReport:
+def audit_capture(directory: str | Path, *, steps: set[int] | None = None, rollout_atol: float | None = None,
+                  policy_atol: float | None = None) -> AuditReport:
     """Audit every recorded optimizer step of a capture (or only ``steps``); never raises on a bad capture.
 
     ``rollout_atol``: how far the behaviour log-probs may be from the sampler's (``rollout_logp``)
     per valid token, for a trainer that recomputes them under the sampler's weights with other
-    kernels; None: they must be equal at float32 precision (the sampler's own numbers)."""
-    if rollout_atol is not None and (isinstance(rollout_atol, bool) or not isinstance(rollout_atol, (int, float))
-                                     or not math.isfinite(rollout_atol) or rollout_atol < 0):
-        raise ValueError(f"rollout_atol must be None or a finite number >= 0, got {rollout_atol!r}")
+    kernels; None: they must be equal at float32 precision (the sampler's own numbers).
+    ``policy_atol``: how far the loss pass's log-probs may be from the selection's prepass
+    (``selection_logp``), for nondeterministic kernels; None: equal at the dtype's precision."""
+    for name, value in (("rollout_atol", rollout_atol), ("policy_atol", policy_atol)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0):
+            raise ValueError(f"{name} must be None or a finite number >= 0, got {value!r}")
+    bounds = LogpBounds(rollout=rollout_atol, policy=policy_atol)
     problems_found, capture = capture_module.inspect_capture(directory)
     problems = [f"{path}: {problem}" for path, problem in problems_found]
     if capture is None:
@@ -937,7 +962,7 @@ def audit_capture(directory: str | Path, *, steps: set[int] | None = None, rollo
             continue
         try:
             assembled = _assemble(step, topology, _records_of(capture, topology, step, bad_paths, problems))
-            audit = _audit_step(assembled, capture.parameter_gradients(step), silent, rollout_atol)
+            audit = _audit_step(assembled, capture.parameter_gradients(step), silent, bounds)
             report.steps.append(audit)
             if audit.verdict == "divergent" and (worst is None or len(audit.failing) > len(worst.failing)):
                 # Built while the step's arrays are in memory (not re-read at the end); a later,

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--rollout-atol", type=options._budget, default=None, metavar="X",
                        help="let the behaviour log-probs differ from the sampler's rollout_logp by up to X per token (a recomputation "
                             "under the sampler's weights with other kernels); default: equal at float32 precision")
+    audit.add_argument("--policy-atol", type=options._budget, default=None, metavar="X",
+                       help="let the loss pass's log-probs differ from the selection's prepass (selection_logp) by up to X per token "
+                            "(nondeterministic kernels); default: equal at the capture dtype's precision")
 
     commands.add_parser("checks", help="list the checks of the battery")
     commands.add_parser("adapters", help="list the adapters (--adapter): each family's signature, what it reads back, which checks it can run")
@@ -462,7 +465,8 @@ def _audit(args: argparse.Namespace, console: Console) -> int:
 
     import shlex
 
-    report = audit_capture(args.directory, steps=set(args.step) if args.step else None, rollout_atol=args.rollout_atol)
+    report = audit_capture(args.directory, steps=set(args.step) if args.step else None, rollout_atol=args.rollout_atol,
+                           policy_atol=args.policy_atol)
     say = lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
     if args.step and not report.steps and not report.refused:
         _error(f"--step: no step {', '.join(map(str, args.step))} in the capture")

@@ -379,3 +379,17 @@ def test_rollout_atol_lets_a_recomputation_differ_by_what_the_user_states(tmp_pa
         main(["audit", str(tmp_path), "--rollout-atol", "-1"])
     with pytest.raises(ValueError, match="rollout_atol must be None or a finite number >= 0, got nan"):
         audit_capture(tmp_path, rollout_atol=float("nan"))
+
+
+def test_policy_atol_lets_a_nondeterministic_loss_pass_differ_by_what_the_user_states(tmp_path: Path) -> None:
+    simulate(tmp_path, World("dp=1,cp=1,tp=1", micro_batches=2), bug="stochastic_forward", steps=(0, 1))
+    strict = audit_capture(tmp_path).steps[1]
+    assert strict.failing == ["audit.policy_logp"] and strict.diagnosis == ["stochastic_forward"]
+    summary = next(c.summary for c in strict.checks if c.name == "audit.policy_logp")
+    largest = float(summary.split("largest |difference| ")[1].split(")")[0])
+    assert 0.05 < largest < 0.5, summary  # the planted noise is 0.05 * N(0, 1)
+    assert audit_capture(tmp_path, policy_atol=largest).steps[1].verdict == "equivalent"
+    tight = audit_capture(tmp_path, policy_atol=largest / 2).steps[1]
+    assert tight.failing == ["audit.policy_logp"] and "differs by up to" in next(c.summary for c in tight.checks if c.name == "audit.policy_logp")
+    with pytest.raises(ValueError, match="policy_atol must be None or a finite number >= 0, got -1"):
+        audit_capture(tmp_path, policy_atol=-1)
