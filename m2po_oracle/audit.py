@@ -54,6 +54,7 @@ a gradient.
 
 from __future__ import annotations
 
+import functools
 import math
 import shlex
 from collections.abc import Callable
@@ -249,8 +250,28 @@ class _Step:
     micro_batches: dict[int, int]  # dp rank -> k
     dtype: str
 
-    def block_rows(self, record: _Record) -> slice:
-        return self.blocks[(record.coords.dp, record.micro_batch)]
+    # Computed once per step and shared by the checks, the diagnosis and the worst step's table.
+
+    @functools.cached_property
+    def algorithm_1(self) -> dict[str, Any]:
+        """Algorithm 1's keep and metrics on the log-probs the selection saw."""
+        return _algorithm_1(self.selection_batch)
+
+    @functools.cached_property
+    def expected(self) -> Any:
+        """The oracle's loss and gradient on the run's own mask (the loss pass's log-probs)."""
+        return oracle.evaluate_with_mask(self.batch, self.keep)
+
+    @functools.cached_property
+    def selected(self) -> Any:
+        """The oracle's metrics and counts on the run's own mask, from the log-probs the selection saw."""
+        return self.expected if self.selection_batch.logp is self.batch.logp else oracle.evaluate_with_mask(self.selection_batch, self.keep)
+
+    def rows_alone(self, group: list[_Record]) -> tuple[Batch, np.ndarray]:
+        """The selection's batch and the run's keep on the whole rows of ``group`` (every CP shard of them)."""
+        index = np.concatenate([np.arange(r.rows.start, r.rows.stop) for r in group if r.coords.cp == 0])
+        s = self.selection_batch
+        return Batch(s.logp[index], s.behavior_logp[index], s.advantages[index], s.valid[index], s.tau), self.keep[index]
 
 
 def _non_finite_on_valid(record: _Record) -> str | None:
@@ -460,31 +481,32 @@ def _logp_pairs(check: str, records: list[_Record], what: str, pair: Callable[[_
     return found, f"|difference| <= {flag} {atol!r}", largest
 
 
-def _policy_logp_check(step: _Step, bounds: LogpBounds) -> AuditCheck:
-    with_selection = [r for r in step.replica_set if r.selection_logp is not None]
-    if not with_selection:
-        return AuditCheck("audit.policy_logp", "not run", "no selection_logp recorded: the selection is taken to have seen logp")
-    found, precision, largest = _logp_pairs("audit.policy_logp", with_selection, "logp against its selection_logp",
-                                            lambda r: (r.logp, r.selection_logp), step.dtype, bounds.policy, "--policy-atol")
+def _logp_agreement_check(step: _Step, check: str, records: list[_Record], missing: str, what: str,
+                          pair: Callable[[_Record], tuple[np.ndarray, np.ndarray]], dtype: str, atol: float | None, flag: str,
+                          claim: tuple[str, str]) -> AuditCheck:
+    """``claim`` (what passing says, what failing says) judged on every record that holds the pair."""
+    if not records:
+        return AuditCheck(check, "not run", missing)
+    found, precision, largest = _logp_pairs(check, records, what, pair, dtype, atol, flag)
+    judged = f"({precision}; largest |difference| {largest!r})"
     if found:
-        return AuditCheck("audit.policy_logp", "fail", f"{len(found)} of {len(with_selection)} records: the loss pass's log-probs are not the "
-                          f"selection's ({precision}; largest |difference| {largest!r}): " + _fmt(list(found.values())))
-    return AuditCheck("audit.policy_logp", "pass", f"in {len(with_selection)} records the loss pass's log-probs equal the selection's "
-                      f"({precision}; largest |difference| {largest!r})")
+        return AuditCheck(check, "fail", f"{len(found)} of {len(records)} records: {claim[1]} {judged}: " + _fmt(list(found.values())))
+    return AuditCheck(check, "pass", f"in {len(records)} records {claim[0]} {judged}")
+
+
+def _policy_logp_check(step: _Step, bounds: LogpBounds) -> AuditCheck:
+    return _logp_agreement_check(step, "audit.policy_logp", [r for r in step.replica_set if r.selection_logp is not None],
+                                 "no selection_logp recorded: the selection is taken to have seen logp", "logp against its selection_logp",
+                                 lambda r: (r.logp, r.selection_logp), step.dtype, bounds.policy, "--policy-atol",
+                                 ("the loss pass's log-probs equal the selection's", "the loss pass's log-probs are not the selection's"))
 
 
 def _behavior_logp_check(step: _Step, bounds: LogpBounds) -> AuditCheck:
-    with_rollout = [r for r in step.replica_set if r.rollout_logp is not None]
-    if not with_rollout:
-        return AuditCheck("audit.behavior_logp", "not run", "no rollout_logp recorded: nothing to check the behaviour log-probs against")
-    found, precision, largest = _logp_pairs("audit.behavior_logp", with_rollout, "behavior_logp against the sampler's rollout_logp",
-                                            lambda r: (r.behavior_logp, r.rollout_logp), equivalence.coarser(step.dtype, ROLLOUT_LOGP_DTYPE),
-                                            bounds.rollout, "--rollout-atol")
-    if found:
-        return AuditCheck("audit.behavior_logp", "fail", f"{len(found)} of {len(with_rollout)} records: the behaviour log-probs are not the "
-                          f"sampler's ({precision}; largest |difference| {largest!r}): " + _fmt(list(found.values())))
-    return AuditCheck("audit.behavior_logp", "pass", f"in {len(with_rollout)} records the behaviour log-probs equal the sampler's ({precision}; "
-                      f"largest |difference| {largest!r})")
+    return _logp_agreement_check(step, "audit.behavior_logp", [r for r in step.replica_set if r.rollout_logp is not None],
+                                 "no rollout_logp recorded: nothing to check the behaviour log-probs against",
+                                 "behavior_logp against the sampler's rollout_logp", lambda r: (r.behavior_logp, r.rollout_logp),
+                                 equivalence.coarser(step.dtype, ROLLOUT_LOGP_DTYPE), bounds.rollout, "--rollout-atol",
+                                 ("the behaviour log-probs equal the sampler's", "the behaviour log-probs are not the sampler's"))
 
 
 def _loss_check(step: _Step, expected: Any) -> AuditCheck:
@@ -596,10 +618,8 @@ def _group_selects_alone(step: _Step, group: list[_Record]) -> bool:
         alone = r.batch(r.logp if r.selection_logp is None else r.selection_logp)
         return not equivalence.check_selection(alone, r.keep, step.dtype)
     # Otherwise the group holds every CP shard of its rows: whole rows of the assembled batch.
-    index = np.concatenate([np.arange(r.rows.start, r.rows.stop) for r in group if r.coords.cp == 0])
-    s = step.selection_batch
-    alone = Batch(s.logp[index], s.behavior_logp[index], s.advantages[index], s.valid[index], s.tau)
-    return not equivalence.check_selection(alone, step.keep[index], step.dtype)
+    alone, keep = step.rows_alone(group)
+    return not equivalence.check_selection(alone, keep, step.dtype)
 
 
 def _scope_groups(step: _Step) -> dict[str, list[list[_Record]]]:
@@ -721,7 +741,6 @@ def _metrics_scopes(step: _Step) -> list[str]:
         return [equivalence.compare_values("diagnosis", name, record.metrics[name], alone[name], tol) is None
                 for name in ("m2_before", "m2_after", "masked_fraction") if name in record.metrics]
 
-    s = step.selection_batch
     matching = []
     groups_by_scope = _scope_groups(step)
     for scope in sorted(groups_by_scope, key=lambda name: name != "per_cp_shard"):
@@ -733,8 +752,7 @@ def _metrics_scopes(step: _Step) -> list[str]:
                 places = {(r.coords.dp, r.coords.cp, r.micro_batch)}
                 verdicts += [ok for t in step.records if (t.coords.dp, t.coords.cp, t.micro_batch) in places for ok in logged_as(t, alone)]
                 continue
-            index = np.concatenate([np.arange(r.rows.start, r.rows.stop) for r in group if r.coords.cp == 0])
-            alone = _algorithm_1(Batch(s.logp[index], s.behavior_logp[index], s.advantages[index], s.valid[index], s.tau))
+            alone = _algorithm_1(step.rows_alone(group)[0])
             places = {(r.coords.dp, r.micro_batch) for r in group}
             verdicts += [ok for r in step.records if (r.coords.dp, r.micro_batch) in places for ok in logged_as(r, alone)]
         # The metrics alone do not make a scope: the mask must be that scope's selection too
@@ -801,8 +819,7 @@ def _counterexample(step: _Step, audit: StepAudit, directory: str, noted: dict[i
     check = next(name for name in TABLE_ORDER if name in audit.failing)
     batch, s = step.batch, step.selection_batch
     d = oracle.log_ratio(s.logp, s.behavior_logp, s.valid)
-    expected_keep = _algorithm_1(s)["keep"]
-    expected = oracle.evaluate_with_mask(batch, step.keep)
+    expected_keep, expected = step.algorithm_1["keep"], step.expected
     grad, rollout = np.full(batch.shape, np.nan), np.full(batch.shape, np.nan)
     owner = np.full(batch.shape, -1, dtype=np.int64)  # index into the replica set, -1 on padding
     for index, r in enumerate(step.replica_set):
@@ -836,7 +853,7 @@ def _counterexample(step: _Step, audit: StepAudit, directory: str, noted: dict[i
         order = _largest_first(error)
     elif check == "audit.metrics":
         note = "the logged metrics that differ from the optimizer batch's"
-        selected = expected if s.logp is batch.logp else oracle.evaluate_with_mask(s, step.keep)
+        selected = step.selected
         for r in step.records:
             for name in METRIC_FIELDS + COUNT_FIELDS:
                 if name in r.metrics and isinstance(r.metrics[name], (int, float)) and not isinstance(r.metrics[name], bool):
@@ -887,15 +904,13 @@ def _algorithm_1(batch: Batch) -> dict[str, Any]:
 
 def _audit_step(step: _Step, noted: dict[int, dict[str, Any]], silent: tuple[set[str], int], bounds: LogpBounds = LogpBounds()) -> StepAudit:
     audit = StepAudit(step.step, "equivalent")
-    algorithm = _algorithm_1(step.selection_batch)
+    algorithm = step.algorithm_1
     audit.metrics = {"m2_before": algorithm["m2_before"], "m2_after": algorithm["m2_after"],
                      "masked_fraction": algorithm["masked_fraction"], "tau": step.batch.tau}
-    expected = oracle.evaluate_with_mask(step.batch, step.keep)
     # M2 and the counts are the selection's: judged on the log-probs it saw (a prepass when recorded).
-    selected = expected if step.selection_batch.logp is step.batch.logp else oracle.evaluate_with_mask(step.selection_batch, step.keep)
     audit.checks = [_replicas_check(step), _selection_check(step), _policy_logp_check(step, bounds), _behavior_logp_check(step, bounds),
-                    _loss_check(step, expected), _gradient_check(step, expected), _metrics_check(step, selected),
-                    _parameter_check(noted, expected, *silent)]
+                    _loss_check(step, step.expected), _gradient_check(step, step.expected), _metrics_check(step, step.selected),
+                    _parameter_check(noted, step.expected, *silent)]
     if audit.failing:
         audit.verdict = "divergent"
         audit.diagnosis = _diagnose(step, set(audit.failing), noted, audit.alternatives, bounds)
