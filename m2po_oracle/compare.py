@@ -118,15 +118,18 @@ class CompareReport:
     def accepted_shown(self) -> dict[str, list[str]]:
         """Each accepted deviation -> the failing checks it explains ([]: it did not show)."""
         by_check = self.diagnosis.get("by_check", {})
-        return {a.deviation: [c for c, names in by_check.items() if a.deviation in names] for a in self.accepted}
+        return {a.deviation: [c for c, names in by_check.items() if any(_accepts(a.deviation, n) for n in names)] for a in self.accepted}
 
     @property
     def fixed_accepted(self) -> list[str]:
         return [name for name, checks in self.accepted_shown.items() if not checks]
 
     def _explained_by_accepted(self, failing: list[str]) -> bool:
-        by_check, accepted = self.diagnosis.get("by_check", {}), {a.deviation for a in self.accepted}
-        return bool(accepted) and all(by_check.get(c) and set(by_check[c]) <= accepted for c in failing)
+        """Every failing check is explained, on every failing example (no residual), by accepted deviations only."""
+        by_check, accepted = self.diagnosis.get("by_check", {}), [a.deviation for a in self.accepted]
+        shares = self.diagnosis.get("shares", {})
+        return bool(accepted) and all(by_check.get(c) and all(any(_accepts(a, n) for a in accepted) for n in by_check[c])
+                                      and shares.get(c, {}).get("share", 1.0) == 1.0 for c in failing)
 
     @property
     def verdict(self) -> str:
@@ -184,6 +187,11 @@ class CompareReport:
         }
 
 
+def _accepts(accepted: str, name: str) -> bool:
+    """An accepted deviation covers its name; without a value, every fitted value of it too."""
+    return name == accepted or ("(" not in accepted and name.split("(", 1)[0] == accepted)
+
+
 def environment() -> dict[str, Any]:
     import hypothesis
     import torch
@@ -204,6 +212,8 @@ MAX_DEAD_CALLS = 5
 #: and beyond that the first few of every failing check, so each is represented.
 DIAGNOSIS_EXAMPLES = 60
 OBSERVATIONS_PER_CHECK = 3
+#: Failing examples beyond the search's sample kept to count each check's share.
+SHARE_EXAMPLES = 2000
 
 
 class _StopExploring(BaseException):  # BaseException: Hypothesis must not shrink it
@@ -307,17 +317,18 @@ class _Evidence:
 
     failing: list[Observation] = field(default_factory=list)
     passing: list[Observation] = field(default_factory=list)
+    more_failing: list[Observation] = field(default_factory=list)  # beyond the search's sample: counted in the shares
     per_check: dict[str, int] = field(default_factory=dict)
     step_by_check: dict[str, set[str]] = field(default_factory=dict)  # check -> step variants reproducing each of its failing steps
     non_finite: int = 0  # examples whose loss or gradient is not finite on valid, finite inputs
     non_finite_checks: set[str] = field(default_factory=set)
 
-    def keep(self, outcome: BatteryOutcome) -> None:
+    def keep(self, outcome: BatteryOutcome, example: Any = None) -> None:
         result = outcome.measurement.result
         if result is None:
             return
         value_failures = frozenset(n for n in outcome.failed_checks if n not in BEHAVIOURAL_CHECKS)
-        observation = Observation(outcome.batch, result, frozenset(outcome.failed_checks), outcome.padding_probes)
+        observation = Observation(outcome.batch, result, frozenset(outcome.failed_checks), outcome.padding_probes, example)
         # A behavioural failure (a padding probe) needs observations too: the diagnosis
         # replays the probes to tell a deviation that reads padding from a leak.
         underrepresented = any(self.per_check.get(n, 0) < OBSERVATIONS_PER_CHECK for n in outcome.failed_checks)
@@ -326,6 +337,8 @@ class _Evidence:
             bucket.append(observation)
             for n in outcome.failed_checks:
                 self.per_check[n] = self.per_check.get(n, 0) + 1
+        elif value_failures and len(self.more_failing) < SHARE_EXAMPLES:
+            self.more_failing.append(observation)
         if not _finite_on_valid(outcome.batch, result):
             self.non_finite += 1
             self.non_finite_checks.update(n for n in outcome.failed_checks if n in ("loss", "gradient"))
@@ -390,7 +403,7 @@ def _explore_and_judge(runner: Runner, report: CompareReport, exploration: Explo
             tally.failures += 1
             if tally.first_failure is None:
                 tally.first_failure, tally.first_failure_at = example, report.examples
-        evidence.keep(outcome)
+        evidence.keep(outcome, example)
         if outcome.explained_by is not None:
             evidence.keep_step(outcome)
         if outcome.ranks and not report.collectives:
@@ -484,7 +497,8 @@ def _diagnose(runner: Runner, report: CompareReport, evidence: _Evidence, suppli
     report.diagnosis = diagnose(observations, report.failing_checks, dtype=report.dtype, divergent=bool(report.failing_checks),
                                 compute_dtype=report.compute_dtype, supplied=supplied, prefer=frozenset(a.deviation for a in report.accepted),
                                 step_explanations={c: names for c, names in evidence.step_by_check.items() if names},
-                                step_descriptions=runner.variant_descriptions, step_source=runner.variant_source, findings=evidence.findings())
+                                step_descriptions=runner.variant_descriptions, step_source=runner.variant_source, findings=evidence.findings(),
+                                more_failing=evidence.more_failing if evidence.failing else (), replay=runner.replay_command)
 
 
 def _causes(report: CompareReport, value_variants: set[str]) -> list[tuple[str | None, tuple[str, ...], tuple[str, ...]]]:
@@ -510,7 +524,8 @@ def _counterexamples(runner: Runner, report: CompareReport, strategy: Any, shrin
     failing check on its own."""
     from m2po_oracle.deviations import VARIANTS
 
-    value_variants = {v.name for v in VARIANTS if not v.is_behavioural}
+    value_variants = {v.name for v in VARIANTS if not v.is_behavioural} | {n for names in report.diagnosis.get("by_check", {}).values()
+                                                                          for n in names if "(" in n}  # fitted values of known ones
     found: list[Counterexample] = []
     # A step runner's example costs a model or a world: a minimal input already found for one
     # check also serves every other check it fails, instead of a new search per check.

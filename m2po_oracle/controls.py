@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from m2po_oracle.deviations import DENOMINATOR_EPSILON, Deviation, combine, variant
+from m2po_oracle.deviations import Deviation, combine, variant
 
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -28,18 +28,19 @@ CLIP_BUDGET_EPS = 1e-12
 CLIP_BELOW_OFFSET = 1e-12
 #: Knobs of the mask selection that mean nothing for a clip range (selection_kind != "mask").
 _MASK_ONLY_KNOBS = ("strict_stop", "mean_over_valid", "scope_rows", "extra_removed", "min_kept", "ppo_clip", "apply_mask",
-                    "masked_keep_value", "m2_after_over_valid", "random_tie_break")
+                    "masked_keep_value", "m2_after_over_valid", "random_tie_break", "candidate_margin", "noop_margin", "statistic_over_padding")
 
 
-def _candidates(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, how: str, raw_advantages: torch.Tensor | None = None) -> torch.Tensor:
+def _candidates(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, how: str, raw_advantages: torch.Tensor | None = None,
+                margin: float = 0.0) -> torch.Tensor:
     if how == "trust_region":
-        return mask & (((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
+        return mask & (((advantages > margin) & (d > margin)) | ((advantages < -margin) & (d < -margin)))
     if how == "all_valid":
         return mask.clone()
     if how == "swapped_quadrants":
-        return mask & (((advantages > 0) & (d < 0)) | ((advantages < 0) & (d > 0)))
+        return mask & (((advantages > margin) & (d < -margin)) | ((advantages < -margin) & (d > margin)))
     if how == "zero_advantage_included":
-        return mask & (((advantages >= 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
+        return mask & (((advantages >= 0) & (d > margin)) | ((advantages < -margin) & (d < -margin)))
     if how == "first_token_sign":
         first = torch.gather(advantages, 1, mask.long().argmax(dim=1, keepdim=True)).expand_as(advantages)
         return mask & (((first > 0) & (d > 0)) | ((first < 0) & (d < 0)))
@@ -79,6 +80,9 @@ def _select_flat(m2: torch.Tensor, candidate: torch.Tensor, fixed: torch.Tensor,
     k = torch.arange(0, n + 1, dtype=dtype)
     fixed_sum = m2[fixed].sum()
     fixed_count = int(fixed.sum())
+    tau = tau * dev.budget_scale
+    if dev.noop_margin and bool((values.sum() + fixed_sum) / (n + fixed_count) <= tau + dev.noop_margin):
+        return torch.zeros_like(candidate)  # the port's "already within budget" test, with its margin
     sums = torch.cat([torch.zeros(1, dtype=dtype), torch.cumsum(values, 0)]) + fixed_sum
     counts = k + fixed_count
     means = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
@@ -151,11 +155,14 @@ def _clip_cap(d: torch.Tensor, sign_source: torch.Tensor, mask: torch.Tensor, ta
     if values.numel() == 0:
         return ClipCap(harmful, values, None, None, None, None)
     m2_now = values.mean()
+    tau = tau * dev.budget_scale
     if bool(m2_now <= torch.tensor(tau, dtype=dtype) + CLIP_BUDGET_EPS):
         return ClipCap(harmful, values, m2_now, None, None, None)
     c2 = cap_squared(values, tau, dev.selection_kind)
     c = torch.sqrt(c2)
     lo, hi = torch.exp(-c), torch.exp(c)
+    if dev.clip_bound_float32:
+        lo, hi = lo.float().to(dtype), hi.float().to(dtype)
     if dev.clip_floors is not None:
         low, high = dev.clip_floors
         lo = torch.minimum(lo, torch.tensor(1 - low, dtype=dtype))
@@ -188,11 +195,17 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
     sign = -1.0 if dev.ratio_inverted else 1.0
     d = _log_ratio(logp, behavior_logp, mask, selection_dtype, sign, dev.clamp_log_ratio)
     a = torch.where(mask, advantages.double(), torch.zeros((), dtype=torch.float64))
-    m2 = d * d
     clip = None
     if dev.selection_kind == "mask":
-        candidate = _candidates(d, a, mask, dev.candidates, advantages)
-        fixed = (mask & ~candidate) if dev.mean_over_valid else torch.zeros_like(mask)
+        if dev.statistic_over_padding:  # a kernel handed no mask: every position, the caller's padding as it is (NaN compares False)
+            seen = torch.ones_like(mask)
+            d_seen = _log_ratio(logp, behavior_logp, seen, selection_dtype, sign, dev.clamp_log_ratio).nan_to_num(0.0, 0.0, 0.0)
+            a_seen = advantages.double()
+        else:
+            seen, d_seen, a_seen = mask, d, a
+        m2 = d_seen * d_seen
+        candidate = _candidates(d_seen, a_seen, seen, dev.candidates, advantages, dev.candidate_margin)
+        fixed = (seen & ~candidate) if dev.mean_over_valid else torch.zeros_like(mask)
         step = dev.scope_rows or mask.shape[0]
         scopes = [slice(i, i + step) for i in range(0, mask.shape[0], step)] or [slice(None)]
         removed = torch.zeros_like(mask)
@@ -250,11 +263,7 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
         total = (loss_tokens.to(term.dtype) * term).sum()
     else:
         total = torch.where(loss_tokens, term, torch.zeros_like(term)).sum()
-    if dev.denominator == "valid_epsilon":  # verl's token-mean: sum / (N + 1e-8), in the loss dtype
-        loss = outer * total / (mask.sum().to(total.dtype) + DENOMINATOR_EPSILON)
-    else:
-        denominator = {"valid": mask.sum(), "kept": keep.sum(), "padded": torch.tensor(mask.numel())}[dev.denominator]
-        loss = outer * total / denominator.clamp(min=1)
+    loss = outer * _aggregate(term, loss_tokens, mask, keep, dev, total)
 
     trust = _candidates(d, a, mask, "trust_region")
     kept_trust = trust & keep
@@ -284,6 +293,24 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
     if clip is not None:
         result["cap_squared"] = float(clip.cap_squared) if clip.constrained else None
     return result
+
+
+def _aggregate(term: torch.Tensor, loss_tokens: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor, dev: Deviation, total: torch.Tensor) -> torch.Tensor:
+    """The loss's normaliser applied to the masked terms (``total``: their sum), as the
+    frameworks aggregate (spec section 5)."""
+    per_row = mask.sum(dim=1).to(total.dtype)
+    non_empty = (per_row > 0).sum().to(total.dtype)
+    how = dev.denominator
+    if how == "valid_epsilon":  # verl's token-mean: sum / (N + eps), in the loss dtype
+        return total / (mask.sum().to(total.dtype) + dev.denominator_epsilon)
+    if how in ("seq_mean_token_mean", "row_mean_empty_as_one"):
+        row_sums = torch.where(loss_tokens, term, torch.zeros_like(term)).sum(dim=1)
+        if how == "seq_mean_token_mean":  # verl: mean over non-empty rows of row sum / (n_i + 1e-8)
+            return (row_sums / (per_row + 1e-8)).sum() / non_empty.clamp(min=1)
+        return (row_sums / per_row.clamp(min=1)).mean() if mask.shape[0] else total  # TRL grpo: every row
+    denominator = {"valid": mask.sum(), "kept": keep.sum(), "padded": torch.tensor(mask.numel()), "seq_mean_token_sum": non_empty,
+                   "seq_mean_token_sum_norm": non_empty * mask.shape[1], "valid_empty_rows_as_one": per_row.clamp(min=1).sum()}[how]
+    return total / denominator.clamp(min=1)
 
 
 def _mean(values: torch.Tensor) -> float:

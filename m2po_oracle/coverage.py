@@ -45,6 +45,10 @@ from m2po_oracle.record import M2POResult
 
 #: The confidence of the reported bound.
 CONFIDENCE = 0.95
+#: Log ratios below this magnitude are where a port's margin (r > 1 + 1e-12) decides candidacy.
+TINY_LOG_RATIO = 1e-10
+#: Log ratios beyond this magnitude are where a port's guard (a clamp of d to +-20) acts.
+EXTREME_LOG_RATIO = 20.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,22 @@ class Facts:
     @property
     def nonzero_term(self) -> bool:
         return bool((self.batch.valid & (self.batch.advantages != 0)).any())
+
+    @property
+    def empty_row(self) -> bool:
+        return bool(self.batch.valid.shape[0]) and not bool(self.batch.valid.any(axis=1).all())
+
+    @property
+    def tiny_log_ratio(self) -> bool:
+        magnitude = np.abs(self._valid_log_ratio())
+        return bool(((magnitude > 0) & (magnitude < TINY_LOG_RATIO)).any())
+
+    @property
+    def extreme_log_ratio(self) -> bool:
+        return bool((np.abs(self._valid_log_ratio()) > EXTREME_LOG_RATIO).any())
+
+    def _valid_log_ratio(self) -> np.ndarray:
+        return oracle.log_ratio(self.batch.logp, self.batch.behavior_logp, self.batch.valid)[self.batch.valid]
 
     @property
     def ties_at_cut(self) -> bool:
@@ -184,6 +204,9 @@ FEATURES: dict[str, Rule] = {
     "empty_trust_region": Rule("no trust-region token", lambda f: f.candidates == 0),
     "all_masked": Rule("no valid token at all", lambda f: not bool(f.batch.valid.any())),
     "nan_padding": Rule("the drawn padding holds NaN (padding_immunity probes it; the other checks see 0)", lambda f: f.nan_padding),
+    "empty_row": Rule("a row without any valid token (per-row aggregations count or drop it)", lambda f: f.empty_row),
+    "tiny_log_ratio": Rule(f"a valid token with 0 < |d| < {TINY_LOG_RATIO:g} (a margin in the candidate test flips it)", lambda f: f.tiny_log_ratio),
+    "extreme_log_ratio": Rule(f"a valid token with |d| > {EXTREME_LOG_RATIO:g} (a clamp of d changes it)", lambda f: f.extreme_log_ratio),
 }
 
 

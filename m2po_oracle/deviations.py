@@ -12,7 +12,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 
 CANDIDATE_SETS = ("trust_region", "all_valid", "swapped_quadrants", "zero_advantage_included", "first_token_sign", "column0_sign")
-DENOMINATORS = ("valid", "kept", "padded", "valid_epsilon")
+#: The loss's normaliser. The first four divide the masked sum by one count (N, the kept
+#: count, B*T, N + epsilon); the rest are the frameworks' per-row aggregations (spec
+#: section 5), with n_i the valid tokens of row i and S_i the masked sum of row i:
+#: seq_mean_token_sum: mean over rows with n_i > 0 of S_i (verl; empty rows dropped);
+#: seq_mean_token_mean: mean over rows with n_i > 0 of S_i / (n_i + 1e-8) (verl);
+#: seq_mean_token_sum_norm: sum over rows of S_i / (rows with n_i > 0 * T) (verl, Dr.GRPO);
+#: row_mean_empty_as_one: mean over ALL rows of S_i / max(n_i, 1) (TRL's grpo);
+#: valid_empty_rows_as_one: sum(S) / sum_i max(n_i, 1) (an empty row counts as one token).
+DENOMINATORS = ("valid", "kept", "padded", "valid_epsilon", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm",
+                "row_mean_empty_as_one", "valid_empty_rows_as_one")
+#: The per-row aggregations among DENOMINATORS (the loss is not one sum over one count).
+ROW_AGGREGATIONS = DENOMINATORS[4:]
 #: How the budget acts: Algorithm 1's mask, or (spec section 4) a ratio clip range from a
 #: cap on d^2 at the breakpoint below the exact cap (the authors' release) or at the exact
 #: water-filling cap (the verl pull request).
@@ -32,7 +43,13 @@ class Deviation:
     scope_rows: int | None = None  # select within groups of this many rows (1: per sequence; None: whole batch)
     extra_removed: int = 0  # remove this many more than needed whenever any is removed
     min_kept: int = 0  # never remove the last min_kept candidates (AReaL/slime keep the smallest)
-    denominator: str = "valid"  # see DENOMINATORS (valid_epsilon: N + DENOMINATOR_EPSILON)
+    denominator: str = "valid"  # see DENOMINATORS (valid_epsilon: N + denominator_epsilon)
+    denominator_epsilon: float = DENOMINATOR_EPSILON  # the epsilon of valid_epsilon (a port picks its own)
+    candidate_margin: float = 0.0  # candidates need A > m and d > m (or A < -m, d < -m): a port's 1e-12 margin
+    noop_margin: float = 0.0  # nothing is removed while the candidates' mean M2 <= tau + this margin
+    statistic_over_padding: bool = False  # M2 and candidates over every position: a kernel handed no mask
+    budget_scale: float = 1.0  # the budget the selection compares with is tau * this
+    clip_bound_float32: bool = False  # clip kinds: the ratio range [exp(-c), exp(c)] rounded through float32
     ppo_clip: float | None = None  # PPO's epsilon-clip still applied to kept tokens
     ratio_inverted: bool = False  # d = behavior_logp - logp
     apply_mask: bool = True  # False: mask computed, then not applied to the loss
@@ -60,6 +77,14 @@ class Deviation:
                 raise ValueError(f"{name}: expected one of {PRECISIONS}, got {getattr(self, name)!r}")
         if self.scope_rows is not None and self.scope_rows < 1:
             raise ValueError(f"scope_rows: expected None or an int >= 1, got {self.scope_rows!r}")
+        for name in ("denominator_epsilon", "candidate_margin", "noop_margin"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0 and value == value):
+                raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+        if not (isinstance(self.budget_scale, (int, float)) and self.budget_scale > 0):
+            raise ValueError(f"budget_scale: expected a number > 0, got {self.budget_scale!r}")
+        if self.clip_floors is not None and not (len(self.clip_floors) == 2 and all(0 <= f for f in self.clip_floors)):
+            raise ValueError(f"clip_floors: expected None or a pair (low, high) of numbers >= 0, got {self.clip_floors!r}")
 
 
 ALGORITHM_1 = Deviation()
@@ -81,21 +106,29 @@ class Variant:
     source: str
     deviation: Deviation
     behaviour_check: str | None = None  # set for deviations only a behavioural check can see
+    parameter: str | None = None  # the knob whose value a port picks itself: fitted from the data, carried in the name
+    acts_with: tuple[str, ...] = ()  # variants without which this one changes nothing (floors need a clip kind)
 
     @property
     def is_behavioural(self) -> bool:
         return self.behaviour_check is not None
 
+    @property
+    def base(self) -> str:
+        """The name without a fitted value: ``clip_floors(0.2, 0.28)`` -> ``clip_floors``."""
+        return self.name.split("(", 1)[0]
 
-def _variant(name: str, description: str, source: str, **knobs) -> Variant:
+
+def _variant(name: str, description: str, source: str, *, parameter: str | None = None, acts_with: tuple[str, ...] = (), **knobs) -> Variant:
     deviation = replace(ALGORITHM_1, **knobs)
     behavioural = [BEHAVIOURAL[k] for k in knobs if k in BEHAVIOURAL]
-    return Variant(name, description, source, deviation, behavioural[0] if behavioural else None)
+    return Variant(name, description, source, deviation, behavioural[0] if behavioural else None, parameter, acts_with)
 
 
 SPEC = "spec section 3"
 PLAUSIBLE = "plausible port bug"
 CLIP = "spec section 4"
+AGG = "spec section 5"
 
 VARIANTS: tuple[Variant, ...] = (
     _variant("algorithm_1", "Algorithm 1 itself", "spec section 1"),
@@ -116,7 +149,8 @@ VARIANTS: tuple[Variant, ...] = (
     _variant("ratio_inverted", "log ratio taken as behavior_logp - logp", PLAUSIBLE, ratio_inverted=True),
     _variant("mask_not_applied", "mask computed but the loss sums every valid token", f"{SPEC} (slime PR)", apply_mask=False),
     _variant("masked_keep_value", "masked tokens keep their loss value (zero gradient only)", f"{SPEC} (authors' release, verl clip PR)", masked_keep_value=True),
-    _variant("clamped_log_ratio", "straight-through clamp of d to +-20", f"{SPEC} (ms-swift, Trinity-RFT guard)", clamp_log_ratio=20.0),
+    _variant("clamped_log_ratio", "straight-through clamp of d to +-{0}", f"{SPEC} (ms-swift, Trinity-RFT guard)", clamp_log_ratio=20.0,
+             parameter="clamp_log_ratio"),
     _variant("m2_after_over_valid", "m2_after averaged over every kept valid token", PLAUSIBLE, m2_after_over_valid=True),
     _variant("areal", "AReaL: all valid tokens, strict stop, keeps the smallest token, kept-count denominator", SPEC,
              candidates="all_valid", strict_stop=True, min_kept=1, denominator="kept"),
@@ -131,22 +165,85 @@ VARIANTS: tuple[Variant, ...] = (
              "their clipped value, zero gradient)", f"{CLIP} (authors' release)", selection_kind="clip_below"),
     _variant("water_filling_clip", "a ratio clip range instead of a mask, at the exact water-filling cap (capped mean = budget)",
              f"{CLIP} (open verl pull request)", selection_kind="clip_exact"),
-    _variant("clip_floors", "the clip range is never tighter than [1 - 0.3, 1 + 0.5] (miniclip floors)", f"{CLIP} (authors' release)",
-             clip_floors=(0.3, 0.5)),
+    _variant("clip_floors", "the clip range is never tighter than [1 - {0}, 1 + {1}] (miniclip floors)", f"{CLIP} (authors' release)",
+             clip_floors=(0.3, 0.5), parameter="clip_floors", acts_with=("authors_release_clip", "water_filling_clip")),
     _variant("column0_advantage_sign", "candidates take the advantage sign of column 0 of each row, padding or not", f"{CLIP} (authors' release)",
              candidates="column0_sign"),
-    _variant("denominator_epsilon", "loss divided by N + 1e-8 (verl's token-mean)", f"{CLIP} (verl token-mean)", denominator="valid_epsilon"),
-    _variant("hard_clamped_log_ratio", "hard clamp of d to +-20: kept tokens beyond it get zero gradient", CLIP, clamp_log_ratio=20.0, hard_clamp=True),
+    _variant("denominator_epsilon", "loss divided by N + {0} (verl's token-mean)", f"{CLIP} (verl token-mean)", denominator="valid_epsilon",
+             parameter="denominator_epsilon"),
+    _variant("hard_clamped_log_ratio", "hard clamp of d to +-{0}: kept tokens beyond it get zero gradient", CLIP, clamp_log_ratio=20.0, hard_clamp=True,
+             parameter="clamp_log_ratio"),
     _variant("float32_selection", "selection arithmetic (d, d^2, prefix means) in float32", CLIP, selection_dtype="float32"),
     _variant("float32_metrics", "logged metrics computed in float32", CLIP, metrics_dtype="float32"),
+    # Spec section 5: the frameworks' loss aggregations, which ports inherit from the trainer's configuration.
+    _variant("seq_mean_token_sum", "loss = mean over non-empty rows of each row's masked sum (verl seq-mean-token-sum)", AGG,
+             denominator="seq_mean_token_sum"),
+    _variant("seq_mean_token_mean", "loss = mean over non-empty rows of each row's masked sum / (n_i + 1e-8) (verl seq-mean-token-mean)", AGG,
+             denominator="seq_mean_token_mean"),
+    _variant("seq_mean_token_sum_norm", "loss = the rows' masked sums over (non-empty rows * padded length T) (verl seq-mean-token-sum-norm, "
+             "Dr.GRPO)", AGG, denominator="seq_mean_token_sum_norm"),
+    _variant("trl_grpo_row_mean", "loss = mean over ALL rows of each row's masked sum / max(n_i, 1) (TRL loss_type grpo; an empty row "
+             "counts as a zero)", AGG, denominator="row_mean_empty_as_one"),
+    _variant("empty_rows_count_one", "loss divided by sum_i max(n_i, 1): a row without valid tokens counts as one token", AGG,
+             denominator="valid_empty_rows_as_one"),
+    # Spec section 4, facts 1-2, seen in mask ports too: margins and a kernel handed no mask.
+    _variant("candidate_margin", "candidates need |A| > {0} and |d| > {0} (a margin in the trust-region test)", f"{CLIP} (fact 1)",
+             candidate_margin=1e-12, parameter="candidate_margin"),
+    _variant("noop_margin", "nothing is removed while the candidates' mean M2 <= tau + {0}", f"{CLIP} (fact 2)", noop_margin=1e-12,
+             parameter="noop_margin"),
+    _variant("statistic_over_padding", "M2 and the candidates over every position, padding included (the kernel is handed no mask)",
+             PLAUSIBLE, statistic_over_padding=True),
+    _variant("clip_bound_float32", "the clip range's bounds exp(-c), exp(c) rounded through float32", CLIP, clip_bound_float32=True,
+             acts_with=("authors_release_clip", "water_filling_clip")),
+    _variant("scaled_budget", "the selection compares with tau * {0} instead of tau", PLAUSIBLE, budget_scale=0.5, parameter="budget_scale"),
+)
+
+#: Variants that are only ever found together: strict stop with keep-one (AReaL, slime), a
+#: clip kind with the metrics' precision. The search tries each group as one move.
+JOINT_MOVES: tuple[tuple[str, ...], ...] = (
+    ("strict_stop", "keeps_smallest_candidate"),
+    ("authors_release_clip", "float32_metrics"),
+    ("water_filling_clip", "float32_metrics"),
 )
 
 
+_BY_NAME = {v.name: v for v in VARIANTS}
+
+
 def variant(name: str) -> Variant:
-    for v in VARIANTS:
-        if v.name == name:
-            return v
-    raise ValueError(f"variant: unknown name {name!r}; known: {', '.join(v.name for v in VARIANTS)}")
+    """A known variant by name; a parametric one may carry its value: ``clip_floors(0.2, 0.28)``."""
+    base, _, rest = name.partition("(")
+    known = _BY_NAME.get(base.strip())
+    if known is None:
+        raise ValueError(f"variant: unknown name {name!r}; known: {', '.join(v.name for v in VARIANTS)}")
+    if not rest:
+        return replace(known, description=_described(known, getattr(known.deviation, known.parameter) if known.parameter else None))
+    if known.parameter is None or not rest.endswith(")"):
+        raise ValueError(f"variant: {name!r}: only {', '.join(v.name for v in VARIANTS if v.parameter)} take a value, as name(value)")
+    try:
+        values = tuple(float(part) for part in rest[:-1].split(","))
+    except ValueError:
+        raise ValueError(f"variant: {name!r}: expected numbers in the parentheses") from None
+    default = getattr(known.deviation, known.parameter)
+    value: object = values if isinstance(default, tuple) else values[0]
+    if isinstance(default, tuple) and len(values) != len(default):
+        raise ValueError(f"variant: {name!r}: {known.parameter} takes {len(default)} values")
+    deviation = replace(known.deviation, **{known.parameter: value})
+    return replace(known, name=fitted_name(known.name, value) if value != default else known.name, deviation=deviation,
+                   description=_described(known, value))
+
+
+def fitted_name(base: str, value: object) -> str:
+    """The name that carries a fitted value: ``clip_floors(0.2, 0.28)``, ``clamped_log_ratio(10)``."""
+    values = value if isinstance(value, tuple) else (value,)
+    return f"{base}({', '.join(f'{float(v):g}' for v in values)})"
+
+
+def _described(known: Variant, value: object) -> str:
+    if value is None:
+        return known.description
+    values = value if isinstance(value, tuple) else (value,)
+    return known.description.format(*(f"{float(v):g}" for v in values))
 
 
 def combine(names: Iterable[str]) -> Deviation | None:

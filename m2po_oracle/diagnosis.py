@@ -2,26 +2,36 @@
 
 Each known deviation (:data:`~m2po_oracle.deviations.VARIANTS`) is a set of knobs; any
 set of them composes into one deviating M2PO (:mod:`~m2po_oracle.variants`), which
-computes its own mask, loss, gradient and metrics from the batch alone; it is never
-fitted to the port's output. A combination *reproduces* a field of an observation when
-its mask equals the port's up to a choice among equal M2 values (the mask of a port
-whose selection is Algorithm 1's may be any admissible outcome), or when its objective
-evaluated on the port's own mask matches the port's loss, gradient or metric within the
-tolerance policy. Only the fields the port itself supplied are compared (an adapter may
-build the rest).
+computes its own mask, loss, gradient and metrics from the batch alone. A combination
+*reproduces* a field of an observation when its mask equals the port's up to a choice
+among equal M2 values (the mask of a port whose selection is Algorithm 1's may be any
+admissible outcome), or when its objective evaluated on the port's own mask matches the
+port's loss, gradient or metric within the tolerance policy. Only the fields the port
+itself supplied are compared (an adapter may build the rest).
 
-The search adds one deviation at a time, keeping the few combinations that reproduce the
-most (observation, field) pairs, until one reproduces every pair; deviations whose
-removal loses nothing are dropped. For every failing check the report names the
-deviations of that explanation without which the check's field is no longer reproduced,
-and lists the checks nothing explains. Behavioural deviations (input mutation,
-nondeterminism, padding leaks) are recognised by the check that shows them alone.
+The search (on a sample of the observations) grows combinations one move at a time: a
+known deviation, or a group whose members only act together (:data:`JOINT_MOVES`, a
+variant's ``acts_with``); a deviation whose value a port picks itself (floors, clamp bound,
+epsilon, budget scale, margins) is fitted to the data and named with its value. It keeps
+the few combinations that reproduce the most (observation, field) pairs, until one
+reproduces every pair or nothing grows; deviations whose removal loses nothing are dropped.
+
+Coverage, not unanimity: real ports carry quirks on a few examples (a margin at an exact
+tie), so for every failing check the report states the share of its failing examples the
+explanation reproduces. A check is explained by the deviations without which that share
+drops, when the share is at least :data:`NAMED_SHARE`; the rest is its *residual*: how
+many, the batch features they share, and one of them as a counterexample of its own.
+Below the threshold the combination is only the check's closest. Behavioural deviations
+(input mutation, nondeterminism, padding leaks) are recognised by the check that shows
+them alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+import math
 from dataclasses import dataclass, field, fields, replace
+import json
 from typing import Any
 
 import numpy as np
@@ -29,7 +39,7 @@ import numpy as np
 from m2po_oracle import variants
 from m2po_oracle.batch import Batch
 from m2po_oracle.checks import result_field
-from m2po_oracle.deviations import ALGORITHM_1, VARIANTS, Deviation, Variant, combine
+from m2po_oracle.deviations import ALGORITHM_1, JOINT_MOVES, VARIANTS, Deviation, combine, fitted_name, variant
 from m2po_oracle.equivalence import check_selection, coarser, compare_fields, same_up_to_ties
 from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 
@@ -44,6 +54,13 @@ PRECISION_OPTIONS = {"float32_selection": "--compute-dtype float32", "float32_me
 #: At most this many deviations in one explanation, and combinations kept per size.
 MAX_COMPONENTS = 4
 BEAM = 4
+#: A set of deviations explains a check when it reproduces at least this share of the
+#: check's failing examples (README, "Coverage"): then it is what the port does on most
+#: inputs and the rest is a residual; below it the residual is the rule, and the set is
+#: only the closest explanation.
+NAMED_SHARE = 0.5
+#: Residual examples described by their features, and features listed per residual.
+RESIDUAL_FEATURES_SHOWN = 4
 
 
 #: The result field a value check judges (None: a behavioural or step check).
@@ -59,6 +76,7 @@ class Observation:
     result: M2POResult
     failed: frozenset[str] = frozenset()
     padding_probes: tuple[tuple[Batch, M2POResult], ...] = ()  # the probes whose result differed
+    example: Any = None  # the runner's input that produced it (its replay command), when it is not the batch
 
 
 def merge(names: Iterable[str]) -> Deviation | None:
@@ -66,18 +84,24 @@ def merge(names: Iterable[str]) -> Deviation | None:
     return combine(names)
 
 
-_VARIANTS: dict[str, Variant] = {v.name: v for v in VARIANTS}
 _ORDER = {v.name: i for i, v in enumerate(VARIANTS)}
+
+
+def _order(name: str) -> int:
+    return _ORDER[variant(name).base]
 
 
 class Judge:
     """Which fields of which observation a deviation reproduces (memoised)."""
 
-    def __init__(self, observations: Sequence[Observation], *, dtype: str, compute_dtype: str | None, supplied: frozenset[str] | None) -> None:
+    def __init__(self, observations: Sequence[Observation], *, dtype: str, compute_dtype: str | None, supplied: frozenset[str] | None,
+                 sample: int | None = None) -> None:
         self.observations = list(observations)
         self.dtype, self.compute_dtype, self.supplied = dtype, compute_dtype or dtype, supplied
         self.fields = [self._fields(o.result, supplied) for o in self.observations]
-        self.total = sum(len(f) for f in self.fields)
+        #: The search scores the first ``sample`` observations; shares count every one.
+        self.sample = range(len(self.observations) if sample is None else min(sample, len(self.observations)))
+        self.total = sum(len(self.fields[i]) for i in self.sample)
         self._differences: dict[tuple[Deviation, int], dict[str, str]] = {}
         self._keeps: dict[tuple[tuple, int], tuple[np.ndarray, np.ndarray]] = {}
         self._values: dict[tuple[tuple, int], dict[str, str]] = {}
@@ -96,11 +120,16 @@ class Judge:
         return self._differences[key]
 
     def score(self, dev: Deviation) -> int:
-        return self.total - sum(len(self.differences(dev, i)) for i in range(len(self.observations)))
+        """(observation, field) pairs of the sample that ``dev`` reproduces."""
+        return self.total - sum(len(self.differences(dev, i)) for i in self.sample)
 
     def reproduces(self, dev: Deviation, field_name: str, indices: Iterable[int] | None = None) -> bool:
         indices = range(len(self.observations)) if indices is None else indices
         return all(field_name not in self.differences(dev, i) for i in indices if field_name in self.fields[i])
+
+    def reproduced(self, dev: Deviation, field_name: str, indices: Iterable[int]) -> list[int]:
+        """Of ``indices``, the observations whose ``field_name`` ``dev`` reproduces."""
+        return [i for i in indices if field_name in self.fields[i] and field_name not in self.differences(dev, i)]
 
     def _compute(self, dev: Deviation, i: int) -> dict[str, str]:
         observation, judged = self.observations[i], self.fields[i]
@@ -160,27 +189,44 @@ class Explanation:
 
 def _preference(names: frozenset[str] | tuple[str, ...]) -> tuple:
     knob_count = sum(1 for f in fields(Deviation) if getattr(merge(names) or ALGORITHM_1, f.name) != getattr(ALGORITHM_1, f.name))
-    return (len(names), knob_count, sorted(_ORDER[n] for n in names))
+    return (len(names), knob_count, sorted(_order(n) for n in names))
+
+
+def _moves(candidates: Sequence[str]) -> list[frozenset[str]]:
+    """What one search step may add: a known deviation, or a group whose members only act
+    together (a clip kind with its floors; strict stop with keep-one)."""
+    allowed = set(candidates)
+    moves = [frozenset({n}) for n in candidates]
+    for name in candidates:
+        moves += [frozenset({name, partner}) for partner in variant(name).acts_with if partner in allowed]
+    moves += [frozenset(group) for group in JOINT_MOVES if set(group) <= allowed]
+    return list(dict.fromkeys(moves))
 
 
 def search(judge: Judge, candidates: Sequence[str]) -> Explanation:
-    """The smallest combination of ``candidates`` reproducing every judged pair, else the best found."""
+    """The smallest combination of ``candidates`` reproducing every judged pair of the
+    sample, else the one reproducing the most (fitted values carried in the names)."""
     base = judge.score(ALGORITHM_1)
     if base == judge.total:
         return Explanation((), base, judge.total)
     frontier: list[tuple[frozenset[str], int]] = [(frozenset(), base)]
     seen: set[frozenset[str]] = {frozenset()}
     best: tuple[frozenset[str], int] = (frozenset(), base)
+    moves = _moves(candidates)
     for _ in range(MAX_COMPONENTS):
         grown: list[tuple[frozenset[str], int]] = []
         for state, state_score in frontier:
-            for name in candidates:
-                combined = state | {name}
-                if combined in seen:
+            state_dev = merge(state)
+            for move in moves:
+                combined = state | move
+                if combined in seen or len(combined) > MAX_COMPONENTS:
                     continue
                 seen.add(combined)
+                if merge(combined) is None or merge(combined) == state_dev:
+                    continue
+                combined = _fit(judge, combined, fitted=move - state)
                 dev = merge(combined)
-                if dev is None or dev == merge(state):
+                if dev is None:
                     continue
                 combined_score = judge.score(dev)
                 if combined_score > state_score:
@@ -190,20 +236,20 @@ def search(judge: Judge, candidates: Sequence[str]) -> Explanation:
         complete = sorted((s for s, sc in grown if sc == judge.total), key=_preference)
         if complete:
             chosen = _prune(judge, complete[0])
-            alternatives = [tuple(sorted(s, key=_ORDER.get)) for s in complete[1:4] if len(s) == len(chosen)]
-            return Explanation(tuple(sorted(chosen, key=_ORDER.get)), judge.total, judge.total, alternatives)
+            alternatives = [tuple(sorted(s, key=_order)) for s in complete[1:4] if len(s) == len(chosen)]
+            return Explanation(tuple(sorted(chosen, key=_order)), judge.total, judge.total, alternatives)
         grown.sort(key=lambda t: (-t[1], _preference(t[0])))
         frontier = grown[:BEAM]
         if frontier[0][1] > best[1]:
             best = frontier[0]
-    chosen = _prune(judge, best[0])
-    return Explanation(tuple(sorted(chosen, key=_ORDER.get)), judge.score(merge(chosen) or ALGORITHM_1), judge.total)
+    chosen = _refit(judge, _prune(judge, best[0]))
+    return Explanation(tuple(sorted(chosen, key=_order)), judge.score(merge(chosen) or ALGORITHM_1), judge.total)
 
 
 def _prune(judge: Judge, names: frozenset[str]) -> frozenset[str]:
     """Drop every deviation whose removal reproduces no fewer pairs."""
     score = judge.score(merge(names) or ALGORITHM_1)
-    for name in sorted(names, key=lambda n: -_ORDER[n]):
+    for name in sorted(names, key=lambda n: -_order(n)):
         smaller = names - {name}
         dev = merge(smaller)
         if dev is not None and judge.score(dev) >= score:
@@ -211,22 +257,148 @@ def _prune(judge: Judge, names: frozenset[str]) -> frozenset[str]:
     return names
 
 
+# --- values a port picks itself, fitted from the data ------------------------------------
+
+#: Values tried for a parameter no observation pins down directly (the default first).
+PARAMETER_GRIDS: dict[str, tuple[float, ...]] = {
+    "clamp_log_ratio": (20.0, 10.0, 5.0, 15.0, 30.0, 50.0, 1.0, 2.0),
+    "candidate_margin": (1e-12, 1e-10, 1e-8, 1e-6, 1e-15),
+    "noop_margin": (1e-12, 1e-10, 1e-8, 1e-6, 1e-15),
+    "budget_scale": (0.5, 0.25, 2.0, 4.0),
+}
+
+
+def _fit(judge: Judge, names: frozenset[str], fitted: frozenset[str]) -> frozenset[str]:
+    """``names`` with each of ``fitted`` that a port parameterises given the value the data
+    pins down (a cheap fit only: floors and epsilon are read from the examples directly)."""
+    for name in fitted:
+        known = variant(name)
+        fitter = _DIRECT_FITTERS.get(known.parameter or "")
+        if fitter is None:
+            continue
+        rest = merge(names - {name})
+        if rest is None:
+            continue
+        value = fitter(judge, merge(names) or ALGORITHM_1)
+        if value is None or value == getattr(known.deviation, known.parameter):
+            continue
+        trial = (names - {name}) | {fitted_name(known.base, value)}
+        if judge.score(merge(trial) or ALGORITHM_1) > judge.score(merge(names) or ALGORITHM_1):
+            names = trial
+    return names
+
+
+def _refit(judge: Judge, names: frozenset[str]) -> frozenset[str]:
+    """The final explanation with each parameter that no direct fit pins tried over its grid."""
+    for name in sorted(names, key=_order):
+        known = variant(name)
+        grid = PARAMETER_GRIDS.get(known.parameter or "")
+        if grid is None:
+            continue
+        rest = names - {name}
+        scored = []
+        for value in grid:
+            trial = rest | {fitted_name(known.base, value) if value != getattr(variant(known.base).deviation, known.parameter) else known.base}
+            dev = merge(trial)
+            if dev is not None:
+                scored.append((judge.score(dev), -len(scored), trial))
+        if scored:
+            names = max(scored, key=lambda t: (t[0], t[1]))[2]
+    return names
+
+
+def _simplest_in(lower: float, upper: float, default: float) -> float | None:
+    """The default when it lies in [lower, upper), else the number with fewest decimals there."""
+    if lower > upper or (lower == upper and lower != default):
+        return None
+    if lower <= default < upper or default == lower == upper:
+        return default
+    for decimals in range(1, 7):
+        scale = 10.0 ** decimals
+        candidate = math.ceil(lower * scale - 1e-9) / scale
+        if candidate < upper:
+            return round(candidate, decimals)
+    return lower
+
+
+def _fit_floors(judge: Judge, dev: Deviation) -> tuple[float, float] | None:
+    """Floors (low, high) from where the port's clip range ends: a token beyond the budget's
+    own range that the port kept (it has a gradient) lies within the floors, one it clipped
+    lies beyond them."""
+    if dev.selection_kind == "mask" or dev.clip_floors is None:
+        return None
+    bare = replace(dev, clip_floors=None)
+    bounds = {"low": [0.0, math.inf], "high": [0.0, math.inf]}
+    evidence = False
+    for i in judge.sample:
+        batch, actual = judge.observations[i].batch, judge.observations[i].result
+        outcome = variants.clip_outcome(batch, bare)
+        if outcome.cap_squared is None:
+            continue
+        d = variants.selection_log_ratio(variants.log_ratio(batch, dev), dev)
+        with np.errstate(over="ignore", invalid="ignore"):
+            r = np.exp(np.where(batch.valid, d, 0.0))
+        a = np.where(batch.valid, batch.advantages, 0.0)
+        for side, beyond, gap in (("high", (a > 0) & (r > outcome.high), r - 1.0), ("low", (a < 0) & (r < outcome.low), 1.0 - r)):
+            beyond &= batch.valid
+            kept, clipped = gap[beyond & actual.keep], gap[beyond & ~actual.keep]
+            if kept.size:
+                bounds[side][0] = max(bounds[side][0], float(kept.max()))
+            if clipped.size:
+                bounds[side][1] = min(bounds[side][1], float(clipped.min()))
+            evidence |= bool(kept.size or clipped.size)
+    if not evidence:
+        return None
+    low = _simplest_in(*bounds["low"], default=dev.clip_floors[0])
+    high = _simplest_in(*bounds["high"], default=dev.clip_floors[1])
+    return None if low is None or high is None else (low, high)
+
+
+def _fit_epsilon(judge: Judge, dev: Deviation) -> float | None:
+    """The epsilon of N + eps from the loss: loss(N) / loss(N + eps) = 1 + eps / N."""
+    if dev.denominator != "valid_epsilon":
+        return None
+    exact = replace(dev, denominator="valid")
+    estimates = []
+    for i in judge.sample:
+        batch, actual = judge.observations[i].batch, judge.observations[i].result
+        if "loss" not in judge.fields[i] or not math.isfinite(actual.loss) or actual.loss == 0:
+            continue
+        expected = variants.evaluate_with_mask(batch, actual.keep, exact).loss
+        if expected == 0 or not math.isfinite(expected):
+            continue
+        estimates.append(int(batch.valid.sum()) * (expected / actual.loss - 1.0))
+    positive = [e for e in estimates if e > 0]
+    if len(positive) < max(1, len(estimates) // 2):
+        return None
+    estimate = float(np.median(positive))
+    return float(f"{estimate:.0e}")  # a port writes one significant digit: 1e-8, 1e-6, 5e-7
+
+
+_DIRECT_FITTERS = {"clip_floors": _fit_floors, "denominator_epsilon": _fit_epsilon}
+
+
 def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], *, dtype: str, divergent: bool,
              compute_dtype: str | None = None, supplied: frozenset[str] | None = None,
              step_explanations: dict[str, set[str]] | None = None, step_descriptions: dict[str, str] | None = None, step_source: str = "",
-             findings: Sequence[dict[str, Any]] = (), prefer: frozenset[str] = frozenset()) -> dict[str, Any]:
+             findings: Sequence[dict[str, Any]] = (), prefer: frozenset[str] = frozenset(),
+             more_failing: Iterable[Observation] = (), replay: Any = None) -> dict[str, Any]:
     """The diagnosis section of the report (schema in ``report``).
 
-    ``step_explanations`` maps a failing check to the step-level variants (distributed,
-    trainer) that reproduce every failing step of it; they explain it ahead of a
-    single-batch deviation."""
+    The search runs on ``observations``; the shares count those and ``more_failing`` (the
+    failing examples beyond the search's sample). ``step_explanations`` maps a failing check
+    to the step-level variants (distributed, trainer) that reproduce every failing step of
+    it; they explain it ahead of a single-batch deviation. ``replay(example)`` gives the
+    command that replays a residual's counterexample."""
     observations = list(observations)
+    sample = len(observations)
+    observations += list(more_failing)
     failed = list(dict.fromkeys(failed_checks))
-    empty = {"examples_compared": len(observations), "components": [], "by_check": {}, "unexplained": [], "matches": [], "alternatives": [],
-             "closest": [], "findings": list(findings), "hints": [], "summary": ""}
+    empty = {"examples_compared": len(observations), "components": [], "by_check": {}, "shares": {}, "residuals": [], "unexplained": [],
+             "matches": [], "alternatives": [], "closest": [], "findings": list(findings), "hints": [], "summary": ""}
     if not divergent:
         return {"status": "not_needed", **empty}
-    judge = Judge(observations, dtype=dtype, compute_dtype=compute_dtype, supplied=supplied)
+    judge = Judge(observations, dtype=dtype, compute_dtype=compute_dtype, supplied=supplied, sample=sample)
     output_variants = [v.name for v in VARIANTS if v.name != "algorithm_1" and not v.is_behavioural]
     explanation = search(judge, output_variants) if observations else Explanation((), 0, 0)
     if explanation.alternatives:
@@ -235,14 +407,16 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         # the one naming the deviations the project accepts (the examples cannot tell them apart).
         pads = "padding_immunity" in failed
         ranked = sorted([explanation.components, *explanation.alternatives],
-                        key=lambda names: (pads and not _reads_padding(judge, names), -len(set(names) & prefer)))
+                        key=lambda names: (pads and not _reads_padding(judge, names), -len({variant(n).base for n in names} & prefer)))
         explanation = replace(explanation, components=ranked[0], alternatives=ranked[1:])
     dev = merge(explanation.components) or ALGORITHM_1
 
     by_check: dict[str, list[str]] = {}
+    shares: dict[str, dict[str, Any]] = {}
     unexplained: list[str] = []
     step_explanations = step_explanations or {}
     step_choice, step_alternatives = _cover(step_explanations, list(step_descriptions or {}))
+    closest_by_check: dict[str, dict[str, Any]] = {}
     for check in failed:
         if check in step_choice:
             by_check[check] = [step_choice[check]]
@@ -256,36 +430,125 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
                 continue
         if behavioural:
             by_check[check] = behavioural
-        elif name is not None and explanation.components and _explained(judge, dev, name, check):
-            by_check[check] = _responsible(judge, explanation.components, name, check)
+            continue
+        share = _share(judge, dev, name, check) if name is not None and explanation.components else None
+        if share is not None and share["explained"] and share["share"] >= NAMED_SHARE:
+            by_check[check] = _responsible(judge, explanation.components, name, share["reproduced"])
+            shares[check] = {k: v for k, v in share.items() if k not in ("reproduced", "residual")} | {"components": by_check[check]}
+            if share["residual"]:
+                shares[check]["residual"] = share["residual"]
         else:
             unexplained.append(check)
+            if share is not None and share["explained"]:
+                closest_by_check[check] = {"components": list(explanation.components), "explained": share["explained"], "of": share["of"],
+                                           "share": share["share"]}
 
+    residuals = _residuals(judge, shares, compute_dtype or dtype, replay)
+    for check in shares:
+        shares[check].pop("residual", None)
     components = list(dict.fromkeys(n for names in by_check.values() for n in names))
     matches = []
     for name in components:
         explained = [c for c, names in by_check.items() if name in names]
-        if name in _VARIANTS:
-            v = _VARIANTS[name]
-            evidence = (f"check {v.behaviour_check} failed" if v.is_behavioural else
-                        f"reproduces {', '.join(sorted({field_of(c) or c for c in explained}))} on all {len(observations)} examples")
-            matches.append({"variant": name, "description": v.description, "source": v.source, "evidence": evidence, "checks": explained})
+        known = _known(name)
+        if known is not None:
+            counted = [shares[c] for c in explained if c in shares]
+            evidence = (f"check {known.behaviour_check} failed" if known.is_behavioural else
+                        "reproduces " + "; ".join(f"{field_of(c) or c} on {_share_text(shares[c])}" for c in explained if c in shares)
+                        if counted else f"reproduces the port under the padding probes ({', '.join(explained)})")
+            matches.append({"variant": name, "description": known.description, "source": known.source, "evidence": evidence, "checks": explained})
         else:
             matches.append({"variant": name, "description": (step_descriptions or {}).get(name, ""), "source": step_source,
                             "evidence": "reproduces every failing step", "checks": explained})
-    status = "no_known_variant" if not by_check else ("matched" if not unexplained else "partly_explained")
+    partial = any(share["share"] < 1 for share in shares.values())
+    status = ("no_known_variant" if not by_check else "partly_explained" if unexplained else "mostly_explained" if partial else "matched")
     return {
         **empty,
         "status": status,
         "components": components,
         "by_check": by_check,
+        "shares": shares,
+        "residuals": residuals,
         "unexplained": unexplained,
         "matches": matches,
         "alternatives": [list(a) for a in explanation.alternatives + step_alternatives],
-        "closest": _closest(judge, output_variants, set(components)) if status != "matched" else [],
+        "closest": _closest(judge, output_variants, set(components), closest_by_check) if status != "matched" else [],
         "hints": _hints(by_check),
-        "summary": summary(status, by_check, unexplained),
+        "summary": summary(status, by_check, unexplained, shares),
     }
+
+
+def _known(name: str):
+    try:
+        return variant(name)
+    except ValueError:  # a step-level variant (distributed, trainer)
+        return None
+
+
+def _share(judge: Judge, dev: Deviation, field_name: str, check: str) -> dict[str, Any]:
+    """How much of ``check`` the explanation reproduces: its failing examples whose field it
+    reproduces, of the failing ones plus the passing ones it gets wrong (contradicted)."""
+    failing = [i for i, o in enumerate(judge.observations) if check in o.failed and field_name in judge.fields[i]]
+    passing = [i for i, o in enumerate(judge.observations) if check not in o.failed and field_name in judge.fields[i]]
+    reproduced = judge.reproduced(dev, field_name, failing)
+    contradicted = [i for i in passing if field_name in judge.differences(dev, i)]
+    of = len(failing) + len(contradicted)
+    residual = sorted(set(failing) - set(reproduced)) + contradicted
+    return {"explained": len(reproduced), "failing": len(failing), "contradicted": len(contradicted), "of": of,
+            "share": len(reproduced) / of if of else 0.0, "reproduced": reproduced, "residual": residual}
+
+
+def _share_text(share: dict[str, Any]) -> str:
+    text = f"{share['explained']} of {share['failing']} failing examples"
+    if share.get("contradicted"):
+        text += f" (and differs from the port on {share['contradicted']} where Algorithm 1 does not)"
+    return text
+
+
+def _residuals(judge: Judge, shares: dict[str, dict[str, Any]], compute_dtype: str, replay: Any) -> list[dict[str, Any]]:
+    """The examples each explained check's explanation does not reproduce, grouped where
+    several checks leave the same ones: how many, the features they share (against how often
+    each holds where the explanation reproduces the check), and the smallest as a
+    counterexample with its replay command."""
+    from m2po_oracle import coverage
+
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for check, share in shares.items():
+        if share.get("residual"):
+            groups.setdefault(tuple(share["residual"]), []).append(check)
+    if not groups:
+        return []
+    cached: dict[int, frozenset[str]] = {}
+
+    def features(i: int) -> frozenset[str]:
+        if i not in cached:
+            facts = coverage.facts(judge.observations[i].batch, compute_dtype)
+            cached[i] = frozenset(name for name, rule in coverage.FEATURES.items() if name != "nan_padding" and rule.holds(facts))
+        return cached[i]
+
+    residuals = []
+    for indices, checks in groups.items():
+        field_names = {field_of(c) for c in checks}
+        explained = [i for i, o in enumerate(judge.observations) if set(checks) & o.failed and i not in indices]
+        counts = {name: sum(name in features(i) for i in indices) for name in coverage.FEATURES if name != "nan_padding"}
+        elsewhere = {name: sum(name in features(i) for i in explained) for name in counts}
+        shown = sorted((n for n in counts if counts[n]), key=lambda n: (-counts[n] / len(indices) + elsewhere[n] / max(len(explained), 1), n))
+        smallest = min(indices, key=lambda i: (int(judge.observations[i].batch.valid.size), i))
+        observation = judge.observations[smallest]
+        example = observation.example if observation.example is not None else observation.batch
+        first = next((text for f, text in judge.differences(merge(shares[checks[0]]["components"]) or ALGORITHM_1, smallest).items()
+                      if f in field_names), "")
+        residuals.append({
+            "checks": checks,
+            "count": len(indices),
+            "contradicted": sum(1 for i in indices if not set(checks) & judge.observations[i].failed),
+            "features": [{"feature": n, "residual": counts[n], "of": len(indices), "explained": elsewhere[n], "explained_of": len(explained),
+                          "description": coverage.FEATURES[n].when} for n in shown[:RESIDUAL_FEATURES_SHOWN]],
+            "shared": [n for n in shown if counts[n] == len(indices)],
+            "counterexample": {"batch": json.loads(observation.batch.to_json()), "difference": first,
+                               "replay": replay(example) if replay is not None else None},
+        })
+    return residuals
 
 
 def _cover(explanations: dict[str, set[str]], order: list[str]) -> tuple[dict[str, str], list[tuple[str, ...]]]:
@@ -320,38 +583,36 @@ def _reads_padding(judge: Judge, components: tuple[str, ...]) -> list[str]:
     return [n for n in components if any(probe_judge.differences(merge(c for c in components if c != n) or ALGORITHM_1, i) for i in range(len(probes)))]
 
 
-def _explained(judge: Judge, dev: Deviation, field_name: str, check: str) -> bool:
-    failing = [i for i, o in enumerate(judge.observations) if check in o.failed]
-    return bool(failing) and judge.reproduces(dev, field_name)
-
-
-def _responsible(judge: Judge, components: tuple[str, ...], field_name: str, check: str) -> list[str]:
-    """The deviations without which ``check``'s field is no longer reproduced where it failed."""
-    failing = [i for i, o in enumerate(judge.observations) if check in o.failed]
+def _responsible(judge: Judge, components: tuple[str, ...], field_name: str, reproduced: list[int]) -> list[str]:
+    """The deviations without which fewer of the check's reproduced failing examples are reproduced."""
     needed = []
     for name in components:
         rest = merge(n for n in components if n != name) or ALGORITHM_1
-        if not judge.reproduces(rest, field_name, failing):
+        if len(judge.reproduced(rest, field_name, reproduced)) < len(reproduced):
             needed.append(name)
     return needed or list(components)
 
 
-def _closest(judge: Judge, names: Sequence[str], exclude: set[str]) -> list[dict[str, Any]]:
-    divergent = [i for i in range(len(judge.observations)) if judge.differences(ALGORITHM_1, i)]
-    rows = []
+def _closest(judge: Judge, names: Sequence[str], exclude: set[str], by_check: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Leads for what is unexplained: the explanation's share on each check below the
+    threshold, then the single variants that agree on the most divergent examples."""
+    rows = [{"variant": " + ".join(c["components"]), "description": f"reproduces {check} on {c['explained']} of {c['of']} examples: "
+             f"below the {NAMED_SHARE:.0%} that names an explanation", "source": "", "agreed": c["explained"], "of": c["of"],
+             "check": check, "first_difference": ""} for check, c in by_check.items()]
+    divergent = [i for i in judge.sample if judge.differences(ALGORITHM_1, i)]
+    singles = []
     for name in names:
         if name in exclude:
             continue
-        dev = _VARIANTS[name].deviation
-        agreed = [i for i in divergent if not judge.differences(dev, i)]
+        known = variant(name)
+        agreed = [i for i in divergent if not judge.differences(known.deviation, i)]
         if not agreed:
             continue
-        first = next((judge.differences(dev, i) for i in divergent if judge.differences(dev, i)), {})
-        v = _VARIANTS[name]
-        rows.append({"variant": name, "description": v.description, "source": v.source, "agreed": len(agreed), "of": len(divergent),
-                     "first_difference": next(iter(first.values()), "")})
-    rows.sort(key=lambda r: -r["agreed"])
-    return rows[:3]
+        first = next((judge.differences(known.deviation, i) for i in divergent if judge.differences(known.deviation, i)), {})
+        singles.append({"variant": name, "description": known.description, "source": known.source, "agreed": len(agreed), "of": len(divergent),
+                        "first_difference": next(iter(first.values()), "")})
+    singles.sort(key=lambda r: -r["agreed"])
+    return rows + singles[:3]
 
 
 def _hints(by_check: dict[str, list[str]]) -> list[dict[str, Any]]:
@@ -367,13 +628,19 @@ def _hints(by_check: dict[str, list[str]]) -> list[dict[str, Any]]:
     return hints
 
 
-def summary(status: str, by_check: dict[str, list[str]], unexplained: list[str]) -> str:
-    """One line: "partly explained: loss, gradient by clamped_log_ratio; metrics.m2_after unexplained"."""
+def summary(status: str, by_check: dict[str, list[str]], unexplained: list[str], shares: dict[str, dict[str, Any]] | None = None) -> str:
+    """One line: "mostly explained: loss, gradient by clamped_log_ratio (281 of 300); metrics.m2_after unexplained"."""
+    shares = shares or {}
     groups: dict[tuple[str, ...], list[str]] = {}
     for check, names in by_check.items():
         groups.setdefault(tuple(names), []).append(check)
-    parts = [f"{', '.join(checks)} by {' + '.join(names)}" for names, checks in groups.items()]
+    parts = []
+    for names, checks in groups.items():
+        partial = [c for c in checks if c in shares and shares[c]["share"] < 1]
+        counts = sorted({f"{shares[c]['explained']} of {shares[c]['of']}" for c in partial})
+        parts.append(f"{', '.join(checks)} by {' + '.join(names)}" + (f" ({'; '.join(counts)})" if counts else ""))
     if unexplained:
         parts.append(f"{', '.join(unexplained)} unexplained")
-    lead = {"matched": "explained", "partly_explained": "partly explained", "no_known_variant": "no known deviation explains it"}.get(status, status)
+    lead = {"matched": "explained", "mostly_explained": "mostly explained", "partly_explained": "partly explained",
+            "no_known_variant": "no known deviation explains it"}.get(status, status)
     return f"{lead}: {'; '.join(parts)}" if parts else lead

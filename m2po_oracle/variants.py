@@ -15,7 +15,7 @@ import numpy as np
 
 from m2po_oracle import oracle
 from m2po_oracle.batch import Batch
-from m2po_oracle.deviations import DENOMINATOR_EPSILON, Deviation
+from m2po_oracle.deviations import Deviation
 from m2po_oracle.record import M2POResult
 
 #: Spec section 4: the clip family's thresholds and the bound of an unconstrained range.
@@ -42,17 +42,24 @@ def _sign_source(batch: Batch, dev: Deviation) -> np.ndarray:
     return a
 
 
+def _statistic_positions(batch: Batch, dev: Deviation) -> np.ndarray:
+    """Where the selection's statistic looks: the valid tokens, or every position when the
+    kernel is handed no mask (padding as the caller holds it)."""
+    return np.ones_like(batch.valid) if dev.statistic_over_padding else batch.valid
+
+
 def candidates(d: np.ndarray, batch: Batch, dev: Deviation) -> np.ndarray:
-    valid = batch.valid
-    a = _sign_source(batch, dev)
+    valid = _statistic_positions(batch, dev)
+    a = _sign_source(batch, dev) if not dev.statistic_over_padding else batch.advantages
+    m = dev.candidate_margin
     with np.errstate(invalid="ignore"):
         if dev.candidates == "all_valid":
             return valid.copy()
         if dev.candidates == "swapped_quadrants":
-            return valid & (((a > 0) & (d < 0)) | ((a < 0) & (d > 0)))
+            return valid & (((a > m) & (d < -m)) | ((a < -m) & (d > m)))
         if dev.candidates == "zero_advantage_included":
-            return valid & (((a >= 0) & (d > 0)) | ((a < 0) & (d < 0)))
-        return valid & (((a > 0) & (d > 0)) | ((a < 0) & (d < 0)))
+            return valid & (((a >= 0) & (d > m)) | ((a < -m) & (d < -m)))
+        return valid & (((a > m) & (d > m)) | ((a < -m) & (d < -m)))
 
 
 def _select_scope(m2: np.ndarray, candidate: np.ndarray, fixed: np.ndarray, tau: float, dev: Deviation) -> np.ndarray:
@@ -60,6 +67,9 @@ def _select_scope(m2: np.ndarray, candidate: np.ndarray, fixed: np.ndarray, tau:
     the mean exceeds tau' stops at the largest k whose mean is within budget."""
     order = oracle.sorted_candidates(m2, candidate)
     values = m2.ravel()[order]
+    tau = tau * dev.budget_scale
+    if dev.noop_margin and values.size and (math.fsum(values) + math.fsum(m2[fixed])) / (values.size + int(fixed.sum())) <= tau + dev.noop_margin:
+        return np.zeros(m2.shape, dtype=bool)  # "already within budget", tested with the port's margin
     if dev.selection_dtype == "float32":
         f32 = np.float32
         sums = np.cumsum(values.astype(f32), dtype=f32) + f32(np.sum(m2[fixed], dtype=f32))
@@ -95,10 +105,10 @@ def select(batch: Batch, dev: Deviation) -> np.ndarray:
     """The deviating selection's ``keep`` mask (for a clip kind: the tokens with a gradient)."""
     if dev.selection_kind != "mask":
         return clip_outcome(batch, dev).keep
-    d = selection_log_ratio(log_ratio(batch, dev), dev)
+    d = selection_log_ratio(_statistic_log_ratio(batch, dev), dev)
     m2 = _selection_m2(d, dev)
     candidate = candidates(d, batch, dev)
-    fixed = batch.valid & ~candidate if dev.mean_over_valid else np.zeros_like(candidate)
+    fixed = _statistic_positions(batch, dev) & ~candidate if dev.mean_over_valid else np.zeros_like(candidate)
     rows = batch.shape[0]
     step = dev.scope_rows or max(rows, 1)
     removed = np.zeros_like(candidate)
@@ -106,6 +116,16 @@ def select(batch: Batch, dev: Deviation) -> np.ndarray:
         scope = slice(start, start + step)
         removed[scope] = _select_scope(m2[scope], candidate[scope], fixed[scope], batch.tau, dev)
     return batch.valid & ~removed
+
+
+def _statistic_log_ratio(batch: Batch, dev: Deviation) -> np.ndarray:
+    """d where the statistic looks: 0 on padding, or the caller's padding as it is."""
+    if not dev.statistic_over_padding:
+        return log_ratio(batch, dev)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = batch.logp - batch.behavior_logp
+    d = np.where(np.isfinite(d), d, 0.0)  # a NaN/inf padding compares False everywhere in a kernel
+    return -d if dev.ratio_inverted else d
 
 
 # --- the clip family (spec section 4) ----------------------------------------------------
@@ -152,9 +172,11 @@ def clip_outcome(batch: Batch, dev: Deviation) -> ClipOutcome:
     d = selection_log_ratio(log_ratio(batch, dev), dev)
     candidate = harmful(d, batch, dev)
     v = np.sort(oracle.second_moment(d)[candidate])
-    c2 = cap_squared(v, batch.tau, dev.selection_kind)
+    c2 = cap_squared(v, batch.tau * dev.budget_scale, dev.selection_kind)
     # The same exp as the ratio's: at d == c exactly the token is on the bound, not beyond it.
     low, high = (0.0, math.inf) if c2 is None else (float(np.exp(-np.sqrt(c2))), float(np.exp(np.sqrt(c2))))
+    if dev.clip_bound_float32 and c2 is not None:
+        low, high = float(np.float32(low)), float(np.float32(high))
     if dev.clip_floors is not None and c2 is not None:
         low, high = min(low, 1.0 - dev.clip_floors[0]), max(high, 1.0 + dev.clip_floors[1])
     a = np.where(batch.valid, batch.advantages, 0.0)
@@ -166,12 +188,29 @@ def clip_outcome(batch: Batch, dev: Deviation) -> ClipOutcome:
 
 # --- objective and metrics ---------------------------------------------------------------
 
+#: The aggregations that weigh each row by its own count (the rest divide one sum by one number).
+ROW_WEIGHTED = ("seq_mean_token_mean", "row_mean_empty_as_one")
+
+
 def _denominator(batch: Batch, keep: np.ndarray, dev: Deviation) -> float:
     """The loss's divisor: a count, at least 1 (an empty batch's loss is 0), or N + epsilon."""
     valid = int(batch.valid.sum())
     if dev.denominator == "valid_epsilon":
-        return valid + DENOMINATOR_EPSILON
-    return float(max({"valid": valid, "kept": int(keep.sum()), "padded": batch.valid.size}[dev.denominator], 1))
+        return valid + dev.denominator_epsilon
+    per_row = batch.valid.sum(axis=1)
+    non_empty = int(np.count_nonzero(per_row))
+    counts = {"valid": valid, "kept": int(keep.sum()), "padded": batch.valid.size, "seq_mean_token_sum": non_empty,
+              "seq_mean_token_sum_norm": non_empty * batch.valid.shape[1], "valid_empty_rows_as_one": int(np.maximum(per_row, 1).sum())}
+    return float(max(counts[dev.denominator], 1))
+
+
+def _row_divisors(batch: Batch, dev: Deviation) -> np.ndarray:
+    """Per row, what its masked sum is divided by (ROW_WEIGHTED aggregations)."""
+    per_row = batch.valid.sum(axis=1).astype(np.float64)
+    rows = batch.valid.shape[0]
+    if dev.denominator == "seq_mean_token_mean":  # verl: over non-empty rows, each by n_i + 1e-8
+        return (per_row + 1e-8) * max(int(np.count_nonzero(per_row)), 1)
+    return np.maximum(per_row, 1.0) * max(rows, 1)  # TRL grpo: every row, an empty one by 1
 
 
 def evaluate_with_mask(batch: Batch, keep: np.ndarray, dev: Deviation) -> M2POResult:
@@ -205,9 +244,15 @@ def evaluate_with_mask(batch: Batch, keep: np.ndarray, dev: Deviation) -> M2PORe
     else:
         value_tokens = valid if (not dev.apply_mask or dev.masked_keep_value) else keep
         gradient_tokens = keep if dev.apply_mask else valid
-    denominator = _denominator(batch, keep, dev)
-    loss = -math.fsum(np.where(value_tokens, term, 0.0).ravel()) / denominator if valid.any() else 0.0
-    grad = np.where(gradient_tokens, -gradient_per_token / denominator, 0.0)
+    if dev.denominator in ROW_WEIGHTED:
+        divisors = _row_divisors(batch, dev)
+        row_sums = [math.fsum(row) for row in np.where(value_tokens, term, 0.0)]
+        loss = -math.fsum(s / divisor for s, divisor in zip(row_sums, divisors)) if valid.any() else 0.0
+        grad = np.where(gradient_tokens, -gradient_per_token / divisors[:, None], 0.0)
+    else:
+        denominator = _denominator(batch, keep, dev)
+        loss = -math.fsum(np.where(value_tokens, term, 0.0).ravel()) / denominator if valid.any() else 0.0
+        grad = np.where(gradient_tokens, -gradient_per_token / denominator, 0.0)
     return M2POResult(loss=loss, keep=keep, grad=grad, **_metrics(batch, d_value, keep, dev, clip))
 
 

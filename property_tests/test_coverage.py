@@ -158,6 +158,9 @@ EXACT = make([0.125, 0.5, -0.5], advantages=[1.0, 1.0, -1.0], tau=17 / 128)  # P
     ("exact_boundary", EXACT, TIE_AT_CUT),
     ("empty_trust_region", EMPTY_TRUST, CUT),
     ("all_masked", ALL_MASKED, PADDED),
+    ("empty_row", make([[0.5, 0.25], [0.125, 0.0]], valid=[[1, 1], [0, 0]]), PADDED),
+    ("tiny_log_ratio", make([0.5, 1e-11]), make([0.5, 1e-9])),
+    ("extreme_log_ratio", make([0.5, 20.5]), make([0.5, 19.5])),
 ])
 def test_features(feature, has, has_not):
     assert FEATURES[feature].holds(coverage.facts(has)) and not FEATURES[feature].holds(coverage.facts(has_not))
