@@ -567,12 +567,22 @@ def _print_validation(console: Console, report) -> None:
 
 def _print_diagnosis(console: Console, diagnosis: dict) -> None:
     status = diagnosis.get("status")
-    if status not in ("matched", "partly_explained", "no_known_variant"):
+    if status not in ("matched", "mostly_explained", "partly_explained", "no_known_variant"):
         return
     say = lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
     say(f"diagnosis: {diagnosis.get('summary') or status}")
     for m in diagnosis.get("matches", []):
         say(f"  - {m['variant']}: {m['description']} [{m['source']}] ({m.get('evidence', '')})")
+    for residual in diagnosis.get("residuals", []):
+        features = ", ".join(f"{f['feature']} {f['residual']}/{f['of']} (vs {f['explained']}/{f['explained_of']} explained)"
+                             for f in residual.get("features", [])) or "no feature of the list"
+        contradicted = f", {residual['contradicted']} of them passing examples it gets wrong" if residual.get("contradicted") else ""
+        say(f"  residual of {', '.join(residual['checks'])}: {residual['count']} example(s) not reproduced{contradicted}; features: {features}")
+        example = residual.get("counterexample") or {}
+        if example.get("difference"):
+            say(f"    smallest: {example['difference']}")
+        if example.get("replay"):
+            say(f"    replay: {example['replay']}")
     for alternative in diagnosis.get("alternatives", []):
         say(f"  equally small: {' + '.join(alternative)} (the examples do not tell them apart)")
     for hint in diagnosis.get("hints", []):

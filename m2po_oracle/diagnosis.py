@@ -351,7 +351,31 @@ def _fit_floors(judge: Judge, dev: Deviation) -> tuple[float, float] | None:
         return None
     low = _simplest_in(*bounds["low"], default=dev.clip_floors[0])
     high = _simplest_in(*bounds["high"], default=dev.clip_floors[1])
-    return None if low is None or high is None else (low, high)
+    if low is None or high is None:
+        return None
+    # The selection bounds each floor to an interval; a clipped token's loss VALUE sits on the
+    # floor itself, so the round value within the interval that reproduces the most decides.
+    for side in (0, 1):
+        candidates = _round_values_in(*bounds[("low", "high")[side]], default=dev.clip_floors[side])
+        if len(candidates) > 1:
+            pair = lambda v: (v, high) if side == 0 else (low, v)  # noqa: E731
+            scored = [(judge.score(replace(dev, clip_floors=pair(v))), -k, v) for k, v in enumerate(candidates)]
+            chosen = max(scored)[2]
+            low, high = pair(chosen)
+    return (low, high)
+
+
+def _round_values_in(lower: float, upper: float, default: float, most: int = 12) -> list[float]:
+    """The default (when inside), then the numbers of one, then two decimals in [lower, upper)."""
+    found = [default] if lower <= default < upper else []
+    for decimals in (1, 2):
+        scale = 10 ** decimals
+        start = math.ceil(lower * scale - 1e-9)
+        stop = upper * scale if math.isfinite(upper) else start + most
+        found += [round(k / scale, decimals) for k in range(start, int(math.ceil(stop - 1e-9))) if round(k / scale, decimals) not in found]
+        if len(found) >= most:
+            break
+    return found[:most]
 
 
 def _fit_epsilon(judge: Judge, dev: Deviation) -> float | None:

@@ -3,6 +3,8 @@ with precision that follows the arithmetic and behavioural findings kept apart."
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from m2po_oracle.compare import run_compare
 from m2po_oracle.controls import COMPOSITE_CONTROLS, NEGATIVE_CONTROLS, planted
 from m2po_oracle.core import m2po_loss
 from m2po_oracle.deviations import ALGORITHM_1, VARIANTS, combine, variant
+from m2po_oracle.diagnosis import NAMED_SHARE
 from m2po_oracle.selftest import run_selftest, select_controls
 
 #: Examples per control: enough for every control's deviation to show on seed 0.
@@ -153,3 +156,71 @@ def test_every_control_has_its_quick_example_count():
 
     assert set(QUICK_EXAMPLES) == {c.name for c in NEGATIVE_CONTROLS + COMPOSITE_CONTROLS}
     assert all(20 <= n <= 500 for n in QUICK_EXAMPLES.values())
+
+
+# --- coverage instead of unanimity, joint moves, fitted values --------------------------------
+
+def _kept_count_with_empty_rows_as_one(logp, behavior_logp, advantages, mask, *, tau):
+    """kept_count_denominator, with a quirk outside the vocabulary on a minority of batches:
+    each row without a valid token adds one to the kept count (max(n_i, 1) per row)."""
+    keep = m2po_loss(logp.detach(), behavior_logp, advantages, mask, tau=tau).keep
+    d = torch.where(mask, logp - behavior_logp, torch.zeros_like(logp))
+    total = torch.where(keep, torch.exp(d) * torch.where(mask, advantages, torch.zeros_like(advantages)), torch.zeros_like(logp)).sum()
+    empty_rows = (~mask.any(dim=1)).sum()
+    return {"loss": -total / (keep.sum() + empty_rows).clamp(min=1), "keep": keep}
+
+
+def test_a_quirk_outside_the_vocabulary_on_a_minority_leaves_a_residual_not_a_wrong_name():
+    d = run_compare(_kept_count_with_empty_rows_as_one, "kept count, empty rows as one", examples=EXAMPLES, shrink=False).diagnosis
+    assert d["status"] == "mostly_explained", d["summary"]
+    assert d["by_check"]["loss"] == ["kept_count_denominator"] and d["components"] == ["kept_count_denominator"], d["summary"]
+    share = d["shares"]["loss"]
+    assert NAMED_SHARE <= share["share"] < 1 and share["explained"] < share["failing"], share
+    (residual,) = [r for r in d["residuals"] if "loss" in r["checks"]]
+    assert residual["count"] == share["of"] - share["explained"]
+    assert "empty_row" in residual["shared"], residual["features"]
+    batch = residual["counterexample"]["batch"]
+    assert not all(any(row) for row in batch["valid"]), "the residual's own counterexample has the quirk's feature"
+    assert residual["counterexample"]["replay"].startswith("m2po-oracle replay")
+    assert f"({share['explained']} of {share['of']})" in d["summary"]
+
+
+def test_a_check_reproduced_on_less_than_the_threshold_is_only_the_closest(monkeypatch):
+    """The threshold is what names: raised above the quirky port's share, the same run names nothing for the loss."""
+    monkeypatch.setattr(diagnosis, "NAMED_SHARE", 1.0)
+    d = run_compare(_kept_count_with_empty_rows_as_one, "kept count, empty rows as one", examples=EXAMPLES, shrink=False).diagnosis
+    assert "loss" in d["unexplained"] and "loss" not in d["by_check"], d["summary"]
+    assert any(c.get("check") == "loss" and c["variant"] == "kept_count_denominator" for c in d["closest"]), d["closest"]
+
+
+JOINT = ("authors_release_clip", "clip_floors(0.2, 0.28)", "float32_metrics")
+
+
+def test_components_that_only_act_together_are_found_with_the_values_the_port_picked():
+    """Floors change nothing without a clip kind: the search adds them as one move and reads
+    their values from the examples (the name carries them)."""
+    d = run_compare(partial(planted, deviation=combine(JOINT)), "clip + floors(0.2, 0.28) + float32 metrics", examples=EXAMPLES, shrink=False).diagnosis
+    assert d["status"] == "matched" and sorted(d["components"]) == sorted(JOINT), d["summary"]
+    assert all(s["share"] == 1 for s in d["shares"].values())
+
+
+def test_without_fitting_the_floors_the_port_picked_are_not_named(monkeypatch):
+    monkeypatch.setattr(diagnosis, "_DIRECT_FITTERS", {})
+    d = run_compare(partial(planted, deviation=combine(JOINT)), "clip + floors(0.2, 0.28) + float32 metrics", examples=EXAMPLES, shrink=False).diagnosis
+    assert "clip_floors(0.2, 0.28)" not in d["components"] and d["status"] != "matched", d["summary"]
+
+
+def test_a_move_adds_a_variant_with_what_it_only_acts_with():
+    moves = diagnosis._moves([v.name for v in VARIANTS if v.name != "algorithm_1"])
+    assert frozenset({"clip_floors", "authors_release_clip"}) in moves and frozenset({"clip_floors", "water_filling_clip"}) in moves
+    assert frozenset({"strict_stop", "keeps_smallest_candidate"}) in moves
+    assert frozenset({"clip_floors"}) in moves
+
+
+def test_a_fitted_value_is_a_name_the_vocabulary_reads_back():
+    fitted = variant("clip_floors(0.2, 0.28)")
+    assert fitted.deviation.clip_floors == (0.2, 0.28) and "1 + 0.28" in fitted.description
+    assert variant("clip_floors(0.3, 0.5)").name == "clip_floors", "the default value is the plain name"
+    for bad in ("clip_floors(0.2)", "strict_stop(1)", "clip_floors(a, b)", "nonexistent"):
+        with pytest.raises(ValueError, match="variant"):
+            variant(bad)

@@ -188,12 +188,13 @@ _PROBE_NOTE = {
 # The diagnosis status as the page words it, and the class of its badge.
 _DIAGNOSIS_WORD = {
     "matched": "explained",
+    "mostly_explained": "mostly explained",
     "partly_explained": "partly explained",
     "no_known_variant": "no known deviation explains it",
     "not_needed": "not needed",
     "not_run": "not run",
 }
-_DIAGNOSIS_CLASS = {"matched": "bad", "partly_explained": "warn", "no_known_variant": "warn", "not_needed": "ok", "not_run": "neutral"}
+_DIAGNOSIS_CLASS = {"matched": "bad", "mostly_explained": "bad", "partly_explained": "warn", "no_known_variant": "warn", "not_needed": "ok", "not_run": "neutral"}
 # The one line a report without a diagnosis to show gets instead of the explanation box.
 _DIAGNOSIS_NOTE = {
     "not_needed": "No explanation needed: no divergence was found.",
@@ -202,6 +203,7 @@ _DIAGNOSIS_NOTE = {
 # What the box says when the report carries no summary line (reports older than the summary).
 _DIAGNOSIS_TEXT = {
     "matched": "Known deviations from Algorithm 1 reproduce every failing check.",
+    "mostly_explained": "Known deviations from Algorithm 1 reproduce most failing examples of every failing check; the rest is a residual.",
     "partly_explained": "Known deviations from Algorithm 1 reproduce some failing checks; the others are unexplained.",
     "no_known_variant": "No known deviation from Algorithm 1 reproduces the failing checks.",
 }
@@ -421,6 +423,20 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
                    "option": _text(h.get("option")) if h.get("option") is not None else None}
                   for h in map(_mapping, _list(d.get("hints")))],
         "closest": closest,
+        "shares": [{"check": _text(check), "explained": _fmt(v.get("explained")), "of": _fmt(v.get("of")),
+                    "percent": percent(_number_or_zero(v.get("share"))), "partial": _number_or_zero(v.get("share")) < 1,
+                    "contradicted": _fmt(v.get("contradicted")) if v.get("contradicted") else None,
+                    "components": [_linked(n, anchors) for n in _names(v.get("components"))]}
+                   for check, v in ((c, _mapping(v)) for c, v in _mapping(d.get("shares")).items())],
+        "residuals": [{"checks": _names(r.get("checks")), "count": _fmt(r.get("count")),
+                       "contradicted": _fmt(r.get("contradicted")) if r.get("contradicted") else None,
+                       "features": [{"feature": _text(f.get("feature")), "residual": _fmt(f.get("residual")), "of": _fmt(f.get("of")),
+                                     "explained": _fmt(f.get("explained")), "explained_of": _fmt(f.get("explained_of")),
+                                     "description": _text(f.get("description"))} for f in map(_mapping, _list(r.get("features")))],
+                       "difference": _text(_mapping(r.get("counterexample")).get("difference")),
+                       "replay": _text(_mapping(r.get("counterexample")).get("replay")),
+                       "batch": json.dumps(_mapping(r.get("counterexample")).get("batch")) if _mapping(r.get("counterexample")).get("batch") else ""}
+                      for r in map(_mapping, _list(d.get("residuals")))],
     }
 
 
