@@ -389,6 +389,13 @@ NEGATIVE_CONTROLS: tuple[NegativeControl, ...] = (
     _control("mutates_inputs", ("inputs_not_mutated",)),
     _control("m2_after_over_valid", ("metrics.m2_after",)),
     _control("random_tie_break", ("determinism",)),
+    # Spec section 5: the frameworks' aggregations; and the margins and maskless kernels of section 4.
+    _control("seq_mean_token_sum", ("loss", "gradient")),
+    _control("seq_mean_token_mean", ("loss", "gradient")),
+    _control("seq_mean_token_sum_norm", ("loss", "gradient")),
+    _control("trl_grpo_row_mean", ("loss", "gradient")),
+    _control("empty_rows_count_one", ("loss", "gradient")),
+    _control("scaled_budget", ("selection.minimal", "selection.budget")),
 )
 
 
@@ -415,6 +422,10 @@ COMPOSITE_CONTROLS: tuple[NegativeControl, ...] = (
     _composite("water_filling_epsilon", ("water_filling_clip", "denominator_epsilon"),
                ("loss", "gradient", "selection.budget", "selection.minimal", "selection.largest_removed_first", "metrics.m2_before",
                 "metrics.m2_after", "metrics.masked_fraction")),
+    _composite("release_clip_float32_bound", ("authors_release_clip", "clip_bound_float32"),
+               ("loss", "gradient", "selection.budget", "selection.minimal", "selection.largest_removed_first", "metrics.m2_after")),
+    _composite("maskless_all_valid", ("all_valid_candidates", "statistic_over_padding"),
+               ("selection.only_trust_region_masked", "selection.budget", "selection.minimal", "metrics.masked_fraction")),
     _composite("hard_clamp_leak", ("hard_clamped_log_ratio", "nan_padding_leak"),
                ("padding_immunity", "gradient", "loss", "metrics.m2_before", "metrics.m2_after", "selection.budget", "selection.minimal",
                 "selection.largest_removed_first")),

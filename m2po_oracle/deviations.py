@@ -192,7 +192,7 @@ VARIANTS: tuple[Variant, ...] = (
     _variant("noop_margin", "nothing is removed while the candidates' mean M2 <= tau + {0}", f"{CLIP} (fact 2)", noop_margin=1e-12,
              parameter="noop_margin"),
     _variant("statistic_over_padding", "M2 and the candidates over every position, padding included (the kernel is handed no mask)",
-             PLAUSIBLE, statistic_over_padding=True),
+             PLAUSIBLE, statistic_over_padding=True, acts_with=("all_valid_candidates", "mean_over_valid")),
     _variant("clip_bound_float32", "the clip range's bounds exp(-c), exp(c) rounded through float32", CLIP, clip_bound_float32=True,
              acts_with=("authors_release_clip", "water_filling_clip")),
     _variant("scaled_budget", "the selection compares with tau * {0} instead of tau", PLAUSIBLE, budget_scale=0.5, parameter="budget_scale"),

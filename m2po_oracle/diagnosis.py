@@ -45,10 +45,12 @@ from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 
 #: The knobs that shape the mask; the rest shape only loss, gradient and metrics.
 SELECTION_KNOBS = ("candidates", "strict_stop", "mean_over_valid", "scope_rows", "extra_removed", "min_kept", "clamp_log_ratio",
-                   "ratio_inverted", "selection_kind", "clip_floors", "selection_dtype")
+                   "ratio_inverted", "selection_kind", "clip_floors", "selection_dtype", "candidate_margin", "noop_margin",
+                   "statistic_over_padding", "budget_scale", "clip_bound_float32")
 #: The knobs that shape loss, gradient and metrics on a given mask.
 OBJECTIVE_KNOBS = ("denominator", "ppo_clip", "ratio_inverted", "apply_mask", "masked_keep_value", "clamp_log_ratio", "hard_clamp",
-                   "selection_kind", "clip_floors", "metrics_dtype", "m2_after_over_valid")
+                   "selection_kind", "clip_floors", "metrics_dtype", "m2_after_over_valid", "denominator_epsilon", "budget_scale",
+                   "clip_bound_float32")
 #: The deviations whose every failure is the rounding of a narrower dtype, and the option that accepts it.
 PRECISION_OPTIONS = {"float32_selection": "--compute-dtype float32", "float32_metrics": "--compute-dtype float32"}
 #: At most this many deviations in one explanation, and combinations kept per size.
