@@ -318,6 +318,7 @@ class _Evidence:
     failing: list[Observation] = field(default_factory=list)
     passing: list[Observation] = field(default_factory=list)
     more_failing: list[Observation] = field(default_factory=list)  # beyond the search's sample: counted in the shares
+    call_failure_taus: list[float] = field(default_factory=list)  # the budget of each call that raised or returned no result
     per_check: dict[str, int] = field(default_factory=dict)
     step_by_check: dict[str, set[str]] = field(default_factory=dict)  # check -> step variants reproducing each of its failing steps
     non_finite: int = 0  # examples whose loss or gradient is not finite on valid, finite inputs
@@ -326,6 +327,8 @@ class _Evidence:
     def keep(self, outcome: BatteryOutcome, example: Any = None) -> None:
         result = outcome.measurement.result
         if result is None:
+            if "call" in outcome.failed_checks and isinstance(outcome.batch, Batch):
+                self.call_failure_taus.append(float(outcome.batch.tau))
             return
         value_failures = frozenset(n for n in outcome.failed_checks if n not in BEHAVIOURAL_CHECKS)
         observation = Observation(outcome.batch, result, frozenset(outcome.failed_checks), outcome.padding_probes, example)
@@ -498,7 +501,8 @@ def _diagnose(runner: Runner, report: CompareReport, evidence: _Evidence, suppli
                                 compute_dtype=report.compute_dtype, supplied=supplied, prefer=frozenset(a.deviation for a in report.accepted),
                                 step_explanations={c: names for c, names in evidence.step_by_check.items() if names},
                                 step_descriptions=runner.variant_descriptions, step_source=runner.variant_source, findings=evidence.findings(),
-                                more_failing=evidence.more_failing if evidence.failing else (), replay=runner.replay_command)
+                                more_failing=evidence.more_failing if evidence.failing else (), replay=runner.replay_command,
+                                call_failure_taus=evidence.call_failure_taus)
 
 
 def _causes(report: CompareReport, value_variants: set[str]) -> list[tuple[str | None, tuple[str, ...], tuple[str, ...]]]:

@@ -64,6 +64,7 @@ class Deviation:
     sanitise_inputs_in_place: bool = False  # writes 0 into the caller's padding
     m2_after_over_valid: bool = False  # metric: mean M2 over every kept valid token
     random_tie_break: bool = False  # ties at the cut broken by fresh random noise
+    fails_at_zero_budget: bool = False  # raises on tau == 0 (the release unpacks a bare float: spec section 4, fact 3)
 
     def __post_init__(self) -> None:
         if self.candidates not in CANDIDATE_SETS:
@@ -94,6 +95,7 @@ BEHAVIOURAL = {
     "zero_padding_by_multiplying": "padding_immunity",
     "sanitise_inputs_in_place": "inputs_not_mutated",
     "random_tie_break": "determinism",
+    "fails_at_zero_budget": "call",
 }
 
 
@@ -193,6 +195,8 @@ VARIANTS: tuple[Variant, ...] = (
              parameter="noop_margin"),
     _variant("statistic_over_padding", "M2 and the candidates over every position, padding included (the kernel is handed no mask)",
              PLAUSIBLE, statistic_over_padding=True, acts_with=("all_valid_candidates", "mean_over_valid")),
+    _variant("fails_at_zero_budget", "raises on a budget of 0 (the release's cap returns a bare float where a pair is unpacked)",
+             f"{CLIP} (authors' release, fact 3)", fails_at_zero_budget=True),
     _variant("clip_bound_float32", "the clip range's bounds exp(-c), exp(c) rounded through float32", CLIP, clip_bound_float32=True,
              acts_with=("authors_release_clip", "water_filling_clip")),
     _variant("scaled_budget", "the selection compares with tau * {0} instead of tau", PLAUSIBLE, budget_scale=0.5, parameter="budget_scale"),

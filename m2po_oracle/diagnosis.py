@@ -408,7 +408,7 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
              compute_dtype: str | None = None, supplied: frozenset[str] | None = None,
              step_explanations: dict[str, set[str]] | None = None, step_descriptions: dict[str, str] | None = None, step_source: str = "",
              findings: Sequence[dict[str, Any]] = (), prefer: frozenset[str] = frozenset(),
-             more_failing: Iterable[Observation] = (), replay: Any = None) -> dict[str, Any]:
+             more_failing: Iterable[Observation] = (), replay: Any = None, call_failure_taus: Sequence[float] = ()) -> dict[str, Any]:
     """The diagnosis section of the report (schema in ``report``).
 
     The search runs on ``observations``; the shares count those and ``more_failing`` (the
@@ -447,7 +447,9 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         if check in step_choice:
             by_check[check] = [step_choice[check]]
             continue
-        behavioural = [v.name for v in VARIANTS if v.behaviour_check == check]
+        behavioural = [v.name for v in VARIANTS if v.behaviour_check == check and v.behaviour_check != "call"]
+        if check == "call" and call_failure_taus and all(t == 0 for t in call_failure_taus):
+            behavioural = ["fails_at_zero_budget"]  # every call that raised had tau == 0, and only such calls raised
         name = field_of(check)
         if check == "padding_immunity" and explanation.components:
             reading = _reads_padding(judge, explanation.components)
@@ -479,7 +481,8 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         known = _known(name)
         if known is not None:
             counted = [shares[c] for c in explained if c in shares]
-            evidence = (f"check {known.behaviour_check} failed" if known.is_behavioural else
+            evidence = (f"every one of the {len(call_failure_taus)} calls that raised had tau == 0" if known.behaviour_check == "call" else
+                        f"check {known.behaviour_check} failed" if known.is_behavioural else
                         "reproduces " + "; ".join(f"{field_of(c) or c} on {_share_text(shares[c])}" for c in explained if c in shares)
                         if counted else f"reproduces the port under the padding probes ({', '.join(explained)})")
             matches.append({"variant": name, "description": known.description, "source": known.source, "evidence": evidence, "checks": explained})

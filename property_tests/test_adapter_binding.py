@@ -49,7 +49,8 @@ def with_kwargs(log_ratio, advantages, mask, tau, **options):
 BINDINGS = [
     # (adapter, port, bindings, the parameters that must receive these values)
     ("verl_release", release, (), {"old_log_prob": "<behavior_logp>", "log_prob": "<logp>", "response_mask": "<mask>", "M2_budget": "<budget>",
-                                   "miniclip_low": None, "loss_agg_mode": "token-mean"}),
+                                   "loss_agg_mode": "token-mean"}),
+    ("verl_release", release, ("miniclip_low=None",), {"miniclip_low": None}),
     ("verl_release", release, ("miniclip_low=0.3", "loss_agg_mode=seq-mean-token-sum", "budget=M2_budget"),
      {"miniclip_low": 0.3, "loss_agg_mode": "seq-mean-token-sum", "M2_budget": "<budget>"}),
     # No parameter of the family's names: by the family's positions; optional constants dropped.
@@ -94,6 +95,7 @@ def test_outputs_are_read_where_bound_and_metrics_mapped_to_our_names():
 
 
 @pytest.mark.parametrize("key, ours", [("actor/m2po_masked_fraction", "masked_fraction"), ("m2po/m2_before", "m2_before"), ("M2_now", "m2_before"),
+                                       ("m2po/M2", "m2_before"),
                                        ("valid_count", "valid_count"), ("M2_after", None), ("pg_clipfrac", None), (3, None)])
 def test_metric_names_are_mapped_only_where_the_meaning_is_ours(key, ours):
     assert map_metric_name(key) == ours
@@ -160,3 +162,15 @@ def test_the_plugin_takes_bindings_and_refuses_a_wrong_one(pytester):
     bad = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--m2po-impl", spec("verl_release.py:compute_policy_loss"),
                                        "--m2po-adapter", "verl_release", "--m2po-bind", "budget=M2_budgt", "--m2po-in-process")
     bad.stdout.fnmatch_lines(["*usage error*bind budget=M2_budgt: the port has no parameter 'M2_budgt'*compute_policy_loss(old_log_prob*"])
+
+
+def release_with_floors(old_log_prob, log_prob, advantages, response_mask, M2_budget, miniclip_low=0.3, miniclip_high=0.5, loss_agg_mode="token-mean"):
+    return dict(locals())
+
+
+def test_an_unbound_optional_constant_leaves_the_port_its_own_default():
+    """The release ships floors 0.3 / 0.5 as defaults: unbound, they are not overridden (they were: None)."""
+    received = called_with("verl_release", release_with_floors, ())
+    assert (received["miniclip_low"], received["miniclip_high"]) == (0.3, 0.5), received
+    received = called_with("verl_release", release_with_floors, ("miniclip_low=None", "miniclip_high=None"))
+    assert (received["miniclip_low"], received["miniclip_high"]) == (None, None), received

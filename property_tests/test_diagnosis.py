@@ -224,3 +224,14 @@ def test_a_fitted_value_is_a_name_the_vocabulary_reads_back():
     for bad in ("clip_floors(0.2)", "strict_stop(1)", "clip_floors(a, b)", "nonexistent"):
         with pytest.raises(ValueError, match="variant"):
             variant(bad)
+
+
+def _raises_at_half_budget(logp, behavior_logp, advantages, mask, *, tau):
+    if tau == 0.5:
+        raise TypeError("cannot unpack non-iterable float object")
+    return m2po_loss(logp, behavior_logp, advantages, mask, tau=tau)
+
+
+def test_a_crash_is_the_release_s_zero_budget_bug_only_when_every_crash_had_tau_0():
+    d = run_compare(_raises_at_half_budget, "raises at tau 0.5", examples=EXAMPLES, shrink=False).diagnosis
+    assert "call" in d["unexplained"] and "fails_at_zero_budget" not in d["components"], d["summary"]

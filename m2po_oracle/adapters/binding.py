@@ -40,8 +40,9 @@ from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS
 METRIC_NAMES: tuple[str, ...] = METRIC_FIELDS + COUNT_FIELDS
 #: Names ports log that mean exactly one of ours, beside our own names. Case matters: the
 #: authors' release logs ``M2_after`` as its capped mean, which is not our m2_after (the
-#: mean over the kept trust-region tokens), so it is not mapped.
-METRIC_ALIASES: dict[str, str] = {"M2_now": "m2_before", "m2_now": "m2_before"}
+#: mean over the kept trust-region tokens), so it is not mapped. Its ``m2po/M2`` (and the
+#: verl pull request's ``m2po/m2``) is the candidates' mean M2 before any cap: m2_before.
+METRIC_ALIASES: dict[str, str] = {"M2_now": "m2_before", "m2_now": "m2_before", "M2": "m2_before", "m2": "m2_before"}
 #: Prefixes ports put before a metric's name ("m2po/masked_fraction", "actor/m2po_m2_before").
 METRIC_PREFIXES: tuple[str, ...] = ("m2po_", "m2po.", "m2po-")
 
@@ -53,6 +54,16 @@ class _NoValue:
 
 #: A parameter whose value the adapter computes from the batch (not a constant).
 COMPUTED: Any = _NoValue()
+
+
+class _PortDefault:
+    def __repr__(self) -> str:
+        return "<the port's own default>"
+
+
+#: An optional constant passed only where bound: otherwise the port's own default applies
+#: (the release's miniclip floors 0.3 / 0.5 are part of the release as shipped).
+PORT_DEFAULT: Any = _PortDefault()
 
 
 @dataclass(frozen=True)
@@ -244,6 +255,8 @@ class BoundCall:
             text = bound.get(param.role)
             position = family_positions.index(param) if param in family_positions else None
             if param.constant:
+                if param.value is PORT_DEFAULT and text is None:
+                    continue
                 if self._has(param.name):
                     self._claim(param.name, self._source_of(param, bound), param.role)
                 elif not param.optional and position is not None:

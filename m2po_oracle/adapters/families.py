@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from m2po_oracle.adapters.binding import METRIC_NAMES, BoundCall, Config, Output, Param, bound_metric_names
+from m2po_oracle.adapters.binding import METRIC_NAMES, PORT_DEFAULT, BoundCall, Config, Output, Param, bound_metric_names
 from m2po_oracle.checks import CHECKS, DISTRIBUTED_CHECKS, result_field
 from m2po_oracle.contract import Implementation
 
@@ -302,11 +302,13 @@ ADAPTERS: dict[str, Adapter] = {a.name: a for a in (
             frozenset({"keep", "loss", "grad"}) | _METRICS,
             params=(Param("behavior_logp", "old_log_prob"), Param("logp", "log_prob"), Param("advantages", "advantages"),
                     Param("mask", "response_mask"), Param("budget", "M2_budget"),
-                    Param("miniclip_low", "miniclip_low", optional=True, value=None), Param("miniclip_high", "miniclip_high", optional=True, value=None),
+                    Param("miniclip_low", "miniclip_low", optional=True, value=PORT_DEFAULT),
+                    Param("miniclip_high", "miniclip_high", optional=True, value=PORT_DEFAULT),
                     Param("loss_agg_mode", "loss_agg_mode", optional=True, value="token-mean")),
             outputs=(Output("loss", (0,)), Output("metrics", (4,), optional=True)),
             unobservable=_INFERRED, maps="the keys of stats that name ours (mapped as listed below); the release's M2_after is its capped mean, not ours, and is not mapped",
-            seen_in="the authors' release on a verl 0.4 fork (minimum clip floors off by default: with floors the budget only widens PPO clipping)"),
+            seen_in="the authors' release on a verl 0.4 fork (its minimum clip floors are passed only where bound: the port's own defaults apply, "
+                    "as shipped; --bind miniclip_low=None --bind miniclip_high=None turns them off)"),
     Adapter("clip_kernel", "fn(ppo_kl, advantages, budget, response_mask[, loss_agg_mode='token-mean']) -> (pg_loss, clipfrac, *scalars)",
             ("selection (inferred from zero gradients)", "loss", "gradient", "scalars bound to a metric (--bind m2_before=2)"), _loss_only(),
             frozenset({"keep", "loss", "grad"}),
