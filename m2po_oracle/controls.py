@@ -195,13 +195,14 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
         advantages.masked_fill_(~mask, 0.0)
     selection_dtype, metrics_dtype = _DTYPES[dev.selection_dtype], _DTYPES[dev.metrics_dtype]
     sign = -1.0 if dev.ratio_inverted else 1.0
-    d = _log_ratio(logp, behavior_logp, mask, selection_dtype, sign, dev.clamp_log_ratio)
+    selection_clamp = None if dev.clamp_only_in_loss else dev.clamp_log_ratio
+    d = _log_ratio(logp, behavior_logp, mask, selection_dtype, sign, selection_clamp)
     a = torch.where(mask, advantages.double(), torch.zeros((), dtype=torch.float64))
     clip = None
     if dev.selection_kind == "mask":
         if dev.statistic_over_padding:  # a kernel handed no mask: every position, the caller's padding as it is (NaN compares False)
             seen = torch.ones_like(mask)
-            d_seen = _log_ratio(logp, behavior_logp, seen, selection_dtype, sign, dev.clamp_log_ratio).nan_to_num(0.0, 0.0, 0.0)
+            d_seen = _log_ratio(logp, behavior_logp, seen, selection_dtype, sign, selection_clamp).nan_to_num(0.0, 0.0, 0.0)
             a_seen = advantages.double()
         else:
             seen, d_seen, a_seen = mask, d, a
@@ -271,7 +272,7 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
     kept_trust = trust & keep
     valid_count = int(mask.sum())
     masked_count = int((mask & ~keep).sum())
-    d_metrics = d if metrics_dtype == selection_dtype else _log_ratio(logp, behavior_logp, mask, metrics_dtype, sign, dev.clamp_log_ratio)
+    d_metrics = d if metrics_dtype == selection_dtype else _log_ratio(logp, behavior_logp, mask, metrics_dtype, sign, selection_clamp)
     m2_metrics = d_metrics * d_metrics
     if clip is None:
         after_tokens = keep if dev.m2_after_over_valid else kept_trust
@@ -390,6 +391,7 @@ NEGATIVE_CONTROLS: tuple[NegativeControl, ...] = (
                                    "selection.largest_removed_first")),
     _control("mutates_inputs", ("inputs_not_mutated",)),
     _control("m2_after_over_valid", ("metrics.m2_after",)),
+    _control("loss_clamped_log_ratio", ("gradient", "loss")),
     _control("random_tie_break", ("determinism",)),
     # Spec section 5: the frameworks' aggregations; and the margins and maskless kernels of section 4.
     _control("seq_mean_token_sum", ("loss", "gradient")),
@@ -474,6 +476,7 @@ QUICK_EXAMPLES: dict[str, int] = {
     "release_clip_float32_bound": 20,  # 2 / 2.5 / 13
     "maskless_all_valid": 42,  # 3 / 6.5 / 28
     "fails_at_zero_budget": 207,  # 7 / 33.5 / 138
+    "loss_clamped_log_ratio": 500,  # 29 / 118.5 / 400 (needs a kept token with |d| > 20; capped at the run's 500)
 }
 
 

@@ -57,6 +57,7 @@ class Deviation:
     zero_padding_by_multiplying: bool = False  # keep * term instead of where(): 0 * nan = nan
     clamp_log_ratio: float | None = None  # clamp of d (straight-through unless hard_clamp)
     hard_clamp: bool = False  # the clamp is a real clamp: kept tokens beyond it get zero gradient
+    clamp_only_in_loss: bool = False  # the clamp acts in the loss only: selection and metrics see the raw d
     selection_kind: str = "mask"  # see SELECTION_KINDS
     clip_floors: tuple[float, float] | None = None  # clip kinds: the range is never tighter than [1 - low, 1 + high]
     selection_dtype: str = "float64"  # the dtype of the selection arithmetic (d, d^2, prefix means)
@@ -153,6 +154,8 @@ VARIANTS: tuple[Variant, ...] = (
     _variant("masked_keep_value", "masked tokens keep their loss value (zero gradient only)", f"{SPEC} (authors' release, verl clip PR)", masked_keep_value=True),
     _variant("clamped_log_ratio", "straight-through clamp of d to +-{0}", f"{SPEC} (ms-swift, Trinity-RFT guard)", clamp_log_ratio=20.0,
              parameter="clamp_log_ratio"),
+    _variant("loss_clamped_log_ratio", "straight-through clamp of d to +-{0} in the loss only (the selection and metrics see the raw d)",
+             f"{SPEC} (ms-swift and Trinity-RFT, as their code does it)", clamp_log_ratio=20.0, clamp_only_in_loss=True, parameter="clamp_log_ratio"),
     _variant("m2_after_over_valid", "m2_after averaged over every kept valid token", PLAUSIBLE, m2_after_over_valid=True),
     _variant("areal", "AReaL: all valid tokens, strict stop, keeps the smallest token, kept-count denominator", SPEC,
              candidates="all_valid", strict_stop=True, min_kept=1, denominator="kept"),

@@ -46,15 +46,16 @@ from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 #: The knobs that shape the mask; the rest shape only loss, gradient and metrics.
 SELECTION_KNOBS = ("candidates", "strict_stop", "mean_over_valid", "scope_rows", "extra_removed", "min_kept", "clamp_log_ratio",
                    "ratio_inverted", "selection_kind", "clip_floors", "selection_dtype", "candidate_margin", "noop_margin",
-                   "statistic_over_padding", "budget_scale", "clip_bound_float32")
+                   "statistic_over_padding", "budget_scale", "clip_bound_float32", "clamp_only_in_loss")
 #: The knobs that shape loss, gradient and metrics on a given mask.
-OBJECTIVE_KNOBS = ("denominator", "ppo_clip", "ratio_inverted", "apply_mask", "masked_keep_value", "clamp_log_ratio", "hard_clamp",
+OBJECTIVE_KNOBS = ("denominator", "ppo_clip", "ratio_inverted", "apply_mask", "masked_keep_value", "clamp_log_ratio", "hard_clamp", "clamp_only_in_loss",
                    "selection_kind", "clip_floors", "metrics_dtype", "m2_after_over_valid", "denominator_epsilon", "budget_scale",
                    "clip_bound_float32")
 #: The deviations whose every failure is the rounding of a narrower dtype, and the option that accepts it.
 PRECISION_OPTIONS = {"float32_selection": "--compute-dtype float32", "float32_metrics": "--compute-dtype float32"}
-#: At most this many deviations in one explanation, and combinations kept per size.
-MAX_COMPONENTS = 4
+#: At most this many deviations in one explanation, and combinations kept per size (the
+#: authors' release alone combines five: clip kind, floors, column 0's sign, epsilon, float32 bound).
+MAX_COMPONENTS = 6
 BEAM = 4
 #: A set of deviations explains a check when it reproduces at least this share of the
 #: check's failing examples (README, "Coverage"): then it is what the port does on most
@@ -124,6 +125,10 @@ class Judge:
     def score(self, dev: Deviation) -> int:
         """(observation, field) pairs of the sample that ``dev`` reproduces."""
         return self.total - sum(len(self.differences(dev, i)) for i in self.sample)
+
+    def score_all(self, dev: Deviation) -> int:
+        """(observation, field) pairs of every observation that ``dev`` reproduces."""
+        return sum(len(self.fields[i]) - len(self.differences(dev, i)) for i in range(len(self.observations)))
 
     def reproduces(self, dev: Deviation, field_name: str, indices: Iterable[int] | None = None) -> bool:
         indices = range(len(self.observations)) if indices is None else indices
@@ -244,8 +249,30 @@ def search(judge: Judge, candidates: Sequence[str]) -> Explanation:
         frontier = grown[:BEAM]
         if frontier[0][1] > best[1]:
             best = frontier[0]
-    chosen = _refit(judge, _prune(judge, best[0]))
+    chosen = _improve(judge, _refit(judge, _prune(judge, best[0])), candidates)
     return Explanation(tuple(sorted(chosen, key=_order)), judge.score(merge(chosen) or ALGORITHM_1), judge.total)
+
+
+def _improve(judge: Judge, names: frozenset[str], candidates: Sequence[str]) -> frozenset[str]:
+    """An incomplete explanation, improved on every observation (not only the sample): swap a
+    component for a variant that sets the same knob (column 0's sign for the first token's),
+    add one, or drop one, while that reproduces more pairs."""
+    if len(judge.observations) == len(judge.sample):
+        return names
+    best = judge.score_all(merge(names) or ALGORITHM_1)
+    for _ in range(MAX_COMPONENTS):
+        trials = [names - {n} for n in names]
+        trials += [(names - {n}) | {other} for n in names for other in candidates if other not in names and merge((names - {n}) | {other}) is not None
+                   and merge({n, other}) is None]  # conflicting: the same knob set another way
+        trials += [names | {other} for other in candidates if other not in names and len(names) < MAX_COMPONENTS]
+        scored = [(judge.score_all(dev), t) for t in trials if (dev := merge(t)) is not None]
+        if not scored:
+            break
+        score, trial = max(scored, key=lambda st: (st[0], -_preference(st[1])[0]))
+        if score <= best:
+            break
+        names, best = trial, score
+    return names
 
 
 def _prune(judge: Judge, names: frozenset[str]) -> frozenset[str]:

@@ -27,8 +27,14 @@ def log_ratio(batch: Batch, dev: Deviation) -> np.ndarray:
     return -d if dev.ratio_inverted else d
 
 
-def selection_log_ratio(d: np.ndarray, dev: Deviation) -> np.ndarray:
+def loss_log_ratio(d: np.ndarray, dev: Deviation) -> np.ndarray:
+    """d as the loss's ratio sees it: clamped where the port clamps."""
     return np.clip(d, -dev.clamp_log_ratio, dev.clamp_log_ratio) if dev.clamp_log_ratio is not None else d
+
+
+def selection_log_ratio(d: np.ndarray, dev: Deviation) -> np.ndarray:
+    """d as the selection and the metrics see it: the loss's, unless the clamp is the loss's alone."""
+    return d if dev.clamp_only_in_loss else loss_log_ratio(d, dev)
 
 
 def _sign_source(batch: Batch, dev: Deviation) -> np.ndarray:
@@ -220,7 +226,7 @@ def evaluate_with_mask(batch: Batch, keep: np.ndarray, dev: Deviation) -> M2PORe
     keep = keep & valid
     sign = -1.0 if dev.ratio_inverted else 1.0
     d = log_ratio(batch, dev)
-    d_value = selection_log_ratio(d, dev)  # the clamped value; straight-through keeps the identity gradient
+    d_value = loss_log_ratio(d, dev)  # the clamped value; straight-through keeps the identity gradient
     a = np.where(valid, batch.advantages, 0.0)
     beyond_clamp = (np.abs(d) > dev.clamp_log_ratio) if (dev.hard_clamp and dev.clamp_log_ratio is not None) else np.zeros_like(valid)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -253,7 +259,7 @@ def evaluate_with_mask(batch: Batch, keep: np.ndarray, dev: Deviation) -> M2PORe
         denominator = _denominator(batch, keep, dev)
         loss = -math.fsum(np.where(value_tokens, term, 0.0).ravel()) / denominator if valid.any() else 0.0
         grad = np.where(gradient_tokens, -gradient_per_token / denominator, 0.0)
-    return M2POResult(loss=loss, keep=keep, grad=grad, **_metrics(batch, d_value, keep, dev, clip))
+    return M2POResult(loss=loss, keep=keep, grad=grad, **_metrics(batch, selection_log_ratio(d, dev), keep, dev, clip))
 
 
 def _metrics(batch: Batch, d: np.ndarray, keep: np.ndarray, dev: Deviation, clip: ClipOutcome | None) -> dict[str, float | int]:
