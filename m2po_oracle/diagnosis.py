@@ -693,8 +693,8 @@ def summary(status: str, by_check: dict[str, list[str]], unexplained: list[str],
     parts = []
     for names, checks in groups.items():
         partial = [c for c in checks if c in shares and shares[c]["share"] < 1]
-        counts = sorted({f"{shares[c]['explained']} of {shares[c]['of']}" for c in partial})
-        parts.append(f"{', '.join(checks)} by {' + '.join(names)}" + (f" ({'; '.join(counts)})" if counts else ""))
+        counts = [f"{shares[c]['explained']} of {shares[c]['of']}" + (f" for {c}" if len(checks) > 1 else "") for c in partial]
+        parts.append(f"{', '.join(checks)} by {' + '.join(names)}" + (f" ({', '.join(counts)})" if counts else ""))
     if unexplained:
         parts.append(f"{', '.join(unexplained)} unexplained")
     lead = {"matched": "explained", "mostly_explained": "mostly explained", "partly_explained": "partly explained",
