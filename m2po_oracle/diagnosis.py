@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 import math
 from dataclasses import dataclass, field, fields, replace
+import functools
 import json
 from typing import Any
 
@@ -84,6 +85,11 @@ class Observation:
 
 def merge(names: Iterable[str]) -> Deviation | None:
     """The deviation of several variants at once (None: two set one knob differently)."""
+    return _merged(frozenset(names))
+
+
+@functools.lru_cache(maxsize=4096)
+def _merged(names: frozenset[str]) -> Deviation | None:
     return combine(names)
 
 
@@ -122,13 +128,25 @@ class Judge:
             self._differences[key] = self._compute(dev, i)
         return self._differences[key]
 
-    def score(self, dev: Deviation) -> int:
-        """(observation, field) pairs of the sample that ``dev`` reproduces."""
-        return self.total - sum(len(self.differences(dev, i)) for i in self.sample)
+    def score(self, dev: Deviation, at_least: int | None = None) -> int | None:
+        """(observation, field) pairs of the sample that ``dev`` reproduces; None as soon as it
+        is clear that they are fewer than ``at_least`` (most moves of a search fail fast)."""
+        missing, allowed = 0, (self.total - at_least if at_least is not None else None)
+        for i in self.sample:
+            missing += len(self.differences(dev, i))
+            if allowed is not None and missing > allowed:
+                return None
+        return self.total - missing
 
-    def score_all(self, dev: Deviation) -> int:
-        """(observation, field) pairs of every observation that ``dev`` reproduces."""
-        return sum(len(self.fields[i]) - len(self.differences(dev, i)) for i in range(len(self.observations)))
+    def score_all(self, dev: Deviation, at_least: int | None = None) -> int | None:
+        """(observation, field) pairs of every observation that ``dev`` reproduces (None: fewer than ``at_least``)."""
+        every = sum(len(f) for f in self.fields)
+        missing, allowed = 0, (every - at_least if at_least is not None else None)
+        for i in range(len(self.observations)):
+            missing += len(self.differences(dev, i))
+            if allowed is not None and missing > allowed:
+                return None
+        return every - missing
 
     def reproduces(self, dev: Deviation, field_name: str, indices: Iterable[int] | None = None) -> bool:
         indices = range(len(self.observations)) if indices is None else indices
@@ -195,6 +213,11 @@ class Explanation:
 
 
 def _preference(names: frozenset[str] | tuple[str, ...]) -> tuple:
+    return _preference_of(frozenset(names))
+
+
+@functools.lru_cache(maxsize=4096)
+def _preference_of(names: frozenset[str]) -> tuple:
     knob_count = sum(1 for f in fields(Deviation) if getattr(merge(names) or ALGORITHM_1, f.name) != getattr(ALGORITHM_1, f.name))
     return (len(names), knob_count, sorted(_order(n) for n in names))
 
@@ -235,8 +258,8 @@ def search(judge: Judge, candidates: Sequence[str]) -> Explanation:
                 dev = merge(combined)
                 if dev is None:
                     continue
-                combined_score = judge.score(dev)
-                if combined_score > state_score:
+                combined_score = judge.score(dev, at_least=state_score + 1)
+                if combined_score is not None:
                     grown.append((combined, combined_score))
         if not grown:
             break
@@ -265,13 +288,10 @@ def _improve(judge: Judge, names: frozenset[str], candidates: Sequence[str]) -> 
         trials += [(names - {n}) | {other} for n in names for other in candidates if other not in names and merge((names - {n}) | {other}) is not None
                    and merge({n, other}) is None]  # conflicting: the same knob set another way
         trials += [names | {other} for other in candidates if other not in names and len(names) < MAX_COMPONENTS]
-        scored = [(judge.score_all(dev), t) for t in trials if (dev := merge(t)) is not None]
+        scored = [(score, t) for t in trials if (dev := merge(t)) is not None and (score := judge.score_all(dev, at_least=best + 1)) is not None]
         if not scored:
             break
-        score, trial = max(scored, key=lambda st: (st[0], -_preference(st[1])[0]))
-        if score <= best:
-            break
-        names, best = trial, score
+        best, names = max(scored, key=lambda st: (st[0], -_preference(st[1])[0]))
     return names
 
 
@@ -281,7 +301,7 @@ def _prune(judge: Judge, names: frozenset[str]) -> frozenset[str]:
     for name in sorted(names, key=lambda n: -_order(n)):
         smaller = names - {name}
         dev = merge(smaller)
-        if dev is not None and judge.score(dev) >= score:
+        if dev is not None and judge.score(dev, at_least=score) is not None:
             names = smaller
     return names
 
