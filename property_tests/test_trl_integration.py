@@ -1,0 +1,162 @@
+"""M2PO in TRL's real GRPOTrainer: one selection per optimizer batch under gradient
+accumulation with stale rollouts, fail-closed options, and planted bugs the audit catches.
+
+Every training here is a real ``trainer.train()`` of TRL 1.16 (HF generation, buffering,
+splitting, ``old_per_token_logps``, the HF Trainer's accumulation and optimizer step) on a
+random-weight Llama; the runs share one xdist worker (TRL's import costs about 7 s).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("trl")
+
+from m2po_oracle import oracle  # noqa: E402
+from m2po_oracle.audit import audit_capture  # noqa: E402
+from m2po_oracle.batch import Batch  # noqa: E402
+from m2po_oracle.capture import load_capture  # noqa: E402
+from m2po_oracle.equivalence import same_up_to_ties, valid_m2  # noqa: E402
+from m2po_oracle.integrations.trl import TRLFaults  # noqa: E402
+from m2po_oracle.integrations.trl_demo import DemoSetup, build_trainer, tiny_llama, train  # noqa: E402
+from m2po_oracle.trainer.grpo import M2POKLWarning  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("trl")
+
+#: Stale rollouts under accumulation: each generation batch serves two optimizer batches
+#: of two micro-batches, each iterated twice (steps_per_generation 4, GA 2, num_iterations 2).
+SETUP = DemoSetup()
+
+
+def _run(tmp_path_factory: pytest.TempPathFactory, name: str, faults: TRLFaults | None = None):
+    directory = tmp_path_factory.mktemp(name) / "capture"
+    trainer = train(SETUP, capture=str(directory), faults=faults)
+    return trainer, directory, audit_capture(directory)
+
+
+@pytest.fixture(scope="module")
+def correct_run(tmp_path_factory):
+    return _run(tmp_path_factory, "correct")
+
+
+def _windows(directory):
+    """Per recorded optimizer step: the micro-batches' captured records, in order."""
+    capture = load_capture(directory)
+    return {step: [record for _, record in capture.records(step=step)] for step in capture.steps()}
+
+
+def _batch(records, logp_field="selection_logp"):
+    width = max(r["mask"].shape[1] for r in records)
+    def cat(field, fill):
+        return np.concatenate([np.pad(r[field].double().numpy(), ((0, 0), (0, width - r[field].shape[1])), constant_values=fill) for r in records])
+    valid = np.concatenate([np.pad(r["mask"].numpy(), ((0, 0), (0, width - r["mask"].shape[1]))) for r in records])
+    return Batch(cat(logp_field, 0.0), cat("behavior_logp", 0.0), cat("advantages", 0.0), valid, records[0]["tau"])
+
+
+def test_the_correct_run_selects_once_per_optimizer_batch_on_stale_rollouts(correct_run):
+    trainer, directory, report = correct_run
+    windows = _windows(directory)
+    assert sorted(windows) == list(range(SETUP.steps)) and all(len(w) == SETUP.gradient_accumulation_steps for w in windows.values())
+    per_micro_differs = cut_inside = stale = 0
+    for step, records in windows.items():
+        batch = _batch(records)
+        keep = np.concatenate([r["keep"].numpy() for r in records])
+        algorithm_1 = oracle.m2po(batch).keep
+        assert same_up_to_ties(keep, algorithm_1, valid_m2(batch)), f"step {step}: the mask is not Algorithm 1 over the whole window"
+        d = np.where(batch.valid, batch.logp - batch.behavior_logp, 0.0)
+        stale += bool(np.abs(d).max() > 1e-3)
+        removed = int((batch.valid & ~keep).sum())
+        trust = int(oracle.trust_region(oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid), batch.advantages, batch.valid).sum())
+        cut_inside += 0 < removed < trust
+        alone = np.concatenate([oracle.m2po(_batch([r])).keep for r in records])
+        per_micro_differs += not same_up_to_ties(alone, algorithm_1, valid_m2(batch))
+    # The assertion has teeth: rollouts are stale, the cut falls inside the trust region, and
+    # selecting each micro-batch alone would have kept another mask on some step.
+    assert stale >= SETUP.steps - 1 and cut_inside >= 1 and per_micro_differs >= 1, (stale, cut_inside, per_micro_differs)
+    assert report.verdict == "equivalent", [(s.step, s.verdict, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
+    logged = [entry for entry in trainer.state.log_history if "m2po/masked_fraction" in entry]
+    assert len(logged) == SETUP.steps and all(f"m2po/{m}" in logged[0] for m in ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction"))
+
+
+def test_the_capture_holds_the_samplers_prepass_and_gradient_of_every_micro_batch(correct_run):
+    _, directory, report = correct_run
+    for records in _windows(directory).values():
+        for r in records:
+            assert {"selection_logp", "rollout_logp", "grad", "logp", "behavior_logp"} <= set(r)
+    checks = {c.name: c.status for s in report.steps for c in s.checks}
+    for name in ("audit.selection", "audit.policy_logp", "audit.behavior_logp", "audit.loss_sum", "audit.gradient", "audit.metrics",
+                 "audit.parameter_gradient"):
+        assert checks[name] == "pass", (name, checks[name])
+
+
+#: Each planted bug of the integration: the audit check that must fail and the diagnosis that must name it.
+CONTROLS = {
+    "per_micro_batch_mask": ("audit.selection", "per_micro_batch_mask"),
+    "per_micro_batch_denominator": ("audit.gradient", "per_micro_batch_denominator"),
+    "current_policy_as_behavior": ("audit.behavior_logp", "current_policy_as_behavior"),
+    "optimizer_step_per_micro_batch": ("audit.policy_logp", "optimizer_step_per_micro_batch"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(CONTROLS))
+def test_each_planted_bug_in_the_integration_is_caught_and_named_by_the_audit(fault, tmp_path_factory):
+    _, _, report = _run(tmp_path_factory, fault, TRLFaults(**{fault: True}))
+    check, diagnosis = CONTROLS[fault]
+    assert report.verdict == "divergent"
+    caught = [s for s in report.steps if any(c.name == check and c.status == "fail" for c in s.checks)]
+    assert caught, f"{fault}: no step fails {check}: {[(s.step, s.verdict) for s in report.steps]}"
+    assert all(diagnosis in s.diagnosis for s in caught), [(s.step, s.diagnosis) for s in caught]
+
+
+# --- fail closed --------------------------------------------------------------------------------
+
+REFUSED = [
+    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
+    ({"steps_per_generation": 3}, "steps_per_generation"),
+    ({"top_entropy_quantile": 0.5}, "top_entropy_quantile"),
+    ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold"),
+    ({"entropy_coef": 0.01}, "entropy_coef"),
+    ({"use_liger_kernel": True}, "use_liger_kernel"),
+    ({"use_vllm": True, "vllm_mode": "server"}, "vllm_importance_sampling_correction"),
+    ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching"),
+    ({"top_p": 0.9}, "top_p"),
+    ({"top_k": 5}, "top_k"),
+    ({"min_p": 0.1}, "min_p"),
+]
+
+
+@pytest.mark.parametrize(("options", "named"), REFUSED, ids=[n for _, n in REFUSED])
+def test_each_option_that_changes_the_objective_is_refused_naming_it(options, named, tmp_path):
+    with pytest.raises(ValueError, match=rf"^{named}:"):
+        build_trainer(SETUP, str(tmp_path), **options)
+
+
+def test_stochastic_layers_in_the_prepass_are_refused_naming_the_option(tmp_path):
+    model = tiny_llama(0)
+    model.config.attention_dropout = 0.1
+    trainer = build_trainer(replace(SETUP, steps=1), str(tmp_path), model=model, disable_dropout=False)
+    with pytest.raises(ValueError, match=r"^disable_dropout: .*attention_dropout=0.1"):
+        trainer.train()
+
+
+def test_a_kl_coefficient_warns(tmp_path):
+    # TRL builds the KL reference from the model's path: a saved copy of the toy model.
+    tiny_llama(0).save_pretrained(tmp_path / "model")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_trainer(SETUP, str(tmp_path), model=str(tmp_path / "model"), beta=0.01)
+    assert any(issubclass(w.category, M2POKLWarning) and "beta=0.01" in str(w.message) for w in caught)
+
+
+def test_the_layout_keeps_integrations_on_the_top_floor():
+    from property_tests.test_layout import import_graph
+
+    wrong = [(m, t) for m, targets in import_graph().items() for t in targets
+             if t.startswith("m2po_oracle.integrations") and not m.startswith("m2po_oracle.integrations")]
+    assert not wrong, f"modules below import the integrations: {wrong}"
