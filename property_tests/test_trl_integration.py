@@ -8,6 +8,7 @@ random-weight Llama; the runs share one xdist worker (TRL's import costs about 7
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from dataclasses import replace
@@ -24,6 +25,7 @@ from m2po_oracle.batch import Batch  # noqa: E402
 from m2po_oracle.capture import load_capture  # noqa: E402
 from m2po_oracle.equivalence import same_up_to_ties, valid_m2  # noqa: E402
 from m2po_oracle.integrations.trl import TRLFaults  # noqa: E402
+from m2po_oracle.integrations.trl_step import TRL_CONTROLS  # noqa: E402
 from m2po_oracle.integrations.trl_demo import DemoSetup, build_trainer, tiny_llama, train  # noqa: E402
 from m2po_oracle.trainer.grpo import M2POKLWarning  # noqa: E402
 
@@ -160,3 +162,60 @@ def test_the_layout_keeps_integrations_on_the_top_floor():
     wrong = [(m, t) for m, targets in import_graph().items() for t in targets
              if t.startswith("m2po_oracle.integrations") and not m.startswith("m2po_oracle.integrations")]
     assert not wrong, f"modules below import the integrations: {wrong}"
+
+
+# --- compare --impl trainer:trl: the trainer battery on TRL's real step -------------------------
+
+#: A scoped step (one micro-batch per prompt, workers 1 and 3 steps behind, tau cutting three
+#: trust-region tokens, uneven lengths) on which every TRL control differs from Algorithm 1.
+SCOPED_CASE = dict(kind="trainer_case", seed=5, prompts=2, group_size=2, prompt_len=2, max_new_tokens=6, lags=[1, 3], staleness_lr=0.02,
+                   tau=0.04, split=[2, 2], cut=3)
+
+
+def test_compare_trainer_trl_is_equivalent_and_every_fail_closed_probe_is_refused_by_the_integration(tmp_path, capsys):
+    from m2po_oracle.cli import main
+    from m2po_oracle.trainer.probes import TRAINER_PROBES
+
+    path = tmp_path / "trl.json"
+    assert main(["compare", "--impl", "trainer:trl", "--dtype", "float32", "--examples", "2", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["verdict"] == "equivalent" and data["examples"] == 2
+    ran = {c["name"]: c["status"] for c in data["checks"]}
+    assert all(ran[name] == "pass" for name in ("trainer.behavior_logp", "trainer.policy_logp", "trainer.parameter_gradient", "trainer.optimizer_step",
+                                                 "selection.minimal", "loss", "gradient", "metrics.m2_before")), ran
+    probes = {p["probe"]: p for p in data["validation"]["probes"]}
+    assert [probes[p.name]["status"] for p in TRAINER_PROBES] == [p.expected for p in TRAINER_PROBES]
+    # The refusals are the integration's, in TRL's option names (the adapter refuses only the one setting TRL lacks).
+    assert probes["sequence_level_is"]["message"].startswith("ValueError: importance_sampling_level:")
+    assert probes["rollout_is_correction"]["message"].startswith("ValueError: vllm_importance_sampling_correction:")
+    assert probes["stochastic_mask_prepass"]["message"].startswith("ValueError: disable_dropout:")
+    assert probes["deployment_behavior_logp_missing"]["message"].startswith("ValueError: behavior_logp: the rollout_func returned no log-probs")
+    assert "verdict: equivalent" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("control", ["", *sorted(TRL_CONTROLS)])
+def test_each_trl_control_is_caught_by_its_check_and_named_by_the_diagnosis(control):
+    from m2po_oracle.launch import open_runner
+    from m2po_oracle.runner import RunOptions
+    from m2po_oracle.trainer.cases import TrainerCase
+
+    runner = open_runner("trainer:trl" + (f":{control}" if control else ""), RunOptions(dtype="float32"))
+    outcome = runner.run_battery(TrainerCase.from_dict(SCOPED_CASE))
+    failed = {m.check for m in outcome.mismatches}
+    if not control:
+        assert not failed, [m.summary for m in outcome.mismatches]
+        return
+    expected = TRL_CONTROLS[control]
+    assert set(expected["caught_by"]) <= failed, (control, failed)
+    assert outcome.evidenced == (expected["diagnosed_as"],), (control, outcome.explained_by, outcome.evidenced)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["compare", "--impl", "trainer:trl", "--examples", "1"], "dtype: trainer:trl runs trl, whose log-probs come from a chunked LM-head kernel"),
+    (["compare", "--impl", "trainer:trl:no_such_control", "--dtype", "float32"], "unknown TRL control 'no_such_control'"),
+])
+def test_trainer_trl_usage_errors_name_the_problem(argv, message, capsys):
+    from m2po_oracle.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -14,8 +14,8 @@ accumulation and optimizer step all run unchanged.
 
 Behaviour log-probs: with HF generation they are TRL's ``old_per_token_logps`` (recomputed
 under the weights that sampled, at generation time), or the current policy when TRL
-deems the batch on-policy (it then computes none; the policy has not moved). With vLLM
-they must be the engine's own (``sampling_per_token_logps``). The sampler's log-probs of
+deems the batch on-policy (it then computes none; the policy has not moved). With vLLM or
+a ``rollout_func`` they must be the engine's own (``sampling_per_token_logps``). The sampler's log-probs of
 HF generation are recorded from ``generate``'s scores and passed down TRL's own
 ``logprobs`` channel, so a capture can hold them next to the behaviour log-probs.
 
@@ -240,10 +240,13 @@ class M2POGRPOTrainer(GRPOTrainer):
     def _behaviour(self, inputs: dict[str, Any], prepass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.m2po_faults.current_policy_as_behavior:
             return prepass
-        if self.use_vllm:
+        if self.use_vllm or self.rollout_func is not None:
+            # An engine outside the trainer sampled (vLLM, or a rollout_func): its weights need
+            # not be the trainer's, so only its own log-probs are the behaviour policy's.
             sampled = inputs.get("sampling_per_token_logps")
             if sampled is None or bool(torch.isnan(sampled[mask]).any()):
-                raise ValueError("behavior_logp: the vLLM engine returned no log-probs (or NaN) for some sampled tokens; M2PO fails closed "
+                engine = "vLLM engine" if self.use_vllm else "rollout_func"
+                raise ValueError(f"behavior_logp: the {engine} returned no log-probs (or NaN) for some sampled tokens; M2PO fails closed "
                                  "rather than fall back to log-probs recomputed by the trainer")
             return sampled
         old = inputs.get("old_per_token_logps")
