@@ -219,3 +219,40 @@ def test_trainer_trl_usage_errors_name_the_problem(argv, message, capsys):
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+# --- data parallel: two processes on gloo, accelerate's MULTI_CPU world under torchrun ------------
+
+def _torchrun_demo(directory, *extra):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "m2po_oracle.integrations.trl_demo",
+               "--steps", "3", "--capture", str(directory), *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_two_gloo_ranks_select_once_over_the_dp_group_and_the_audit_reassembles_both(tmp_path):
+    out = _torchrun_demo(tmp_path / "dp2")
+    assert out.count("of 2 process(es), DistributedType.MULTI_CPU on gloo, model wrapped as DistributedDataParallel") == 2, out
+    report = audit_capture(tmp_path / "dp2")
+    assert report.verdict == "equivalent", [(s.step, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
+    capture = load_capture(tmp_path / "dp2")
+    assert capture.world_size == 2 and {rank for rank, _, _ in capture.keys()} == {0, 1}
+    for step in capture.steps():
+        records = [record for _, record in capture.records(step=step)]
+        assert len(records) == 4  # two ranks x two micro-batches, one selection over all four
+        batch = _batch(records)
+        keep = np.concatenate([r["keep"].numpy() for r in records])
+        assert same_up_to_ties(keep, oracle.m2po(batch).keep, valid_m2(batch)), f"step {step}"
+
+
+def test_a_rank_selecting_alone_is_caught_and_named_by_the_audit(tmp_path):
+    _torchrun_demo(tmp_path / "alone", "--fault", "per_rank_selection")
+    report = audit_capture(tmp_path / "alone")
+    assert report.verdict == "divergent"
+    failing = [s for s in report.steps if s.verdict == "divergent"]
+    assert failing and all("per_rank_selection_global_n" in s.diagnosis for s in failing), [(s.step, s.diagnosis) for s in report.steps]
+    assert any(c.name == "audit.selection" and c.status == "fail" for s in failing for c in s.checks)

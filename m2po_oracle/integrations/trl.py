@@ -52,6 +52,7 @@ class TRLFaults:
     per_micro_batch_denominator: bool = False  # each micro-batch divides by its own N, then by the accumulation steps
     current_policy_as_behavior: bool = False  # the prepass (current policy) used as behaviour log-probs
     optimizer_step_per_micro_batch: bool = False  # optimizer.step() after every micro-batch
+    per_rank_selection: bool = False  # each data-parallel rank selects over its own window alone (the global N kept)
 
 
 def _option(args: Any, name: str, default: Any = None) -> Any:
@@ -276,6 +277,9 @@ class M2POGRPOTrainer(GRPOTrainer):
         if self.m2po_faults.per_micro_batch_mask:
             whole = select_micro_batches(inputs, tau=self.m2po_tau, group=self._dp_group())
             selections = [replace(select_micro_batches([part], tau=self.m2po_tau)[0], valid_count=w.valid_count) for part, w in zip(inputs, whole)]
+        elif self.m2po_faults.per_rank_selection:
+            whole = select_micro_batches(inputs, tau=self.m2po_tau, group=self._dp_group())
+            selections = [replace(alone, valid_count=w.valid_count) for alone, w in zip(select_micro_batches(inputs, tau=self.m2po_tau), whole)]
         else:
             selections = select_micro_batches(inputs, tau=self.m2po_tau, group=self._dp_group())
         window = _Window(self._windows_started, first, size, behavior, advantages, masks, prepass, selections, sampler)

@@ -11,6 +11,11 @@ trains on completions an older policy sampled.
     HF_HUB_OFFLINE=1 python -m m2po_oracle.integrations.trl_demo --capture runs/trl
     m2po-oracle audit runs/trl
 
+Data parallel, two processes on gloo (accelerate reads torchrun's environment; ``accelerate
+launch --cpu --num_processes 2`` starts one process unless given an MPI hostfile):
+
+    HF_HUB_OFFLINE=1 torchrun --standalone --nproc-per-node 2 -m m2po_oracle.integrations.trl_demo --capture runs/trl-dp2
+
 ``--fault NAME`` plants one of the integration's bugs (``TRLFaults``), for the audit to catch.
 """
 
@@ -131,15 +136,20 @@ def main(argv: list[str] | None = None) -> int:
     faults = [f.name for f in fields(TRLFaults)]
     parser.add_argument("--fault", choices=faults, help="plant one of the integration's bugs (a negative control)")
     args = parser.parse_args(argv)
-    if os.path.exists(args.capture) and os.listdir(args.capture):
-        parser.error(f"--capture: {args.capture} is not empty; choose a new directory")
     setup = DemoSetup(steps=args.steps, tau=args.tau, seed=args.seed)
     trainer = train(setup, capture=args.capture, faults=TRLFaults(**{args.fault: True}) if args.fault else None)
     for entry in trainer.state.log_history:
         shown = {k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items() if k.startswith("m2po/") or k in ("loss", "step")}
         if shown:
             print(shown)
-    print(f"captured {trainer.state.global_step} optimizer steps in {args.capture}; audit: m2po-oracle audit {args.capture}")
+    accelerator = trainer.accelerator
+    world = f"{accelerator.num_processes} process(es), {accelerator.distributed_type}"
+    if accelerator.num_processes > 1:
+        import torch.distributed as dist
+
+        world += f" on {dist.get_backend()}, model wrapped as {type(trainer.model_wrapped).__name__}"
+    print(f"rank {accelerator.process_index} of {world}: captured {trainer.state.global_step} optimizer steps in {args.capture}; "
+          f"audit: m2po-oracle audit {args.capture}")
     return 0
 
 
