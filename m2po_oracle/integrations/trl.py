@@ -292,7 +292,8 @@ class M2POGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         if not self.model.training:
-            raise ValueError("M2POGRPOTrainer: evaluation is not supported (M2PO's selection is defined on a training optimizer batch)")
+            raise ValueError("eval_strategy: M2POGRPOTrainer does not evaluate (M2PO's selection is defined on a training optimizer batch "
+                             "and TRL's eval batches are neither buffered nor accumulated); set eval_strategy='no'")
         position = self._step % self.args.steps_per_generation
         if self._buffered_inputs is None or self._buffered_inputs[position] is not inputs:
             raise RuntimeError("M2POGRPOTrainer: the micro-batch is not the buffered one TRL's _prepare_inputs hands over; this TRL version "

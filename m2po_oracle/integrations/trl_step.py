@@ -173,6 +173,8 @@ class TRLStep:
                                       m2po_tau=self.config.tau, capture=capture, faults=self.faults)
             grads: dict[str, torch.Tensor] = {}
             trainer.add_callback(_KeepGradients(trainer, grads))
+            for printer in (ProgressCallback, PrinterCallback):  # one step per example: no progress bar or log line each
+                trainer.remove_callback(printer)
             with _rows_in_order(), torch.random.fork_rng(devices=[]):
                 trainer.train()
             records = [record for _, record in load_capture(capture).records(step=0)]
@@ -190,7 +192,7 @@ class TRLStep:
             tau=float(self.config.tau), kl_term=0.0)
 
 
-from transformers import TrainerCallback  # noqa: E402
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback  # noqa: E402
 
 
 class _KeepGradients(TrainerCallback):
