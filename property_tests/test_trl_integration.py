@@ -9,6 +9,7 @@ random-weight Llama; the runs share one xdist worker (TRL's import costs about 7
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from dataclasses import replace
@@ -234,8 +235,29 @@ def _torchrun_demo(directory, *extra):
     return done.stdout
 
 
+def _pulled_back_norms(capture, inputs, step=0):
+    """Each parameter's gradient norm recomputed from the capture: every rank's and micro-batch's
+    captured d loss / d logp pulled back through the demo's initial model (step 0)."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = tiny_llama(SETUP.seed)
+    total = 0
+    for (rank, _, micro), record in capture.records(step=step):
+        x = load_file(str(inputs / f"rank{rank}-step{step}-mb{micro}.safetensors"))
+        ids = torch.cat([x["prompt_ids"], x["completion_ids"]], 1)
+        width = x["completion_ids"].shape[1]
+        logits = model(input_ids=ids, attention_mask=torch.cat([x["prompt_mask"], x["completion_mask"]], 1)).logits[:, -width - 1:-1]
+        logp = torch.log_softmax(logits, -1).gather(-1, x["completion_ids"][..., None])[..., 0]
+        valid = record["mask"]
+        assert float((torch.where(valid, logp, 0) - torch.where(valid, record["logp"], 0)).abs().max()) < 1e-5
+        total = total + (torch.where(valid, record["grad"], 0) * torch.where(valid, logp, 0)).sum()
+    total.backward()
+    return {name: float(p.grad.double().norm()) for name, p in model.named_parameters()}
+
+
 def test_two_gloo_ranks_select_once_over_the_dp_group_and_the_audit_reassembles_both(tmp_path):
-    out = _torchrun_demo(tmp_path / "dp2")
+    out = _torchrun_demo(tmp_path / "dp2", "--max-grad-norm", "0", "--save-inputs", str(tmp_path / "inputs"))
     assert out.count("of 2 process(es), DistributedType.MULTI_CPU on gloo, model wrapped as DistributedDataParallel") == 2, out
     report = audit_capture(tmp_path / "dp2")
     assert report.verdict == "equivalent", [(s.step, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
@@ -247,6 +269,13 @@ def test_two_gloo_ranks_select_once_over_the_dp_group_and_the_audit_reassembles_
         batch = _batch(records)
         keep = np.concatenate([r["keep"].numpy() for r in records])
         assert same_up_to_ties(keep, oracle.m2po(batch).keep, valid_m2(batch)), f"step {step}"
+    # DDP averages the ranks' gradients; the objective wants their sum. The gradient each rank
+    # noted before the first optimizer step (no clipping) is the sum over both ranks' records.
+    expected = _pulled_back_norms(capture, tmp_path / "inputs")
+    noted = capture.parameter_gradients(0)
+    for rank in (0, 1):
+        for name, norm in expected.items():
+            assert math.isclose(noted[rank][name]["norm"], norm, rel_tol=1e-5), (rank, name, noted[rank][name]["norm"], norm)
 
 
 def test_a_rank_selecting_alone_is_caught_and_named_by_the_audit(tmp_path):

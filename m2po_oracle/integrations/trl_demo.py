@@ -125,6 +125,23 @@ def train(setup: DemoSetup = DemoSetup(), *, capture: str | None = None, faults:
     return trainer
 
 
+def _save_inputs(trainer: Any, directory: str) -> None:
+    """Write the token ids and masks of every micro-batch ``_compute_loss`` receives."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    compute_loss = trainer._compute_loss
+
+    def saving(model: Any, inputs: dict[str, Any]) -> Any:
+        micro = trainer._step % trainer.current_gradient_accumulation_steps
+        names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        save_file({name: inputs[name].detach().cpu().contiguous() for name in names},
+                  os.path.join(directory, f"rank{trainer.accelerator.process_index}-step{trainer.state.global_step}-mb{micro}.safetensors"))
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = saving
+
+
 def main(argv: list[str] | None = None) -> int:
     from m2po_oracle.integrations.trl import TRLFaults
 
@@ -135,9 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=DemoSetup.seed)
     faults = [f.name for f in fields(TRLFaults)]
     parser.add_argument("--fault", choices=faults, help="plant one of the integration's bugs (a negative control)")
+    parser.add_argument("--max-grad-norm", type=float, default=DemoSetup.max_grad_norm, help="gradient clipping (0: off; default %(default)s)")
+    parser.add_argument("--save-inputs", metavar="DIR",
+                        help="also write each micro-batch's token ids and masks to DIR (safetensors), so that a test can recompute "
+                             "the step's parameter gradient from the capture")
     args = parser.parse_args(argv)
-    setup = DemoSetup(steps=args.steps, tau=args.tau, seed=args.seed)
-    trainer = train(setup, capture=args.capture, faults=TRLFaults(**{args.fault: True}) if args.fault else None)
+    setup = DemoSetup(steps=args.steps, tau=args.tau, seed=args.seed, max_grad_norm=args.max_grad_norm)
+    faults = TRLFaults(**{args.fault: True}) if args.fault else None
+    with tempfile.TemporaryDirectory(prefix="m2po-trl-") as scratch:
+        trainer = build_trainer(setup, scratch, capture=args.capture, faults=faults)
+        if args.save_inputs:
+            _save_inputs(trainer, args.save_inputs)
+        trainer.train()
     for entry in trainer.state.log_history:
         shown = {k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items() if k.startswith("m2po/") or k in ("loss", "step")}
         if shown:
