@@ -120,6 +120,7 @@ def test_each_planted_bug_in_the_integration_is_caught_and_named_by_the_audit(fa
 # --- fail closed --------------------------------------------------------------------------------
 
 REFUSED = [
+    ({"loss_type": "grpo"}, "loss_type"),
     ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
     ({"steps_per_generation": 3}, "steps_per_generation"),
     ({"top_entropy_quantile": 0.5}, "top_entropy_quantile"),

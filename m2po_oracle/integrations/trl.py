@@ -68,6 +68,10 @@ def check_m2po_args(args: Any) -> None:
         raise ValueError(f"steps_per_generation: must be a multiple of gradient_accumulation_steps ({ga}) so that every optimizer batch "
                          f"lies inside one buffered generation batch (M2PO selects over the whole window before its first micro-batch); "
                          f"got {spg}")
+    loss_type = _option(args, "loss_type", "dapo")
+    if loss_type != "dapo":
+        raise ValueError(f"loss_type: M2PO divides the masked sum by N, the optimizer batch's valid tokens before masking (TRL's 'dapo' "
+                         f"normaliser, its default); loss_type={loss_type!r} asks for another normaliser that M2PO would ignore (set 'dapo')")
     if _option(args, "importance_sampling_level", "token") != "token":
         raise ValueError(f"importance_sampling_level: M2PO is defined on token-level ratios; got "
                          f"{_option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)")
