@@ -204,9 +204,10 @@ class M2POGRPOTrainer(GRPOTrainer):
         scores = seen.get("scores")
         if scores is None:
             return completion_ids, None
-        sampler = []
-        for row, ids in enumerate(completion_ids):
-            sampler.append([float(torch.log_softmax(scores[t][row].double(), dim=-1)[token]) for t, token in enumerate(ids)])
+        # scores are the logits the sampler drew from (after temperature): [rows, steps, vocab].
+        sampled_from = torch.log_softmax(torch.stack(scores, dim=1).double(), dim=-1).cpu()
+        sampler = [sampled_from[row, : len(ids)].gather(-1, torch.tensor(ids, dtype=torch.long)[:, None])[:, 0].tolist()
+                   for row, ids in enumerate(completion_ids)]
         return completion_ids, sampler
 
     # --- the loss --------------------------------------------------------------------------
