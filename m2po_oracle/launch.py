@@ -19,8 +19,13 @@ from m2po_oracle.adapters import ADAPTERS, adapt
 from m2po_oracle.isolation import InProcess, Isolated
 from m2po_oracle.loss_function import LossFunctionRunner
 from m2po_oracle.resolve import is_trainer_spec, load_attribute, load_implementation
-from m2po_oracle.errors import UsageError
+from m2po_oracle.errors import LoadError, UsageError
 from m2po_oracle.runner import Runner, RunOptions
+
+
+#: Production trainers behind the trainer contract, by name (``trainer:NAME[:CONTROL]``): a
+#: factory taking the control's name. Named as strings: the integrations room sits above.
+INTEGRATED_TRAINERS = {"trl": "m2po_oracle.integrations.trl_step:trl_trainer"}
 
 
 def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runner:
@@ -56,6 +61,22 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runn
         from m2po_oracle.trainer.runner import TrainerRunner
 
         rest = spec.partition(":")[2]
+        integration, _, control = rest.partition(":")
+        if integration in INTEGRATED_TRAINERS:  # trainer:trl, trainer:trl:CONTROL: a production trainer behind the contract
+            import importlib.util
+
+            if importlib.util.find_spec(integration) is None:
+                raise LoadError(f"impl: {spec} needs the {integration} package: pip install -c constraints.txt -e '.[{integration}]'")
+            if options.dtype != "float32":
+                raise UsageError(f"dtype: {spec} runs {integration}, whose log-probs come from a chunked LM-head kernel that accumulates in "
+                                 f"float32 whatever the model's dtype; a {options.dtype} run would judge float32 log-probs at {options.dtype} "
+                                 "tolerance. Run it with --dtype float32")
+            factory = load_attribute(INTEGRATED_TRAINERS[integration])
+            try:
+                trainer = factory(control or None)
+            except ValueError as error:
+                raise LoadError(f"impl: {error}") from None
+            return TrainerRunner(trainer=trainer, spec=spec, options=options)
         if ":" in rest:  # trainer:module:Class or trainer:file.py:Class
             return TrainerRunner(trainer=load_attribute(rest), spec=spec, options=options)
         return TrainerRunner(rest or None, spec=spec, options=options)

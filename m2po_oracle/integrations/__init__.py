@@ -1,0 +1,9 @@
+"""M2PO inside production trainers (the top floor: nothing else in the package imports this room).
+
+* :mod:`m2po_oracle.integrations.trl`: ``M2POGRPOTrainer``, TRL's ``GRPOTrainer`` with the
+  M2PO loss selected once per optimizer batch (``pip install -c constraints.txt -e '.[trl]'``);
+* :mod:`m2po_oracle.integrations.trl_demo`: a short real TRL training on a random-weight
+  Llama, recorded for ``m2po-oracle audit``;
+* :mod:`m2po_oracle.integrations.trl_step`: the same trainer behind the trainer contract,
+  for ``m2po-oracle compare --impl trainer:trl``.
+"""
