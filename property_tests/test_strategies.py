@@ -124,7 +124,7 @@ def test_the_default_mix_includes_split_scope_batches():
     """Measured on 100 draws: 13-19 such batches in the mix, 4 without the split-scope family."""
     seen = []
 
-    @settings(SEARCH, max_examples=200)
+    @settings(SEARCH, max_examples=200, derandomize=True)  # its own seed: a test before it may reseed the global random (transformers.set_seed)
     @given(strategies.batches())
     def count(batch):
         seen.append(batch.shape[0] >= 2 and _selects_differently_when_split(batch, [slice(i, i + 1) for i in range(batch.shape[0])]))
