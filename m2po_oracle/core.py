@@ -357,8 +357,11 @@ def _select_single(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tenso
 def _selection_inputs(logp, behavior_logp, advantages, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """d = logp - behavior_logp and A in float64, zero on padding: one conversion each, in place after it."""
     padding = ~mask
-    d = logp.detach().to(torch.float64, copy=True).sub_(behavior_logp.detach()).masked_fill_(padding, 0.0)
-    return d, advantages.detach().to(torch.float64, copy=True).masked_fill_(padding, 0.0)
+    # behavior_logp's float64 copy becomes A's buffer once subtracted (a mixed-dtype sub_
+    # would allocate that copy anyway, and a fresh token-sized buffer costs page faults).
+    buffer = behavior_logp.detach().to(torch.float64, copy=True)
+    d = logp.detach().to(torch.float64, copy=True).sub_(buffer).masked_fill_(padding, 0.0)
+    return d, buffer.copy_(advantages.detach()).masked_fill_(padding, 0.0)
 
 
 def select_tokens(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,

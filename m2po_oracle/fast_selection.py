@@ -302,14 +302,20 @@ def out_of_level(bucket: torch.Tensor, inside: torch.Tensor | None = None) -> No
             torch.where(inside[part].view(rows), target, spread, out=target)
 
 
+#: Up to this many values in the crossing bucket are sorted rather than refined: sorting
+#: them is about as fast on CPU, and a dozen operators instead of a few hundred small ones
+#: (each a kernel launch on a GPU).
+SORT_AT_MOST = 1 << 14
+
+
 def cut_of_crossing_bucket(values: torch.Tensor, tau: float, descent: Descent, *, small: int | None = None) -> DeviceCut:
     """The rest of the cut once the first level is descended: ``values`` are the crossing
     bucket's M2 in index order. Up to ``small`` of them are sorted (stable: ties keep the
     lowest indices) and the prefix means counted, as :func:`kept_candidates` finishes; more
-    go through the remaining radix levels (``small`` defaults to :data:`SMALL`). No host
-    synchronisation either way.
+    go through the remaining radix levels (``small`` defaults to :data:`SORT_AT_MOST`). No
+    host synchronisation either way.
     """
-    if values.numel() > (SMALL if small is None else small):
+    if values.numel() > (SORT_AT_MOST if small is None else small):
         return cut_without_sync(values, tau, first_level=1, descent=descent)
     if values.numel() == 0:
         return DeviceCut(torch.zeros(0, dtype=torch.bool, device=values.device), descent.kept_count, descent.kept_sum)

@@ -111,7 +111,7 @@ def _core_selection(batch, small):
     d, a, mask = d.reshape(-1), a.reshape(-1), t["mask"].reshape(-1)
     trust = ((a > 0) & (d > 0)) | ((a < 0) & (d < 0))
     m2 = d * d
-    with mock.patch.object(fast_selection, "SMALL", small):
+    with mock.patch.object(fast_selection, "SORT_AT_MOST", small):
         selection = _select_flat(d.clone(), a.clone(), mask, batch.tau, None)
     return selection, m2, trust, mask
 
@@ -136,7 +136,7 @@ def test_the_core_selection_equals_the_radix_selection_of_its_candidates(small, 
 @pytest.mark.parametrize("small", [0, 4096])
 @pytest.mark.parametrize("tau", [0.0, 0.04, 0.0625, 0.5])
 def test_the_core_selection_on_a_large_batch_with_ties_and_padding(small, tau):
-    """Over SMALL values in the crossing bucket, a block of exact ties and runs of padding."""
+    """Thousands of values in the crossing bucket, a block of exact ties and runs of padding."""
     from m2po_oracle.batch import Batch
 
     rng = np.random.default_rng(5)

@@ -7,9 +7,12 @@ make a GPU stream's host wait are dispatched on every device, so a new ``.item()
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
+from m2po_oracle import fast_selection
 from m2po_oracle.core import m2po_loss, select_micro_batches, select_tokens
 from m2po_oracle.host_syncs import HostSyncCounter, count_host_syncs
 
@@ -26,16 +29,18 @@ def _batch(shape: tuple[int, int], seed: int = 0, dtype: torch.dtype = torch.flo
     return logp, behavior.to(dtype), advantages, mask
 
 
-# (64, 512): the crossing bucket is finished by sorting; (256, 2048): by the remaining radix
-# levels (more than SMALL values in it); (4, 2): tiny; (0, 3): empty.
-SHAPES = [(64, 512), (256, 2048), (4, 2), (0, 3)]
+SHAPES = [(64, 512), (4, 2), (0, 3)]
 
 
+@pytest.mark.parametrize("finish", ["sorted", "radix levels"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-def test_the_forward_synchronises_once(shape, dtype):
+def test_the_forward_synchronises_once(shape, dtype, finish):
+    """Both finishes of the crossing bucket (sorted, or the remaining radix levels: forced
+    by sorting at most 0 values), tiny and empty batches."""
     logp, behavior, advantages, mask = _batch(shape, dtype=dtype)
-    result, counter = count_host_syncs(lambda: m2po_loss(logp, behavior, advantages, mask, tau=0.04))
+    with mock.patch.object(fast_selection, "SORT_AT_MOST", fast_selection.SORT_AT_MOST if finish == "sorted" else 0):
+        result, counter = count_host_syncs(lambda: m2po_loss(logp, behavior, advantages, mask, tau=0.04))
     assert counter.total <= SINGLE_RANK_BUDGET, f"{shape} {dtype}: {dict(counter.syncs)} (budget {SINGLE_RANK_BUDGET})"
     # Reading the metrics stays on the device too: they are tensors, not Python numbers.
     assert all(isinstance(getattr(result, name), torch.Tensor) for name in ("m2_before", "valid_count", "kept_trust_region_count"))
