@@ -275,7 +275,7 @@ def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
     """
     # Padding has d = 0 and A = 0, so it is never a candidate.
     trust = ((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0))
-    valid_count = mask.sum()
+    valid_count = torch.count_nonzero(mask)  # no token-sized int64 copy, as a bool sum makes
     if group is None:
         return _select_single(d, advantages, trust, mask, valid_count, tau, on_invalid)
     m2 = d * d
