@@ -417,7 +417,12 @@ def select_micro_batches(micro_batches: Sequence[Sequence[torch.Tensor]], *, tau
     """
     on_invalid = None
     if group is None:
-        _validate_micro_batches(micro_batches, tau, finite=False)
+        try:
+            _validate_micro_batches(micro_batches, tau, finite=False)
+        except ValueError:
+            # An earlier micro-batch's non-finite value is the first failure, as before.
+            _validate_micro_batches(micro_batches, tau)
+            raise
         on_invalid = lambda: _validate_micro_batches(micro_batches, tau)  # noqa: E731
     else:
         _check_group(group)  # local: a broken group cannot carry an agreement
