@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from m2po_oracle import fast_selection
 from m2po_oracle.fast_selection import BUCKETS, DIGIT_BITS, Descent, cut_of_crossing_bucket, kept_candidates_across, out_of_level
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -310,10 +311,12 @@ def _select_single(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tenso
 
     The first radix level runs over every token on the device (non-candidates go to a
     bank of buckets that is never read, so they neither count nor contend). The verdict's
-    one read also brings the size of the crossing bucket, so its few candidates are
-    gathered with a fixed size (``nonzero_static``) and the rest of the cut runs on them
-    alone, again on the device (sorted when few, as the sorting finish of
-    ``kept_candidates``; otherwise the remaining radix levels).
+    one read also brings the candidate count and the crossing bucket's size, so the
+    candidates to finish with are gathered with a fixed size (``nonzero_static``) and the
+    rest of the cut runs on them alone, again on the device: up to SMALL candidates are all
+    sorted, and a crossing bucket of up to SORT_AT_MOST values is sorted, both as
+    ``kept_candidates`` finishes (the same result to the last bit); a larger crossing
+    bucket goes through the remaining radix levels (exact up to float64 rounding at tau).
     """
     device, n = d.device, d.numel()
     # A sum is non-finite when one of its terms is (or, from float64 inputs, when it overflows).
@@ -328,17 +331,31 @@ def _select_single(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tenso
     counts = torch.zeros(2 * BUCKETS, dtype=torch.float64, device=device).scatter_add_(0, bucket, ones)[:BUCKETS]
     descent, crossing = Descent.start(device).step(sums, counts, tau, 0)
     crossing_size = torch.where(crossing < BUCKETS, descent.tied_count, 0).to(torch.int64)
-    size = int(torch.where(finite, crossing_size, -1).item())  # the forward's one host synchronisation
-    if size < 0:
+    trust_count = counts.sum().to(torch.int64)  # exact: integers in float64
+    # The forward's one host synchronisation: the verdict, the crossing bucket's size and
+    # the candidate count in one int64 (-1: not finite).
+    packed = (trust_count << 32) | crossing_size
+    read = int(torch.where(finite, packed, -1).item())
+    if read < 0:
         if on_invalid is not None:
             on_invalid()  # raises, naming the argument and the token
         # Finite float64 inputs whose d or sums overflow (beyond 1.8e308): one more read, and on.
-        size = int(crossing_size.item())
-    alive = torch.nonzero_static(bucket == crossing, size=size).reshape(-1)
-    cut = cut_of_crossing_bucket(m2.index_select(0, alive), tau, descent)
-    # Candidates below the crossing bucket are kept (non-candidates sit at BUCKETS and above).
-    kept = (bucket < crossing).index_put_((alive,), cut.kept)
-    trust_count = counts.sum().to(torch.int64)  # exact: integers in float64
+        read = int(packed.item())
+    size, candidates = read & 0xFFFFFFFF, read >> 32
+    if candidates <= fast_selection.SMALL:
+        # As kept_candidates selects so few: every candidate sorted, no bucket sums, so the
+        # result is the same to the last bit.
+        alive = torch.nonzero_static(bucket < BUCKETS, size=candidates).reshape(-1)
+        values = m2.index_select(0, alive)
+        cut = cut_of_crossing_bucket(values, tau, Descent.start(device), small=candidates)
+        kept = torch.zeros_like(mask).index_put_((alive,), cut.kept)
+        kept_sum, candidate_sum = torch.where(cut.kept, values, 0.0).sum(), values.sum()
+    else:
+        alive = torch.nonzero_static(bucket == crossing, size=size).reshape(-1)
+        cut = cut_of_crossing_bucket(m2.index_select(0, alive), tau, descent)
+        # Candidates below the crossing bucket are kept (non-candidates sit at BUCKETS and above).
+        kept = (bucket < crossing).index_put_((alive,), cut.kept)
+        kept_sum, candidate_sum = cut.kept_sum, sums.sum()
     kept_count = cut.kept_count.to(torch.int64)
     valid_denominator = valid_count.clamp(min=1).double()
     return Selection(
@@ -347,8 +364,8 @@ def _select_single(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tenso
         valid_count=valid_count,
         trust_region_count=trust_count,
         kept_trust_region_count=kept_count,
-        m2_before=sums.sum() / trust_count.clamp(min=1),
-        m2_after=cut.kept_sum / kept_count.clamp(min=1),
+        m2_before=candidate_sum / trust_count.clamp(min=1),
+        m2_after=kept_sum / kept_count.clamp(min=1),
         masked_fraction=(trust_count - kept_count).double() / valid_denominator,
         trust_region_fraction=trust_count.double() / valid_denominator,
     )

@@ -302,10 +302,11 @@ def out_of_level(bucket: torch.Tensor, inside: torch.Tensor | None = None) -> No
             torch.where(inside[part].view(rows), target, spread, out=target)
 
 
-#: Up to this many values in the crossing bucket are sorted rather than refined: sorting
-#: them is about as fast on CPU, and a dozen operators instead of a few hundred small ones
-#: (each a kernel launch on a GPU).
-SORT_AT_MOST = 1 << 14
+#: Up to this many values in the crossing bucket are sorted rather than refined (a dozen
+#: operators instead of a few hundred small ones, each a kernel launch on a GPU). Equal to
+#: SMALL, so that the core finishes exactly as :func:`kept_candidates` does whenever that
+#: one sorts after its first level (raising it trades that identity for fewer operators).
+SORT_AT_MOST = SMALL
 
 
 def cut_of_crossing_bucket(values: torch.Tensor, tau: float, descent: Descent, *, small: int | None = None) -> DeviceCut:

@@ -111,26 +111,47 @@ def _core_selection(batch, small):
     d, a, mask = d.reshape(-1), a.reshape(-1), t["mask"].reshape(-1)
     trust = ((a > 0) & (d > 0)) | ((a < 0) & (d < 0))
     m2 = d * d
-    with mock.patch.object(fast_selection, "SORT_AT_MOST", small):
+    with mock.patch.object(fast_selection, "SMALL", small), mock.patch.object(fast_selection, "SORT_AT_MOST", small):
         selection = _select_flat(d.clone(), a.clone(), mask, batch.tau, None)
     return selection, m2, trust, mask
 
 
-@pytest.mark.parametrize("small", [0, 3, 4096])
 @given(batch=strategies.batches())
-def test_the_core_selection_equals_the_radix_selection_of_its_candidates(small, batch):
-    """The core's one-sync path (first level over every token, the crossing bucket
-    gathered and finished on its own) against ``kept_candidates`` on the gathered candidates."""
-    selection, m2, trust, mask = _core_selection(batch, small)
-    kept = kept_candidates(m2[trust], batch.tau, small=small)
+def test_the_core_selection_is_main_s_to_the_last_bit_on_few_candidates(batch):
+    """Up to SMALL candidates the core sorts them all, as ``kept_candidates`` (the core's
+    selection before the one-sync forward) does: keep, counts and metrics bit for bit."""
+    selection, m2, trust, mask = _core_selection(batch, fast_selection.SMALL)
+    candidates = m2[trust]
+    kept = kept_candidates(candidates, batch.tau)
     expected = mask.clone()
     expected[trust] = kept
     assert torch.equal(selection.keep, expected)
     assert (int(selection.valid_count), int(selection.trust_region_count), int(selection.kept_trust_region_count)) == (
         int(mask.sum()), int(trust.sum()), int(kept.sum()))
-    count = max(int(kept.sum()), 1)
-    assert float(selection.m2_after) == pytest.approx(float(m2[trust][kept].sum()) / count, rel=1e-12, abs=1e-300)
-    assert float(selection.m2_before) == pytest.approx(float(m2[trust].sum()) / max(int(trust.sum()), 1), rel=1e-12, abs=1e-300)
+    trust_count, kept_count = torch.tensor(candidates.numel()).clamp(min=1), kept.sum().clamp(min=1)
+    assert torch.equal(selection.m2_before, candidates.sum() / trust_count)
+    assert torch.equal(selection.m2_after, torch.where(kept, candidates, torch.zeros_like(candidates)).sum() / kept_count)
+
+
+@pytest.mark.parametrize("small", [0, 3])
+@given(batch=strategies.batches())
+def test_the_core_selection_through_the_radix_levels_is_algorithm_1(small, batch):
+    """Forced through the first level over every token and the remaining levels on the
+    crossing bucket, the kept set is an outcome of Algorithm 1 under the project's one
+    selection policy (``check_selection``: exact, up to float64 rounding at tau; bucket
+    sums add in another order than a sorted prefix, so near-ties at tau may split
+    differently from ``kept_candidates``), and counts and metrics describe it."""
+    from m2po_oracle.equivalence import check_selection
+
+    selection, m2, trust, mask = _core_selection(batch, small)
+    keep = selection.keep.reshape(batch.shape)
+    assert check_selection(batch, keep.numpy()) == []
+    candidates, core_kept = m2[trust], selection.keep[trust]
+    assert torch.equal(selection.keep[~trust], mask[~trust])
+    assert int(selection.kept_trust_region_count) == int(core_kept.sum())
+    count = max(int(core_kept.sum()), 1)
+    assert float(selection.m2_after) == pytest.approx(float(candidates[core_kept].sum()) / count, rel=1e-12, abs=1e-300)
+    assert float(selection.m2_before) == pytest.approx(float(candidates.sum()) / max(int(trust.sum()), 1), rel=1e-12, abs=1e-300)
 
 
 @pytest.mark.parametrize("small", [0, 4096])

@@ -36,10 +36,11 @@ SHAPES = [(64, 512), (4, 2), (0, 3)]
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_the_forward_synchronises_once(shape, dtype, finish):
-    """Both finishes of the crossing bucket (sorted, or the remaining radix levels: forced
-    by sorting at most 0 values), tiny and empty batches."""
+    """Both finishes (sorted, or the remaining radix levels: forced by sorting at most 0
+    values), tiny and empty batches."""
     logp, behavior, advantages, mask = _batch(shape, dtype=dtype)
-    with mock.patch.object(fast_selection, "SORT_AT_MOST", fast_selection.SORT_AT_MOST if finish == "sorted" else 0):
+    at_most = fast_selection.SMALL if finish == "sorted" else 0
+    with mock.patch.object(fast_selection, "SMALL", at_most), mock.patch.object(fast_selection, "SORT_AT_MOST", at_most):
         result, counter = count_host_syncs(lambda: m2po_loss(logp, behavior, advantages, mask, tau=0.04))
     assert counter.total <= SINGLE_RANK_BUDGET, f"{shape} {dtype}: {dict(counter.syncs)} (budget {SINGLE_RANK_BUDGET})"
     # Reading the metrics stays on the device too: they are tensors, not Python numbers.
