@@ -1,14 +1,19 @@
-"""``m2po-oracle bench``: the selection's speed, measured side by side in one run.
+"""``m2po-oracle bench``: the selection's and the core forward's speed, side by side in one run.
 
-For each size: float32 log-probs (half the tokens trust-region candidates), their M2 in
-float64, then three methods timed in rotating order on the same values, each repeat:
+For each size: a float32 batch (256 rows; log-probs, behaviour log-probs, +-1 advantages,
+every token valid, half of them trust-region candidates) and its candidates' M2 in float64,
+then four methods timed in rotating order on the same values, each repeat:
 
 * ``sort``: the sort-and-prefix-sum selection every public port uses;
-* ``radix``: the core's exact selection without sorting (``fast_selection``);
-* ``floor``: one streaming pass over the values (their sum): no selection can beat it.
+* ``radix``: the core's exact selection without sorting (``fast_selection``), the selection;
+* ``floor``: one streaming pass over the values (their sum): no selection can beat it;
+* ``forward``: the whole ``core.m2po_loss`` forward (validation, d, the trust region, the
+  selection, the loss with its autograd graph, the metrics) on the batch itself.
 
-Medians and the ratios sort/radix and radix/floor are printed and written as JSON; the
-HTML page plots the scaling series log-log. Results of sort and radix must be identical.
+Medians and bests are recorded; the ratios sort/radix and radix/floor use medians, the
+forward's ratios (forward/selection, sort/forward, forward/floor) use bests, as the
+targets are stated. The forward's would-sync operators are counted once per size
+(``host_syncs``). Results of sort, radix and the forward's mask must be identical.
 Performance is asserted nowhere but here: timed unit tests lie on a shared machine.
 """
 
@@ -23,11 +28,15 @@ from typing import Any
 
 import torch
 
+from m2po_oracle.core import m2po_loss
 from m2po_oracle.fast_selection import kept_candidates, kept_candidates_by_sorting
+from m2po_oracle.host_syncs import count_host_syncs
 from m2po_oracle.runner import check_device
 
-SCHEMA = "m2po-oracle/bench/1"
-METHODS = ("sort", "radix", "floor")
+SCHEMA = "m2po-oracle/bench/2"
+METHODS = ("sort", "radix", "floor", "forward")
+#: Rows of the benchmark batch (tokens / ROWS per row), as a training step's sequences.
+ROWS = 256
 
 
 def _synchronize(device: str) -> None:
@@ -35,40 +44,74 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def candidate_m2(tokens: int, *, device: str = "cpu", seed: int = 0, staleness: float = 0.3) -> torch.Tensor:
+def forward_batch(tokens: int, *, device: str = "cpu", seed: int = 0, staleness: float = 0.3) -> dict[str, torch.Tensor]:
+    """float32 (logp, behavior_logp, advantages, mask) of ``tokens`` tokens (every one valid)."""
     generator = torch.Generator().manual_seed(seed)
     behavior = -torch.empty(tokens).exponential_(0.5, generator=generator)
     d = staleness * torch.distributions.StudentT(3.0).sample((tokens,))
     logp = (behavior + d).float()
-    log_ratio = logp.double() - behavior.float().double()
-    advantages = torch.where(torch.rand(tokens, generator=generator) < 0.5, 1.0, -1.0).double()
-    trust = ((advantages > 0) & (log_ratio > 0)) | ((advantages < 0) & (log_ratio < 0))
+    advantages = torch.where(torch.rand(tokens, generator=generator) < 0.5, 1.0, -1.0)
+    rows = ROWS if tokens % ROWS == 0 else 1
+    shape = (rows, tokens // rows)
+    return {"logp": logp.reshape(shape).to(device), "behavior_logp": behavior.float().reshape(shape).to(device),
+            "advantages": advantages.reshape(shape).to(device), "mask": torch.ones(shape, dtype=torch.bool, device=device)}
+
+
+def _trust_region(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates' flat positions as a mask, and the log-ratio in float64."""
+    log_ratio = (batch["logp"].double() - batch["behavior_logp"].double()).reshape(-1)
+    advantages = batch["advantages"].reshape(-1)
+    return ((advantages > 0) & (log_ratio > 0)) | ((advantages < 0) & (log_ratio < 0)), log_ratio
+
+
+def candidate_m2(tokens: int, *, device: str = "cpu", seed: int = 0, staleness: float = 0.3) -> torch.Tensor:
+    """The M2 of the trust-region candidates of :func:`forward_batch`'s batch, float64."""
+    trust, log_ratio = _trust_region(forward_batch(tokens, seed=seed, staleness=staleness))
     return (log_ratio[trust] ** 2).contiguous().to(device)
 
 
 def measure_size(tokens: int, *, repeats: int, device: str, tau: float) -> dict[str, Any]:
-    m2 = candidate_m2(tokens, device=device)
+    batch = forward_batch(tokens, device=device)
+    trust, log_ratio = _trust_region(batch)
+    m2 = (log_ratio[trust] ** 2).contiguous()
+    logp = batch["logp"].clone().requires_grad_(True)  # the forward builds its autograd graph, as in training
+
+    def forward() -> Any:
+        return m2po_loss(logp, batch["behavior_logp"], batch["advantages"], batch["mask"], tau=tau)
+
     methods: dict[str, Callable[[], Any]] = {
         "sort": lambda: kept_candidates_by_sorting(m2, tau),
         "radix": lambda: kept_candidates(m2, tau),
         "floor": lambda: m2.sum(),
+        "forward": forward,
     }
-    identical = bool(torch.equal(methods["sort"](), methods["radix"]()))
+    radix = methods["radix"]()
+    result, counter = count_host_syncs(forward)
+    forward_kept = result.keep.reshape(-1)[trust]
+    identical = bool(torch.equal(methods["sort"](), radix)) and bool(torch.equal(forward_kept, radix))
     times: dict[str, list[float]] = {name: [] for name in METHODS}
     for repeat in range(repeats):
         # Rotate the order so drift on a shared machine hits every method alike.
-        for name in METHODS[repeat % 3:] + METHODS[: repeat % 3]:
+        shift = repeat % len(METHODS)
+        for name in METHODS[shift:] + METHODS[:shift]:
             _synchronize(device)
             started = time.perf_counter()
             methods[name]()
             _synchronize(device)
             times[name].append(time.perf_counter() - started)
     medians = {name: statistics.median(values) for name, values in times.items()}
+    bests = {name: min(values) for name, values in times.items()}
     return {
         "tokens": tokens, "candidates": m2.numel(), "identical": identical,
         "median_ms": {name: medians[name] * 1e3 for name in METHODS},
+        "best_ms": {name: bests[name] * 1e3 for name in METHODS},
         "sort_over_radix": medians["sort"] / medians["radix"],
         "radix_over_floor": medians["radix"] / medians["floor"],
+        "forward_over_selection": bests["forward"] / bests["radix"],
+        "sort_over_forward": bests["sort"] / bests["forward"],
+        "forward_over_floor": bests["forward"] / bests["floor"],
+        "syncs_per_forward": counter.total, "syncs": dict(counter.syncs),
+        "operators_per_forward": sum(counter.operators.values()),
     }
 
 
@@ -99,9 +142,9 @@ table{border-collapse:collapse;margin:1rem 0}th,td{border:1px solid #ccd3dd;padd
 th{background:#f1f4f8}.bad{background:#fde8e8}svg text{font:12px system-ui,sans-serif}
 </style></head><body>
 <h1>Selection benchmark ({{ device }}, {{ threads }} thread(s))</h1>
-<p>Median of {{ repeats }} interleaved repeats; tau = {{ tau }}. sort: sort and prefix sums; radix: the core's exact selection without sorting; floor: one streaming pass over the values.</p>
-<table><tr><th>tokens</th><th>candidates</th><th>sort ms</th><th>radix ms</th><th>floor ms</th><th>sort / radix</th><th>radix / floor</th><th>identical</th></tr>
-{% for r in rows %}<tr{% if not r.identical %} class="bad"{% endif %}><td>{{ r.tokens }}</td><td>{{ r.candidates }}</td><td>{{ "%.3f"|format(r.median_ms.sort) }}</td><td>{{ "%.3f"|format(r.median_ms.radix) }}</td><td>{{ "%.3f"|format(r.median_ms.floor) }}</td><td>{{ "%.1f"|format(r.sort_over_radix) }}x</td><td>{{ "%.1f"|format(r.radix_over_floor) }}x</td><td>{{ "yes" if r.identical else "NO" }}</td></tr>
+<p>{{ repeats }} interleaved repeats; tau = {{ tau }}. sort: sort and prefix sums; radix: the core's exact selection without sorting; floor: one streaming pass over the values; forward: the whole core.m2po_loss forward. Selection columns are medians; forward columns and ratios are bests.</p>
+<table><tr><th>tokens</th><th>candidates</th><th>sort ms</th><th>radix ms</th><th>floor ms</th><th>sort / radix</th><th>radix / floor</th><th>forward ms</th><th>forward / selection</th><th>sort / forward</th><th>forward / floor</th><th>syncs / forward</th><th>identical</th></tr>
+{% for r in rows %}<tr{% if not r.identical %} class="bad"{% endif %}><td>{{ r.tokens }}</td><td>{{ r.candidates }}</td><td>{{ "%.3f"|format(r.median_ms.sort) }}</td><td>{{ "%.3f"|format(r.median_ms.radix) }}</td><td>{{ "%.3f"|format(r.median_ms.floor) }}</td><td>{{ "%.1f"|format(r.sort_over_radix) }}x</td><td>{{ "%.1f"|format(r.radix_over_floor) }}x</td><td>{{ "%.3f"|format(r.best_ms.forward) }}</td><td>{{ "%.2f"|format(r.forward_over_selection) }}x</td><td>{{ "%.1f"|format(r.sort_over_forward) }}x</td><td>{{ "%.1f"|format(r.forward_over_floor) }}x</td><td>{{ r.syncs_per_forward }}</td><td>{{ "yes" if r.identical else "NO" }}</td></tr>
 {% endfor %}</table>
 <svg width="{{ plot.width }}" height="{{ plot.height }}" role="img" aria-label="median time against tokens, log-log">
 <rect x="{{ plot.left }}" y="{{ plot.top }}" width="{{ plot.inner_w }}" height="{{ plot.inner_h }}" fill="none" stroke="#8a94a6"/>
@@ -124,7 +167,7 @@ def _plot(rows: list[dict[str, Any]]) -> dict[str, Any]:
     y0, y1 = math.floor(min(ys)), math.ceil(max(ys)) if math.ceil(max(ys)) > math.floor(min(ys)) else math.floor(min(ys)) + 1
     px = lambda x: left + (x - x0) / (x1 - x0) * inner_w  # noqa: E731
     py = lambda y: top + inner_h - (y - y0) / (y1 - y0) * inner_h  # noqa: E731
-    colours = {"sort": "#c0392b", "radix": "#1f6feb", "floor": "#6b7785"}
+    colours = {"sort": "#c0392b", "radix": "#1f6feb", "floor": "#6b7785", "forward": "#2da44e"}
     series = []
     for m in METHODS:
         points = [(px(math.log2(r["tokens"])), py(math.log10(max(r["median_ms"][m], 1e-6)))) for r in rows]

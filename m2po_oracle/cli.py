@@ -87,10 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="also run each control on this many seeds until its first failing example; shows min / median / max (default 1)")
     options.add_to_argparse(selftest, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("examples", "seed")))
 
-    bench = commands.add_parser("bench", help="time the exact selection against sorting and a streaming pass, side by side")
-    bench.add_argument("--sizes", default="20,22", help="comma-separated log2 token counts (default 20,22: 1M and 4M)")
+    bench = commands.add_parser("bench", help="time the exact selection and the core forward against sorting and a streaming pass, side by side")
+    bench.add_argument("--sizes", default="20,22,24", help="comma-separated log2 token counts (default 20,22,24: 1M, 4M and 16M)")
     bench.add_argument("--scaling", action="store_true", help="the scaling series 2^12 .. 2^24 instead of --sizes")
-    bench.add_argument("--repeats", type=options._positive_int, default=7, help="interleaved repeats per size (median reported)")
+    bench.add_argument("--repeats", type=options._positive_int, default=7, help="interleaved repeats per size (medians and bests reported)")
     bench.add_argument("--device", default="cpu", help="cpu or cuda")
     bench.add_argument("--threads", type=options._positive_int, default=None, help="torch CPU threads (default: torch's)")
     bench.add_argument("--ranks", type=options._positive_int, default=None,
@@ -422,14 +422,18 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         return EXIT_UNUSABLE
     if args.threads:
         torch.set_num_threads(args.threads)
-    table = Table(title=f"selection on {args.device}, {torch.get_num_threads()} thread(s): median of {args.repeats} interleaved repeats")
-    for column in ("tokens", "candidates", "sort ms", "radix ms", "floor ms", "sort / radix", "radix / floor", "identical"):
+    table = Table(title=f"selection and forward on {args.device}, {torch.get_num_threads()} thread(s): {args.repeats} interleaved repeats "
+                        "(selection columns medians; forward columns and ratios bests)")
+    for column in ("tokens", "candidates", "sort ms", "radix ms", "floor ms", "sort / radix", "radix / floor",
+                   "forward ms", "forward / selection", "sort / forward", "forward / floor", "syncs / forward", "identical"):
         table.add_column(column, justify="right")
 
     def show(row):
-        m = row["median_ms"]
+        m, b = row["median_ms"], row["best_ms"]
         table.add_row(f"{row['tokens']:,}", f"{row['candidates']:,}", f"{m['sort']:.2f}", f"{m['radix']:.2f}", f"{m['floor']:.3f}",
-                      f"{row['sort_over_radix']:.1f}x", f"{row['radix_over_floor']:.1f}x", "yes" if row["identical"] else "[red]NO[/]")
+                      f"{row['sort_over_radix']:.1f}x", f"{row['radix_over_floor']:.1f}x", f"{b['forward']:.2f}",
+                      f"{row['forward_over_selection']:.2f}x", f"{row['sort_over_forward']:.1f}x", f"{row['forward_over_floor']:.1f}x",
+                      str(row["syncs_per_forward"]), "yes" if row["identical"] else "[red]NO[/]")
 
     try:
         record = run_bench([1 << e for e in exponents], repeats=args.repeats, device=args.device, on_size=show)

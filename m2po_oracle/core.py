@@ -8,13 +8,14 @@ dtype; the objective runs in at least float32. Follows the implementation contra
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
-from m2po_oracle.fast_selection import kept_candidates, kept_candidates_across, kept_candidates_without_sync
+from m2po_oracle import fast_selection
+from m2po_oracle.fast_selection import BUCKETS, DIGIT_BITS, Descent, cut_of_crossing_bucket, kept_candidates_across, out_of_level
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -43,6 +44,13 @@ _MISSING_BEHAVIOR_LOGP = ("behavior_logp: required (the rollout engine's log-pro
 
 
 def _validate(logp, behavior_logp, advantages, mask, tau) -> None:
+    """Every input check, in order: the structure, then finite values on valid tokens."""
+    _validate_structure(logp, behavior_logp, advantages, mask, tau)
+    _validate_finite(logp, behavior_logp, advantages, mask)
+
+
+def _validate_structure(logp, behavior_logp, advantages, mask, tau) -> None:
+    """Types, shapes, devices, dtypes and tau: checks that read no tensor value."""
     if behavior_logp is None:
         raise ValueError(_MISSING_BEHAVIOR_LOGP)
     tensors = {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask}
@@ -61,7 +69,12 @@ def _validate(logp, behavior_logp, advantages, mask, tau) -> None:
         raise ValueError(f"mask: expected dtype torch.bool, got {mask.dtype} (convert explicitly, e.g. mask.bool())")
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau < 0:
         raise ValueError(f"tau: expected a finite Python number >= 0, got {tau!r}")
+
+
+def _validate_finite(logp, behavior_logp, advantages, mask) -> None:
+    """Raises naming the first argument with a non-finite value on a valid token."""
     names = ("logp", "behavior_logp", "advantages")
+    tensors = dict(zip(names, (logp, behavior_logp, advantages)))
     finite = [torch.isfinite(tensors[name].detach()) for name in names]
     # One host synchronisation in the common case; the per-argument detail only on failure.
     if not bool((mask & ~(finite[0] & finite[1] & finite[2])).any()):
@@ -253,16 +266,21 @@ def _disagreement_message(records: list[_RankRecord], group: Any) -> str:
     return f"tau: the ranks disagree ({listed}{more}); every rank must pass the same budget"
 
 
-def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float, group: Any) -> Selection:
-    """Selection over 1-d float64 tokens (padding zeroed); see :func:`select_tokens`."""
-    trust = mask & (((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
-    m2 = d * d
-    valid_count = mask.sum()
-    if group is None and d.is_cuda:
-        return _select_on_device(m2, trust, mask, valid_count, tau)
-    candidate_index = torch.nonzero(trust).reshape(-1)
+def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float, group: Any,
+                 on_invalid: Callable[[], None] | None = None) -> Selection:
+    """Selection over 1-d float64 tokens (padding zeroed); see :func:`select_tokens`.
+
+    Single-process, ``on_invalid`` runs when some valid d or A is not finite (it raises
+    the detailed error); without it the inputs were validated already. Overwrites ``d``
+    and ``advantages`` (the caller's own float64 buffers).
+    """
+    # Padding has d = 0 and A = 0, so it is never a candidate.
+    trust = ((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0))
+    valid_count = torch.count_nonzero(mask)  # no token-sized int64 copy, as a bool sum makes
     if group is None:
-        return _select_local(m2[candidate_index], candidate_index, mask, valid_count, tau)
+        return _select_single(d, advantages, trust, mask, valid_count, tau, on_invalid)
+    m2 = d * d
+    candidate_index = torch.nonzero(trust).reshape(-1)
     import torch.distributed as dist
 
     candidate_m2 = m2[candidate_index]
@@ -287,50 +305,80 @@ def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
     )
 
 
-def _select_on_device(m2: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, tau: float) -> Selection:
-    """Single-process selection with no host synchronisation (used on CUDA): fixed shapes
-    throughout, counts and metrics stay on the device."""
-    kept = kept_candidates_without_sync(m2, tau, candidates=trust)
-    zero = torch.zeros((), dtype=torch.float64, device=m2.device)
-    trust_count = trust.sum()
-    kept_count = kept.sum()
+def _select_single(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor,
+                   tau: float, on_invalid: Callable[[], None] | None) -> Selection:
+    """Single-process selection with one host synchronisation, the fail-closed verdict.
+
+    The first radix level runs over every token on the device (non-candidates go to a
+    bank of buckets that is never read, so they neither count nor contend). The verdict's
+    one read also brings the candidate count and the crossing bucket's size, so the
+    candidates to finish with are gathered with a fixed size (``nonzero_static``) and the
+    rest of the cut runs on them alone, again on the device: up to SMALL candidates are all
+    sorted, and a crossing bucket of up to SORT_AT_MOST values is sorted, both as
+    ``kept_candidates`` finishes (the same result to the last bit); a larger crossing
+    bucket goes through the remaining radix levels (exact up to float64 rounding at tau).
+    """
+    device, n = d.device, d.numel()
+    # A sum is non-finite when one of its terms is (or, from float64 inputs, when it overflows).
+    finite = torch.isfinite(d.sum() + advantages.sum())
+    # d and A are this function's own buffers: M2 overwrites d and the bucket indices
+    # overwrite A (on CPU a fresh token-sized buffer costs more than the pass that fills it).
+    m2 = d.mul_(d)
+    bucket = torch.bitwise_right_shift(m2.view(torch.int64), 64 - DIGIT_BITS, out=advantages.view(torch.int64))
+    out_of_level(bucket, inside=trust)
+    ones = torch.ones((), dtype=torch.float64, device=device).expand(n)
+    sums = torch.zeros(2 * BUCKETS, dtype=torch.float64, device=device).scatter_add_(0, bucket, m2)[:BUCKETS]
+    counts = torch.zeros(2 * BUCKETS, dtype=torch.float64, device=device).scatter_add_(0, bucket, ones)[:BUCKETS]
+    descent, crossing = Descent.start(device).step(sums, counts, tau, 0)
+    crossing_size = torch.where(crossing < BUCKETS, descent.tied_count, 0).to(torch.int64)
+    trust_count = counts.sum().to(torch.int64)  # exact: integers in float64
+    # The forward's one host synchronisation: the verdict, the crossing bucket's size and
+    # the candidate count in one int64 (-1: not finite).
+    packed = (trust_count << 32) | crossing_size
+    read = int(torch.where(finite, packed, -1).item())
+    if read < 0:
+        if on_invalid is not None:
+            on_invalid()  # raises, naming the argument and the token
+        # Finite float64 inputs whose d or sums overflow (beyond 1.8e308): one more read, and on.
+        read = int(packed.item())
+    size, candidates = read & 0xFFFFFFFF, read >> 32
+    if candidates <= fast_selection.SMALL:
+        # As kept_candidates selects so few: every candidate sorted, no bucket sums, so the
+        # result is the same to the last bit.
+        alive = torch.nonzero_static(bucket < BUCKETS, size=candidates).reshape(-1)
+        values = m2.index_select(0, alive)
+        cut = cut_of_crossing_bucket(values, tau, Descent.start(device), small=candidates)
+        kept = torch.zeros_like(mask).index_put_((alive,), cut.kept)
+        kept_sum, candidate_sum = torch.where(cut.kept, values, 0.0).sum(), values.sum()
+    else:
+        alive = torch.nonzero_static(bucket == crossing, size=size).reshape(-1)
+        cut = cut_of_crossing_bucket(m2.index_select(0, alive), tau, descent)
+        # Candidates below the crossing bucket are kept (non-candidates sit at BUCKETS and above).
+        kept = (bucket < crossing).index_put_((alive,), cut.kept)
+        kept_sum, candidate_sum = cut.kept_sum, sums.sum()
+    kept_count = cut.kept_count.to(torch.int64)
     valid_denominator = valid_count.clamp(min=1).double()
     return Selection(
-        keep=mask & ~(trust & ~kept),
+        # kept is within trust, trust within mask: keep = (mask and not trust) or kept.
+        keep=mask ^ trust ^ kept,
         valid_count=valid_count,
         trust_region_count=trust_count,
         kept_trust_region_count=kept_count,
-        m2_before=torch.where(trust, m2, zero).sum() / trust_count.clamp(min=1),
-        m2_after=torch.where(kept, m2, zero).sum() / kept_count.clamp(min=1),
-        masked_fraction=(trust_count - kept_count).double() / valid_denominator,
-        trust_region_fraction=trust_count.double() / valid_denominator,
-    )
-
-
-def _select_local(candidate_m2: torch.Tensor, candidate_index: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, tau: float) -> Selection:
-    """Single-process selection without sorting (``fast_selection``)."""
-    kept = kept_candidates(candidate_m2, tau)
-    removed = torch.zeros_like(mask)
-    removed[candidate_index[~kept]] = True
-    kept_count = kept.sum()
-    trust_count = torch.tensor(candidate_m2.numel(), device=mask.device)
-    valid_denominator = valid_count.clamp(min=1).double()
-    return Selection(
-        keep=mask & ~removed,
-        valid_count=valid_count,
-        trust_region_count=trust_count,
-        kept_trust_region_count=kept_count,
-        m2_before=candidate_m2.sum() / trust_count.clamp(min=1),
-        m2_after=torch.where(kept, candidate_m2, torch.zeros_like(candidate_m2)).sum() / kept_count.clamp(min=1),
+        m2_before=candidate_sum / trust_count.clamp(min=1),
+        m2_after=kept_sum / kept_count.clamp(min=1),
         masked_fraction=(trust_count - kept_count).double() / valid_denominator,
         trust_region_fraction=trust_count.double() / valid_denominator,
     )
 
 
 def _selection_inputs(logp, behavior_logp, advantages, mask) -> tuple[torch.Tensor, torch.Tensor]:
-    zero = torch.zeros((), dtype=torch.float64, device=logp.device)
-    d = torch.where(mask, logp.detach().double() - behavior_logp.detach().double(), zero)
-    return d, torch.where(mask, advantages.detach().double(), zero)
+    """d = logp - behavior_logp and A in float64, zero on padding: one conversion each, in place after it."""
+    padding = ~mask
+    # behavior_logp's float64 copy becomes A's buffer once subtracted (a mixed-dtype sub_
+    # would allocate that copy anyway, and a fresh token-sized buffer costs page faults).
+    buffer = behavior_logp.detach().to(torch.float64, copy=True)
+    d = logp.detach().to(torch.float64, copy=True).sub_(buffer).masked_fill_(padding, 0.0)
+    return d, buffer.copy_(advantages.detach()).masked_fill_(padding, 0.0)
 
 
 def select_tokens(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
@@ -342,24 +390,27 @@ def select_tokens(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     Tensor- and context-parallel replicas must not be in ``group`` (they would be counted
     twice): select over the pure DP group on CP-reconstructed tensors.
     """
+    on_invalid = None
     if group is None:
-        _validate(logp, behavior_logp, advantages, mask, tau)
+        _validate_structure(logp, behavior_logp, advantages, mask, tau)
+        on_invalid = lambda: _validate_finite(logp, behavior_logp, advantages, mask)  # noqa: E731
     else:
         validate_across_ranks(logp, behavior_logp, advantages, mask, tau=tau, group=group)
     d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
     with torch.no_grad():
-        flat = _select_flat(d.reshape(-1), a.reshape(-1), mask.reshape(-1), float(tau), group)
+        flat = _select_flat(d.reshape(-1), a.reshape(-1), mask.reshape(-1), float(tau), group, on_invalid)
     return replace(flat, keep=flat.keep.reshape(mask.shape))
 
 
-def _validate_micro_batches(micro_batches: Any, tau: Any) -> None:
-    """Every local check of :func:`select_micro_batches`, in its order (first failure raised)."""
+def _validate_micro_batches(micro_batches: Any, tau: Any, *, finite: bool = True) -> None:
+    """Every local check of :func:`select_micro_batches`, in its order (first failure raised);
+    ``finite=False`` leaves out the finite-values checks (the only ones that read values)."""
     if not isinstance(micro_batches, Sequence) or not micro_batches:
         raise ValueError(f"micro_batches: expected a non-empty sequence of (logp, behavior_logp, advantages, mask), got {type(micro_batches).__name__}")
     for i, parts in enumerate(micro_batches):
         if len(parts) != 4:
             raise ValueError(f"micro_batches[{i}]: expected (logp, behavior_logp, advantages, mask), got {len(parts)} items")
-        _validate(*parts, tau)
+        (_validate if finite else _validate_structure)(*parts, tau)
     devices = {parts[3].device for parts in micro_batches}
     if len(devices) > 1:
         raise ValueError(f"micro_batches: expected every micro-batch on one device, got {sorted(map(str, devices))}")
@@ -381,8 +432,15 @@ def select_micro_batches(micro_batches: Sequence[Sequence[torch.Tensor]], *, tau
     so ``loss_from_selection`` on each and summing gives the full-batch loss whatever the
     split.
     """
+    on_invalid = None
     if group is None:
-        _validate_micro_batches(micro_batches, tau)
+        try:
+            _validate_micro_batches(micro_batches, tau, finite=False)
+        except ValueError:
+            # An earlier micro-batch's non-finite value is the first failure, as before.
+            _validate_micro_batches(micro_batches, tau)
+            raise
+        on_invalid = lambda: _validate_micro_batches(micro_batches, tau)  # noqa: E731
     else:
         _check_group(group)  # local: a broken group cannot carry an agreement
         _validate_across(lambda: _validate_micro_batches(micro_batches, tau), tau, _first_logp(micro_batches), group)
@@ -394,7 +452,7 @@ def select_micro_batches(micro_batches: Sequence[Sequence[torch.Tensor]], *, tau
         flats_mask.append(mask.reshape(-1))
         shapes.append(mask.shape)
     with torch.no_grad():
-        whole = _select_flat(torch.cat(flats_d), torch.cat(flats_a), torch.cat(flats_mask), float(tau), group)
+        whole = _select_flat(torch.cat(flats_d), torch.cat(flats_a), torch.cat(flats_mask), float(tau), group, on_invalid)
     parts, start = [], 0
     for flat_mask, shape in zip(flats_mask, shapes):
         end = start + flat_mask.numel()
@@ -413,12 +471,12 @@ def loss_from_selection(logp: torch.Tensor, behavior_logp: torch.Tensor, advanta
     compute_dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
     zero = torch.zeros((), dtype=compute_dtype, device=logp.device)
     # where() routes gradient only to kept tokens, so padding NaN/inf never meets a zero
-    # weight in the backward pass (0 * nan would poison the gradient).
-    logp_kept = torch.where(keep, logp.to(compute_dtype), zero)
-    behavior_kept = torch.where(keep, behavior_logp.detach().to(compute_dtype), zero)
+    # weight in the backward pass (0 * nan would poison the gradient). Taken after the
+    # subtraction it gives the same values as masking logp and behavior_logp apart.
+    log_ratio_kept = torch.where(keep, logp.to(compute_dtype) - behavior_logp.detach().to(compute_dtype), zero)
     advantages_kept = torch.where(keep, advantages.detach().to(compute_dtype), zero)
     denominator = torch.as_tensor(valid_count, device=logp.device).clamp(min=1).to(compute_dtype)
-    return -(torch.exp(logp_kept - behavior_kept) * advantages_kept).sum() / denominator
+    return -(torch.exp(log_ratio_kept) * advantages_kept).sum() / denominator
 
 
 def m2po_loss(

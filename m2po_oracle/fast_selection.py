@@ -11,7 +11,9 @@ are kept, as a stable sort would.
 
 from __future__ import annotations
 
+import math
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -175,41 +177,190 @@ def kept_candidates_across_by_gathering(m2: torch.Tensor, tau: float, group: obj
     return kept
 
 
-def kept_candidates_without_sync(m2: torch.Tensor, tau: float, candidates: torch.Tensor | None = None) -> torch.Tensor:
-    """The same kept set with no host synchronisation (for GPUs): every shape is fixed.
+#: Points of the grid that locates how many tied values fit, per round (rounds: log_G(n)).
+TIE_GRID = 4096
+_INT64_MAX = torch.iinfo(torch.int64).max
 
-    Four levels over the full tensor; "still in the crossing bucket" is a boolean mask
-    instead of a gathered subset, and the crossing bucket is chosen on the device. After
-    64 bits every value still alive is the same float, so each is kept when its rank among
-    them (index order) still fits: ``(kept_sum + rank * v) / (kept_count + rank) <= tau``.
+
+@dataclass(frozen=True)
+class DeviceCut:
+    """Algorithm 1's cut computed with no host synchronisation: every field is on the device.
+
+    ``kept`` is the kept mask; ``kept_count`` and ``kept_sum`` count and sum the kept M2
+    (per bucket, so the sum's rounding differs from a direct sum's by a few ulps).
+    """
+
+    kept: torch.Tensor
+    kept_count: torch.Tensor
+    kept_sum: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Descent:
+    """Where the radix descent stands after some levels (0-d tensors on the device).
+
+    ``prefix``: the crossing bucket's top bits so far; ``kept_sum``/``kept_count``: the
+    values decided kept (every bucket below the crossings); ``refining``: every level so
+    far crossed tau inside a bucket (False: every alive value fitted, and ``threshold`` is
+    the key below which everything is kept); ``tied_count``: values in the last crossing bucket.
+    """
+
+    prefix: torch.Tensor
+    kept_sum: torch.Tensor
+    kept_count: torch.Tensor
+    threshold: torch.Tensor
+    refining: torch.Tensor
+    tied_count: torch.Tensor
+
+    @classmethod
+    def start(cls, device: torch.device) -> "Descent":
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return cls(torch.zeros((), dtype=torch.int64, device=device), zero, zero,
+                   torch.full((), _INT64_MAX, dtype=torch.int64, device=device), torch.ones((), dtype=torch.bool, device=device), zero)
+
+    def step(self, sums: torch.Tensor, counts: torch.Tensor, tau: float, level: int) -> tuple["Descent", torch.Tensor]:
+        """One level from its histogram (BUCKETS sums and counts of the alive values);
+        also returns the level's crossing bucket (BUCKETS when nothing crosses)."""
+        cumulative_sum = torch.cumsum(sums, 0) + self.kept_sum
+        cumulative_count = torch.cumsum(counts, 0) + self.kept_count
+        # Prefix means are non-decreasing: the first bucket whose cumulative mean exceeds tau
+        # holds the cut. (Sum then divide, as the sorting baseline does.)
+        over = cumulative_sum / cumulative_count > tau
+        crosses = over.any()
+        crossing = torch.where(crosses, torch.argmax(over.to(torch.uint8)), BUCKETS)
+        # Nothing crosses: every alive value fits, up to the end of this level's prefix range.
+        fits_all = self.refining & ~crosses
+        shift = 64 - DIGIT_BITS * level
+        level_end = (self.prefix + 1) << shift if level else torch.full_like(self.prefix, _INT64_MAX)
+        below = (crossing - 1).clamp(min=0, max=BUCKETS - 1)
+        has_below = self.refining & crosses & (crossing > 0)
+        refining = self.refining & crosses
+        return Descent(
+            prefix=torch.where(refining, (self.prefix << DIGIT_BITS) | crossing, self.prefix),
+            kept_sum=torch.where(fits_all, cumulative_sum[-1], torch.where(has_below, _at(cumulative_sum, below), self.kept_sum)),
+            kept_count=torch.where(fits_all, cumulative_count[-1], torch.where(has_below, _at(cumulative_count, below), self.kept_count)),
+            threshold=torch.where(fits_all, level_end, self.threshold),
+            refining=refining,
+            tied_count=_at(counts, crossing.clamp(max=BUCKETS - 1)),
+        ), crossing
+
+
+def cut_without_sync(m2: torch.Tensor, tau: float, *, first_level: int = 0, descent: Descent | None = None) -> DeviceCut:
+    """Algorithm 1's kept set over 1-d float64 ``m2`` (+0.0 .. +inf; +inf is never kept)
+    with fixed shapes throughout, so nothing waits for the device: 16-bit levels over the
+    whole tensor, the crossing bucket chosen on the device, then the values tied at the
+    cut kept in index order while they fit.
+
+    Values outside the crossing bucket of a level fall into a second bank of buckets that
+    is never read (no mask, no gather); what the cut keeps is decided once, at the end,
+    by one threshold on the keys and one rank among the tied values. A caller that must
+    exclude some tokens sets their M2 to +inf: a prefix mean that includes +inf exceeds
+    every finite tau. With ``first_level`` and ``descent``, ``m2`` is the content of the
+    crossing bucket of the levels already descended (the caller's own first levels).
+    """
+    device = m2.device
+    n = m2.numel()
+    keys = m2.view(torch.int64)  # monotone in the value for non-negative floats
+    f64 = {"dtype": torch.float64, "device": device}
+    ones = torch.ones((), **f64).expand(n)
+    bucket = torch.empty(n, dtype=torch.int64, device=device)
+    state = Descent.start(device) if descent is None else descent
+    for level in range(first_level, 64 // DIGIT_BITS):
+        torch.bitwise_right_shift(keys, 64 - DIGIT_BITS * (level + 1), out=bucket)
+        # XOR with the crossing bucket's bits: alive values (top bits equal to ``prefix``)
+        # become their digit, 0 .. BUCKETS - 1; every other value becomes >= BUCKETS.
+        if level:
+            bucket.bitwise_xor_(state.prefix << DIGIT_BITS)
+        out_of_level(bucket)
+        sums = torch.zeros(2 * BUCKETS, **f64).scatter_add_(0, bucket, m2)[:BUCKETS]
+        counts = torch.zeros(2 * BUCKETS, **f64).scatter_add_(0, bucket, ones)[:BUCKETS]
+        state, _ = state.step(sums, counts, tau, level)
+    # Every value still alive is the float whose bits are ``prefix``: keep the first ``fits`` of them.
+    tied_value = state.prefix.view(torch.float64)
+    fits = torch.where(state.refining, _tied_fits(state.kept_sum, state.kept_count, tied_value, state.tied_count, tau, n), 0)
+    tied = keys == torch.where(state.refining, state.prefix, -1)  # -1 is no key: nothing is tied
+    kept = (keys < torch.where(state.refining, state.prefix, state.threshold)) | (tied & (torch.cumsum(tied, 0) <= fits))
+    tied_sum = torch.where(fits > 0, fits * tied_value, 0.0)  # not 0 * inf
+    return DeviceCut(kept, state.kept_count + fits, state.kept_sum + tied_sum)
+
+
+def out_of_level(bucket: torch.Tensor, inside: torch.Tensor | None = None) -> None:
+    """In place: values not ``inside`` a level (or, without ``inside``, every bucket index
+    >= BUCKETS) go to the bank BUCKETS .. 2 * BUCKETS - 1, spread by position. Thousands of
+    equal keys (every +inf, every tie, every padding token) in one bucket would make a
+    histogram a chain of dependent additions (4x slower on CPU, contended atomics on a GPU).
+    The bank is broadcast over rows of BUCKETS tokens, so nothing token-sized is allocated.
+    """
+    bank = torch.arange(BUCKETS, 2 * BUCKETS, dtype=torch.int64, device=bucket.device)
+    full = bucket.numel() - bucket.numel() % BUCKETS
+    for part, rows in ((slice(0, full), (-1, BUCKETS)), (slice(full, None), (-1,))):
+        target = bucket[part].view(rows)
+        spread = bank[: target.shape[-1]]
+        if inside is None:
+            torch.minimum(target, spread, out=target)
+        else:
+            torch.where(inside[part].view(rows), target, spread, out=target)
+
+
+#: Up to this many values in the crossing bucket are sorted rather than refined (a dozen
+#: operators instead of a few hundred small ones, each a kernel launch on a GPU). Equal to
+#: SMALL, so that the core finishes exactly as :func:`kept_candidates` does whenever that
+#: one sorts after its first level (raising it trades that identity for fewer operators).
+SORT_AT_MOST = SMALL
+
+
+def cut_of_crossing_bucket(values: torch.Tensor, tau: float, descent: Descent, *, small: int | None = None) -> DeviceCut:
+    """The rest of the cut once the first level is descended: ``values`` are the crossing
+    bucket's M2 in index order. Up to ``small`` of them are sorted (stable: ties keep the
+    lowest indices) and the prefix means counted, as :func:`kept_candidates` finishes; more
+    go through the remaining radix levels (``small`` defaults to :data:`SORT_AT_MOST`). No
+    host synchronisation either way.
+    """
+    if values.numel() > (SORT_AT_MOST if small is None else small):
+        return cut_without_sync(values, tau, first_level=1, descent=descent)
+    if values.numel() == 0:
+        return DeviceCut(torch.zeros(0, dtype=torch.bool, device=values.device), descent.kept_count, descent.kept_sum)
+    ordered, order = torch.sort(values, stable=True)
+    prefix_sums = torch.cumsum(ordered, 0) + descent.kept_sum
+    position = torch.arange(1, ordered.numel() + 1, device=values.device, dtype=torch.float64)
+    fits = (prefix_sums / (position + descent.kept_count) <= tau).sum()
+    kept = torch.empty_like(values, dtype=torch.bool).scatter_(0, order, position <= fits)
+    kept_sum = torch.where(fits > 0, _at(prefix_sums, (fits - 1).clamp(min=0)), descent.kept_sum)
+    return DeviceCut(kept, descent.kept_count + fits, kept_sum)
+
+
+def _at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[index]`` for a 0-d index tensor without reading it on the host (plain
+    indexing would convert the index to a Python int: a synchronisation)."""
+    return values.gather(0, index.reshape(1)).reshape(())
+
+
+def _tied_fits(kept_sum: torch.Tensor, kept_count: torch.Tensor, value: torch.Tensor, count: torch.Tensor, tau: float, n: int) -> torch.Tensor:
+    """The largest r in [0, count] with (kept_sum + r * value) / (kept_count + r) <= tau.
+
+    The mean is non-decreasing in r (``value`` is at least every kept value), so a grid of
+    TIE_GRID + 1 points narrows the answer by that factor per round, on the device: a fixed
+    number of rounds for ``n`` values, each a handful of small operations.
+    """
+    grid = torch.arange(TIE_GRID + 1, dtype=torch.int64, device=value.device)
+    lo = torch.zeros((), dtype=torch.int64, device=value.device)  # fits (r = 0 always does)
+    hi = count.to(torch.int64)  # hi + 1 does not fit, or hi is every tied value
+    rounds = max(1, math.ceil(math.log(n + 1) / math.log(TIE_GRID)))
+    for _ in range(rounds):
+        r = lo + (hi - lo) * grid // TIE_GRID
+        rf = r.to(torch.float64)
+        fits = ((kept_sum + rf * value) / (kept_count + rf) <= tau) | (r == 0)
+        last = fits.sum() - 1  # the fitting points are a prefix of the grid
+        hi = torch.where(last < TIE_GRID, _at(r, (last + 1).clamp(max=TIE_GRID)) - 1, hi)
+        lo = _at(r, last)
+    return lo
+
+
+def kept_candidates_without_sync(m2: torch.Tensor, tau: float, candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """The kept set of :func:`kept_candidates` with no host synchronisation (any device).
+
     With ``candidates`` (a bool mask over ``m2``) only those compete and only they can be
     kept, so callers need no ``nonzero`` either.
     """
-    device = m2.device
-    keys = m2.view(torch.int64)
-    alive = torch.ones(m2.shape, dtype=torch.bool, device=device) if candidates is None else candidates.clone()
-    kept = torch.zeros(m2.shape, dtype=torch.bool, device=device)
-    kept_sum = torch.zeros((), dtype=torch.float64, device=device)
-    kept_count = torch.zeros((), dtype=torch.float64, device=device)
-    ones = torch.ones((), dtype=torch.float64, device=device).expand(m2.shape)
-    for level in range(64 // DIGIT_BITS):
-        digit = (keys >> (64 - DIGIT_BITS * (level + 1))) & (BUCKETS - 1)
-        # Values no longer alive go to one extra bucket past the end, ignored below.
-        bucket = torch.where(alive, digit, torch.full_like(digit, BUCKETS))
-        sums = torch.zeros(BUCKETS + 1, dtype=torch.float64, device=device).scatter_add_(0, bucket, m2)[:BUCKETS]
-        counts = torch.zeros(BUCKETS + 1, dtype=torch.float64, device=device).scatter_add_(0, bucket, ones)[:BUCKETS]
-        cumulative_sum = torch.cumsum(sums, 0) + kept_sum
-        cumulative_count = torch.cumsum(counts, 0) + kept_count
-        over = cumulative_sum / cumulative_count > tau
-        crosses = over.any()
-        # No crossing: everything alive fits (crossing = BUCKETS keeps every alive digit).
-        crossing = torch.where(crosses, torch.argmax(over.to(torch.uint8)), torch.tensor(BUCKETS, device=device))
-        kept |= alive & (digit < crossing)
-        below = (crossing - 1).clamp(min=0)
-        has_below = crosses & (crossing > 0)
-        kept_sum = torch.where(has_below, cumulative_sum[below], kept_sum)
-        kept_count = torch.where(has_below, cumulative_count[below], kept_count)
-        alive &= (digit == crossing) & crosses
-    rank = torch.cumsum(alive.to(torch.float64), 0)
-    kept |= alive & ((kept_sum + rank * m2) / (kept_count + rank) <= tau)
-    return kept
+    values = m2 if candidates is None else m2.masked_fill(~candidates, math.inf)
+    return cut_without_sync(values, tau).kept

@@ -7,6 +7,7 @@ candidates, which Hypothesis-sized batches never reach).
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -14,8 +15,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from m2po_oracle import oracle, strategies
-from m2po_oracle.fast_selection import kept_candidates, kept_candidates_by_sorting, kept_candidates_without_sync
+from m2po_oracle import fast_selection, oracle, strategies
+from m2po_oracle.fast_selection import cut_without_sync, kept_candidates, kept_candidates_by_sorting, kept_candidates_without_sync
 
 SMALLS = [0, 1, 7, 4096]
 
@@ -99,22 +100,84 @@ def test_the_sync_free_variant_on_a_large_batch_with_ties():
         assert torch.equal(kept_candidates_without_sync(m2, tau), kept_candidates_by_sorting(m2, tau))
 
 
-@given(batch=strategies.batches())
-def test_the_cuda_selection_path_equals_the_cpu_one(batch):
-    """The core's no-sync path (taken on CUDA) run on CPU against its default path."""
+def _core_selection(batch, small):
+    """The core's single-process selection with the crossing bucket finished by sorting
+    up to ``small`` values (0: always by the remaining radix levels)."""
     from m2po_oracle.contract import to_tensors
-    from m2po_oracle.core import _select_local, _select_on_device, _selection_inputs
+    from m2po_oracle.core import _select_flat, _selection_inputs
 
     t = to_tensors(batch, "float64")
     d, a = _selection_inputs(t["logp"], t["behavior_logp"], t["advantages"], t["mask"])
     d, a, mask = d.reshape(-1), a.reshape(-1), t["mask"].reshape(-1)
-    trust = mask & (((a > 0) & (d > 0)) | ((a < 0) & (d < 0)))
+    trust = ((a > 0) & (d > 0)) | ((a < 0) & (d < 0))
     m2 = d * d
-    index = torch.nonzero(trust).reshape(-1)
-    device_path = _select_on_device(m2, trust, mask, mask.sum(), batch.tau)
-    cpu_path = _select_local(m2[index], index, mask, mask.sum(), batch.tau)
-    assert torch.equal(device_path.keep, cpu_path.keep)
-    for name in ("valid_count", "trust_region_count", "kept_trust_region_count"):
-        assert int(getattr(device_path, name)) == int(getattr(cpu_path, name))
-    for name in ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction"):
-        assert float(getattr(device_path, name)) == pytest.approx(float(getattr(cpu_path, name)), rel=1e-12, abs=1e-300)
+    with mock.patch.object(fast_selection, "SMALL", small), mock.patch.object(fast_selection, "SORT_AT_MOST", small):
+        selection = _select_flat(d.clone(), a.clone(), mask, batch.tau, None)
+    return selection, m2, trust, mask
+
+
+@given(batch=strategies.batches())
+def test_the_core_selection_is_main_s_to_the_last_bit_on_few_candidates(batch):
+    """Up to SMALL candidates the core sorts them all, as ``kept_candidates`` (the core's
+    selection before the one-sync forward) does: keep, counts and metrics bit for bit."""
+    selection, m2, trust, mask = _core_selection(batch, fast_selection.SMALL)
+    candidates = m2[trust]
+    kept = kept_candidates(candidates, batch.tau)
+    expected = mask.clone()
+    expected[trust] = kept
+    assert torch.equal(selection.keep, expected)
+    assert (int(selection.valid_count), int(selection.trust_region_count), int(selection.kept_trust_region_count)) == (
+        int(mask.sum()), int(trust.sum()), int(kept.sum()))
+    trust_count, kept_count = torch.tensor(candidates.numel()).clamp(min=1), kept.sum().clamp(min=1)
+    assert torch.equal(selection.m2_before, candidates.sum() / trust_count)
+    assert torch.equal(selection.m2_after, torch.where(kept, candidates, torch.zeros_like(candidates)).sum() / kept_count)
+
+
+@pytest.mark.parametrize("small", [0, 3])
+@given(batch=strategies.batches())
+def test_the_core_selection_through_the_radix_levels_is_algorithm_1(small, batch):
+    """Forced through the first level over every token and the remaining levels on the
+    crossing bucket, the kept set is an outcome of Algorithm 1 under the project's one
+    selection policy (``check_selection``: exact, up to float64 rounding at tau; bucket
+    sums add in another order than a sorted prefix, so near-ties at tau may split
+    differently from ``kept_candidates``), and counts and metrics describe it."""
+    from m2po_oracle.equivalence import check_selection
+
+    selection, m2, trust, mask = _core_selection(batch, small)
+    keep = selection.keep.reshape(batch.shape)
+    assert check_selection(batch, keep.numpy()) == []
+    candidates, core_kept = m2[trust], selection.keep[trust]
+    assert torch.equal(selection.keep[~trust], mask[~trust])
+    assert int(selection.kept_trust_region_count) == int(core_kept.sum())
+    count = max(int(core_kept.sum()), 1)
+    assert float(selection.m2_after) == pytest.approx(float(candidates[core_kept].sum()) / count, rel=1e-12, abs=1e-300)
+    assert float(selection.m2_before) == pytest.approx(float(candidates.sum()) / max(int(trust.sum()), 1), rel=1e-12, abs=1e-300)
+
+
+@pytest.mark.parametrize("small", [0, 4096])
+@pytest.mark.parametrize("tau", [0.0, 0.04, 0.0625, 0.5])
+def test_the_core_selection_on_a_large_batch_with_ties_and_padding(small, tau):
+    """Thousands of values in the crossing bucket, a block of exact ties and runs of padding."""
+    from m2po_oracle.batch import Batch
+
+    rng = np.random.default_rng(5)
+    shape = (16, 4096)
+    behavior = -rng.exponential(2.0, size=shape)
+    d = 0.3 * rng.standard_t(3, size=shape)
+    d[:, ::9] = 0.25
+    valid = np.arange(shape[1])[None, :] < rng.integers(1000, shape[1], size=(shape[0], 1))
+    batch = Batch(behavior + d, behavior, np.where(rng.random(shape) < 0.5, 1.0, -1.0), valid, tau)
+    selection, m2, trust, mask = _core_selection(batch, small)
+    expected = mask.clone()
+    expected[trust] = kept_candidates_by_sorting(m2[trust], tau)
+    assert torch.equal(selection.keep, expected)
+
+
+@pytest.mark.parametrize("case", EDGE_VALUES)
+@pytest.mark.parametrize("tau", [0.0, 0.04, 0.0625, 0.140625, 1.0, 1e308])
+def test_the_device_cut_counts_and_sums_what_it_keeps(case, tau):
+    m2 = torch.tensor(EDGE_VALUES[case], dtype=torch.float64)
+    cut = cut_without_sync(m2, tau)
+    assert torch.equal(cut.kept, kept_candidates_by_sorting(m2, tau)), f"{case}, tau {tau}"
+    assert int(cut.kept_count) == int(cut.kept.sum())
+    assert float(cut.kept_sum) == pytest.approx(float(m2[cut.kept].sum()), rel=1e-12, abs=0.0)

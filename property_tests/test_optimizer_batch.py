@@ -68,3 +68,17 @@ def test_a_per_micro_batch_selection_differs_from_the_optimizer_batch_one():
 def test_micro_batch_arguments_are_checked(bad, message):
     with pytest.raises(ValueError, match=message):
         select_micro_batches(bad)
+
+
+def test_the_first_failing_micro_batch_is_reported_first():
+    """A non-finite value in micro-batch 0 is reported before micro-batch 1's wrong shape
+    (validation reads no value until the structure is checked, but keeps the order)."""
+    good = (torch.tensor([[-0.5, -1.0]]), torch.tensor([[-0.6, -1.0]]), torch.tensor([[1.0, -1.0]]), torch.tensor([[True, True]]))
+    non_finite = (torch.tensor([[float("nan"), -1.0]]),) + good[1:]
+    wrong_shape = good[:2] + (torch.ones(1, 3), good[3])
+    with pytest.raises(ValueError, match="logp: expected finite values on valid tokens"):
+        select_micro_batches([non_finite, wrong_shape], tau=0.04)
+    with pytest.raises(ValueError, match=r"advantages: expected shape \(1, 2\)"):
+        select_micro_batches([good, wrong_shape], tau=0.04)
+    with pytest.raises(ValueError, match="logp: expected finite values on valid tokens"):
+        select_micro_batches([good, non_finite], tau=0.04)
