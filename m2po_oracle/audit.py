@@ -554,8 +554,88 @@ def _metrics_check(step: _Step, expected: Any) -> AuditCheck:
     if not compared:
         return AuditCheck("audit.metrics", "not run", "no captured metric is named like ours (m2_before, m2_after, masked_fraction, ...)")
     if found:
-        return AuditCheck("audit.metrics", "fail", _fmt(found))
+        said = _logged_as(step, compared)
+        return AuditCheck("audit.metrics", "fail", "".join(f"{what}; " for what in said) + _fmt(found))
     return AuditCheck("audit.metrics", "pass", f"{', '.join(sorted(compared))} equal the optimizer batch's in every record")
+
+
+#: Logged M2 and fractions, judged per region: a port may log them per micro-batch and still
+#: divide by (and log) the optimizer batch's N.
+REGION_METRICS = ("m2_before", "m2_after", "masked_fraction")
+#: How audit.metrics says a region's own metrics: scope -> (whose, logged how).
+REGION_WORDS = {"per_cp_shard": ("each CP shard's own", "per CP shard"), "per_micro_batch_mask": ("each micro-batch's own", "per micro-batch"),
+                "per_rank_selection_global_n": ("each DP rank's own", "per DP rank")}
+
+
+def _logged_as(step: _Step, compared: set[str]) -> list[str]:
+    """What logged metrics that are not the optimizer batch's are instead, where the files show it:
+    each region's own M2 (Algorithm 1 on a micro-batch, DP rank or CP shard alone) and a
+    valid_count of another scope. A statement about the logs, never a diagnosis of the loss."""
+    said = []
+    n = int(step.batch.valid.sum())
+    counts = [(r, r.metrics["valid_count"]) for r in step.records
+              if isinstance(r.metrics.get("valid_count"), (int, float)) and not isinstance(r.metrics["valid_count"], bool)]
+    if counts and any(value != n for _, value in counts):
+        for words, count in _count_scopes(step):
+            if all(value == count(r) for r, value in counts):
+                said.append(f"every logged valid_count is {words}, not the optimizer batch's N = {n}")
+                break
+    names = [name for name in REGION_METRICS if name in compared]
+    scopes = _logged_scopes(step) if names and not _logged_globally(step, names) else []
+    if scopes:
+        whose, how = REGION_WORDS[scopes[0]]
+        said.append(f"{', '.join(names)} are {whose} (Algorithm 1 on it alone): metrics logged {how}")
+    return said
+
+
+def _count_scopes(step: _Step) -> list[tuple[str, Callable[[_Record], int]]]:
+    """The valid counts a port may log instead of N, each said as what it is, narrowest first."""
+    cp = step.topology.cp
+    block_n = {key: int(step.batch.valid[rows].sum()) for key, rows in step.blocks.items()}
+    rank_n = {dp: sum(block_n[(dp, mb)] for mb in range(k)) for dp, k in step.micro_batches.items()}
+    out: list[tuple[str, Callable[[_Record], int]]] = [
+        (f"its record's own valid count (logged per micro-batch{' and CP shard' if cp > 1 else ''})", lambda r: int(r.mask.sum()))]
+    if cp > 1:
+        out.append(("its micro-batch's valid count over every CP shard (logged per micro-batch)", lambda r: block_n[(r.coords.dp, r.micro_batch)]))
+    out.append(("its DP rank's valid count (logged per DP rank)", lambda r: rank_n[r.coords.dp]))
+    if cp > 1:
+        out.append((f"{cp} x N (every token counted once per CP replica)", lambda r: cp * int(step.batch.valid.sum())))
+    return out
+
+
+def _close(step: _Step, logged: Any, want: Any) -> bool:
+    return equivalence.compare_values("diagnosis", "metric", logged, want, equivalence.tolerance(step.dtype, "metric")) is None
+
+
+def _logged_globally(step: _Step, names: list[str]) -> bool:
+    selected = step.selected
+    return all(_close(step, r.metrics[name], getattr(selected, name)) for r in step.records for name in names if name in r.metrics)
+
+
+def _logged_scopes(step: _Step) -> list[str]:
+    """The scopes whose regions, each run through Algorithm 1 alone, give every record's logged
+    M2 and fractions (a port that selects per micro-batch logs per-micro-batch M2, also on a
+    step where its masks happen to agree with the optimizer batch's). The narrowest region
+    first: a CP shard's metrics can equal its DP rank's by chance (the other shard all padding),
+    not the reverse."""
+    groups_by_scope = _scope_groups(step)
+    matching = []
+    for scope in sorted(groups_by_scope, key=lambda name: name != "per_cp_shard"):
+        verdicts: list[bool] = []
+        for group in groups_by_scope[scope]:
+            if scope == "per_cp_shard":
+                r = group[0]
+                alone = _algorithm_1(r.batch(r.logp if r.selection_logp is None else r.selection_logp))
+                places = {(r.coords.dp, r.coords.cp, r.micro_batch)}
+                logged = [t for t in step.records if (t.coords.dp, t.coords.cp, t.micro_batch) in places]
+            else:
+                alone = _algorithm_1(step.rows_alone(group)[0])
+                places = {(r.coords.dp, r.micro_batch) for r in group}
+                logged = [t for t in step.records if (t.coords.dp, t.micro_batch) in places]
+            verdicts += [_close(step, t.metrics[name], alone[name]) for t in logged for name in REGION_METRICS if name in t.metrics]
+        if verdicts and all(verdicts):
+            matching.append(scope)
+    return matching
 
 
 def always_silent_parameters(capture: capture_module.Capture) -> tuple[set[str], int]:
@@ -640,12 +720,14 @@ def _scope_groups(step: _Step) -> dict[str, list[list[_Record]]]:
 
 
 def _denominators(step: _Step) -> dict[str, Callable[[_Record], float]]:
-    """Each denominator deviation's divisor per record, in the order ties are resolved."""
+    """The global N and each denominator deviation's divisor per record, in the order ties are resolved."""
     n = float(step.batch.valid.sum())
     kept = float((step.keep & step.batch.valid).sum())
     block_n = {key: float(step.batch.valid[rows].sum()) for key, rows in step.blocks.items()}
     cp_n = {c: float(sum(r.mask.sum() for r in step.replica_set if r.coords.cp == c)) for c in range(step.topology.cp)}
-    out: dict[str, Callable[[_Record], float]] = {}
+    # The global N first: a deviation whose divisor is N on every record (equal micro-batch
+    # counts make k times a micro-batch's count N) is the correct denominator on this step.
+    out: dict[str, Callable[[_Record], float]] = {"global": lambda r: n}
     if any(k > 1 for k in step.micro_batches.values()):
         out["per_micro_batch_denominator"] = lambda r: step.micro_batches[r.coords.dp] * block_n[(r.coords.dp, r.micro_batch)]
     out["local_denominator"] = lambda r: float(r.mask.sum())
@@ -653,7 +735,6 @@ def _denominators(step: _Step) -> dict[str, Callable[[_Record], float]]:
         out["cp_shard_counts"] = lambda r: cp_n[r.coords.cp]
         out["dp_cp_group_double_count"] = lambda r: step.topology.cp * n
     out["kept_count_denominator"] = lambda r: kept
-    out["global"] = lambda r: n
     return out
 
 
@@ -690,13 +771,15 @@ def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], 
     denominator = None
     candidates, twins = _distinct(step, _denominators(step))
     matching: list[str] = []
-    if failing & {"audit.loss_sum", "audit.gradient"}:
+    # A denominator is named only where the loss and the gradient reproduce it and not the
+    # global N: a logged valid_count is a number a port may log per micro-batch or per rank
+    # whatever it divides by (audit.metrics says what it is), never evidence against them.
+    if failing & {"audit.loss_sum", "audit.gradient"} and not _shares_match(step, candidates["global"]):
         matching = [name for name, fn in candidates.items() if name != "global" and _shares_match(step, fn)]
-        # Records without kept terms fit any divisor: a logged valid_count may still tell them apart.
-        logged = [name for name in matching if _logged_count(step, candidates[name])]
-        matching = logged or matching
-    elif "audit.metrics" in failing:
-        matching = [name for name, fn in candidates.items() if name != "global" and _logged_count(step, fn)]
+        if len(matching) > 1:
+            # Records without kept terms fit any divisor: a logged valid_count may choose among
+            # the divisors the loss and the gradient cannot tell apart, never beyond them.
+            matching = [name for name in matching if _logged_count(step, candidates[name])] or matching
     if matching:
         denominator = matching[0]
         same = twins.get(denominator, []) + matching[1:]
@@ -704,21 +787,19 @@ def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], 
             alternatives[denominator] = same
     # On a small step several scopes can reproduce one mask; one name explaining the mask and
     # the denominator together (a CP shard alone, its own count) beats two.
+    # A scope is named where the mask is not Algorithm 1's on the optimizer batch and is the
+    # scope's: where the mask is a global outcome, per-region metrics are audit.metrics' finding.
     scopes: list[str] = []
     if "audit.selection" in failing:
         scopes = [scope for scope, groups in _scope_groups(step).items() if all(_group_selects_alone(step, g) for g in groups)]
-    if not scopes and "audit.metrics" in failing:
-        scopes = _metrics_scopes(step)
-    if scopes and (denominator == "dp_cp_group_double_count" or _double_counted(step, failing)) and _doubled_selection(step):
+    if scopes and denominator == "dp_cp_group_double_count" and _doubled_selection(step):
         scopes = []  # the doubled multiset's selection: the double count explains the mask too
     if "per_cp_shard" in scopes and denominator == "local_denominator":
         found.append("local_shard_selection")
         denominator = None
     elif scopes:
         found.append("per_cp_chunk_selection_global_n" if scopes[0] == "per_cp_shard" else scopes[0])
-    if denominator == "dp_cp_group_double_count" or (denominator is None and step.topology.cp > 1 and _double_counted(step, failing)):
-        found.append("dp_cp_group_double_count")
-    elif denominator is not None:
+    if denominator is not None:
         found.append(denominator)
     if "audit.behavior_logp" in failing and _behaviour_is_the_policy(step):
         found.append("current_policy_as_behavior")
@@ -729,51 +810,11 @@ def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], 
     return found
 
 
-def _metrics_scopes(step: _Step) -> list[str]:
-    """The scopes whose regions, each run through Algorithm 1 alone, give every record's logged
-    metrics (a port that selects per micro-batch logs per-micro-batch M2, even on a step where
-    the masks happen to agree with the optimizer batch's). The narrowest region first: a CP
-    shard's metrics can equal its DP rank's by chance (the other shard all padding), not the reverse."""
-    tol = equivalence.tolerance(step.dtype, "metric")
-
-    def logged_as(record: _Record, alone: dict[str, Any]) -> list[bool]:
-        # M2 and fractions only: such a port may still divide by (and log) the optimizer batch's N.
-        return [equivalence.compare_values("diagnosis", name, record.metrics[name], alone[name], tol) is None
-                for name in ("m2_before", "m2_after", "masked_fraction") if name in record.metrics]
-
-    matching = []
-    groups_by_scope = _scope_groups(step)
-    for scope in sorted(groups_by_scope, key=lambda name: name != "per_cp_shard"):
-        verdicts: list[bool] = []
-        for group in groups_by_scope[scope]:
-            if scope == "per_cp_shard":
-                r = group[0]
-                alone = _algorithm_1(r.batch(r.logp if r.selection_logp is None else r.selection_logp))
-                places = {(r.coords.dp, r.coords.cp, r.micro_batch)}
-                verdicts += [ok for t in step.records if (t.coords.dp, t.coords.cp, t.micro_batch) in places for ok in logged_as(t, alone)]
-                continue
-            alone = _algorithm_1(step.rows_alone(group)[0])
-            places = {(r.coords.dp, r.micro_batch) for r in group}
-            verdicts += [ok for r in step.records if (r.coords.dp, r.micro_batch) in places for ok in logged_as(r, alone)]
-        # The metrics alone do not make a scope: the mask must be that scope's selection too
-        # (a port may select globally and still log per-micro-batch M2).
-        if verdicts and all(verdicts) and all(_group_selects_alone(step, g) for g in groups_by_scope[scope]):
-            matching.append(scope)
-    return matching
-
-
 def _doubled_selection(step: _Step) -> bool:
     """The joined mask is an outcome of Algorithm 1 on the batch with every token counted cp times."""
     s, cp = step.selection_batch, step.topology.cp
     doubled = Batch(*(np.concatenate([a] * cp) for a in (s.logp, s.behavior_logp, s.advantages, s.valid)), s.tau)
     return not equivalence.check_selection(doubled, np.concatenate([step.keep] * cp), step.dtype)
-
-
-def _double_counted(step: _Step, failing: set[str]) -> bool:
-    """Every logged valid_count is cp times N (the loss may be right if the port rescales it)."""
-    counts = [r.metrics["valid_count"] for r in step.records if "valid_count" in r.metrics]
-    return (step.topology.cp > 1 and "audit.metrics" in failing and bool(counts)
-            and all(c == step.topology.cp * int(step.batch.valid.sum()) for c in counts))
 
 
 def _behaviour_is_the_policy(step: _Step) -> bool:
