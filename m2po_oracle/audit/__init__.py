@@ -38,18 +38,23 @@ Checks per step (loss, gradient and metrics are judged on the mask the run chose
   ``-(1/N) keep exp(d) A`` on that record's tokens; "not run" when none was captured;
 - ``audit.metrics``: every captured metric named like ours (``m2_before``, ``m2_after``,
   ``masked_fraction``, ``trust_region_fraction``, ``valid_count``, ``trust_region_count``,
-  ``kept_trust_region_count``) equals the optimizer batch's, on every rank; "not run" when
-  none is logged;
+  ``kept_trust_region_count``) equals the optimizer batch's, on every rank; where not, the
+  summary says what they are where the files show it (a record's own or its DP rank's valid
+  count, cp x N, M2 of each micro-batch, DP rank or CP shard alone); "not run" when none is
+  logged;
 - ``audit.parameter_gradient``: no trainable parameter has an all-zero (or no) gradient on
   every rank at every recorded step where some parameter has one (one step is not evidence:
   :func:`always_silent_parameters`); "not run" when no rank noted its parameters' gradient norms.
 
-Diagnosis of a failing step names only what it reproduces from the files (:data:`DESCRIPTIONS`):
-the selection's scope (each micro-batch, DP rank or CP shard selecting alone), the loss's
-denominator (its own valid count, k times it, the kept count, N counted per CP shard or
-once per CP replica), the behaviour log-probs (the current policy's), the policy's forward
-(stochastic, or moved by an optimizer step between micro-batches) and parameters left without
-a gradient.
+Diagnosis of a failing step names only what the loss, the gradient and the mask reproduce
+(:data:`DESCRIPTIONS`): the selection's scope (each micro-batch, DP rank or CP shard selecting
+alone) where the mask is not Algorithm 1's on the optimizer batch and is that scope's; the
+loss's denominator (its own valid count, k times it, the kept count, N counted per CP shard
+or once per CP replica) where the loss and the gradient reproduce it and not the global N, a
+logged ``valid_count`` only choosing among divisors they cannot tell apart; the behaviour
+log-probs (the current policy's), the policy's forward (stochastic, or moved by an optimizer
+step between micro-batches) and parameters left without a gradient. A logged number alone
+names nothing: ``audit.metrics`` says what it is.
 
 The package's rooms, each importing only those above it in this list: :mod:`.records` (the
 report's records, the diagnosis names, a record loaded from a capture), :mod:`.reassembly`
