@@ -32,7 +32,7 @@ TRAINER_CONTROLS: tuple[TrainerControl, ...] = (
     # right for its masks: only the mask (and the logs) may name it, never a denominator.
     TrainerControl("core_per_micro_batch", "the core is called per micro-batch (its own selection and metrics, its own valid count logged) "
                    "with the optimizer batch's N in the loss", {"core_per_micro_batch": True}, ("trainer.accumulation",),
-                   diagnosed_as="per_micro_batch_mask"),
+                   diagnosed_as="per_micro_batch_mask", examples=30),  # seed 0: first caught at example 8, 11 of 60 steps fail
     TrainerControl("current_policy_as_behavior", "the current policy's log-probs are used as the behaviour log-probs",
                    {"current_policy_as_behavior": True}, ("trainer.behavior_logp",)),
     TrainerControl("per_micro_batch_denominator", "each micro-batch divides by its own valid count (then by k), not the optimizer batch's",
