@@ -32,15 +32,18 @@ class World:
     micro_batches: int = 1
     rows_per_mb: int = 2
     width: int = 8  # a multiple of 2 * cp
+    length: int | None = None  # every row's valid tokens (None: drawn per row), e.g. equal micro-batch counts
 
 
-def _batch(step: int, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+def _batch(step: int, rows: int, width: int, length: int | None = None) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(7919 * step + 17)
     logp = -torch.rand(rows, width, generator=generator, dtype=torch.float64) - 0.1
     behavior = logp + 0.35 * torch.randn(rows, width, generator=generator, dtype=torch.float64)
     sign = torch.where(torch.rand(rows, 1, generator=generator) < 0.5, -1.0, 1.0).double()
     advantages = sign.expand(rows, width).clone()
     lengths = torch.randint(width // 2, width + 1, (rows, 1), generator=generator)
+    if length is not None:
+        lengths = torch.full((rows, 1), length)
     mask = torch.arange(width)[None, :] < lengths  # right padding
     return logp, behavior, advantages, mask
 
@@ -49,15 +52,15 @@ def _rows(t: tuple[torch.Tensor, ...], rows: slice | torch.Tensor) -> tuple[torc
     return tuple(x[rows] for x in t)
 
 
-def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tuple[int, ...] = (0, 1), bug_step: int = 1,
+def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tuple[int, ...] = (0, 1), bug_step: int | None = 1,
              selection_logp: bool = True, rollout_logp: bool = True, parameters: bool = True, grads: bool = True) -> None:
     topology = Topology.parse(world.topology)
     recorders = [Recorder(directory, rank=r, world_size=topology.world_size, topology=world.topology) for r in range(topology.world_size)]
     cp, k = topology.cp, world.micro_batches
     for step in steps:
-        planted = bug if step == bug_step else None
+        planted = bug if bug_step is None or step == bug_step else None  # None: every step
         rows = topology.dp * k * world.rows_per_mb
-        logp, behavior, advantages, mask = _batch(step, rows, world.width)
+        logp, behavior, advantages, mask = _batch(step, rows, world.width, world.length)
         rollout = behavior.clone()
         if planted == "current_policy_as_behavior":
             behavior = logp.clone()
@@ -68,7 +71,7 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
         blocks = {(dp, mb): torch.arange(dp_rows[dp].start + mb * world.rows_per_mb, dp_rows[dp].start + (mb + 1) * world.rows_per_mb)
                   for dp in range(topology.dp) for mb in range(k)}
         shard = lambda c: torch.from_numpy(cp_token_indices(world.width, cp, c))  # noqa: E731
-        if planted == "per_micro_batch_mask":
+        if planted in ("per_micro_batch_mask", "per_micro_batch_core", "per_micro_batch_core_rank_count"):
             for index in blocks.values():
                 keep[index] = select_tokens(*_rows((logp, behavior, advantages, mask), index), tau=TAU).keep
         if planted == "per_rank_selection_global_n":
@@ -95,6 +98,13 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
                 alone = select_tokens(*_rows((logp, behavior, advantages, mask), index), tau=TAU)
                 own_metrics[key] = {**metrics, "m2_before": float(alone.m2_before), "m2_after": float(alone.m2_after),
                                     "masked_fraction": float(alone.masked_fraction)}
+        if planted in ("per_micro_batch_core", "per_micro_batch_core_rank_count"):
+            # The natural port: the core called per micro-batch, each logging its own metrics
+            # (valid_count its own, or its DP rank's window), the window's N in the loss.
+            for (dp, mb), index in blocks.items():
+                alone = select_tokens(*_rows((logp, behavior, advantages, mask), index), tau=TAU)
+                own_metrics[(dp, mb)] = {name: float(getattr(alone, name)) for name in ("m2_before", "m2_after", "masked_fraction")}
+                own_metrics[(dp, mb)]["valid_count"] = int(alone.valid_count if planted == "per_micro_batch_core" else mask[dp_rows[dp]].sum())
         for rank in range(topology.world_size):
             coords = topology.coords(rank)
             for mb in range(k):
@@ -354,6 +364,41 @@ def test_per_micro_batch_metrics_over_a_global_mask_are_not_called_a_per_micro_b
     # The same metrics over masks each micro-batch selected alone: that is the scope deviation.
     simulate(tmp_path / "scoped", World("dp=1,cp=1,tp=1", micro_batches=3), bug="per_micro_batch_mask")
     assert audit_capture(tmp_path / "scoped").steps[1].diagnosis == ["per_micro_batch_mask"]
+
+
+#: A port that calls the core per micro-batch (selection and metrics per micro-batch) and
+#: divides by the window's N: each micro-batch logs its own valid_count (or its DP rank's).
+NATURAL_PORTS = {
+    "own count, GA=2": ("per_micro_batch_core", World("dp=1,cp=1,tp=1", micro_batches=2, rows_per_mb=2), "its record's own valid count"),
+    "own count, dp=2 x GA=2": ("per_micro_batch_core", World("dp=2,cp=1,tp=1", micro_batches=2), "its record's own valid count"),
+    "own count, equal micro-batch counts": ("per_micro_batch_core", World("dp=1,cp=1,tp=1", micro_batches=2, length=6),
+                                            "its record's own valid count"),
+    "rank's count, equal micro-batch counts": ("per_micro_batch_core_rank_count", World("dp=2,cp=1,tp=1", micro_batches=2, length=6),
+                                               "its DP rank's valid count"),
+}
+DENOMINATORS = {"per_micro_batch_denominator", "local_denominator", "kept_count_denominator", "cp_shard_counts", "dp_cp_group_double_count",
+                "local_shard_selection"}
+
+
+@pytest.mark.parametrize("port", NATURAL_PORTS)
+def test_a_logged_count_never_names_a_denominator_the_loss_and_gradient_contradict(tmp_path: Path, port: str) -> None:
+    bug, world, logged_as = NATURAL_PORTS[port]
+    simulate(tmp_path, world, bug=bug, steps=tuple(range(8)), bug_step=None)
+    report = audit_capture(tmp_path)
+    scoped = 0
+    for step in report.steps:
+        statuses = _statuses(step)
+        assert statuses["audit.loss_sum"] == statuses["audit.gradient"] == "pass", statuses  # the window's N: the loss is right
+        assert not DENOMINATORS & set(step.diagnosis), (step.step, step.diagnosis, "named from a logged count alone")
+        # The scope is named where the mask shows it, and only there.
+        assert step.diagnosis == (["per_micro_batch_mask"] if statuses["audit.selection"] == "fail" else []), (step.step, step.diagnosis, statuses)
+        scoped += statuses["audit.selection"] == "fail"
+        # What was logged is said as what it is, under audit.metrics.
+        metrics = next(c for c in step.checks if c.name == "audit.metrics")
+        assert metrics.status == "fail" and f"every logged valid_count is {logged_as}" in metrics.summary, metrics.summary
+    assert scoped, "no step where the scope shows in the mask"
+    if Topology.parse(world.topology).dp == 1:  # two micro-batches of two rows: some steps' masks agree with the global one
+        assert scoped < len(report.steps), "no step where the per-micro-batch masks are a global outcome"
 
 
 def test_rollout_atol_lets_a_recomputation_differ_by_what_the_user_states(tmp_path: Path) -> None:

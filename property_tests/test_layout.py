@@ -119,3 +119,27 @@ def test_the_room_check_sees_an_arrow_back_up():
     graph = import_graph()
     graph["m2po_oracle.trainer.checks"] = graph["m2po_oracle.trainer.checks"] | {"m2po_oracle.resolve"}  # resolve imports trainer.controls
     assert find_cycle(room_graph(graph)) is not None
+
+
+#: The audit package's rooms, lowest first: a room imports only rooms before it.
+AUDIT_ROOMS = ("records", "reassembly", "checks", "diagnosis", "counterexample", "run")
+
+
+def upward_arrows(graph: dict[str, set[str]], package: str, rooms: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Imports inside ``package`` that run from a room into the same or a higher one (its
+    ``__init__`` sits above every room)."""
+    rank = {f"{package}.{room}": index for index, room in enumerate(rooms)} | {package: len(rooms)}
+    return [(module, target) for module, targets in graph.items() if module in rank
+            for target in targets if target.startswith(package) and rank.get(target, -1) >= rank[module]]
+
+
+def test_the_audit_rooms_import_only_downward():
+    graph = import_graph()
+    assert {m for m in graph if m.startswith("m2po_oracle.audit.")} == {f"m2po_oracle.audit.{room}" for room in AUDIT_ROOMS}
+    assert not upward_arrows(graph, "m2po_oracle.audit", AUDIT_ROOMS)
+
+
+def test_the_audit_room_check_sees_an_arrow_back_up():
+    graph = import_graph()
+    graph["m2po_oracle.audit.checks"] = graph["m2po_oracle.audit.checks"] | {"m2po_oracle.audit.diagnosis"}
+    assert upward_arrows(graph, "m2po_oracle.audit", AUDIT_ROOMS) == [("m2po_oracle.audit.checks", "m2po_oracle.audit.diagnosis")]

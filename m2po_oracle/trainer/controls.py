@@ -27,6 +27,12 @@ class TrainerControl:
 TRAINER_CONTROLS: tuple[TrainerControl, ...] = (
     TrainerControl("per_micro_batch_mask", "the mask is selected within each gradient-accumulation micro-batch",
                    {"per_micro_batch_mask": True}, ("trainer.accumulation",), examples=150),
+    # The natural port of gradient accumulation: the core called per micro-batch, each logging
+    # its own metrics and valid count, the window's N in the loss. Its loss and gradient are
+    # right for its masks: only the mask (and the logs) may name it, never a denominator.
+    TrainerControl("core_per_micro_batch", "the core is called per micro-batch (its own selection and metrics, its own valid count logged) "
+                   "with the optimizer batch's N in the loss", {"core_per_micro_batch": True}, ("trainer.accumulation",),
+                   diagnosed_as="per_micro_batch_mask", examples=30),  # seed 0: first caught at example 8, 11 of 60 steps fail
     TrainerControl("current_policy_as_behavior", "the current policy's log-probs are used as the behaviour log-probs",
                    {"current_policy_as_behavior": True}, ("trainer.behavior_logp",)),
     TrainerControl("per_micro_batch_denominator", "each micro-batch divides by its own valid count (then by k), not the optimizer batch's",

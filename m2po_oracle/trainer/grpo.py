@@ -75,6 +75,7 @@ class TrainerFaults:
     """Planted trainer bugs (negative controls); all off is the correct trainer."""
 
     per_micro_batch_mask: bool = False  # select within each micro-batch instead of the optimizer batch
+    core_per_micro_batch: bool = False  # the core called per micro-batch (its own selection and metrics, its own N logged), the window's N in the loss
     current_policy_as_behavior: bool = False  # "behaviour" log-probs taken from the current policy
     per_micro_batch_denominator: bool = False  # each micro-batch divides by its own N, then 1/k
     skip_determinism_check: bool = False  # trains with whatever stochastic layers the model has
@@ -388,9 +389,12 @@ class GRPOTrainer:
             prepass = [_rows_logp(policy, rollout, r) for r in rows]
         inputs = [(prepass[i], behavior_logp[r], token_advantages[r], rollout.valid[r]) for i, r in enumerate(rows)]
         selections = select_micro_batches(inputs, tau=self.config.tau)
+        window_n = [s.valid_count for s in selections]  # the optimizer batch's N, whatever a fault selects
         if faults.per_micro_batch_mask:  # each micro-batch selects alone; N stays the optimizer batch's
             selections = [replace(select_micro_batches([parts_i], tau=self.config.tau)[0], valid_count=whole.valid_count)
                           for parts_i, whole in zip(inputs, selections)]
+        if faults.core_per_micro_batch:  # the natural port: the core per micro-batch, its selection and metrics its own
+            selections = [select_micro_batches([parts_i], tau=self.config.tau)[0] for parts_i in inputs]
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, kl_total, logps, token_grads = 0.0, 0.0, [], []
         k = len(rows)
@@ -398,12 +402,13 @@ class GRPOTrainer:
             logp = _rows_logp(policy, rollout, r)
             if logp.requires_grad:
                 logp.retain_grad()
+            n = window_n[i] if faults.core_per_micro_batch else selection.valid_count
             if faults.per_micro_batch_denominator:
                 loss = loss_from_selection(logp, behavior_logp[r], token_advantages[r], selection.keep, rollout.valid[r].sum()) / k
             else:
-                loss = loss_from_selection(logp, behavior_logp[r], token_advantages[r], selection.keep, selection.valid_count)
+                loss = loss_from_selection(logp, behavior_logp[r], token_advantages[r], selection.keep, n)
             if self.config.beta != 0:
-                kl = self._kl(logp, rollout, r, selection.valid_count)
+                kl = self._kl(logp, rollout, r, n)
                 kl_total += float(kl.detach())
                 loss = loss + self.config.beta * kl
             if loss.requires_grad:
@@ -430,7 +435,7 @@ class GRPOTrainer:
             self.optimizer.step()
         policy.eval()
         metrics = selection_metrics(selections[0])
-        if faults.per_micro_batch_mask:  # metrics exist per micro-batch only: the step reports none
+        if faults.per_micro_batch_mask or faults.core_per_micro_batch:  # metrics exist per micro-batch only (recorded): the step reports none
             metrics = {}
         cpu = lambda t: t.detach().cpu()  # noqa: E731  # the record is for checks, on the host
         return StepRecord(

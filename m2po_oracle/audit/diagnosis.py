@@ -1,0 +1,168 @@
+"""Diagnosis of a failing step: each name is tested against the files, never fitted to them
+(:data:`~m2po_oracle.audit.records.DESCRIPTIONS`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from m2po_oracle import equivalence, oracle
+from m2po_oracle.batch import Batch
+from m2po_oracle.audit.records import _Record
+from m2po_oracle.audit.reassembly import _Step, _scope_groups
+from m2po_oracle.audit.checks import LogpBounds, _grad_mismatch, _logp_mismatch, _logp_pairs, _loss_mismatch
+
+
+def _share(record: _Record, denominator: float) -> tuple[float, np.ndarray]:
+    """The record's loss and d loss / d logp on its own keep, divided by ``denominator``."""
+    own = oracle.evaluate_with_mask(record.batch(), record.keep)
+    factor = own.valid_count / denominator if denominator else 0.0
+    return own.loss * factor, own.grad * factor
+
+
+def _shares_match(step: _Step, denominator: Callable[[_Record], float]) -> bool:
+    """Every record's loss (and gradient, where captured) is its share with ``denominator(record)``."""
+    for record in step.replica_set:
+        loss, grad = _share(record, denominator(record))
+        if _loss_mismatch(record.loss, loss, record.batch(), grad, step.dtype, "diagnosis") is not None:
+            return False
+        if record.grad is not None:
+            largest = float(np.max(np.abs(grad))) if grad.size else 0.0
+            if _grad_mismatch(record.grad, grad, record.batch(), step.dtype, "diagnosis", "grad", largest) is not None:
+                return False
+    return True
+
+
+def _group_selects_alone(step: _Step, group: list[_Record]) -> bool:
+    """The records of ``group`` (one region of the optimizer batch) kept what Algorithm 1 keeps on that region alone."""
+    if len(group) == 1 and step.topology.cp > 1:  # one CP shard: its own columns
+        r = group[0]
+        alone = r.batch(r.logp if r.selection_logp is None else r.selection_logp)
+        return not equivalence.check_selection(alone, r.keep, step.dtype)
+    # Otherwise the group holds every CP shard of its rows: whole rows of the assembled batch.
+    alone, keep = step.rows_alone(group)
+    return not equivalence.check_selection(alone, keep, step.dtype)
+
+
+def _denominators(step: _Step) -> dict[str, Callable[[_Record], float]]:
+    """The global N and each denominator deviation's divisor per record, in the order ties are resolved."""
+    n = float(step.batch.valid.sum())
+    kept = float((step.keep & step.batch.valid).sum())
+    block_n = {key: float(step.batch.valid[rows].sum()) for key, rows in step.blocks.items()}
+    cp_n = {c: float(sum(r.mask.sum() for r in step.replica_set if r.coords.cp == c)) for c in range(step.topology.cp)}
+    # The global N first: a deviation whose divisor is N on every record (equal micro-batch
+    # counts make k times a micro-batch's count N) is the correct denominator on this step.
+    out: dict[str, Callable[[_Record], float]] = {"global": lambda r: n}
+    if any(k > 1 for k in step.micro_batches.values()):
+        out["per_micro_batch_denominator"] = lambda r: step.micro_batches[r.coords.dp] * block_n[(r.coords.dp, r.micro_batch)]
+    out["local_denominator"] = lambda r: float(r.mask.sum())
+    if step.topology.cp > 1:
+        out["cp_shard_counts"] = lambda r: cp_n[r.coords.cp]
+        out["dp_cp_group_double_count"] = lambda r: step.topology.cp * n
+    out["kept_count_denominator"] = lambda r: kept
+    return out
+
+
+def _distinct(step: _Step, candidates: dict[str, Callable[[_Record], float]]) -> tuple[dict[str, Callable[[_Record], float]], dict[str, list[str]]]:
+    """The candidates whose divisors differ from every earlier one's on some record, and for
+    each the later ones the files cannot tell from it (equal divisors on every record)."""
+    first_of: dict[tuple[float, ...], str] = {}
+    out: dict[str, Callable[[_Record], float]] = {}
+    twins: dict[str, list[str]] = {}
+    for name, fn in candidates.items():
+        values = tuple(fn(r) for r in step.replica_set)
+        if values in first_of:
+            twins.setdefault(first_of[values], []).append(name)
+            continue
+        first_of[values] = name
+        out[name] = fn
+    return out, twins
+
+
+def _logged_count(step: _Step, fn: Callable[[_Record], float]) -> bool:
+    """Every logged ``valid_count`` is ``fn``'s divisor for its record, and not the batch's N:
+    a denominator's evidence on a step whose loss cannot show it (nothing kept, or A = 0)."""
+    n = int(step.batch.valid.sum())
+    twin = {(r.coords.dp, r.coords.cp, r.micro_batch): r for r in step.replica_set}
+    logged = [(r.metrics["valid_count"], fn(twin[(r.coords.dp, r.coords.cp, r.micro_batch)])) for r in step.records if "valid_count" in r.metrics]
+    return bool(logged) and all(value == want for value, want in logged) and any(value != n for value, _ in logged)
+
+
+def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], alternatives: dict[str, list[str]],
+              bounds: LogpBounds = LogpBounds()) -> list[str]:
+    """The deviations the files reproduce; ``alternatives`` gets, per name, the others that
+    reproduce this step identically (the files cannot tell them apart)."""
+    found: list[str] = []
+    denominator = None
+    candidates, twins = _distinct(step, _denominators(step))
+    matching: list[str] = []
+    # A denominator is named only where the loss and the gradient reproduce it and not the
+    # global N: a logged valid_count is a number a port may log per micro-batch or per rank
+    # whatever it divides by (audit.metrics says what it is), never evidence against them.
+    if failing & {"audit.loss_sum", "audit.gradient"} and not _shares_match(step, candidates["global"]):
+        matching = [name for name, fn in candidates.items() if name != "global" and _shares_match(step, fn)]
+        if len(matching) > 1:
+            # Records without kept terms fit any divisor: a logged valid_count may choose among
+            # the divisors the loss and the gradient cannot tell apart, never beyond them.
+            matching = [name for name in matching if _logged_count(step, candidates[name])] or matching
+    if matching:
+        denominator = matching[0]
+        same = twins.get(denominator, []) + matching[1:]
+        if same:
+            alternatives[denominator] = same
+    # On a small step several scopes can reproduce one mask; one name explaining the mask and
+    # the denominator together (a CP shard alone, its own count) beats two.
+    # A scope is named where the mask is not Algorithm 1's on the optimizer batch and is the
+    # scope's: where the mask is a global outcome, per-region metrics are audit.metrics' finding.
+    scopes: list[str] = []
+    if "audit.selection" in failing:
+        scopes = [scope for scope, groups in _scope_groups(step).items() if all(_group_selects_alone(step, g) for g in groups)]
+    if scopes and denominator == "dp_cp_group_double_count" and _doubled_selection(step):
+        scopes = []  # the doubled multiset's selection: the double count explains the mask too
+    if "per_cp_shard" in scopes and denominator == "local_denominator":
+        found.append("local_shard_selection")
+        denominator = None
+    elif scopes:
+        found.append("per_cp_chunk_selection_global_n" if scopes[0] == "per_cp_shard" else scopes[0])
+    if denominator is not None:
+        found.append(denominator)
+    if "audit.behavior_logp" in failing and _behaviour_is_the_policy(step):
+        found.append("current_policy_as_behavior")
+    if "audit.policy_logp" in failing:
+        found += _forward_deviation(step, bounds)
+    if "audit.parameter_gradient" in failing:
+        found.append("parameters_without_gradient")
+    return found
+
+
+def _doubled_selection(step: _Step) -> bool:
+    """The joined mask is an outcome of Algorithm 1 on the batch with every token counted cp times."""
+    s, cp = step.selection_batch, step.topology.cp
+    doubled = Batch(*(np.concatenate([a] * cp) for a in (s.logp, s.behavior_logp, s.advantages, s.valid)), s.tau)
+    return not equivalence.check_selection(doubled, np.concatenate([step.keep] * cp), step.dtype)
+
+
+def _behaviour_is_the_policy(step: _Step) -> bool:
+    """The behaviour log-probs equal the policy's (the selection's forward) on every record, and not the sampler's."""
+    with_rollout = [r for r in step.replica_set if r.rollout_logp is not None]
+    return bool(with_rollout) and all(
+        _logp_mismatch("diagnosis", "behavior_logp", r.behavior_logp, r.logp if r.selection_logp is None else r.selection_logp,
+                       r.mask, step.dtype) is None for r in with_rollout)
+
+
+def _forward_deviation(step: _Step, bounds: LogpBounds) -> list[str]:
+    records = [r for r in step.replica_set if r.selection_logp is not None and r.mask.any()]
+    found, _, _ = _logp_pairs("diagnosis", records, "logp", lambda r: (r.logp, r.selection_logp), step.dtype, bounds.policy, "--policy-atol")
+    differs = {(r.coords.dp, r.coords.cp, r.micro_batch): id(r) in found for r in records}
+    if not differs:
+        return []
+    first = [v for (dp, cp, mb), v in differs.items() if mb == 0]
+    later = [v for (dp, cp, mb), v in differs.items() if mb > 0]
+    if first and later and not any(first) and all(later):
+        return ["optimizer_step_per_micro_batch"]
+    if all(differs.values()):
+        return ["stochastic_forward"]
+    return []
+

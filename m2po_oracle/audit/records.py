@@ -1,0 +1,207 @@
+"""What an audit reads and what it reports: the report's records (a check, a step, the
+run), the names the diagnosis may give, and one rank's micro-batch loaded from a capture as
+float64 rows."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from m2po_oracle import capture as capture_module
+from m2po_oracle.batch import Batch
+from m2po_oracle.distributed.topology import RankCoords, Topology
+
+
+SCHEMA = "m2po-oracle/audit/1"
+
+
+CHECK_NAMES = ("audit.replicas_identical", "audit.selection", "audit.policy_logp", "audit.behavior_logp", "audit.loss_sum",
+               "audit.gradient", "audit.metrics", "audit.parameter_gradient")
+
+
+EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_UNUSABLE = 0, 1, 2
+
+
+#: Rollout engines report log-probs in float32 at best (vLLM, HF generate's float32 logits).
+ROLLOUT_LOGP_DTYPE = "float32"
+
+
+DESCRIPTIONS = {
+    "per_micro_batch_mask": "the mask is selected within each gradient-accumulation micro-batch alone, not over the optimizer batch",
+    "per_rank_selection_global_n": "each DP rank selects over its own rows without communication (dividing by the global N)",
+    "per_cp_chunk_selection_global_n": "each CP rank selects over its own shard without communication, dividing by the global N",
+    "local_shard_selection": "each rank selects over its own CP shard without communication and divides by the shard's valid count",
+    "dp_cp_group_double_count": "selection and N over the DP x CP group after CP reconstruction: every token counted once per CP replica",
+    "per_micro_batch_denominator": "each micro-batch divides by its own valid count (then by k), not the optimizer batch's N",
+    "local_denominator": "the global mask, but each rank's loss divided by its own (shard's) valid count",
+    "kept_count_denominator": "the optimizer batch's mask, but the loss divided by the global kept count instead of N",
+    "cp_shard_counts": "the global mask, but N counted on the CP shard and summed over DP only: too low by a factor cp",
+    "current_policy_as_behavior": "the behaviour log-probs are the current policy's, not the sampler's: d is 0 and nothing is ever masked",
+    "stochastic_forward": "the policy's forward is stochastic (dropout left on?): the selection's and the loss's forwards differ in every micro-batch",
+    "optimizer_step_per_micro_batch": "optimizer.step() runs after every micro-batch: micro-batch 0's loss pass sees the selection's policy, later ones a moved policy",
+    "parameters_without_gradient": "some parameters get no gradient (frozen or detached by mistake) while the loss depends on them",
+}
+
+
+@dataclass
+class AuditCheck:
+    name: str
+    status: str  # "pass", "fail", "not run"
+    summary: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "summary": self.summary}
+
+
+@dataclass
+class StepAudit:
+    step: int
+    verdict: str  # "equivalent", "divergent", "unusable"
+    checks: list[AuditCheck] = field(default_factory=list)
+    diagnosis: list[str] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    counterexample: dict[str, Any] | None = None
+    alternatives: dict[str, list[str]] = field(default_factory=dict)  # diagnosis name -> names identical on this step
+
+    @property
+    def failing(self) -> list[str]:
+        return [c.name for c in self.checks if c.status == "fail"]
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"step": self.step, "verdict": self.verdict, "checks": [c.to_json() for c in self.checks],
+               "diagnosis": list(self.diagnosis), "alternatives": dict(self.alternatives),
+               "metrics": {k: _number(v) for k, v in self.metrics.items()}}
+        if self.counterexample is not None:
+            out["counterexample"] = self.counterexample
+        return out
+
+
+@dataclass
+class AuditReport:
+    directory: str
+    world_size: int | None
+    topology: str | None
+    problems: list[str]
+    steps: list[StepAudit]
+    refused: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        if self.refused or not any(s.verdict != "unusable" for s in self.steps):
+            return "unusable"
+        return "divergent" if any(s.verdict == "divergent" for s in self.steps) else "equivalent"
+
+    @property
+    def exit_status(self) -> int:
+        return {"equivalent": EXIT_EQUIVALENT, "divergent": EXIT_DIVERGENT}.get(self.verdict, EXIT_UNUSABLE)
+
+    @property
+    def worst_step(self) -> int | None:
+        """The divergent step with the most failing checks (the earliest among equals)."""
+        divergent = [s for s in self.steps if s.verdict == "divergent"]
+        return max(divergent, key=lambda s: (len(s.failing), -s.step)).step if divergent else None
+
+    def to_json(self) -> dict[str, Any]:
+        named = sorted({name for s in self.steps for name in s.diagnosis} | {n for s in self.steps for names in s.alternatives.values() for n in names})
+        return {
+            "schema": SCHEMA,
+            "verdict": self.verdict,
+            "capture": {"directory": self.directory, "world_size": self.world_size, "topology": self.topology,
+                        "steps": [s.step for s in self.steps], "problems": list(self.problems), "refused": self.refused},
+            "steps": [s.to_json() for s in self.steps],
+            "worst_step": self.worst_step,
+            "descriptions": {name: DESCRIPTIONS[name] for name in named if name in DESCRIPTIONS},
+        }
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+@dataclass
+class _Record:
+    """One micro-batch of one rank, as 2-d float64 rows, and where it sits in the optimizer batch."""
+
+    rank: int
+    coords: RankCoords
+    micro_batch: int
+    logp: np.ndarray
+    behavior_logp: np.ndarray
+    advantages: np.ndarray
+    mask: np.ndarray
+    keep: np.ndarray
+    selection_logp: np.ndarray | None
+    rollout_logp: np.ndarray | None
+    grad: np.ndarray | None
+    loss: float
+    tau: float
+    metrics: dict[str, Any]
+    dtype: str
+    rows: slice = field(default_factory=lambda: slice(0, 0))
+    columns: np.ndarray | slice = field(default_factory=lambda: slice(0, 0))
+
+    @property
+    def where(self) -> str:
+        c = self.coords
+        return f"rank {self.rank} (dp={c.dp}, cp={c.cp}, tp={c.tp}) micro-batch {self.micro_batch}"
+
+    def batch(self, logp: np.ndarray | None = None) -> Batch:
+        return Batch(self.logp if logp is None else logp, self.behavior_logp, self.advantages, self.mask, self.tau)
+
+
+def _rows(tensor: Any, boolean: bool = False) -> np.ndarray:
+    array = tensor.detach().to("cpu").numpy().astype(bool) if boolean else tensor.detach().to("cpu").double().numpy()
+    if array.ndim == 0:
+        return array.reshape(1, 1)
+    if array.ndim == 1:
+        return array.reshape(1, -1)
+    return array.reshape(-1, array.shape[-1])
+
+
+def _record(record: dict[str, Any], info: capture_module.RecordInfo, coords: RankCoords) -> _Record:
+    shape = tuple(record["logp"].shape)
+    optional = {}
+    for name in ("grad", "selection_logp", "rollout_logp"):
+        value = record.get(name)
+        if value is not None and tuple(value.shape) != shape:
+            path = info.grad_path if name == "grad" and info.grad_path else info.path
+            raise capture_module.CaptureError(path, f"{name} has shape {list(value.shape)}, logp {list(shape)}")
+        optional[name] = None if value is None else _rows(value)
+    dtype = str(record["logp"].dtype).removeprefix("torch.")
+    return _Record(info.rank, coords, info.micro_batch, _rows(record["logp"]), _rows(record["behavior_logp"]),
+                   _rows(record["advantages"]), _rows(record["mask"], True), _rows(record["keep"], True),
+                   optional["selection_logp"], optional["rollout_logp"], optional["grad"],
+                   float(record["loss"]), float(record["tau"]), dict(record["metrics"]), dtype)
+
+
+class _Unusable(Exception):
+    """A step whose records cannot be put together (the reason is the message)."""
+
+
+def _records_of(capture: capture_module.Capture, topology: Topology, step: int, bad_paths: set[str],
+                problems: list[str]) -> list[_Record]:
+    keys = sorted(k for k in capture.keys() if k[1] == step)  # noqa: SIM118 - Capture.keys() is a method, not a dict
+    ranks = {k[0] for k in keys}
+    missing = sorted(set(range(capture.world_size)) - ranks)
+    if missing:
+        raise _Unusable(f"incomplete step: no records of rank(s) {missing}")
+    gaps = [r for r in ranks if sorted(k[2] for k in keys if k[0] == r) != list(range(1 + max(k[2] for k in keys if k[0] == r)))]
+    if gaps:
+        raise _Unusable(f"incomplete step: rank(s) {sorted(gaps)} miss micro-batches")
+    records = []
+    for key in keys:
+        info = capture.info(*key)
+        if str(info.path) in bad_paths or (info.grad_path is not None and str(info.grad_path) in bad_paths):
+            raise _Unusable(f"incomplete step: the files of rank {key[0]} micro-batch {key[2]} have problems (listed in the capture's problems)")
+        try:
+            records.append(_record(capture.load(*key), info, topology.coords(key[0])))
+        except capture_module.CaptureError as error:
+            problems.append(str(error))
+            raise _Unusable(f"incomplete step: {error}") from None
+    return records
+
