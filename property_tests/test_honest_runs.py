@@ -51,7 +51,9 @@ STAND_INS = textwrap.dedent("""
         return m2po_loss(logp, behavior_logp, advantages, mask, tau=tau)
 
     def slow(logp, behavior_logp, advantages, mask, *, tau):
-        import time
+        import os, time
+        if os.environ.get("M2PO_TEST_CALLED"):  # tells a test that exploration has begun
+            open(os.environ["M2PO_TEST_CALLED"], "a").close()
         time.sleep(0.2)
         return m2po_loss(logp, behavior_logp, advantages, mask, tau=tau)
 
@@ -211,8 +213,13 @@ def test_ctrl_c_writes_the_partial_report_and_exits_130(ports, tmp_path):
     report = tmp_path / "r.json"
     process = subprocess.Popen([sys.executable, "-m", "m2po_oracle.cli", "compare", "--impl", f"{ports}:slow", "--examples", "500",
                                 "--json", str(report), "--html", str(tmp_path / "r.html")],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    time.sleep(12)  # start-up (torch, the worker) and a few 0.2 s calls
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               env={**os.environ, "M2PO_TEST_CALLED": str(tmp_path / "called")})
+    # Interrupt once exploration has begun (a fixed sleep raced a loaded machine's start-up), after a few 0.2 s calls.
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "called").exists() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    time.sleep(2)
     os.killpg(process.pid, signal.SIGINT)  # as a terminal does: the whole process group
     out, err = process.communicate(timeout=60)
     assert process.returncode == EXIT_INTERRUPTED, (out, err)
