@@ -581,7 +581,8 @@ def _print_diagnosis(console: Console, diagnosis: dict) -> None:
         features = ", ".join(f"{f['feature']} {f['residual']}/{f['of']} (vs {f['explained']}/{f['explained_of']} explained)"
                              for f in residual.get("features", [])) or "no feature of the list"
         contradicted = f", {residual['contradicted']} of them passing examples it gets wrong" if residual.get("contradicted") else ""
-        say(f"  residual of {', '.join(residual['checks'])}: {residual['count']} example(s) not reproduced{contradicted}; features: {features}")
+        lead = "unexplained" if residual.get("unexplained") else "residual of"
+        say(f"  {lead} {', '.join(residual['checks'])}: {residual['count']} example(s) not reproduced{contradicted}; features: {features}")
         example = residual.get("counterexample") or {}
         if example.get("difference"):
             say(f"    smallest: {example['difference']}")

@@ -490,6 +490,7 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
     step_explanations = step_explanations or {}
     step_choice, step_alternatives = _cover(step_explanations, list(step_descriptions or {}))
     closest_by_check: dict[str, dict[str, Any]] = {}
+    unexplained_sources: dict[str, dict[str, Any]] = {}
     for check in failed:
         if check in step_choice:
             by_check[check] = [step_choice[check]]
@@ -517,8 +518,11 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
             if share is not None and share["explained"]:
                 closest_by_check[check] = {"components": list(explanation.components), "explained": share["explained"], "of": share["of"],
                                            "share": share["share"]}
+            if share is not None and share["residual"]:  # what its failing examples share, though nothing known explains them
+                unexplained_sources[check] = {"residual": share["residual"], "components": list(explanation.components)}
 
-    residuals = _residuals(judge, shares, compute_dtype or dtype, replay)
+    residuals = _residuals(judge, shares, compute_dtype or dtype, replay) + _residuals(judge, unexplained_sources, compute_dtype or dtype, replay,
+                                                                                       unexplained=True)
     for check in shares:
         shares[check].pop("residual", None)
     components = list(dict.fromkeys(n for names in by_check.values() for n in names))
@@ -581,11 +585,12 @@ def _share_text(share: dict[str, Any]) -> str:
     return text
 
 
-def _residuals(judge: Judge, shares: dict[str, dict[str, Any]], compute_dtype: str, replay: Any) -> list[dict[str, Any]]:
-    """The examples each explained check's explanation does not reproduce, grouped where
-    several checks leave the same ones: how many, the features they share (against how often
-    each holds where the explanation reproduces the check), and the smallest as a
-    counterexample with its replay command."""
+def _residuals(judge: Judge, shares: dict[str, dict[str, Any]], compute_dtype: str, replay: Any, unexplained: bool = False) -> list[dict[str, Any]]:
+    """The examples each check's explanation does not reproduce, grouped where several
+    checks leave the same ones: how many, the features they share (against how often each
+    holds where the explanation reproduces the check), and the smallest as a counterexample
+    with its replay command. ``unexplained``: checks nothing names, whose failing examples
+    are characterised all the same."""
     from m2po_oracle import coverage
 
     groups: dict[tuple[int, ...], list[str]] = {}
@@ -616,6 +621,7 @@ def _residuals(judge: Judge, shares: dict[str, dict[str, Any]], compute_dtype: s
                       if f in field_names), "")
         residuals.append({
             "checks": checks,
+            "unexplained": unexplained,
             "count": len(indices),
             "contradicted": sum(1 for i in indices if not set(checks) & judge.observations[i].failed),
             "features": [{"feature": n, "residual": counts[n], "of": len(indices), "explained": elsewhere[n], "explained_of": len(explained),

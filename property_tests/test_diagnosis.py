@@ -191,6 +191,8 @@ def test_a_check_reproduced_on_less_than_the_threshold_is_only_the_closest(monke
     d = run_compare(_kept_count_with_empty_rows_as_one, "kept count, empty rows as one", examples=EXAMPLES, shrink=False).diagnosis
     assert "loss" in d["unexplained"] and "loss" not in d["by_check"], d["summary"]
     assert any(c.get("check") == "loss" and c["variant"] == "kept_count_denominator" for c in d["closest"]), d["closest"]
+    (residual,) = [r for r in d["residuals"] if "loss" in r["checks"]]
+    assert residual["unexplained"] and "empty_row" in residual["shared"], residual
 
 
 JOINT = ("authors_release_clip", "clip_floors(0.2, 0.28)", "float32_metrics")

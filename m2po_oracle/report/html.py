@@ -428,7 +428,7 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
                     "contradicted": _fmt(v.get("contradicted")) if v.get("contradicted") else None,
                     "components": [_linked(n, anchors) for n in _names(v.get("components"))]}
                    for check, v in ((c, _mapping(v)) for c, v in _mapping(d.get("shares")).items())],
-        "residuals": [{"checks": _names(r.get("checks")), "count": _fmt(r.get("count")),
+        "residuals": [{"checks": _names(r.get("checks")), "count": _fmt(r.get("count")), "unexplained": bool(r.get("unexplained")),
                        "contradicted": _fmt(r.get("contradicted")) if r.get("contradicted") else None,
                        "features": [{"feature": _text(f.get("feature")), "residual": _fmt(f.get("residual")), "of": _fmt(f.get("of")),
                                      "explained": _fmt(f.get("explained")), "explained_of": _fmt(f.get("explained_of")),
