@@ -209,6 +209,9 @@ def test_closest_matches_come_from_names_the_module_defines(ports, capsys):
 # --- Ctrl-C -------------------------------------------------------------------------------------
 
 
+# In the TRL tests' xdist group: run beside their torchrun worlds (two ranks, each multi-threaded,
+# on two cores) the interrupted run twice failed to exit within 60 s; alone it exits in 2-3 s.
+@pytest.mark.xdist_group("trl")
 def test_ctrl_c_writes_the_partial_report_and_exits_130(ports, tmp_path):
     report = tmp_path / "r.json"
     process = subprocess.Popen([sys.executable, "-m", "m2po_oracle.cli", "compare", "--impl", f"{ports}:slow", "--examples", "500",
@@ -221,7 +224,7 @@ def test_ctrl_c_writes_the_partial_report_and_exits_130(ports, tmp_path):
         time.sleep(0.2)
     time.sleep(2)
     os.killpg(process.pid, signal.SIGINT)  # as a terminal does: the whole process group
-    out, err = process.communicate(timeout=60)
+    out, err = process.communicate(timeout=180)
     assert process.returncode == EXIT_INTERRUPTED, (out, err)
     assert "Traceback" not in err and "Traceback" not in out, err
     assert len([line for line in err.splitlines() if line.strip()]) == 1, err
