@@ -226,10 +226,13 @@ def run_bench_across(world_size: int, tokens_per_rank: int, *, repeats: int = 5,
 
     with World(Topology(world_size, 1, 1), timeout_s=timeout_s) as world:
         outcomes = world.run(bench_across_ranks, {"tokens": tokens_per_rank, "seed": 0, "tau": tau, "repeats": repeats, "ties": ties})
+        # The whole distributed forward once more in the same world: its would-sync operators per rank.
+        forward = world.run(syncs_across_ranks, {"tokens": tokens_per_rank, "seed": 0, "tau": tau, "ties": ties})
     per_rank = [o.value for o in outcomes]
     slowest = {name: max(r["median_ms"][name] for r in per_rank) if repeats else None for name in ("histogram", "all_gather")}
     return {"world_size": world_size, "tokens_per_rank": tokens_per_rank, "identical": all(r["identical"] for r in per_rank),
-            "median_ms": slowest, "traffic_rank0": per_rank[0]["traffic"], "per_rank": per_rank}
+            "median_ms": slowest, "traffic_rank0": per_rank[0]["traffic"], "per_rank": per_rank,
+            "forward_syncs": [{"rank": o.rank, "syncs": o.value["syncs"], "collectives": o.value["collectives"]} for o in forward]}
 
 
 def rank_batch(payload: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
