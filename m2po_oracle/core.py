@@ -276,7 +276,9 @@ def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
     and ``advantages`` (the caller's own float64 buffers).
     """
     # Padding has d = 0 and A = 0, so it is never a candidate.
-    trust = ((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0))
+    # In place where possible: on CPU every token-sized temporary from 4M tokens up is
+    # fresh memory from the OS (glibc maps same-sized blocks anew), i.e. page faults.
+    trust = (advantages > 0).logical_and_(d > 0).logical_or_((advantages < 0).logical_and_(d < 0))
     valid_count = torch.count_nonzero(mask)  # no token-sized int64 copy, as a bool sum makes
     if group is None:
         return _select_single(d, advantages, trust, mask, valid_count, tau, on_invalid)
@@ -365,8 +367,9 @@ def _select_single(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tenso
     kept_count = cut.kept_count.to(torch.int64)
     valid_denominator = valid_count.clamp(min=1).double()
     return Selection(
-        # kept is within trust, trust within mask: keep = (mask and not trust) or kept.
-        keep=mask ^ trust ^ kept,
+        # kept is within trust, trust within mask: keep = (mask and not trust) or kept
+        # (computed in kept's own buffer).
+        keep=kept.bitwise_xor_(trust).bitwise_xor_(mask),
         valid_count=valid_count,
         trust_region_count=trust_count,
         kept_trust_region_count=kept_count,
@@ -476,16 +479,17 @@ def loss_from_selection(logp: torch.Tensor, behavior_logp: torch.Tensor, advanta
     """
     compute_dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
     zero = torch.zeros((), dtype=compute_dtype, device=logp.device)
-    # where() routes gradient only to kept tokens, so padding NaN/inf never meets a zero
-    # weight in the backward pass (0 * nan would poison the gradient). Taken after the
-    # subtraction it gives the same values as masking logp and behavior_logp apart.
-    # (masked_fill_ on the subtraction's own result: the values and gradient of where(),
-    # without another token-sized buffer.)
+    # Zeroing the dropped tokens' log-ratio routes gradient only to kept tokens, so padding
+    # NaN/inf never meets a zero weight in the backward pass (0 * nan would poison the
+    # gradient). Taken after the subtraction it gives the same values as masking logp and
+    # behavior_logp apart. masked_fill_ and exp_ work on the subtraction's own result: the
+    # values and gradient of where() and exp() without two more token-sized buffers (at 4M
+    # tokens and above each is fresh memory from the OS on CPU: thousands of page faults).
     dropped = ~keep
-    log_ratio_kept = (logp.to(compute_dtype) - behavior_logp.detach().to(compute_dtype)).masked_fill_(dropped, 0.0)
+    ratio_kept = (logp.to(compute_dtype) - behavior_logp.detach().to(compute_dtype)).masked_fill_(dropped, 0.0).exp_()
     advantages_kept = torch.where(keep, advantages.detach().to(compute_dtype), zero)
     denominator = torch.as_tensor(valid_count, device=logp.device).clamp(min=1).to(compute_dtype)
-    return -(torch.exp(log_ratio_kept) * advantages_kept).sum() / denominator
+    return -(ratio_kept * advantages_kept).sum() / denominator
 
 
 def m2po_loss(
