@@ -48,7 +48,10 @@ def forward_batch(tokens: int, *, device: str = "cpu", seed: int = 0, staleness:
     """float32 (logp, behavior_logp, advantages, mask) of ``tokens`` tokens (every one valid)."""
     generator = torch.Generator().manual_seed(seed)
     behavior = -torch.empty(tokens).exponential_(0.5, generator=generator)
-    d = staleness * torch.distributions.StudentT(3.0).sample((tokens,))
+    # Student-t with 3 degrees of freedom (heavy tails), drawn from ``generator`` alone so
+    # that the same seed gives the same batch in every process (a rank, the test that checks it).
+    normal = torch.randn(4, tokens, generator=generator)
+    d = staleness * normal[0] / (normal[1:].square().sum(0) / 3.0).sqrt()
     logp = (behavior + d).float()
     advantages = torch.where(torch.rand(tokens, generator=generator) < 0.5, 1.0, -1.0)
     rows = ROWS if tokens % ROWS == 0 else 1
@@ -223,7 +226,50 @@ def run_bench_across(world_size: int, tokens_per_rank: int, *, repeats: int = 5,
 
     with World(Topology(world_size, 1, 1), timeout_s=timeout_s) as world:
         outcomes = world.run(bench_across_ranks, {"tokens": tokens_per_rank, "seed": 0, "tau": tau, "repeats": repeats, "ties": ties})
+        # The whole distributed forward once more in the same world: its would-sync operators per rank.
+        forward = world.run(syncs_across_ranks, {"tokens": tokens_per_rank, "seed": 0, "tau": tau, "ties": ties})
     per_rank = [o.value for o in outcomes]
     slowest = {name: max(r["median_ms"][name] for r in per_rank) if repeats else None for name in ("histogram", "all_gather")}
     return {"world_size": world_size, "tokens_per_rank": tokens_per_rank, "identical": all(r["identical"] for r in per_rank),
-            "median_ms": slowest, "traffic_rank0": per_rank[0]["traffic"], "per_rank": per_rank}
+            "median_ms": slowest, "traffic_rank0": per_rank[0]["traffic"], "per_rank": per_rank,
+            "forward_syncs": [{"rank": o.rank, "syncs": o.value["syncs"], "collectives": o.value["collectives"]} for o in forward]}
+
+
+def rank_batch(payload: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s batch for :func:`syncs_across_ranks`: :func:`forward_batch`, with
+    ``ties`` every third token's log-ratio exactly 0.25 (at tau 0.04 and 4096 tokens per
+    rank, the cut falls among them on rank 1: the rank-ordered tie split runs), with
+    ``padding`` every fifth token masked."""
+    batch = forward_batch(payload["tokens"], seed=payload["seed"] + rank)
+    if payload.get("ties"):
+        batch["behavior_logp"].reshape(-1)[::3] = -1.0
+        batch["logp"].reshape(-1)[::3] = -0.75
+        batch["advantages"].reshape(-1)[::3] = 1.0
+    if payload.get("padding"):
+        batch["mask"].reshape(-1)[1::5] = False
+    return batch
+
+
+def syncs_across_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """World handler: one distributed ``core.m2po_loss`` forward over the DP group on this
+    rank's own batch (``payload``: tokens, seed, tau, ties), with its would-sync operators
+    (``host_syncs``) and the collectives it called, both counted on this rank."""
+    batch = rank_batch(payload, ctx.rank)
+    logp = batch["logp"].clone().requires_grad_(True)
+    ctx.counter.reset()
+    result, syncs = count_host_syncs(lambda: m2po_loss(logp, batch["behavior_logp"], batch["advantages"], batch["mask"], tau=payload["tau"],
+                                                       group=ctx.groups["dp"]))
+    collectives = {name: entry["calls"] for name, entry in ctx.counter.snapshot().items()}
+    return {"syncs": syncs.total, "by_operator": dict(syncs.syncs), "collectives": sum(collectives.values()), "by_collective": collectives,
+            "operators": sum(syncs.operators.values()), "kept": result.keep.reshape(-1).tolist() if payload.get("keep") else None}
+
+
+def run_syncs_across(world_size: int, tokens_per_rank: int, *, tau: float = 0.04, ties: bool = False, padding: bool = False, keep: bool = False,
+                     timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Per rank: the distributed forward's would-sync operators and collectives (see :func:`syncs_across_ranks`)."""
+    from m2po_oracle.distributed.topology import Topology
+    from m2po_oracle.distributed.world import World
+
+    with World(Topology(world_size, 1, 1), timeout_s=timeout_s) as world:
+        outcomes = world.run(syncs_across_ranks, {"tokens": tokens_per_rank, "seed": 0, "tau": tau, "ties": ties, "padding": padding, "keep": keep})
+    return [dict(o.value, rank=o.rank) for o in outcomes]

@@ -453,6 +453,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
                       f"{calls['histogram']} collectives, {sent['histogram']:,} bytes/rank; all-gather {m['all_gather']:.1f} ms, "
                       f"{calls['all_gather']} collectives, {sent['all_gather']:,} bytes/rank; ratio {m['all_gather'] / m['histogram']:.1f}x; "
                       f"identical: {'yes' if across['identical'] else 'NO'}", highlight=False, soft_wrap=True)
+        per_rank = ", ".join(f"rank {r['rank']}: {r['syncs']} with {r['collectives']} collectives" for r in across["forward_syncs"])
+        console.print(f"distributed m2po_loss forward, would-sync operators per rank: {per_rank}", highlight=False, soft_wrap=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2))

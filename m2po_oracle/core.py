@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from m2po_oracle import fast_selection
-from m2po_oracle.fast_selection import BUCKETS, DIGIT_BITS, Descent, cut_of_crossing_bucket, kept_candidates_across, out_of_level
+from m2po_oracle.fast_selection import BUCKETS, DIGIT_BITS, Descent, cut_of_crossing_bucket, kept_candidates_across
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -219,12 +219,13 @@ def _exchange(record: torch.Tensor, device: torch.device, group: Any) -> list[_R
     mine = record.to(device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
-    table = torch.stack(gathered).cpu()
+    # One host read of the table (a copy from an accelerator; none under gloo), decoded in NumPy.
+    table = torch.stack(gathered).cpu().numpy()
     return [_RankRecord(int(row[0]), float(row[1]), _decode(row[2:])) for row in table]
 
 
-def _decode(words: torch.Tensor) -> str:
-    return words.contiguous().view(torch.uint8).numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
+def _decode(words: Any) -> str:
+    return words.tobytes().rstrip(b"\0").decode("utf-8", "replace")
 
 
 def _rank_name(group: Any, index: int) -> str:
@@ -275,26 +276,28 @@ def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
     and ``advantages`` (the caller's own float64 buffers).
     """
     # Padding has d = 0 and A = 0, so it is never a candidate.
-    trust = ((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0))
+    # In place where possible: on CPU every token-sized temporary from 4M tokens up is
+    # fresh memory from the OS (glibc maps same-sized blocks anew), i.e. page faults.
+    trust = (advantages > 0).logical_and_(d > 0).logical_or_((advantages < 0).logical_and_(d < 0))
     valid_count = torch.count_nonzero(mask)  # no token-sized int64 copy, as a bool sum makes
     if group is None:
         return _select_single(d, advantages, trust, mask, valid_count, tau, on_invalid)
-    m2 = d * d
-    candidate_index = torch.nonzero(trust).reshape(-1)
     import torch.distributed as dist
 
-    candidate_m2 = m2[candidate_index]
-    kept = kept_candidates_across(candidate_m2, tau, group)
-    # Global counts and sums for N and the metrics: one all-reduce of four numbers.
-    totals = torch.stack([valid_count.double(), torch.tensor(float(candidate_m2.numel()), dtype=torch.float64, device=d.device),
-                          kept.sum().double(), candidate_m2.sum(), torch.where(kept, candidate_m2, torch.zeros_like(candidate_m2)).sum()])
+    # Every token takes part, the trust region as a mask: nothing is gathered, so nothing
+    # waits for a size (the agreement's verdict was this forward's one host read).
+    m2 = d.mul_(d)
+    kept = kept_candidates_across(m2, tau, group, candidates=trust)
+    zero = torch.zeros((), dtype=torch.float64, device=d.device)
+    # Global counts and sums for N and the metrics: one all-reduce of five numbers.
+    totals = torch.stack([valid_count.double(), torch.count_nonzero(trust).double(), torch.count_nonzero(kept).double(),
+                          torch.where(trust, m2, zero).sum(), torch.where(kept, m2, zero).sum()])
     dist.all_reduce(totals, group=group)
     global_valid, trust_count, kept_count, total, kept_total = (totals[i] for i in range(5))
-    removed = torch.zeros_like(mask)
-    removed[candidate_index[~kept]] = True
     valid_denominator = global_valid.clamp(min=1)
     return Selection(
-        keep=mask & ~removed,
+        # kept is within trust, trust within mask: keep = (mask and not trust) or kept.
+        keep=mask ^ trust ^ kept,
         valid_count=global_valid.to(torch.int64),
         trust_region_count=trust_count.to(torch.int64),
         kept_trust_region_count=kept_count.to(torch.int64),
@@ -314,9 +317,10 @@ def _select_single(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tenso
     one read also brings the candidate count and the crossing bucket's size, so the
     candidates to finish with are gathered with a fixed size (``nonzero_static``) and the
     rest of the cut runs on them alone, again on the device: up to SMALL candidates are all
-    sorted, and a crossing bucket of up to SORT_AT_MOST values is sorted, both as
-    ``kept_candidates`` finishes (the same result to the last bit); a larger crossing
-    bucket goes through the remaining radix levels (exact up to float64 rounding at tau).
+    sorted as ``kept_candidates`` finishes (the same result to the last bit), and so is a
+    crossing bucket of up to SMALL values; a larger crossing bucket is sorted (up to
+    SORT_AT_MOST values) or goes through the remaining radix levels, both exact up to
+    float64 rounding at tau.
     """
     device, n = d.device, d.numel()
     if n <= fast_selection.SMALL:
@@ -327,7 +331,11 @@ def _select_single(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tenso
     # overwrite A (on CPU a fresh token-sized buffer costs more than the pass that fills it).
     m2 = d.mul_(d)
     bucket = torch.bitwise_right_shift(m2.view(torch.int64), 64 - DIGIT_BITS, out=advantages.view(torch.int64))
-    out_of_level(bucket, inside=trust)
+    # Non-candidates go to the bank BUCKETS .. 2 * BUCKETS - 1 that is never read, each at
+    # BUCKETS + its own digit (< 2**15: M2's sign bit is 0). Padding shares one bank bucket:
+    # at 1M tokens, half of them padding, one CPU thread, that costs a histogram about 0.2 ms,
+    # where spreading the bank by position (out_of_level) took about 3 ms more to build.
+    bucket.add_(~trust, alpha=BUCKETS)
     ones = torch.ones((), dtype=torch.float64, device=device).expand(n)
     sums = torch.zeros(2 * BUCKETS, dtype=torch.float64, device=device).scatter_add_(0, bucket, m2)[:BUCKETS]
     counts = torch.zeros(2 * BUCKETS, dtype=torch.float64, device=device).scatter_add_(0, bucket, ones)[:BUCKETS]
@@ -361,8 +369,9 @@ def _select_single(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tenso
     kept_count = cut.kept_count.to(torch.int64)
     valid_denominator = valid_count.clamp(min=1).double()
     return Selection(
-        # kept is within trust, trust within mask: keep = (mask and not trust) or kept.
-        keep=mask ^ trust ^ kept,
+        # kept is within trust, trust within mask: keep = (mask and not trust) or kept
+        # (computed in kept's own buffer).
+        keep=kept.bitwise_xor_(trust).bitwise_xor_(mask),
         valid_count=valid_count,
         trust_region_count=trust_count,
         kept_trust_region_count=kept_count,
@@ -504,13 +513,17 @@ def loss_from_selection(logp: torch.Tensor, behavior_logp: torch.Tensor, advanta
     """
     compute_dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
     zero = torch.zeros((), dtype=compute_dtype, device=logp.device)
-    # where() routes gradient only to kept tokens, so padding NaN/inf never meets a zero
-    # weight in the backward pass (0 * nan would poison the gradient). Taken after the
-    # subtraction it gives the same values as masking logp and behavior_logp apart.
-    log_ratio_kept = torch.where(keep, logp.to(compute_dtype) - behavior_logp.detach().to(compute_dtype), zero)
+    # Zeroing the dropped tokens' log-ratio routes gradient only to kept tokens, so padding
+    # NaN/inf never meets a zero weight in the backward pass (0 * nan would poison the
+    # gradient). Taken after the subtraction it gives the same values as masking logp and
+    # behavior_logp apart. masked_fill_ and exp_ work on the subtraction's own result: the
+    # values and gradient of where() and exp() without two more token-sized buffers (at 4M
+    # tokens and above each is fresh memory from the OS on CPU: thousands of page faults).
+    dropped = ~keep
+    ratio_kept = (logp.to(compute_dtype) - behavior_logp.detach().to(compute_dtype)).masked_fill_(dropped, 0.0).exp_()
     advantages_kept = torch.where(keep, advantages.detach().to(compute_dtype), zero)
     denominator = torch.as_tensor(valid_count, device=logp.device).clamp(min=1).to(compute_dtype)
-    return -(torch.exp(log_ratio_kept) * advantages_kept).sum() / denominator
+    return -(ratio_kept * advantages_kept).sum() / denominator
 
 
 def m2po_loss(

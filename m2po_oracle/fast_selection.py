@@ -97,54 +97,53 @@ def kept_candidates_by_sorting(m2: torch.Tensor, tau: float) -> torch.Tensor:
 GROUP_DIGIT_BITS = 12
 
 
-def kept_candidates_across(m2: torch.Tensor, tau: float, group: object) -> torch.Tensor:
+def kept_candidates_across(m2: torch.Tensor, tau: float, group: object, candidates: torch.Tensor | None = None) -> torch.Tensor:
     """Algorithm 1's kept set over the candidates of every rank of ``group``, without
-    moving any candidate: per 12-bit digit, counts and sums per bucket are all-reduced
-    (a fixed number of rounds, bytes independent of the token count), the crossing bucket
-    is refined until all 64 bits are fixed, and the tied values at the cut are split in
-    rank order (one all-gather of one count per rank). Returns this rank's kept mask.
+    moving any candidate and without reading any value on the host: per 12-bit digit,
+    counts and sums per bucket are all-reduced (six rounds whatever the data, bytes
+    independent of the token count), every rank picks the same crossing bucket on the
+    device (``Descent``), and the values tied at the cut after all 64 bits are split in
+    rank order, then index order (one all-gather of one count per rank). Returns this
+    rank's kept mask over ``m2`` (1-d float64 >= 0); with ``candidates`` (a bool mask over
+    ``m2``) only those compete and only they can be kept, so callers gather nothing.
     """
     import torch.distributed as dist
 
-    device = m2.device
-    keys = m2.view(torch.int64)
-    subset = torch.arange(m2.numel(), device=device)
-    kept = torch.zeros(m2.shape, dtype=torch.bool, device=device)
-    kept_sum = torch.zeros((), dtype=torch.float64, device=device)
-    kept_count = torch.zeros((), dtype=torch.float64, device=device)
-    fixed, prefix, tied_total = 0, 0, 0
+    device, n = m2.device, m2.numel()
+    keys = m2.view(torch.int64)  # monotone in the value for non-negative floats
+    ones = torch.ones((), dtype=torch.float64, device=device).expand(n)
+    bucket = torch.empty(n, dtype=torch.int64, device=device)
+    state, fixed = Descent.start(device), 0
     while fixed < 64:
         bits = min(GROUP_DIGIT_BITS, 64 - fixed)
-        digit = (keys[subset] >> (64 - fixed - bits)) & ((1 << bits) - 1)
-        histogram = torch.zeros(2, 1 << bits, dtype=torch.float64, device=device)
-        histogram[0].scatter_add_(0, digit, m2[subset])
-        histogram[1].scatter_add_(0, digit, torch.ones((), dtype=torch.float64, device=device).expand(subset.numel()))
+        torch.bitwise_right_shift(keys, 64 - fixed - bits, out=bucket)
+        if fixed:
+            # Alive values (top bits equal to ``prefix``) become their digit; the rest >= 2**bits.
+            bucket.bitwise_xor_(state.prefix << bits)
+            out_of_level(bucket, buckets=1 << bits)
+        if candidates is not None:
+            out_of_level(bucket, inside=candidates, buckets=1 << bits)
+        histogram = torch.zeros(2, 2 << bits, dtype=torch.float64, device=device)
+        histogram[0].scatter_add_(0, bucket, m2)
+        histogram[1].scatter_add_(0, bucket, ones)
+        histogram = histogram[:, : 1 << bits].contiguous()  # the bank is never read
         dist.all_reduce(histogram, group=group)  # every rank now decides identically
-        sums = torch.cumsum(histogram[0], 0) + kept_sum
-        counts = torch.cumsum(histogram[1], 0) + kept_count
-        over = sums / counts > tau
-        if not bool(over.any()):
-            kept[subset] = True
-            return kept
-        crossing = int(torch.argmax(over.to(torch.uint8)))
-        if crossing:
-            kept_sum, kept_count = sums[crossing - 1], counts[crossing - 1]
-        kept[subset[digit < crossing]] = True
-        subset = subset[digit == crossing]
-        tied_total = int(histogram[1][crossing])
-        prefix = (prefix << bits) | crossing
+        state, _ = state.step(histogram[0], histogram[1], tau, 0, bits=bits, fixed_bits=fixed)
         fixed += bits
-    # Every remaining value, on every rank, is the float whose bits are ``prefix``.
-    tied = torch.tensor(prefix, dtype=torch.int64).view(torch.float64).to(device)
-    r = torch.arange(1, tied_total + 1, dtype=torch.float64, device=device)
-    fits = int(((kept_sum + r * tied) / (kept_count + r) <= tau).sum())
+    # Every alive value, on every rank, is the float whose bits are ``prefix``; the largest
+    # count of them that fits is found on a grid (counts are exact in float64 up to 2**53).
+    tied_value = state.prefix.view(torch.float64)
+    fits = torch.where(state.refining, _tied_fits(state.kept_sum, state.kept_count, tied_value, state.tied_count, tau, 1 << 53), 0)
+    tied = keys == torch.where(state.refining, state.prefix, -1)  # -1 is no key: nothing is tied
+    if candidates is not None:
+        tied &= candidates
     # Ties at the cut go to lower ranks first (then lower indices): one count per rank.
-    mine = torch.tensor([subset.numel()], dtype=torch.int64, device=device)
+    mine = torch.count_nonzero(tied).reshape(1)
     by_rank = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(by_rank, mine, group=group)
-    lower = sum(int(c) for c in by_rank[: dist.get_rank(group)])
-    kept[subset[: max(0, min(subset.numel(), fits - lower))]] = True
-    return kept
+    lower = torch.cat(by_rank[: dist.get_rank(group)] + [torch.zeros_like(mine)]).sum()
+    kept = (keys < torch.where(state.refining, state.prefix, state.threshold)) | (tied & (torch.cumsum(tied, 0) <= fits - lower))
+    return kept if candidates is None else kept & candidates
 
 
 def kept_candidates_across_by_gathering(m2: torch.Tensor, tau: float, group: object) -> torch.Tensor:
@@ -218,30 +217,33 @@ class Descent:
         return cls(torch.zeros((), dtype=torch.int64, device=device), zero, zero,
                    torch.full((), _INT64_MAX, dtype=torch.int64, device=device), torch.ones((), dtype=torch.bool, device=device), zero)
 
-    def step(self, sums: torch.Tensor, counts: torch.Tensor, tau: float, level: int) -> tuple["Descent", torch.Tensor]:
-        """One level from its histogram (BUCKETS sums and counts of the alive values);
-        also returns the level's crossing bucket (BUCKETS when nothing crosses)."""
+    def step(self, sums: torch.Tensor, counts: torch.Tensor, tau: float, level: int, *, bits: int = DIGIT_BITS,
+             fixed_bits: int | None = None) -> tuple["Descent", torch.Tensor]:
+        """One level from its histogram (``1 << bits`` sums and counts of the alive values,
+        whose top ``fixed_bits`` key bits, default ``DIGIT_BITS * level``, are ``prefix``);
+        also returns the level's crossing bucket (``1 << bits`` when nothing crosses)."""
+        buckets = 1 << bits
+        fixed = DIGIT_BITS * level if fixed_bits is None else fixed_bits
         cumulative_sum = torch.cumsum(sums, 0) + self.kept_sum
         cumulative_count = torch.cumsum(counts, 0) + self.kept_count
         # Prefix means are non-decreasing: the first bucket whose cumulative mean exceeds tau
         # holds the cut. (Sum then divide, as the sorting baseline does.)
         over = cumulative_sum / cumulative_count > tau
         crosses = over.any()
-        crossing = torch.where(crosses, torch.argmax(over.to(torch.uint8)), BUCKETS)
+        crossing = torch.where(crosses, torch.argmax(over.to(torch.uint8)), buckets)
         # Nothing crosses: every alive value fits, up to the end of this level's prefix range.
         fits_all = self.refining & ~crosses
-        shift = 64 - DIGIT_BITS * level
-        level_end = (self.prefix + 1) << shift if level else torch.full_like(self.prefix, _INT64_MAX)
-        below = (crossing - 1).clamp(min=0, max=BUCKETS - 1)
+        level_end = (self.prefix + 1) << (64 - fixed) if fixed else torch.full_like(self.prefix, _INT64_MAX)
+        below = (crossing - 1).clamp(min=0, max=buckets - 1)
         has_below = self.refining & crosses & (crossing > 0)
         refining = self.refining & crosses
         return Descent(
-            prefix=torch.where(refining, (self.prefix << DIGIT_BITS) | crossing, self.prefix),
+            prefix=torch.where(refining, (self.prefix << bits) | crossing, self.prefix),
             kept_sum=torch.where(fits_all, cumulative_sum[-1], torch.where(has_below, _at(cumulative_sum, below), self.kept_sum)),
             kept_count=torch.where(fits_all, cumulative_count[-1], torch.where(has_below, _at(cumulative_count, below), self.kept_count)),
             threshold=torch.where(fits_all, level_end, self.threshold),
             refining=refining,
-            tied_count=_at(counts, crossing.clamp(max=BUCKETS - 1)),
+            tied_count=_at(counts, crossing.clamp(max=buckets - 1)),
         ), crossing
 
 
@@ -284,16 +286,16 @@ def cut_without_sync(m2: torch.Tensor, tau: float, *, first_level: int = 0, desc
     return DeviceCut(kept, state.kept_count + fits, state.kept_sum + tied_sum)
 
 
-def out_of_level(bucket: torch.Tensor, inside: torch.Tensor | None = None) -> None:
+def out_of_level(bucket: torch.Tensor, inside: torch.Tensor | None = None, *, buckets: int = BUCKETS) -> None:
     """In place: values not ``inside`` a level (or, without ``inside``, every bucket index
-    >= BUCKETS) go to the bank BUCKETS .. 2 * BUCKETS - 1, spread by position. Thousands of
-    equal keys (every +inf, every tie, every padding token) in one bucket would make a
-    histogram a chain of dependent additions (4x slower on CPU, contended atomics on a GPU).
-    The bank is broadcast over rows of BUCKETS tokens, so nothing token-sized is allocated.
+    >= ``buckets``) go to the bank ``buckets`` .. 2 * ``buckets`` - 1, spread by position.
+    Thousands of equal keys (every +inf, every tie, every padding token) in one bucket would
+    make a histogram a chain of dependent additions (4x slower on CPU, contended atomics on a
+    GPU). The bank is broadcast over rows of ``buckets`` tokens: nothing token-sized is allocated.
     """
-    bank = torch.arange(BUCKETS, 2 * BUCKETS, dtype=torch.int64, device=bucket.device)
-    full = bucket.numel() - bucket.numel() % BUCKETS
-    for part, rows in ((slice(0, full), (-1, BUCKETS)), (slice(full, None), (-1,))):
+    bank = torch.arange(buckets, 2 * buckets, dtype=torch.int64, device=bucket.device)
+    full = bucket.numel() - bucket.numel() % buckets
+    for part, rows in ((slice(0, full), (-1, buckets)), (slice(full, None), (-1,))):
         target = bucket[part].view(rows)
         spread = bank[: target.shape[-1]]
         if inside is None:
@@ -303,10 +305,14 @@ def out_of_level(bucket: torch.Tensor, inside: torch.Tensor | None = None) -> No
 
 
 #: Up to this many values in the crossing bucket are sorted rather than refined (a dozen
-#: operators instead of a few hundred small ones, each a kernel launch on a GPU). Equal to
-#: SMALL, so that the core finishes exactly as :func:`kept_candidates` does whenever that
-#: one sorts after its first level (raising it trades that identity for fewer operators).
-SORT_AT_MOST = SMALL
+#: operators instead of a few hundred small ones, each a kernel launch on a GPU). Three
+#: more 16-bit levels cost about 4 ms on one CPU thread whatever the bucket's size (two
+#: 65536-bucket histograms each); a stable sort of 5,249 values (a 1M-token batch's crossing
+#: bucket) 0.7 ms, of 21,015 (4M) 2.4 ms, of 84,504 (16M) 9.3 ms. A bucket of up to SMALL
+#: values finishes exactly as :func:`kept_candidates` does (it sorts after its first level
+#: too); a larger one, sorted or refined, is exact up to float64 rounding at tau (the
+#: sorted prefix sums add in another order than the bucket sums).
+SORT_AT_MOST = 1 << 15
 
 
 def cut_of_crossing_bucket(values: torch.Tensor, tau: float, descent: Descent, *, small: int | None = None) -> DeviceCut:

@@ -189,6 +189,7 @@ def test_histogram_rounds_equal_the_all_gather_selection_and_send_fixed_bytes(wo
     assert result["identical"], "histogram rounds and all-gather kept different tokens"
     sent = {name: sum(v["bytes"] for v in traffic.values()) for name, traffic in result["traffic_rank0"].items()}
     assert sent["histogram"] <= 6 * 2 * 4096 * 8 + 8, f"histogram rounds sent {sent['histogram']} bytes"
+    assert all(r["syncs"] <= 1 for r in result["forward_syncs"]), f"the distributed forward's would-sync operators per rank: {result['forward_syncs']}"
 
 
 def test_histogram_bytes_do_not_grow_with_tokens_while_all_gather_bytes_do():

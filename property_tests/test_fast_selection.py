@@ -100,9 +100,10 @@ def test_the_sync_free_variant_on_a_large_batch_with_ties():
         assert torch.equal(kept_candidates_without_sync(m2, tau), kept_candidates_by_sorting(m2, tau))
 
 
-def _core_selection(batch, small):
-    """The core's single-process selection with the crossing bucket finished by sorting
-    up to ``small`` values (0: always by the remaining radix levels)."""
+def _core_selection(batch, small, sort_at_most=None):
+    """The core's single-process selection with every candidate sorted up to ``small`` of
+    them, and the crossing bucket finished by sorting up to ``sort_at_most`` values
+    (default ``small``; 0: always by the remaining radix levels)."""
     from m2po_oracle.contract import to_tensors
     from m2po_oracle.core import _select_flat, _selection_inputs
 
@@ -111,7 +112,7 @@ def _core_selection(batch, small):
     d, a, mask = d.reshape(-1), a.reshape(-1), t["mask"].reshape(-1)
     trust = ((a > 0) & (d > 0)) | ((a < 0) & (d < 0))
     m2 = d * d
-    with mock.patch.object(fast_selection, "SMALL", small), mock.patch.object(fast_selection, "SORT_AT_MOST", small):
+    with mock.patch.object(fast_selection, "SMALL", small), mock.patch.object(fast_selection, "SORT_AT_MOST", small if sort_at_most is None else sort_at_most):
         selection = _select_flat(d.clone(), a.clone(), mask, batch.tau, None)
     return selection, m2, trust, mask
 
@@ -154,10 +155,11 @@ def test_the_core_selection_through_the_radix_levels_is_algorithm_1(small, batch
     assert float(selection.m2_before) == pytest.approx(float(candidates.sum()) / max(int(trust.sum()), 1), rel=1e-12, abs=1e-300)
 
 
-@pytest.mark.parametrize("small", [0, 4096])
+@pytest.mark.parametrize("small, sort_at_most", [(0, 0), (4096, 4096), (0, fast_selection.SORT_AT_MOST)], ids=["radix levels", "main's", "bucket sorted"])
 @pytest.mark.parametrize("tau", [0.0, 0.04, 0.0625, 0.5])
-def test_the_core_selection_on_a_large_batch_with_ties_and_padding(small, tau):
-    """Thousands of values in the crossing bucket, a block of exact ties and runs of padding."""
+def test_the_core_selection_on_a_large_batch_with_ties_and_padding(small, sort_at_most, tau):
+    """18,753 candidates with a block of exact ties and runs of padding (crossing buckets of
+    1 to 186 values); the crossing bucket finished by the radix levels or sorted."""
     from m2po_oracle.batch import Batch
 
     rng = np.random.default_rng(5)
@@ -167,7 +169,7 @@ def test_the_core_selection_on_a_large_batch_with_ties_and_padding(small, tau):
     d[:, ::9] = 0.25
     valid = np.arange(shape[1])[None, :] < rng.integers(1000, shape[1], size=(shape[0], 1))
     batch = Batch(behavior + d, behavior, np.where(rng.random(shape) < 0.5, 1.0, -1.0), valid, tau)
-    selection, m2, trust, mask = _core_selection(batch, small)
+    selection, m2, trust, mask = _core_selection(batch, small, sort_at_most)
     expected = mask.clone()
     expected[trust] = kept_candidates_by_sorting(m2[trust], tau)
     assert torch.equal(selection.keep, expected)
