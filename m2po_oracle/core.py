@@ -353,33 +353,16 @@ def _select_single(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tenso
         read = int(packed.item())
     size, candidates = read & 0xFFFFFFFF, read >> 32
     if candidates <= fast_selection.SMALL:
-        # As kept_candidates selects so few: every candidate sorted, no bucket sums, so the
-        # result is the same to the last bit.
-        alive = torch.nonzero_static(bucket < BUCKETS, size=candidates).reshape(-1)
-        values = m2.index_select(0, alive)
-        cut = cut_of_crossing_bucket(values, tau, Descent.start(device), small=candidates)
-        kept = torch.zeros_like(mask).index_put_((alive,), cut.kept)
-        kept_sum, candidate_sum = torch.where(cut.kept, values, 0.0).sum(), values.sum()
+        # As kept_candidates selects so few: the same result to the last bit.
+        kept, cut, kept_sum, candidate_sum = _sorted_finish(m2, torch.nonzero_static(bucket < BUCKETS, size=candidates).reshape(-1),
+                                                            candidates, tau, mask)
     else:
         alive = torch.nonzero_static(bucket == crossing, size=size).reshape(-1)
         cut = cut_of_crossing_bucket(m2.index_select(0, alive), tau, descent)
         # Candidates below the crossing bucket are kept (non-candidates sit at BUCKETS and above).
         kept = (bucket < crossing).index_put_((alive,), cut.kept)
         kept_sum, candidate_sum = cut.kept_sum, sums.sum()
-    kept_count = cut.kept_count.to(torch.int64)
-    valid_denominator = valid_count.clamp(min=1).double()
-    return Selection(
-        # kept is within trust, trust within mask: keep = (mask and not trust) or kept
-        # (computed in kept's own buffer).
-        keep=kept.bitwise_xor_(trust).bitwise_xor_(mask),
-        valid_count=valid_count,
-        trust_region_count=trust_count,
-        kept_trust_region_count=kept_count,
-        m2_before=candidate_sum / trust_count.clamp(min=1),
-        m2_after=kept_sum / kept_count.clamp(min=1),
-        masked_fraction=(trust_count - kept_count).double() / valid_denominator,
-        trust_region_fraction=trust_count.double() / valid_denominator,
-    )
+    return _selection(kept, trust, mask, valid_count, trust_count, cut.kept_count, candidate_sum, kept_sum)
 
 
 def _select_few(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor,
@@ -395,15 +378,29 @@ def _select_few(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tensor, 
             on_invalid()
         read = int(trust_count.item())
     m2 = d.mul_(d)
-    alive = torch.nonzero_static(trust.reshape(-1), size=read).reshape(-1)
+    kept, cut, kept_sum, candidate_sum = _sorted_finish(m2, torch.nonzero_static(trust, size=read).reshape(-1), read, tau, mask)
+    return _selection(kept, trust, mask, valid_count, trust_count, cut.kept_count, candidate_sum, kept_sum)
+
+
+def _sorted_finish(m2: torch.Tensor, alive: torch.Tensor, count: int, tau: float, mask: torch.Tensor
+                   ) -> tuple[torch.Tensor, fast_selection.DeviceCut, torch.Tensor, torch.Tensor]:
+    """As kept_candidates selects a few candidates (``alive``, in index order): all sorted,
+    no bucket sums. The kept mask, the cut, and the kept and candidate M2 sums."""
     values = m2.index_select(0, alive)
-    cut = cut_of_crossing_bucket(values, tau, Descent.start(d.device), small=read)
+    cut = cut_of_crossing_bucket(values, tau, Descent.start(m2.device), small=count)
     kept = torch.zeros_like(mask).index_put_((alive,), cut.kept)
-    kept_sum, candidate_sum = torch.where(cut.kept, values, 0.0).sum(), values.sum()
-    kept_count = cut.kept_count.to(torch.int64)
+    return kept, cut, torch.where(cut.kept, values, 0.0).sum(), values.sum()
+
+
+def _selection(kept: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, trust_count: torch.Tensor,
+               kept_count: torch.Tensor, candidate_sum: torch.Tensor, kept_sum: torch.Tensor) -> Selection:
+    """The selection's record from the kept candidates (``kept``, overwritten) and its sums."""
+    kept_count = kept_count.to(torch.int64)
     valid_denominator = valid_count.clamp(min=1).double()
     return Selection(
-        keep=mask ^ trust ^ kept,
+        # kept is within trust, trust within mask: keep = (mask and not trust) or kept
+        # (computed in kept's own buffer).
+        keep=kept.bitwise_xor_(trust).bitwise_xor_(mask),
         valid_count=valid_count,
         trust_region_count=trust_count,
         kept_trust_region_count=kept_count,
