@@ -32,6 +32,11 @@ ROLLOUT_LOGP_DTYPE = "float32"
 DESCRIPTIONS = {
     "per_micro_batch_mask": "the mask is selected within each gradient-accumulation micro-batch alone, not over the optimizer batch",
     "per_rank_selection_global_n": "each DP rank selects over its own rows without communication (dividing by the global N)",
+    "per_rank_selection_local_n": "each DP rank selects over its own rows without communication and divides by its own rows' valid count",
+    "per_rank_selection": "each DP rank selects over its own rows without communication; the loss is not divided by the global N "
+                          "(its denominator is named beside it where the loss reproduces a known one)",
+    "per_cp_chunk_selection": "each CP rank selects over its own shard without communication; the loss is not divided by the global N "
+                              "(its denominator is named beside it where the loss reproduces a known one)",
     "per_cp_chunk_selection_global_n": "each CP rank selects over its own shard without communication, dividing by the global N",
     "local_shard_selection": "each rank selects over its own CP shard without communication and divides by the shard's valid count",
     "dp_cp_group_double_count": "selection and N over the DP x CP group after CP reconstruction: every token counted once per CP replica",
