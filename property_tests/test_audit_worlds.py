@@ -71,7 +71,8 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
         blocks = {(dp, mb): torch.arange(dp_rows[dp].start + mb * world.rows_per_mb, dp_rows[dp].start + (mb + 1) * world.rows_per_mb)
                   for dp in range(topology.dp) for mb in range(k)}
         shard = lambda c: torch.from_numpy(cp_token_indices(world.width, cp, c))  # noqa: E731
-        if planted in ("per_micro_batch_mask", "per_micro_batch_core", "per_micro_batch_core_rank_count"):
+        if planted in ("per_micro_batch_mask", "per_micro_batch_core", "per_micro_batch_core_rank_count", "per_micro_batch_own_n",
+                       "per_micro_batch_own_n_over_k"):
             for index in blocks.values():
                 keep[index] = select_tokens(*_rows((logp, behavior, advantages, mask), index), tau=TAU).keep
         if planted in ("per_rank_selection_global_n", "per_rank_selection_local_n", "per_rank_selection_kept_count"):
@@ -129,7 +130,9 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
                     denominator = mask[dp_rows[coords.dp]].sum()
                 elif planted in ("kept_count_denominator", "per_rank_selection_kept_count"):
                     denominator = kept
-                elif planted == "per_micro_batch_denominator":
+                elif planted == "per_micro_batch_own_n":  # the core called per micro-batch, its loss as is
+                    denominator = mask[index].sum()
+                elif planted in ("per_micro_batch_denominator", "per_micro_batch_own_n_over_k"):
                     denominator = k * mask[index].sum()
                 elif planted in ("cp_shard_counts", "per_cp_chunk_selection_shard_counts"):
                     denominator = mask[:, shard(coords.cp)].sum()
@@ -459,6 +462,7 @@ SCOPE_WITH_DENOMINATOR = {
     "rank's own N": ("per_rank_selection_local_n", World("dp=2,cp=1,tp=1"), ["per_rank_selection_local_n"]),
     "rank's own N, GA=2": ("per_rank_selection_local_n", World("dp=2,cp=1,tp=1", micro_batches=2), ["per_rank_selection_local_n"]),
     "rank's own N, cp=2": ("per_rank_selection_local_n", World("dp=2,cp=2,tp=1"), ["per_rank_selection_local_n"]),
+    "micro-batch's own N": ("per_micro_batch_own_n", World("dp=1,cp=1,tp=1", micro_batches=2), ["per_micro_batch_mask", "local_denominator"]),
     "rank's selection, kept count": ("per_rank_selection_kept_count", World("dp=2,cp=1,tp=1"), ["per_rank_selection", "kept_count_denominator"]),
     "shard's selection, N per CP shard": ("per_cp_chunk_selection_shard_counts", World("dp=2,cp=2,tp=1"),
                                           ["per_cp_chunk_selection", "cp_shard_counts"]),
@@ -471,6 +475,11 @@ def _consistent(step) -> None:
     """No name the loss contradicts: a ``*_global_n`` scope only where the loss and the gradient
     are the global N's, never beside a denominator."""
     statuses = _statuses(step)
+    from m2po_oracle.audit import DESCRIPTIONS
+
+    if set(step.diagnosis) - LOSS_DENOMINATORS:  # a scope (or another deviation) beside: no denominator's words claim the mask
+        for name in LOSS_DENOMINATORS & set(step.diagnosis):
+            assert "mask" not in DESCRIPTIONS[name], (step.step, step.diagnosis, name, DESCRIPTIONS[name])
     if GLOBAL_N_SCOPES & set(step.diagnosis):
         assert not LOSS_DENOMINATORS & set(step.diagnosis), (step.step, step.diagnosis, "a global N beside another denominator")
         assert statuses["audit.loss_sum"] == statuses["audit.gradient"] == "pass", (step.step, step.diagnosis, statuses)
