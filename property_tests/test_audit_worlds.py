@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from m2po_oracle.audit import audit_capture
+from m2po_oracle.audit import DESCRIPTIONS, audit_capture
 from m2po_oracle.capture import Recorder
 from m2po_oracle.core import loss_from_selection, select_tokens
 from m2po_oracle.distributed.topology import Topology, cp_token_indices, dp_row_slices
@@ -71,8 +71,7 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
         blocks = {(dp, mb): torch.arange(dp_rows[dp].start + mb * world.rows_per_mb, dp_rows[dp].start + (mb + 1) * world.rows_per_mb)
                   for dp in range(topology.dp) for mb in range(k)}
         shard = lambda c: torch.from_numpy(cp_token_indices(world.width, cp, c))  # noqa: E731
-        if planted in ("per_micro_batch_mask", "per_micro_batch_core", "per_micro_batch_core_rank_count", "per_micro_batch_own_n",
-                       "per_micro_batch_own_n_over_k"):
+        if planted in ("per_micro_batch_mask", "per_micro_batch_core", "per_micro_batch_core_rank_count", "per_micro_batch_own_n"):
             for index in blocks.values():
                 keep[index] = select_tokens(*_rows((logp, behavior, advantages, mask), index), tau=TAU).keep
         if planted in ("per_rank_selection_global_n", "per_rank_selection_local_n", "per_rank_selection_kept_count"):
@@ -132,7 +131,7 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
                     denominator = kept
                 elif planted == "per_micro_batch_own_n":  # the core called per micro-batch, its loss as is
                     denominator = mask[index].sum()
-                elif planted in ("per_micro_batch_denominator", "per_micro_batch_own_n_over_k"):
+                elif planted == "per_micro_batch_denominator":
                     denominator = k * mask[index].sum()
                 elif planted in ("cp_shard_counts", "per_cp_chunk_selection_shard_counts"):
                     denominator = mask[:, shard(coords.cp)].sum()
@@ -144,8 +143,9 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
                 leaf = loss_logp.clone().requires_grad_()
                 loss = loss_from_selection(leaf, beh, adv, kp, denominator)
                 loss.backward()
+                logged = own_metrics.get((coords.dp, coords.cp, mb), own_metrics.get((coords.dp, mb), metrics))  # a shard's, a micro-batch's
                 recorders[rank].record(step=step, micro_batch=mb, logp=loss_logp, behavior_logp=beh, advantages=adv, mask=msk, keep=kp,
-                                       loss=loss, tau=TAU, metrics=own_metrics.get((coords.dp, coords.cp, mb), own_metrics.get((coords.dp, mb), metrics)), grad=leaf.grad if grads else None,
+                                       loss=loss, tau=TAU, metrics=logged, grad=leaf.grad if grads else None,
                                        selection_logp=sel_logp if selection_logp else None,
                                        rollout_logp=cut(rollout) if rollout_logp else None)
             if parameters:
@@ -475,8 +475,6 @@ def _consistent(step) -> None:
     """No name the loss contradicts: a ``*_global_n`` scope only where the loss and the gradient
     are the global N's, never beside a denominator."""
     statuses = _statuses(step)
-    from m2po_oracle.audit import DESCRIPTIONS
-
     if set(step.diagnosis) - LOSS_DENOMINATORS:  # a scope (or another deviation) beside: no denominator's words claim the mask
         for name in LOSS_DENOMINATORS & set(step.diagnosis):
             assert "mask" not in DESCRIPTIONS[name], (step.step, step.diagnosis, name, DESCRIPTIONS[name])
