@@ -6,6 +6,7 @@ Choose one with ``--hypothesis-profile NAME`` or ``M2PO_HYPOTHESIS_PROFILE``.
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -32,3 +33,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _sigint_disposition() -> tuple[object, bool | None]:
+    """Python's SIGINT handler and whether the kernel ignores SIGINT for this process (None off
+    Linux): a C extension's sigaction changes the second without Python knowing."""
+    try:
+        with open("/proc/self/status") as status:
+            mask = next(int(line.split()[1], 16) for line in status if line.startswith("SigIgn:"))
+    except (OSError, StopIteration):
+        return signal.getsignal(signal.SIGINT), None
+    return signal.getsignal(signal.SIGINT), bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_as_found():
+    """A test that leaves SIGINT ignored makes every later child of its xdist worker ignore Ctrl-C
+    (an ignored signal is inherited, and Python then installs no KeyboardInterrupt handler): the
+    test that does it fails here, by name, and the handler is put back for the tests after it."""
+    before = _sigint_disposition()
+    yield
+    after = _sigint_disposition()
+    if after != before:
+        handler = before[0] if before[0] is not None else signal.SIG_DFL
+        signal.signal(signal.SIGINT, handler)
+        pytest.fail(f"this test changed SIGINT's disposition and left it so: Python handler {before[0]!r} -> {after[0]!r}, "
+                    f"ignored by the kernel {before[1]} -> {after[1]}; restore it (try/finally) where it is changed", pytrace=False)

@@ -142,7 +142,7 @@ def test_own_valid_count_without_the_factor_k_is_the_local_denominator(tmp_path:
     _simulate(tmp_path / "cap", steps=(0, 1), bug="local_denominator")
     status, report = _audit(tmp_path / "cap", tmp_path)
     assert status == 1 and report["steps"][1]["diagnosis"] == ["local_denominator"]
-    assert report["descriptions"]["local_denominator"].startswith("the global mask, but each rank's loss divided by its own")
+    assert report["descriptions"]["local_denominator"].startswith("each record's loss divided by its own valid count")
 
 
 def test_uncaptured_gradient_and_metrics_are_not_run_never_pass(tmp_path: Path) -> None:

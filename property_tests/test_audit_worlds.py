@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from m2po_oracle.audit import audit_capture
+from m2po_oracle.audit import DESCRIPTIONS, audit_capture
 from m2po_oracle.capture import Recorder
 from m2po_oracle.core import loss_from_selection, select_tokens
 from m2po_oracle.distributed.topology import Topology, cp_token_indices, dp_row_slices
@@ -71,13 +71,13 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
         blocks = {(dp, mb): torch.arange(dp_rows[dp].start + mb * world.rows_per_mb, dp_rows[dp].start + (mb + 1) * world.rows_per_mb)
                   for dp in range(topology.dp) for mb in range(k)}
         shard = lambda c: torch.from_numpy(cp_token_indices(world.width, cp, c))  # noqa: E731
-        if planted in ("per_micro_batch_mask", "per_micro_batch_core", "per_micro_batch_core_rank_count"):
+        if planted in ("per_micro_batch_mask", "per_micro_batch_core", "per_micro_batch_core_rank_count", "per_micro_batch_own_n"):
             for index in blocks.values():
                 keep[index] = select_tokens(*_rows((logp, behavior, advantages, mask), index), tau=TAU).keep
-        if planted == "per_rank_selection_global_n":
+        if planted in ("per_rank_selection_global_n", "per_rank_selection_local_n", "per_rank_selection_kept_count"):
             for s in dp_rows:
                 keep[s] = select_tokens(*_rows((logp, behavior, advantages, mask), s), tau=TAU).keep
-        if planted in ("local_shard_selection", "per_cp_chunk_selection_global_n"):
+        if planted in ("local_shard_selection", "per_cp_chunk_selection_global_n", "per_cp_chunk_selection_shard_counts"):
             for index in blocks.values():
                 for c in range(cp):
                     cols = shard(c)
@@ -98,6 +98,12 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
                 alone = select_tokens(*_rows((logp, behavior, advantages, mask), index), tau=TAU)
                 own_metrics[key] = {**metrics, "m2_before": float(alone.m2_before), "m2_after": float(alone.m2_after),
                                     "masked_fraction": float(alone.masked_fraction)}
+        if planted == "local_shard_selection":  # as the distributed control: each shard logs its own selection's metrics
+            for (dp, mb), index in blocks.items():
+                for c in range(cp):
+                    alone = select_tokens(*(x[index][:, shard(c)] for x in (logp, behavior, advantages, mask)), tau=TAU)
+                    own_metrics[(dp, c, mb)] = {name: float(getattr(alone, name)) for name in ("m2_before", "m2_after", "masked_fraction")}
+                    own_metrics[(dp, c, mb)]["valid_count"] = int(alone.valid_count)
         if planted in ("per_micro_batch_core", "per_micro_batch_core_rank_count"):
             # The natural port: the core called per micro-batch, each logging its own metrics
             # (valid_count its own, or its DP rank's window), the window's N in the loss.
@@ -119,11 +125,15 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
                 denominator = n
                 if planted in ("local_shard_selection", "local_denominator"):
                     denominator = msk.sum()
+                elif planted == "per_rank_selection_local_n":  # the DP rank's own rows: every micro-batch, every CP shard
+                    denominator = mask[dp_rows[coords.dp]].sum()
+                elif planted in ("kept_count_denominator", "per_rank_selection_kept_count"):
+                    denominator = kept
+                elif planted == "per_micro_batch_own_n":  # the core called per micro-batch, its loss as is
+                    denominator = mask[index].sum()
                 elif planted == "per_micro_batch_denominator":
                     denominator = k * mask[index].sum()
-                elif planted == "kept_count_denominator":
-                    denominator = kept
-                elif planted == "cp_shard_counts":
+                elif planted in ("cp_shard_counts", "per_cp_chunk_selection_shard_counts"):
                     denominator = mask[:, shard(coords.cp)].sum()
                 elif planted == "dp_cp_group_double_count":
                     denominator = cp * n
@@ -133,8 +143,9 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
                 leaf = loss_logp.clone().requires_grad_()
                 loss = loss_from_selection(leaf, beh, adv, kp, denominator)
                 loss.backward()
+                logged = own_metrics.get((coords.dp, coords.cp, mb), own_metrics.get((coords.dp, mb), metrics))  # a shard's, a micro-batch's
                 recorders[rank].record(step=step, micro_batch=mb, logp=loss_logp, behavior_logp=beh, advantages=adv, mask=msk, keep=kp,
-                                       loss=loss, tau=TAU, metrics=own_metrics.get((coords.dp, mb), metrics), grad=leaf.grad if grads else None,
+                                       loss=loss, tau=TAU, metrics=logged, grad=leaf.grad if grads else None,
                                        selection_logp=sel_logp if selection_logp else None,
                                        rollout_logp=cut(rollout) if rollout_logp else None)
             if parameters:
@@ -347,10 +358,13 @@ def test_tp_replicas_of_another_shape_fail_the_replica_check_naming_both_shapes(
 
 
 def test_denominators_the_files_cannot_tell_apart_are_named_as_alternatives(tmp_path: Path) -> None:
-    # dp = 1: N counted on the CP shard and summed over DP is the shard's own count.
+    # dp = 1: N counted on the CP shard and summed over DP is the shard's own count. On this
+    # step each shard's own selection is also the global one, so a shard selecting alone with
+    # its own count reproduces the mask, the loss and the gradient too; the logged M2 are the
+    # optimizer batch's, which names the global selection.
     simulate(tmp_path / "dp1", World("dp=1,cp=2,tp=1"), bug="local_denominator")
     bad = audit_capture(tmp_path / "dp1").steps[1]
-    assert bad.diagnosis == ["local_denominator"] and bad.alternatives == {"local_denominator": ["cp_shard_counts"]}
+    assert bad.diagnosis == ["local_denominator"] and bad.alternatives == {"local_denominator": ["cp_shard_counts", "local_shard_selection"]}
     # dp = 2: they differ, and only the planted one is named.
     simulate(tmp_path / "dp2", World("dp=2,cp=2,tp=1"), bug="local_denominator")
     bad = audit_capture(tmp_path / "dp2").steps[1]
@@ -438,3 +452,73 @@ def test_policy_atol_lets_a_nondeterministic_loss_pass_differ_by_what_the_user_s
     assert tight.failing == ["audit.policy_logp"] and "differs by up to" in next(c.summary for c in tight.checks if c.name == "audit.policy_logp")
     with pytest.raises(ValueError, match="policy_atol must be None or a finite number >= 0, got -1"):
         audit_capture(tmp_path, policy_atol=-1)
+
+
+#: A scope's name says what the loss divides by: ``*_global_n`` the global N, its ``_local_n``
+#: (or ``local_shard_selection``) the region's own count; a bare scope name says nothing of N
+#: and stands beside the denominator the loss reproduces. planted -> world, the names where the
+#: mask shows the scope.
+SCOPE_WITH_DENOMINATOR = {
+    "rank's own N": ("per_rank_selection_local_n", World("dp=2,cp=1,tp=1"), ["per_rank_selection_local_n"]),
+    "rank's own N, GA=2": ("per_rank_selection_local_n", World("dp=2,cp=1,tp=1", micro_batches=2), ["per_rank_selection_local_n"]),
+    "rank's own N, cp=2": ("per_rank_selection_local_n", World("dp=2,cp=2,tp=1"), ["per_rank_selection_local_n"]),
+    "micro-batch's own N": ("per_micro_batch_own_n", World("dp=1,cp=1,tp=1", micro_batches=2), ["per_micro_batch_mask", "local_denominator"]),
+    "rank's selection, kept count": ("per_rank_selection_kept_count", World("dp=2,cp=1,tp=1"), ["per_rank_selection", "kept_count_denominator"]),
+    "shard's selection, N per CP shard": ("per_cp_chunk_selection_shard_counts", World("dp=2,cp=2,tp=1"),
+                                          ["per_cp_chunk_selection", "cp_shard_counts"]),
+}
+GLOBAL_N_SCOPES = {"per_rank_selection_global_n", "per_cp_chunk_selection_global_n"}
+LOSS_DENOMINATORS = {"per_micro_batch_denominator", "local_denominator", "kept_count_denominator", "cp_shard_counts", "dp_cp_group_double_count"}
+
+
+def _consistent(step) -> None:
+    """No name the loss contradicts: a ``*_global_n`` scope only where the loss and the gradient
+    are the global N's, never beside a denominator."""
+    statuses = _statuses(step)
+    if set(step.diagnosis) - LOSS_DENOMINATORS:  # a scope (or another deviation) beside: no denominator's words claim the mask
+        for name in LOSS_DENOMINATORS & set(step.diagnosis):
+            assert "mask" not in DESCRIPTIONS[name], (step.step, step.diagnosis, name, DESCRIPTIONS[name])
+    if GLOBAL_N_SCOPES & set(step.diagnosis):
+        assert not LOSS_DENOMINATORS & set(step.diagnosis), (step.step, step.diagnosis, "a global N beside another denominator")
+        assert statuses["audit.loss_sum"] == statuses["audit.gradient"] == "pass", (step.step, step.diagnosis, statuses)
+
+
+@pytest.mark.parametrize("case", SCOPE_WITH_DENOMINATOR)
+def test_a_scope_is_named_with_the_denominator_the_loss_reproduces_never_a_contradicting_global_n(tmp_path: Path, case: str) -> None:
+    bug, world, names = SCOPE_WITH_DENOMINATOR[case]
+    simulate(tmp_path, world, bug=bug, steps=tuple(range(8)), bug_step=None)
+    report = audit_capture(tmp_path)
+    shown = 0
+    for step in report.steps:
+        _consistent(step)
+        statuses = _statuses(step)
+        assert statuses["audit.loss_sum"] == "fail" or statuses["audit.gradient"] == "fail", (step.step, statuses)
+        if statuses["audit.selection"] == "fail":
+            # Several scopes can reproduce one small step's mask: the planted one is named or listed as identical.
+            same = {name for names_ in step.alternatives.values() for name in names_}
+            assert step.diagnosis == names or (len(step.diagnosis) == len(names) and names[0] in same), (step.step, step.diagnosis, step.alternatives)
+            shown += step.diagnosis == names
+    assert shown, [(s.step, s.diagnosis) for s in report.steps]
+
+
+@pytest.mark.parametrize("topology", ["dp=2,cp=2,tp=1", "dp=1,cp=2,tp=1"])
+def test_shards_selecting_alone_are_named_so_where_their_masks_happen_to_be_global(tmp_path: Path, topology: str) -> None:
+    # Each CP shard selects alone and divides by its own count, logging its own M2 (as the
+    # distributed control does). Where every shard's own selection is also an outcome of the
+    # global one, the mask cannot tell the two apart and the loss is the shard count's either
+    # way; the logged M2, each shard's own, choose: never local_denominator beside them.
+    simulate(tmp_path, World(topology), bug="local_shard_selection", steps=tuple(range(12)), bug_step=None)
+    report = audit_capture(tmp_path)
+    tied = 0
+    for step in report.steps:
+        statuses = _statuses(step)
+        _consistent(step)
+        metrics = next(c.summary for c in step.checks if c.name == "audit.metrics")
+        if statuses["audit.selection"] == "fail" or "each CP shard's own" in metrics:
+            assert step.diagnosis == ["local_shard_selection"], (step.step, step.diagnosis, statuses, metrics)
+        if statuses["audit.selection"] == "pass" and statuses["audit.loss_sum"] == "fail":
+            # Both reproduce this step: the other is listed as identical on it.
+            other = {"local_shard_selection": "local_denominator", "local_denominator": "local_shard_selection"}[step.diagnosis[0]]
+            assert other in step.alternatives[step.diagnosis[0]], (step.step, step.diagnosis, step.alternatives)
+            tied += step.diagnosis == ["local_shard_selection"]
+    assert tied, "no step where every shard's own selection is a global outcome"

@@ -53,8 +53,11 @@ loss's denominator (its own valid count, k times it, the kept count, N counted p
 or once per CP replica) where the loss and the gradient reproduce it and not the global N, a
 logged ``valid_count`` only choosing among divisors they cannot tell apart; the behaviour
 log-probs (the current policy's), the policy's forward (stochastic, or moved by an optimizer
-step between micro-batches) and parameters left without a gradient. A logged number alone
-names nothing: ``audit.metrics`` says what it is.
+step between micro-batches) and parameters left without a gradient. A scope's name says
+what the loss divides by and never contradicts the loss (``*_global_n`` only with the global
+N; ``*_local_n`` / ``local_shard_selection`` with the region's own count; else a bare scope
+beside the denominator). A logged number alone names nothing: ``audit.metrics`` says what it
+is; logged M2 only choose between explanations the mask, loss and gradient cannot tell apart.
 
 The package's rooms, each importing only those above it in this list: :mod:`.records` (the
 report's records, the diagnosis names, a record loaded from a capture), :mod:`.reassembly`

@@ -12,7 +12,8 @@ from m2po_oracle import equivalence, oracle
 from m2po_oracle.batch import Batch
 from m2po_oracle.audit.records import _Record
 from m2po_oracle.audit.reassembly import _Step, _scope_groups
-from m2po_oracle.audit.checks import LogpBounds, _grad_mismatch, _logp_mismatch, _logp_pairs, _loss_mismatch
+from m2po_oracle.audit.checks import (REGION_METRICS, LogpBounds, _grad_mismatch, _logged_globally, _logged_scopes, _logp_mismatch, _logp_pairs,
+                                      _loss_mismatch)
 
 
 def _share(record: _Record, denominator: float) -> tuple[float, np.ndarray]:
@@ -90,6 +91,35 @@ def _logged_count(step: _Step, fn: Callable[[_Record], float]) -> bool:
     return bool(logged) and all(value == want for value, want in logged) and any(value != n for value, _ in logged)
 
 
+#: A selection scope's names by what the loss divides by (the keys are ``_scope_groups``'):
+#: the global N, the scope's own region's valid count, or another denominator named beside a
+#: name that says nothing of N. A scope's name never claims a denominator the loss contradicts.
+SCOPE_NAMES: dict[str, tuple[str, str | None, str]] = {
+    "per_micro_batch_mask": ("per_micro_batch_mask", None, "per_micro_batch_mask"),
+    "per_rank_selection_global_n": ("per_rank_selection_global_n", "per_rank_selection_local_n", "per_rank_selection"),
+    "per_cp_shard": ("per_cp_chunk_selection_global_n", "local_shard_selection", "per_cp_chunk_selection"),
+}
+
+
+def _own_count(step: _Step, scope: str) -> Callable[[_Record], float] | None:
+    """The divisor of a port whose scope divides by its region's own valid count (None: no such name)."""
+    if scope == "per_rank_selection_global_n":
+        rank_n = {dp: float(sum(r.mask.sum() for r in step.replica_set if r.coords.dp == dp)) for dp in step.micro_batches}
+        return lambda r: rank_n[r.coords.dp]
+    if scope == "per_cp_shard":
+        return lambda r: float(r.mask.sum())
+    return None
+
+
+def _metrics_show(step: _Step, scope: str) -> bool:
+    """The logged M2 and fractions are the scope's regions' own, and not the optimizer batch's."""
+    names = [name for name in REGION_METRICS if any(name in r.metrics for r in step.records)]
+    try:
+        return bool(names) and not _logged_globally(step, names) and scope in _logged_scopes(step)
+    except (TypeError, ValueError):  # a logged value that is not a number: audit.metrics says so
+        return False
+
+
 def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], alternatives: dict[str, list[str]],
               bounds: LogpBounds = LogpBounds()) -> list[str]:
     """The deviations the files reproduce; ``alternatives`` gets, per name, the others that
@@ -101,7 +131,8 @@ def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], 
     # A denominator is named only where the loss and the gradient reproduce it and not the
     # global N: a logged valid_count is a number a port may log per micro-batch or per rank
     # whatever it divides by (audit.metrics says what it is), never evidence against them.
-    if failing & {"audit.loss_sum", "audit.gradient"} and not _shares_match(step, candidates["global"]):
+    global_n = not failing & {"audit.loss_sum", "audit.gradient"} or _shares_match(step, candidates["global"])
+    if not global_n:
         matching = [name for name, fn in candidates.items() if name != "global" and _shares_match(step, fn)]
         if len(matching) > 1:
             # Records without kept terms fit any divisor: a logged valid_count may choose among
@@ -112,20 +143,47 @@ def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], 
         same = twins.get(denominator, []) + matching[1:]
         if same:
             alternatives[denominator] = same
-    # On a small step several scopes can reproduce one mask; one name explaining the mask and
-    # the denominator together (a CP shard alone, its own count) beats two.
-    # A scope is named where the mask is not Algorithm 1's on the optimizer batch and is the
-    # scope's: where the mask is a global outcome, per-region metrics are audit.metrics' finding.
-    scopes: list[str] = []
+    groups = _scope_groups(step)
+    own = {scope: fn for scope in groups if (fn := _own_count(step, scope)) is not None}
+    # Scopes whose name would also explain the loss: the loss and the gradient reproduce the
+    # region's own count (one name for the mask and the denominator together beats two).
+    own_n = [] if global_n else [scope for scope, fn in own.items() if _shares_match(step, fn)]
     if "audit.selection" in failing:
-        scopes = [scope for scope, groups in _scope_groups(step).items() if all(_group_selects_alone(step, g) for g in groups)]
-    if scopes and denominator == "dp_cp_group_double_count" and _doubled_selection(step):
-        scopes = []  # the doubled multiset's selection: the double count explains the mask too
-    if "per_cp_shard" in scopes and denominator == "local_denominator":
-        found.append("local_shard_selection")
-        denominator = None
-    elif scopes:
-        found.append("per_cp_chunk_selection_global_n" if scopes[0] == "per_cp_shard" else scopes[0])
+        # A scope is named where the mask is not Algorithm 1's on the optimizer batch and is the
+        # scope's: where the mask is a global outcome, per-region metrics are audit.metrics' finding.
+        scopes = [scope for scope, g in groups.items() if all(_group_selects_alone(step, group) for group in g)]
+        if scopes and denominator == "dp_cp_group_double_count" and _doubled_selection(step):
+            scopes = []  # the doubled multiset's selection: the double count explains the mask too
+        if scopes:
+            scope, form = next(((s, 1) for s in scopes if s in own_n), (scopes[0], 0 if global_n else 2))
+            name = SCOPE_NAMES[scope][form]
+            found.append(name)
+            if form == 1:
+                alternatives.pop(denominator, None)  # the scope's own count: in its name
+                denominator = None
+            # The other scopes that reproduce the mask, in the same form (with the loss's own count only where it is theirs).
+            others = [SCOPE_NAMES[s][form] for s in scopes if s != scope and SCOPE_NAMES[s][form] and (form != 1 or s in own_n)]
+            if others:
+                alternatives.setdefault(name, []).extend(others)
+    elif own_n:
+        # The mask is a global outcome and each region's own: the global selection with the
+        # region's count, and the scope dividing by its own count, reproduce the step alike. The
+        # only one that reproduces the loss is named; between two, the logged M2 and fractions
+        # (each region's own, or the optimizer batch's) choose, never beyond them.
+        tied = [scope for scope in own_n if all(_group_selects_alone(step, group) for group in groups[scope])]
+        tied.sort(key=lambda scope: not _metrics_show(step, scope))
+        if tied:
+            scope_name = SCOPE_NAMES[tied[0]][1]
+            if denominator is None or _metrics_show(step, tied[0]):
+                found.append(scope_name)
+                same = [SCOPE_NAMES[scope][1] for scope in tied[1:]]
+                if denominator is not None:
+                    same = [denominator, *alternatives.pop(denominator, []), *same]
+                if same:
+                    alternatives[scope_name] = same
+                denominator = None
+            else:
+                alternatives.setdefault(denominator, []).extend(SCOPE_NAMES[scope][1] for scope in tied)
     if denominator is not None:
         found.append(denominator)
     if "audit.behavior_logp" in failing and _behaviour_is_the_policy(step):
