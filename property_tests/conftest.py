@@ -24,6 +24,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # xdist workers already fill the cores; a second intra-op thread per worker makes small
     # kernels (the trainer's tiny model, scatter-heavy selection) stall on each other.
     torch.set_num_threads(1)
+    # ... and so do the processes a test starts (CLI runs, isolated ports, torchrun ranks):
+    # a CLI compare of a small port took 135 s with two OpenMP threads and 33 s with one
+    # beside the other worker's load.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
