@@ -601,9 +601,12 @@ def _print_diagnosis(console: Console, diagnosis: dict) -> None:
     for finding in diagnosis.get("findings", []):
         say(f"  finding: {finding['summary']}")
     if diagnosis.get("closest"):
-        say(f"  closest of the rest (on {diagnosis['examples_compared']} examples):")
+        say(f"  leads for the unexplained (searched on the first {diagnosis['examples_compared']} examples):")
         for c in diagnosis["closest"]:
-            say(f"  - {c['variant']}: agreed on {c['agreed']} of {c['of']}; first difference: {c['first_difference']}")
+            if c.get("check"):  # the explanation's own share, below the threshold that names it
+                say(f"  - {c['variant']}: {c['description']}")
+            else:
+                say(f"  - {c['variant']} alone reproduces {c['agreed']} of the {c['of']} divergent examples; first difference: {c['first_difference']}")
 
 
 def _replay(args: argparse.Namespace, runner, console: Console) -> int:

@@ -237,11 +237,14 @@ def percent(value: float) -> str:
 
 
 def rate_text(failures: int, exercised: int, upper: float | None) -> str:
-    """The bound as the report shows it: "< 0.6%" with no failure, "30% (< 42%)" with some."""
+    """The bound as the report shows it: "< 0.6%" with no failure, "30% (< 42%)" with some,
+    "100%" when every exercised example failed (no bound above it to state)."""
     if upper is None or exercised <= 0:
         return "-"
     if not failures:
         return f"< {percent(upper)}"
+    if failures >= exercised:
+        return percent(1.0)
     return f"{percent(failures / exercised)} (< {percent(upper)})"
 
 

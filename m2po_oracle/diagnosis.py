@@ -552,7 +552,9 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         "unexplained": unexplained,
         "matches": matches,
         "alternatives": [list(a) for a in explanation.alternatives + step_alternatives],
-        "closest": _closest(judge, output_variants, set(components), closest_by_check) if status != "matched" else [],
+        # Leads only where a check is unexplained: beside a full or majority explanation, single
+        # variants that each reproduce a few examples only distract from it and its residual.
+        "closest": _closest(judge, output_variants, set(components), closest_by_check) if unexplained else [],
         "hints": _hints(by_check),
         "summary": summary(status, by_check, unexplained, shares),
     }

@@ -292,6 +292,7 @@ def test_clopper_pearson_upper_bound():
     assert rate_text(0, 59, failure_rate_upper(0, 59)) == "< 5.0%"
     assert rate_text(5, 100, failure_rate_upper(5, 100)) == f"5.0% (< {coverage.percent(failure_rate_upper(5, 100))})"
     assert rate_text(0, 0, None) == "-"
+    assert rate_text(7, 7, failure_rate_upper(7, 7)) == "100%"  # not "100% (< 100%)"
 
 
 # --- the reports ----------------------------------------------------------------------------

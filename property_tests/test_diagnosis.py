@@ -192,6 +192,7 @@ def test_a_quirk_outside_the_vocabulary_on_a_minority_leaves_a_residual_not_a_wr
     assert not all(any(row) for row in batch["valid"]), "the residual's own counterexample has the quirk's feature"
     assert residual["counterexample"]["replay"].startswith("m2po-oracle replay")
     assert f"{share['explained']} of {share['of']} for loss" in d["summary"]
+    assert d["closest"] == [], "beside a majority explanation, single variants are no lead"
 
 
 def test_a_check_reproduced_on_less_than_the_threshold_is_only_the_closest(monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 from m2po_oracle.batch import Batch
 from m2po_oracle.equivalence import (
     FORMATS,
+    Mismatch,
     Tolerance,
     check_selection,
     compare_to_oracle,
@@ -129,6 +130,12 @@ def test_the_failure_message_is_self_sufficient():
     text = format_mismatches(mismatches, batch=TIE, where="for 'x'", replay="m2po-oracle replay --impl x --batch '{}'")
     for needle in ("[selection.minimal]", "kept 1 of 3", "keep: actual 1, expected 2", "tau=0.140625", "logp=", "replay: m2po-oracle replay"):
         assert needle in text, f"{needle!r} missing from:\n{text}"
+
+
+def test_the_failure_message_counts_checks_not_mismatch_lines():
+    first, second = Mismatch("loss", "loss differs"), Mismatch("loss", "loss differs again")
+    assert format_mismatches([first, second]).startswith("1 check(s) failed (2 mismatches):")
+    assert format_mismatches([first, Mismatch("gradient", "gradient differs")]).startswith("2 check(s) failed:")
 
 
 def test_tolerance_lookup_names_what_is_known():
