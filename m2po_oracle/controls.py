@@ -152,12 +152,15 @@ def _clip_cap(d: torch.Tensor, sign_source: torch.Tensor, mask: torch.Tensor, ta
     negative = sign_source < -CLIP_ADVANTAGE_EPS
     harmful = mask & ((positive & (r > 1 + CLIP_RATIO_EPS)) | (negative & (r < 1 - CLIP_RATIO_EPS)))
     values, _ = torch.sort((d * d)[harmful])
+    # No cap: no range at all, or the range a port returns for "no clip", (0, bound).
+    unbounded = (None, None) if math.isinf(dev.unconstrained_ratio_bound) else (torch.zeros((), dtype=dtype),
+                                                                               torch.tensor(dev.unconstrained_ratio_bound, dtype=dtype))
     if values.numel() == 0:
-        return ClipCap(harmful, values, None, None, None, None)
+        return ClipCap(harmful, values, None, None, *unbounded)
     m2_now = values.mean()
     tau = tau * dev.budget_scale
     if bool(m2_now <= torch.tensor(tau, dtype=dtype) + CLIP_BUDGET_EPS):
-        return ClipCap(harmful, values, m2_now, None, None, None)
+        return ClipCap(harmful, values, m2_now, None, *unbounded)
     c2 = cap_squared(values, tau, dev.selection_kind)
     c = torch.sqrt(c2)
     lo, hi = torch.exp(-c), torch.exp(c)
@@ -174,6 +177,8 @@ def _check_knobs(dev: Deviation) -> None:
     if dev.selection_kind == "mask":
         if dev.clip_floors is not None:
             raise ValueError("clip_floors: the floors widen a clip range; they need selection_kind 'clip_below' or 'clip_exact'")
+        if dev.unconstrained_ratio_bound != Deviation().unconstrained_ratio_bound:
+            raise ValueError("unconstrained_ratio_bound: a bound of the clip range; it needs selection_kind 'clip_below' or 'clip_exact'")
         return
     set_knobs = [name for name in _MASK_ONLY_KNOBS if getattr(dev, name) != getattr(Deviation(), name)]
     if set_knobs:
@@ -236,9 +241,10 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
     ratio = torch.exp(d_live)
     if clip is not None:
         # The PPO surrogate with the budget's range: max(-A r, -A clamp(r, lo, hi)), summed as a
-        # loss term by term (no outer minus sign). Unconstrained: no clipping at all.
+        # loss term by term (no outer minus sign). Unconstrained: no clipping at all, or the
+        # port's range for "no clip".
         unclipped = -live_advantages * ratio
-        if clip.constrained:
+        if clip.lo is not None:
             lo, hi = clip.lo.to(ratio.dtype), clip.hi.to(ratio.dtype)
             clipped = -live_advantages * ratio.clamp(lo, hi)
             term = torch.maximum(unclipped, clipped)

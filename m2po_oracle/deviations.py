@@ -8,6 +8,7 @@ of every deviation, which ``m2po-oracle selftest`` checks against each other.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 
@@ -60,6 +61,7 @@ class Deviation:
     clamp_only_in_loss: bool = False  # the clamp acts in the loss only: selection and metrics see the raw d
     selection_kind: str = "mask"  # see SELECTION_KINDS
     clip_floors: tuple[float, float] | None = None  # clip kinds: the range is never tighter than [1 - low, 1 + high]
+    unconstrained_ratio_bound: float = math.inf  # clip kinds: the ratio's upper bound where no cap applies (ports return 1e5)
     selection_dtype: str = "float64"  # the dtype of the selection arithmetic (d, d^2, prefix means)
     metrics_dtype: str = "float64"  # the dtype the logged metrics are computed in
     sanitise_inputs_in_place: bool = False  # writes 0 into the caller's padding
@@ -85,6 +87,8 @@ class Deviation:
                 raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
         if not (isinstance(self.budget_scale, (int, float)) and self.budget_scale > 0):
             raise ValueError(f"budget_scale: expected a number > 0, got {self.budget_scale!r}")
+        if not (isinstance(self.unconstrained_ratio_bound, (int, float)) and self.unconstrained_ratio_bound > 1):
+            raise ValueError(f"unconstrained_ratio_bound: expected a number > 1 (inf: none), got {self.unconstrained_ratio_bound!r}")
         if self.clip_floors is not None and not (len(self.clip_floors) == 2 and all(0 <= f for f in self.clip_floors)):
             raise ValueError(f"clip_floors: expected None or a pair (low, high) of numbers >= 0, got {self.clip_floors!r}")
 
@@ -201,6 +205,10 @@ VARIANTS: tuple[Variant, ...] = (
     _variant("fails_at_zero_budget", "raises on a budget of 0 (the release's cap returns a bare float where a pair is unpacked)",
              f"{CLIP} (authors' release, fact 3)", fails_at_zero_budget=True),
     _variant("clip_bound_float32", "the clip range's bounds exp(-c), exp(c) rounded through float32", CLIP, clip_bound_float32=True,
+             acts_with=("authors_release_clip", "water_filling_clip")),
+    _variant("ratio_bound_when_unconstrained", "within the budget (or without candidates) the ratio is still clipped at {0}: a token "
+             "with A > 0 and r > {0} keeps the bound's value and gets zero gradient", f"{CLIP} (authors' release, verl pull requests: "
+             "'no clip' returns the range (0, 100000))", unconstrained_ratio_bound=1e5, parameter="unconstrained_ratio_bound",
              acts_with=("authors_release_clip", "water_filling_clip")),
     _variant("scaled_budget", "the selection compares with tau * {0} instead of tau", PLAUSIBLE, budget_scale=0.5, parameter="budget_scale"),
 )

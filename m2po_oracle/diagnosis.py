@@ -314,6 +314,7 @@ PARAMETER_GRIDS: dict[str, tuple[float, ...]] = {
     "candidate_margin": (1e-12, 1e-10, 1e-8, 1e-6, 1e-15),
     "noop_margin": (1e-12, 1e-10, 1e-8, 1e-6, 1e-15),
     "budget_scale": (0.5, 0.25, 2.0, 4.0),
+    "unconstrained_ratio_bound": (1e5, 1e4, 1e6, 1e8),
 }
 
 

@@ -180,7 +180,7 @@ def clip_outcome(batch: Batch, dev: Deviation) -> ClipOutcome:
     v = np.sort(oracle.second_moment(d)[candidate])
     c2 = cap_squared(v, batch.tau * dev.budget_scale, dev.selection_kind)
     # The same exp as the ratio's: at d == c exactly the token is on the bound, not beyond it.
-    low, high = (0.0, math.inf) if c2 is None else (float(np.exp(-np.sqrt(c2))), float(np.exp(np.sqrt(c2))))
+    low, high = (0.0, dev.unconstrained_ratio_bound) if c2 is None else (float(np.exp(-np.sqrt(c2))), float(np.exp(np.sqrt(c2))))
     if dev.clip_bound_float32 and c2 is not None:
         low, high = float(np.float32(low)), float(np.float32(high))
     if dev.clip_floors is not None and c2 is not None:

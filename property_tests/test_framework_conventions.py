@@ -51,3 +51,11 @@ def test_algorithm_1_fails_the_golden_case(path):
     case = load(path)
     got = run_planted(Batch.from_dict(case["batch"]), ALGORITHM_1)
     assert golden_mismatches(case["expected"], got), f"{path.stem}: Algorithm 1 matches the case, so it shows nothing"
+
+
+def test_a_clip_kind_without_the_ports_no_clip_range_fails_its_case():
+    """The witness is the bound itself, not the clip kind: the release's clip with no range
+    where the budget holds keeps the extreme token's gradient."""
+    case = load(next(p for p in CASES if p.stem == "ratio_bound_when_unconstrained"))
+    got = run_planted(Batch.from_dict(case["batch"]), deviation_of({"selection_kind": "clip_below"}))
+    assert golden_mismatches(case["expected"], got)
