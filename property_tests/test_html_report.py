@@ -1089,3 +1089,28 @@ def test_browser_shows_a_trainer_report_with_its_training_step_offline(browser, 
         page.close()
     assert seen["errors"] == [] and seen["dialogs"] == []
     assert seen["requests"] == [path.as_uri()], "the page fetched something besides itself"
+
+
+def test_an_adapter_run_shows_its_call_bindings_and_why_each_check_did_not_run(divergent):
+    report = copy.deepcopy(divergent)
+    status = {c["name"]: c for c in report["checks"]}
+    status["metrics.m2_after"].update(status="not run", failures=0, ran=0)
+    report["adapter"] = {"name": "clip_kernel", "signature": "fn(ppo_kl, advantages, budget, response_mask)", "bindings": ["m2_before=2"],
+                         "call": "port(ppo_kl=<ppo_kl>, ...) -> loss at [0]; m2_before at [2]",
+                         "not_run": {"metrics.m2_after": "the port returns no m2_after here (bind it: --bind m2_after=INDEX)"}}
+    html = render_html(report)
+    summary = _tables(html)["summary"] if "summary" in _tables(html) else None
+    assert "clip_kernel: port(ppo_kl=&lt;ppo_kl&gt;, ...) -&gt; loss at [0]; m2_before at [2]" in html, summary
+    assert "m2_before=2" in html
+    rows = {cells[0][1]: cells for _, cells in _tables(html)["checks"][1:]}
+    assert "not run: the port returns no m2_after here (bind it: --bind m2_after=INDEX)" in rows["metrics.m2_after"][1][1]
+    # A check that ran carries no reason.
+    assert not any("not run:" in cells[1][1] for name, cells in rows.items() if name != "metrics.m2_after")
+
+
+def test_a_check_that_failed_on_every_exercised_batch_reads_100_percent(divergent):
+    report = copy.deepcopy(divergent)
+    failing = next(c for c in report["checks"] if c["status"] == "fail")
+    failing.update(failures=7, exercised=7, failure_rate_upper_95=1.0)
+    rows = {cells[0][1]: cells for _, cells in _tables(render_html(report))["checks"][1:]}
+    assert rows[failing["name"]][6][1] == "100%"

@@ -233,6 +233,7 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
     if not shown:
         for cx in counterexamples:
             cx["cause"] = {"recorded": False, "name": None, "parts": []}
+    not_run_reasons = _mapping(_mapping(report.get("adapter")).get("not_run"))
     checks = []
     for check in raw_checks:
         name = _text(check.get("name"), "?")
@@ -246,6 +247,8 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
                        "exercised_when": _text(_mapping(_mapping(report.get("coverage")).get("exercised_when")).get(name)),
                        # Only a failing check has something to explain.
                        "explained_by": [_linked(n, anchors) for n in by_check.get(name, [])] if failed else [],
+                       # A check the adapter cannot run says why (and often which binding would run it).
+                       "not_run_reason": _text(not_run_reasons.get(name)) if status == "not run" and name in not_run_reasons else None,
                        "unexplained": failed and name in unexplained})
     failed = sum(1 for c in checks if c["failed"])
     not_run = sum(1 for c in checks if c["status"] == "not run")
@@ -268,6 +271,9 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
             ("seed", _fmt(options.get("seed"))),
             ("tau", f"drawn per {'step' if report.get('example_unit') == 'steps' else 'batch'}" if options.get("tau") is None else _fmt(options.get("tau"))),
             ("device", _text(options.get("device"), "\u2014")),
+            *([("adapter", f"{_text(adapter.get('name'))}: {_text(adapter.get('call'), _text(adapter.get('signature')))}")]
+              if (adapter := _mapping(report.get("adapter"))) else []),
+            *([("bindings", ", ".join(_text(b) for b in _list(adapter.get("bindings"))))] if adapter and adapter.get("bindings") else []),
             ("duration", _duration(report.get("duration_s"))),
             *([("capture", f"{_text(capture.get('directory'))} ({_fmt(capture.get('steps'))} steps): m2po-oracle audit {_text(capture.get('directory'))}")]
               if isinstance(capture := report.get("capture"), Mapping) else []),
@@ -300,7 +306,9 @@ def _failure_rate(failures: Any, exercised: Any, upper: Any) -> str:
     n, f, bound = _as_int(exercised), _as_int(failures), _as_float(upper)
     if n is None or n <= 0 or f is None or f < 0 or bound is None or not 0 <= bound <= 1:
         return "\u2014"
-    return f"< {percent(bound)}" if f == 0 else f"{percent(min(f, n) / n)} (< {percent(bound)})"
+    if f == 0:
+        return f"< {percent(bound)}"
+    return percent(1.0) if f >= n else f"{percent(f / n)} (< {percent(bound)})"
 
 
 def _coverage(raw: Any) -> dict[str, Any]:
