@@ -47,11 +47,11 @@ from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 #: The knobs that shape the mask; the rest shape only loss, gradient and metrics.
 SELECTION_KNOBS = ("candidates", "strict_stop", "mean_over_valid", "scope_rows", "extra_removed", "min_kept", "clamp_log_ratio",
                    "ratio_inverted", "selection_kind", "clip_floors", "selection_dtype", "candidate_margin", "noop_margin",
-                   "statistic_over_padding", "budget_scale", "clip_bound_float32", "clamp_only_in_loss")
+                   "statistic_over_padding", "budget_scale", "clip_bound_float32", "clamp_only_in_loss", "unconstrained_ratio_bound")
 #: The knobs that shape loss, gradient and metrics on a given mask.
 OBJECTIVE_KNOBS = ("denominator", "ppo_clip", "ratio_inverted", "apply_mask", "masked_keep_value", "clamp_log_ratio", "hard_clamp", "clamp_only_in_loss",
                    "selection_kind", "clip_floors", "metrics_dtype", "m2_after_over_valid", "denominator_epsilon", "budget_scale",
-                   "clip_bound_float32")
+                   "clip_bound_float32", "unconstrained_ratio_bound")
 #: The deviations whose every failure is the rounding of a narrower dtype, and the option that accepts it.
 PRECISION_OPTIONS = {"float32_selection": "--compute-dtype float32", "float32_metrics": "--compute-dtype float32"}
 #: At most this many deviations in one explanation, and combinations kept per size (the
@@ -266,6 +266,9 @@ def search(judge: Judge, candidates: Sequence[str]) -> Explanation:
         complete = sorted((s for s, sc in grown if sc == judge.total), key=_preference)
         if complete:
             chosen = _prune(judge, complete[0])
+            improved = _improve(judge, chosen, candidates)
+            if improved != chosen:  # complete on the sample, not beyond it: the sample's ties no longer tie
+                return Explanation(tuple(sorted(improved, key=_order)), judge.score(merge(improved) or ALGORITHM_1), judge.total)
             alternatives = [tuple(sorted(s, key=_order)) for s in complete[1:4] if len(s) == len(chosen)]
             return Explanation(tuple(sorted(chosen, key=_order)), judge.total, judge.total, alternatives)
         grown.sort(key=lambda t: (-t[1], _preference(t[0])))
@@ -283,6 +286,8 @@ def _improve(judge: Judge, names: frozenset[str], candidates: Sequence[str]) -> 
     if len(judge.observations) == len(judge.sample):
         return names
     best = judge.score_all(merge(names) or ALGORITHM_1)
+    if best == sum(len(f) for f in judge.fields):
+        return names
     for _ in range(MAX_COMPONENTS):
         trials = [names - {n} for n in names]
         trials += [(names - {n}) | {other} for n in names for other in candidates if other not in names and merge((names - {n}) | {other}) is not None

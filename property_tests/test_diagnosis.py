@@ -46,6 +46,17 @@ def test_every_control_is_named_exactly(control):
     assert row.diagnosed, f"{control.name}: planted {' + '.join(control.variants)}, diagnosed {row.diagnosis} (alternatives {row.alternatives}, unexplained {row.unexplained}, only partly explained {row.partly_explained})"
 
 
+def test_every_knob_keys_the_judges_memo():
+    """The judge memoises masks by the selection's knobs and values by the objective's: a knob
+    in neither would be judged by a cached result that ignores it (and never be named)."""
+    from dataclasses import fields
+
+    from m2po_oracle.deviations import BEHAVIOURAL, Deviation
+
+    unkeyed = {f.name for f in fields(Deviation)} - set(diagnosis.SELECTION_KNOBS) - set(diagnosis.OBJECTIVE_KNOBS) - set(BEHAVIOURAL)
+    assert not unkeyed, f"knobs the judge's memo ignores: {sorted(unkeyed)}"
+
+
 def test_a_control_whose_check_is_only_partly_explained_is_misdiagnosed():
     """A planted deviation is all a control has: the right name on most of a check's examples
     leaves a residual the diagnosis got wrong, so selftest must not call it named."""
@@ -247,3 +258,21 @@ def _raises_at_half_budget(logp, behavior_logp, advantages, mask, *, tau):
 def test_a_crash_is_the_release_s_zero_budget_bug_only_when_every_crash_had_tau_0():
     d = run_compare(_raises_at_half_budget, "raises at tau 0.5", examples=EXAMPLES, shrink=False).diagnosis
     assert "call" in d["unexplained"] and "fails_at_zero_budget" not in d["components"], d["summary"]
+
+
+def test_an_explanation_complete_on_the_sample_is_improved_on_the_examples_beyond_it():
+    """The search runs on a sample; a deviation that shows only beyond it (the clip's 'no clip'
+    range on one extreme token) must still be named where every observation shows it."""
+    from m2po_oracle.batch import Batch
+    from m2po_oracle.deviations import Deviation
+
+    planted_dev = Deviation(selection_kind="clip_below", unconstrained_ratio_bound=1e5)
+    rng = np.random.default_rng(0)
+    batches = [Batch(rng.normal(0, 0.3, (2, 6)) - 1.0, np.full((2, 6), -1.0), rng.choice([-1.0, 1.0], (2, 6)), np.ones((2, 6), bool), 0.02)
+               for _ in range(4)]
+    batches.append(Batch(np.array([[-0.5, 11.5]]), np.array([[-1.0, -1.0]]), np.array([[1.0, 1.0]]), np.ones((1, 2), bool), 100.0))
+    observations = [diagnosis.Observation(b, variants.m2po(b, planted_dev)) for b in batches]
+    judge = diagnosis.Judge(observations, dtype="float64", compute_dtype=None, supplied=None, sample=4)
+    names = [v.name for v in VARIANTS if not v.is_behavioural]
+    found = diagnosis.search(judge, names)
+    assert set(found.components) == {"authors_release_clip", "ratio_bound_when_unconstrained"}, found
