@@ -4,7 +4,8 @@ verdict on a real run, a planted per-micro-batch selection caught and named, fai
 
 ms-swift needs trl<1 and transformers<5.20, so these tests run only in its own environment
 (.venv-swift, constraints-swift.txt): ``.ci/run``'s swift stage and ``tox -e swift`` run them.
-Elsewhere the module is skipped, saying so. Every training is a real ``swift rlhf`` run in this
+Elsewhere the module is skipped, saying so; the stage sets ``M2PO_REQUIRE_SWIFT=1``, under which
+a missing ms-swift fails the collection instead. Every training is a real ``swift rlhf`` run in this
 process (``rlhf_main``) on a random-weight Llama built in code; nothing is downloaded.
 """
 
@@ -19,8 +20,12 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.swift
-pytest.importorskip("swift.rlhf_trainers", reason="needs ms-swift 4.6 (its own environment, .venv-swift): .ci/run's swift stage and "
-                                                   "tox -e swift run these tests")
+if os.environ.get("M2PO_REQUIRE_SWIFT"):
+    # The swift stage sets this: there a missing ms-swift is an error, never a skip that passes the stage.
+    import swift.rlhf_trainers  # noqa: F401
+else:
+    pytest.importorskip("swift.rlhf_trainers", reason="needs ms-swift 4.6 (its own environment, .venv-swift): .ci/run's swift stage and "
+                                                       "tox -e swift run these tests")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from m2po_oracle import oracle  # noqa: E402

@@ -14,7 +14,8 @@ older policy sampled.
     m2po-oracle audit runs/swift
 
 ``--fault NAME`` plants one of the integration's bugs (``SwiftFaults``), for the audit to
-catch; ``--print-command`` prints the ``swift rlhf`` command instead of running it.
+catch; ``--prepare DIR`` only writes the model and data to DIR and prints the plain ``swift rlhf``
+command (with the plugin's environment variables) that trains on them.
 """
 
 from __future__ import annotations
@@ -151,17 +152,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault", choices=[f.name for f in fields(SwiftFaults)], help="plant one of the integration's bugs (a negative control)")
     parser.add_argument("--swift-option", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                         help="override one swift rlhf option (e.g. --swift-option loss_type grpo, which M2PO refuses)")
-    parser.add_argument("--print-command", action="store_true", help="print the swift rlhf command for a model and data in ./m2po-swift-demo")
+    parser.add_argument("--prepare", metavar="DIR",
+                        help="only write the model, tokenizer and prompts to DIR and print the swift rlhf command that trains on them")
     args = parser.parse_args(argv)
     setup = DemoSetup(steps=args.steps, tau=args.tau, seed=args.seed)
     overrides = dict(args.swift_option)
-    if args.print_command:
-        root = Path("m2po-swift-demo")
-        print(f"M2PO_TAU={setup.tau!r} M2PO_CAPTURE={args.capture or 'runs/swift'} swift rlhf "
-              + shlex.join(swift_arguments(setup, root / "model", root / "prompts.jsonl", root / "output", **overrides)))
+    if args.prepare:
+        root = Path(args.prepare).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        model = write_model(root / "model", setup.seed)
+        dataset = write_dataset(root / "prompts.jsonl", 64, setup.seed)
+        environment = f"HF_HUB_OFFLINE=1 M2PO_TAU={setup.tau!r} M2PO_CAPTURE={shlex.quote(args.capture or 'runs/swift')}"
+        if args.fault:
+            environment += f" M2PO_SWIFT_FAULT={args.fault}"
+        print(f"{environment} swift rlhf {shlex.join(swift_arguments(setup, model, dataset, root / 'output', **overrides))}")
         return 0
     if not args.capture:
-        parser.error("--capture: required unless --print-command")
+        parser.error("--capture: required unless --prepare")
     run(setup, args.capture, args.fault, **overrides)
     print(f"captured in {args.capture}; audit: m2po-oracle audit {args.capture}")
     return 0
