@@ -1,6 +1,6 @@
 """M2PO in ms-swift 4.6's real GRPO trainer, loaded by ``swift rlhf --external_plugins``: one
 selection per optimizer batch under gradient accumulation with stale rollouts, the audit's
-verdict on a real run, a planted per-micro-batch selection caught and named, fail-closed options.
+verdict on a real run, planted bugs caught and named, fail-closed options.
 
 ms-swift needs trl<1 and transformers<5.20, so these tests run only in its own environment
 (.venv-swift, constraints-swift.txt): ``.ci/run``'s swift stage and ``tox -e swift`` run them.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -42,10 +43,10 @@ from m2po_oracle.trainer.grpo import M2POKLWarning  # noqa: E402
 SETUP = DemoSetup()
 
 
-def _train(tmp_path_factory: pytest.TempPathFactory, name: str, fault: str | None = None):
+def _train(tmp_path_factory: pytest.TempPathFactory, name: str, fault: str | None = None, setup: DemoSetup = SETUP):
     root = tmp_path_factory.mktemp(name)
     capture = root / "capture"
-    run(SETUP, str(capture), fault, scratch=str(root))
+    run(setup, str(capture), fault, scratch=str(root))
     logs = [json.loads(line) for path in (root / "output").rglob("logging.jsonl") for line in path.read_text().splitlines()]
     return capture, logs, audit_capture(capture)
 
@@ -88,18 +89,32 @@ def test_the_correct_run_selects_once_per_optimizer_batch_on_stale_rollouts(corr
     assert stale >= SETUP.steps - 1 and cut_inside >= 1 and per_micro_differs >= 1, (stale, cut_inside, per_micro_differs)
     assert report.verdict == "equivalent", [(s.step, s.verdict, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
     checks = {c.name: c.status for s in report.steps for c in s.checks}
-    for name in ("audit.selection", "audit.policy_logp", "audit.loss_sum", "audit.gradient", "audit.metrics", "audit.parameter_gradient"):
+    for name in ("audit.selection", "audit.policy_logp", "audit.behavior_logp", "audit.loss_sum", "audit.gradient", "audit.metrics",
+                 "audit.parameter_gradient"):
         assert checks.get(name) == "pass", (name, checks.get(name))
     logged = [entry for entry in logs if f"{METRIC_PREFIX}masked_fraction" in entry]
     assert len(logged) == SETUP.steps and all(METRIC_PREFIX + m in logged[0] for m in LOGGED_METRICS), logs[:2]
 
 
-def test_a_planted_per_micro_batch_selection_is_caught_and_named_by_the_audit(tmp_path_factory):
-    _, _, report = _train(tmp_path_factory, "per_micro_batch_mask", "per_micro_batch_mask")
+#: Each planted bug of the integration: the optimizer steps the demo needs before the bug shows
+#: (the demo's first window has micro-batches of unequal valid counts, its second a cut that
+#: per-micro-batch selection moves, its second and later stale rollouts), the audit check that
+#: must fail and the diagnosis that must name it.
+CONTROLS = {
+    "per_micro_batch_mask": (4, "audit.selection", "per_micro_batch_mask"),
+    "per_micro_batch_denominator": (1, "audit.gradient", "per_micro_batch_denominator"),
+    "current_policy_as_behavior": (2, "audit.behavior_logp", "current_policy_as_behavior"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(CONTROLS))
+def test_each_planted_bug_in_the_integration_is_caught_and_named_by_the_audit(fault, tmp_path_factory):
+    steps, check, diagnosis = CONTROLS[fault]
+    _, _, report = _train(tmp_path_factory, fault, fault, replace(SETUP, steps=steps))
     assert report.verdict == "divergent"
-    caught = [s for s in report.steps if any(c.name == "audit.selection" and c.status == "fail" for c in s.checks)]
-    assert caught, f"no step fails audit.selection: {[(s.step, s.verdict) for s in report.steps]}"
-    assert all("per_micro_batch_mask" in s.diagnosis for s in caught), [(s.step, s.diagnosis) for s in caught]
+    caught = [s for s in report.steps if any(c.name == check and c.status == "fail" for c in s.checks)]
+    assert caught, f"{fault}: no step fails {check}: {[(s.step, s.verdict) for s in report.steps]}"
+    assert all(diagnosis in s.diagnosis for s in caught), [(s.step, s.diagnosis) for s in caught]
 
 
 def test_an_option_that_changes_the_objective_stops_the_real_run_naming_it(tmp_path):

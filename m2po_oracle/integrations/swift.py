@@ -23,6 +23,10 @@ no command-line channel for a plugin's own options, so they are environment vari
 * ``M2PO_CAPTURE_EVERY`` (default 1);
 * ``M2PO_SWIFT_FAULT``: a planted bug (:class:`SwiftFaults`), a negative control only.
 
+With ms-swift's own engine the trainer asks it for the sampled tokens' log-probs too (ms-swift
+asks only vLLM for them), so a capture holds the sampler's log-probs next to the behaviour
+log-probs and the audit compares them.
+
 Behaviour log-probs: with ms-swift's own (transformers) engine they are
 ``grpo_batch.old_per_token_logps``, which ``_prepare_batch_inputs`` computes with the weights
 that sampled the generation batch; with vLLM they must be the engine's
@@ -62,6 +66,7 @@ class SwiftFaults:
 
     per_micro_batch_mask: bool = False  # select within each micro-batch ms-swift hands the loss (the naive hook)
     per_micro_batch_denominator: bool = False  # each micro-batch divides by its own N, then by the accumulation steps
+    current_policy_as_behavior: bool = False  # the prepass (current policy) used as behaviour log-probs
 
 
 def faults_from_environment(environ: Any = None) -> SwiftFaults:
@@ -203,6 +208,11 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         if self._has_teacher_explicit():
             raise ValueError("teacher_model: OPD-RL adds the teacher's KL to the advantages; Algorithm 1's advantages are the rewards' "
                              "(leave it unset)")
+        if not self.args.use_vllm:
+            # ms-swift asks its own engine for no log-probs (it asks vLLM only); asking for them
+            # puts the sampler's log-probs in rollout_per_token_logps, which the capture records
+            # next to the behaviour log-probs for the audit to compare. Nothing else reads them here.
+            self.request_config.logprobs = True
         self.add_callback(_NoteParameterGradients(self))
 
     # --- the loss --------------------------------------------------------------------------
@@ -221,6 +231,8 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         return logps
 
     def _behaviour(self, grpo_batch: Any, prepass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.m2po_faults.current_policy_as_behavior:
+            return prepass
         if self.args.use_vllm:
             # An engine outside the trainer sampled: only its own log-probs are the behaviour policy's.
             sampled = grpo_batch.rollout_per_token_logps

@@ -1,7 +1,7 @@
 """A short real ms-swift GRPO training with M2PO on CPU, recorded for ``m2po-oracle audit``.
 
 Everything is built in code (nothing is downloaded): a random-weight two-layer Llama
-(hidden 32) saved with ``save_pretrained``, a byte-level BPE tokenizer without merges (one
+(hidden 32; a long EOS row, so completions end at varied lengths) saved with ``save_pretrained``, a byte-level BPE tokenizer without merges (one
 token per byte), a JSONL file of short prompts and a deterministic reward (the share of the
 sum of the completion's code points modulo 5, registered as an ms-swift ORM
 by the demo's own plugin file). Then ``swift rlhf --rlhf_type grpo`` runs in this process
@@ -35,6 +35,8 @@ from typing import Any
 REWARD_PLUGIN = Path(__file__).with_name("swift_plugin") / "m2po_demo_reward.py"
 REWARD_NAME = "m2po_demo_code_points"
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+#: The EOS row's scale (the other rows' is the init's 0.02): the EOS logit's spread across contexts.
+EOS_ROW_SCALE = 0.15
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,12 @@ def write_model(directory: Path, seed: int) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
+        with torch.no_grad():
+            # A random model's logits are nearly flat over 259 tokens, so no completion would end
+            # before max_completion_length and every micro-batch would hold the same number of
+            # tokens, which hides a per-micro-batch denominator. A long random EOS row makes
+            # the EOS logit vary widely with the context: completions end at varied lengths.
+            model.lm_head.weight[tok.eos_token_id] = torch.randn(config.hidden_size) * EOS_ROW_SCALE
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory
