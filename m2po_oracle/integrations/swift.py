@@ -23,9 +23,10 @@ no command-line channel for a plugin's own options, so they are environment vari
 * ``M2PO_CAPTURE_EVERY`` (default 1);
 * ``M2PO_SWIFT_FAULT``: a planted bug (:class:`SwiftFaults`), a negative control only.
 
-With ms-swift's own engine the trainer asks it for the sampled tokens' log-probs too (ms-swift
-asks only vLLM for them), so a capture holds the sampler's log-probs next to the behaviour
-log-probs and the audit compares them.
+With ms-swift's own engine at temperature 1 the trainer asks it for the sampled tokens'
+log-probs too (ms-swift asks only vLLM for them), so a capture holds the sampler's log-probs
+next to the behaviour log-probs and the audit compares them. (The engine reports raw-logit
+log-probs; at another temperature they are not the sampler's, and none are recorded.)
 
 Behaviour log-probs: with ms-swift's own (transformers) engine they are
 ``grpo_batch.old_per_token_logps``, which ``_prepare_batch_inputs`` computes with the weights
@@ -208,10 +209,14 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         if self._has_teacher_explicit():
             raise ValueError("teacher_model: OPD-RL adds the teacher's KL to the advantages; Algorithm 1's advantages are the rewards' "
                              "(leave it unset)")
-        if not self.args.use_vllm:
+        if not self.args.use_vllm and float(self.args.temperature) == 1.0:
             # ms-swift asks its own engine for no log-probs (it asks vLLM only); asking for them
             # puts the sampler's log-probs in rollout_per_token_logps, which the capture records
             # next to the behaviour log-probs for the audit to compare. Nothing else reads them here.
+            # Only at temperature 1: the engine reports log-softmax of the raw logits
+            # (generate's output_logits) while it samples from logits / temperature, so at
+            # another temperature its numbers are not the sampler's (observed at 0.9: off by up
+            # to 0.135 from old_per_token_logps, which do divide by the temperature).
             self.request_config.logprobs = True
         self.add_callback(_NoteParameterGradients(self))
 
