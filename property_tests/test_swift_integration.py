@@ -117,6 +117,18 @@ def test_each_planted_bug_in_the_integration_is_caught_and_named_by_the_audit(fa
     assert all(diagnosis in s.diagnosis for s in caught), [(s.step, s.diagnosis) for s in caught]
 
 
+def test_at_another_temperature_the_engines_raw_logit_log_probs_are_not_recorded_as_the_samplers(tmp_path):
+    """ms-swift's engine reports log-softmax of the raw logits but samples from logits / T: at
+    T 0.9 those numbers differ from the behaviour log-probs (by up to 0.135 on the demo), so
+    recording them as the sampler's would make a correct run fail audit.behavior_logp."""
+    capture = tmp_path / "capture"
+    run(replace(SETUP, steps=2), str(capture), scratch=str(tmp_path), temperature=0.9)
+    records = [record for _, record in load_capture(capture).records()]
+    assert records and all("rollout_logp" not in r for r in records)
+    report = audit_capture(capture)
+    assert report.verdict == "equivalent", [(s.step, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
+
+
 def test_an_option_that_changes_the_objective_stops_the_real_run_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"^loss_type: .*--loss_type dapo"):
         run(SETUP, str(tmp_path / "capture"), scratch=str(tmp_path), loss_type="grpo")
