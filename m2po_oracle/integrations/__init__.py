@@ -6,4 +6,9 @@
   Llama, recorded for ``m2po-oracle audit``;
 * :mod:`m2po_oracle.integrations.trl_step`: the same trainer behind the trainer contract,
   for ``m2po-oracle compare --impl trainer:trl``.
+* :mod:`m2po_oracle.integrations.swift`: ``M2POSwiftGRPOTrainer``, ms-swift 4.6's GRPO trainer
+  with the same M2PO, loaded by ``swift rlhf --external_plugins`` from ``swift_plugin/`` (its own
+  environment: ``constraints-swift.txt``);
+* :mod:`m2po_oracle.integrations.swift_demo`: a short real ``swift rlhf`` training on a
+  random-weight Llama, recorded for ``m2po-oracle audit``.
 """

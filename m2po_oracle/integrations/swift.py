@@ -1,0 +1,349 @@
+"""M2PO in ms-swift's GRPO trainer (ms-swift 4.6), one selection per optimizer batch.
+
+ms-swift hands ``_compute_loss_and_metrics`` one micro-batch at a time: the HF Trainer calls
+``training_step`` per micro-batch of the accumulation window, and ms-swift's
+``_prepare_inputs`` returns ``self._buffered_inputs[self._step % steps_per_generation]``,
+each a ``{"model_inputs", "grpo_batch"}`` dict that ``_prepare_batch_inputs`` collated when
+the generation batch was sampled (with the sampling weights' ``old_per_token_logps``).
+Selecting inside ``_compute_loss_and_metrics`` alone would select per micro-batch. The
+whole window is buffered when its first micro-batch arrives, so
+:class:`M2POSwiftGRPOTrainer` runs, on that first micro-batch, a no-grad **prepass** over
+every micro-batch of the window (ms-swift's own ``_get_per_token_logps_and_entropies``),
+selects once with ``core.select_micro_batches``, and then builds each micro-batch's loss
+from its part of that selection with the window's N. ms-swift's generation, scoring,
+buffering, splitting, the HF Trainer's accumulation and optimizer step run unchanged.
+
+Loaded with ``swift rlhf --rlhf_type grpo --external_plugins PLUGIN`` where PLUGIN is
+:data:`PLUGIN_FILE` (``python -m m2po_oracle.integrations.swift`` prints it). ms-swift has
+no command-line channel for a plugin's own options, so they are environment variables:
+
+* ``M2PO_TAU`` (default 0.04): the second-moment budget;
+* ``M2PO_CAPTURE``: a directory; every micro-batch is recorded with
+  :class:`m2po_oracle.capture.Recorder` for ``m2po-oracle audit``;
+* ``M2PO_CAPTURE_EVERY`` (default 1);
+* ``M2PO_SWIFT_FAULT``: a planted bug (:class:`SwiftFaults`), a negative control only.
+
+With ms-swift's own engine at temperature 1 the trainer asks it for the sampled tokens'
+log-probs too (ms-swift asks only vLLM for them), so a capture holds the sampler's log-probs
+next to the behaviour log-probs and the audit compares them. (The engine reports raw-logit
+log-probs; at another temperature they are not the sampler's, and none are recorded.)
+
+Behaviour log-probs: with ms-swift's own (transformers) engine they are
+``grpo_batch.old_per_token_logps``, which ``_prepare_batch_inputs`` computes with the weights
+that sampled the generation batch; with vLLM they must be the engine's
+(``rollout_per_token_logps``). Settings under which the step would not compute Algorithm 1
+are refused with a ``ValueError`` naming the ms-swift option (:func:`check_m2po_args`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
+from transformers import TrainerCallback
+
+from m2po_oracle.core import loss_from_selection, select_micro_batches
+from m2po_oracle.trainer.grpo import M2POKLWarning, selection_metrics, stochastic_layers
+
+#: The metrics M2POSwiftGRPOTrainer adds to ms-swift's logs, once per optimizer batch (as the TRL integration's).
+LOGGED_METRICS = ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction")
+METRIC_PREFIX = "m2po/"
+#: The file ``--external_plugins`` takes. It sits in a folder of its own because ms-swift puts a
+#: plugin's folder first on ``sys.path``: this folder holds ``trl.py`` and ``swift.py``, which
+#: would shadow the real packages.
+PLUGIN_FILE = Path(__file__).with_name("swift_plugin") / "m2po_swift_plugin.py"
+TRAINER_PATH = "m2po_oracle.integrations.swift.M2POSwiftGRPOTrainer"
+
+
+@dataclass(frozen=True)
+class SwiftFaults:
+    """Planted bugs in this integration (negative controls); all off is the correct one."""
+
+    per_micro_batch_mask: bool = False  # select within each micro-batch ms-swift hands the loss (the naive hook)
+    per_micro_batch_denominator: bool = False  # each micro-batch divides by its own N, then by the accumulation steps
+    current_policy_as_behavior: bool = False  # the prepass (current policy) used as behaviour log-probs
+
+
+def faults_from_environment(environ: Any = None) -> SwiftFaults:
+    """``M2PO_SWIFT_FAULT=NAME`` plants one fault; an unknown name is an error, never ignored."""
+    name = (environ if environ is not None else os.environ).get("M2PO_SWIFT_FAULT", "").strip()
+    if not name:
+        return SwiftFaults()
+    known = [f.name for f in fields(SwiftFaults)]
+    if name not in known:
+        raise ValueError(f"M2PO_SWIFT_FAULT: unknown fault {name!r}; known: {', '.join(known)}")
+    return SwiftFaults(**{name: True})
+
+
+def tau_from_environment(environ: Any = None) -> float:
+    raw = (environ if environ is not None else os.environ).get("M2PO_TAU", "0.04")
+    try:
+        tau = float(raw)
+    except ValueError:
+        raise ValueError(f"M2PO_TAU: expected a finite number >= 0, got {raw!r}") from None
+    if not math.isfinite(tau) or tau < 0:
+        raise ValueError(f"M2PO_TAU: expected a finite number >= 0, got {raw!r}")
+    return tau
+
+
+def _option(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def check_m2po_args(args: Any, *, world_size: int = 1, sequence_parallel_size: int = 1) -> None:
+    """Refuse, naming the ms-swift option, every setting under which the step would not compute
+    Algorithm 1's objective; warn for ``beta != 0``."""
+    ga = int(_option(args, "gradient_accumulation_steps", 1))
+    spg = int(_option(args, "steps_per_generation", None) or ga)
+    if spg % ga:
+        raise ValueError(f"steps_per_generation: must be a multiple of gradient_accumulation_steps ({ga}) so that every optimizer batch "
+                         f"lies inside one buffered generation batch (M2PO selects over the whole window before its first micro-batch); "
+                         f"got {spg}")
+    loss_type = _option(args, "loss_type", "dapo")
+    if loss_type != "dapo":
+        raise ValueError(f"loss_type: M2PO divides the masked sum by N, the optimizer batch's valid tokens before masking (ms-swift's "
+                         f"window-normalised 'dapo'); loss_type={loss_type!r} asks for another normaliser that M2PO would ignore "
+                         "(pass --loss_type dapo)")
+    if _option(args, "importance_sampling_level", "token") != "token":
+        raise ValueError(f"importance_sampling_level: M2PO is defined on token-level ratios; got "
+                         f"{_option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)")
+    if _option(args, "rollout_importance_sampling_mode", None) is not None:
+        raise ValueError(f"rollout_importance_sampling_mode: an extra rollout importance-sampling correction "
+                         f"({_option(args, 'rollout_importance_sampling_mode')!r}) on top of M2PO corrects the same ratio twice; "
+                         "M2PO's ratio is already taken against the behaviour log-probs (leave it unset)")
+    if _option(args, "top_entropy_quantile", 1.0) < 1.0:
+        raise ValueError(f"top_entropy_quantile: an entropy mask (got {_option(args, 'top_entropy_quantile')}) drops tokens Algorithm 1 "
+                         "keeps; M2PO's mask is its only mask (set it to 1.0)")
+    if _option(args, "off_policy_sequence_mask_delta", None) is not None:
+        raise ValueError(f"off_policy_sequence_mask_delta: an off-policy sequence mask (got "
+                         f"{_option(args, 'off_policy_sequence_mask_delta')}) drops sequences Algorithm 1 keeps; M2PO's mask is its only "
+                         "mask (leave it unset)")
+    if _option(args, "overlong_filter", False):
+        raise ValueError("overlong_filter: dropping truncated completions from the loss is a mask Algorithm 1 does not have, and it "
+                         "would change N (set it to False)")
+    if _option(args, "use_liger_kernel", False):
+        raise ValueError("use_liger_kernel: Liger's fused GRPO loss computes ms-swift's clipped objective, not M2PO's; it would bypass "
+                         "the M2PO loss (set it to False)")
+    if _option(args, "async_generate", False):
+        raise ValueError("async_generate: completions sampled asynchronously come from weights older than those ms-swift computes "
+                         "old_per_token_logps with, so the behaviour log-probs would not be the sampler's (set it to False)")
+    if (_option(args, "sdar_loss_coef", 0.0) or 0.0) > 0:
+        raise ValueError(f"sdar_loss_coef: a distillation term (got {_option(args, 'sdar_loss_coef')}) is added to the loss; Algorithm 1 "
+                         "has none (set it to 0)")
+    for name, neutral in (("top_p", 1.0), ("repetition_penalty", 1.0)):
+        value = _option(args, name, neutral)
+        if value is not None and value != neutral:
+            raise ValueError(f"{name}: the sampler must draw from the full distribution (got {name}={value!r}); ms-swift's recomputed "
+                             "behaviour log-probs apply only the temperature, so they would not be the sampler's")
+    top_k = _option(args, "top_k", -1)
+    if top_k not in (None, -1, 0):
+        raise ValueError(f"top_k: the sampler must draw from the full distribution (got top_k={top_k!r}); ms-swift's recomputed behaviour "
+                         "log-probs apply only the temperature, so they would not be the sampler's (set it to -1)")
+    if world_size > 1:
+        raise ValueError(f"nproc_per_node: this integration selects within one process; with {world_size} data-parallel processes each "
+                         "would select over its own window only (run one process)")
+    if sequence_parallel_size > 1:
+        raise ValueError(f"sequence_parallel_size: the window's micro-batches are sequence shards here (got {sequence_parallel_size}); "
+                         "this integration selects over whole sequences of one process (set it to 1)")
+    beta = float(_option(args, "beta", 0.0) or 0.0)
+    if beta != 0:
+        warnings.warn(f"beta={beta}: a non-zero KL coefficient adds beta * KL to the M2PO objective (the reference experiments use beta=0; "
+                      "pass --beta 0)", M2POKLWarning, stacklevel=3)
+
+
+@dataclass
+class _Window:
+    """The current optimizer batch: its micro-batches' inputs and one selection over them."""
+
+    index: int  # optimizer steps since training began (the capture's step)
+    size: int
+    behavior: list[torch.Tensor]
+    advantages: list[torch.Tensor]
+    masks: list[torch.Tensor]
+    prepass: list[torch.Tensor]
+    selections: list[Any]
+    sampler: list[torch.Tensor | None]
+
+
+class _NoteParameterGradients(TrainerCallback):
+    """Notes the parameters' gradient norms right before each optimizer step (after clipping)."""
+
+    def __init__(self, trainer: "M2POSwiftGRPOTrainer") -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        if trainer._recorder is not None and trainer._window is not None:
+            trainer._recorder.record_parameter_gradients(step=trainer._window.index, named_parameters=trainer.model.named_parameters())
+
+
+class M2POSwiftGRPOTrainer(GRPOTrainer):
+    """ms-swift's ``GRPOTrainer`` with the M2PO loss (Algorithm 1), selected once per optimizer batch.
+
+    Options come from the environment (module docstring), so that ``swift rlhf`` can load it
+    through ``--external_plugins`` alone.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.m2po_tau = tau_from_environment()
+        self.m2po_faults = faults_from_environment()
+        training_args = kwargs.get("args")
+        if training_args is None:
+            raise ValueError("args: M2POSwiftGRPOTrainer needs ms-swift's GRPOConfig (its options decide whether M2PO can run)")
+        check_m2po_args(training_args, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                        sequence_parallel_size=int(_option(training_args, "sequence_parallel_size", 1) or 1))
+        if kwargs.get("chord_sft_dataset") is not None:
+            raise ValueError("chord_sft_dataset: CHORD adds a supervised term to the loss; Algorithm 1 has none (leave it unset)")
+        self._capture_directory = os.environ.get("M2PO_CAPTURE") or None
+        self._capture_every = int(os.environ.get("M2PO_CAPTURE_EVERY", "1"))
+        self._recorder: Any = None
+        self._window: _Window | None = None
+        self._windows_started = 0
+        super().__init__(*args, **kwargs)
+        if self._has_teacher_explicit():
+            raise ValueError("teacher_model: OPD-RL adds the teacher's KL to the advantages; Algorithm 1's advantages are the rewards' "
+                             "(leave it unset)")
+        if not self.args.use_vllm and float(self.args.temperature) == 1.0:
+            # ms-swift asks its own engine for no log-probs (it asks vLLM only); asking for them
+            # puts the sampler's log-probs in rollout_per_token_logps, which the capture records
+            # next to the behaviour log-probs for the audit to compare. Nothing else reads them here.
+            # Only at temperature 1: the engine reports log-softmax of the raw logits
+            # (generate's output_logits) while it samples from logits / temperature, so at
+            # another temperature its numbers are not the sampler's (observed at 0.9: off by up
+            # to 0.135 from old_per_token_logps, which do divide by the temperature).
+            self.request_config.logprobs = True
+        self.add_callback(_NoteParameterGradients(self))
+
+    # --- the loss --------------------------------------------------------------------------
+
+    def _recording(self) -> Any:
+        if self._capture_directory is None:
+            return None
+        if self._recorder is None:
+            from m2po_oracle.capture import Recorder
+
+            self._recorder = Recorder(self._capture_directory, rank=0, world_size=1, topology="dp=1,cp=1,tp=1", every=self._capture_every)
+        return self._recorder
+
+    def _logps(self, model: Any, micro: dict[str, Any]) -> torch.Tensor:
+        logps, _ = self._get_per_token_logps_and_entropies(model, micro["model_inputs"], micro["grpo_batch"], compute_entropy=False)
+        return logps
+
+    def _behaviour(self, grpo_batch: Any, prepass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.m2po_faults.current_policy_as_behavior:
+            return prepass
+        if self.args.use_vllm:
+            # An engine outside the trainer sampled: only its own log-probs are the behaviour policy's.
+            sampled = grpo_batch.rollout_per_token_logps
+            if sampled is None or bool(torch.isnan(sampled[mask]).any()):
+                raise ValueError("behavior_logp: the vLLM engine returned no log-probs (or NaN) for some sampled tokens; M2PO fails closed "
+                                 "rather than fall back to log-probs recomputed by the trainer")
+            return sampled
+        old = grpo_batch.old_per_token_logps
+        if old is None:
+            raise ValueError("behavior_logp: ms-swift computed no old_per_token_logps for this generation batch; M2PO fails closed rather "
+                             "than take the current policy as the behaviour policy")
+        return old
+
+    def _start_window(self, model: Any, position: int) -> _Window:
+        stochastic = stochastic_layers(self.accelerator.unwrap_model(model))
+        if stochastic:
+            raise ValueError("disable_dropout: the mask prepass must be deterministic, but the policy has stochastic layers: "
+                             f"{', '.join(stochastic)}; use a model whose config has no dropout (LoRA: --lora_dropout 0)")
+        size = self.current_gradient_accumulation_steps
+        first = position - position % size
+        buffered = self._buffered_inputs[first:first + size]
+        prepass, behavior, advantages, masks, sampler = [], [], [], [], []
+        with torch.no_grad():
+            for micro in buffered:
+                grpo_batch = micro["grpo_batch"]
+                if grpo_batch.teacher_per_token_logps is not None:
+                    raise ValueError("teacher_prompt: the batch carries an on-policy self-distillation teacher (OPD-RL), whose KL "
+                                     "ms-swift adds to the advantages; Algorithm 1's advantages are the rewards' (drop teacher_prompt)")
+                logps = self._logps(model, micro).detach()
+                mask = grpo_batch.completion_mask.bool()
+                prepass.append(logps)
+                behavior.append(self._behaviour(grpo_batch, logps, mask).detach())
+                a = grpo_batch.advantages
+                advantages.append((a[:, None] if a.dim() == 1 else a).expand_as(logps).to(logps.dtype))
+                masks.append(mask)
+                sampler.append(grpo_batch.rollout_per_token_logps)
+        inputs = [(p, b, a, m) for p, b, a, m in zip(prepass, behavior, advantages, masks)]
+        whole = select_micro_batches(inputs, tau=self.m2po_tau)
+        if self.m2po_faults.per_micro_batch_mask:
+            # The planted bug: each micro-batch selected alone (the window's N kept, as a natural port logs).
+            selections = [replace(select_micro_batches([part], tau=self.m2po_tau)[0], valid_count=w.valid_count) for part, w in zip(inputs, whole)]
+        else:
+            selections = whole
+        window = _Window(self._windows_started, size, behavior, advantages, masks, prepass, selections, sampler)
+        self._windows_started += 1
+        if not self.m2po_faults.per_micro_batch_mask:  # a per-micro-batch selection has no one set of metrics
+            for name, value in selection_metrics(selections[0]).items():
+                if name in LOGGED_METRICS:
+                    self._metrics["train"][METRIC_PREFIX + name].append(float(value))
+        return window
+
+    def _compute_loss_and_metrics(self, model: Any, model_inputs: dict[str, Any], grpo_batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        if not self.model.training:
+            raise ValueError("eval_strategy: M2POSwiftGRPOTrainer does not evaluate (M2PO's selection is defined on a training optimizer "
+                             "batch); pass --eval_strategy no")
+        position = self._step % self.args.steps_per_generation
+        buffered = self._buffered_inputs
+        if buffered is None or buffered[position]["grpo_batch"] is not grpo_batch:
+            raise RuntimeError("M2POSwiftGRPOTrainer: the micro-batch is not the buffered one ms-swift's _prepare_inputs hands over; this "
+                               "ms-swift version buffers differently from 4.6")
+        micro = position % self.current_gradient_accumulation_steps
+        if micro == 0 or self._window is None:
+            self._window = self._start_window(model, position)
+        window = self._window
+        logp, _ = self._get_per_token_logps_and_entropies(model, model_inputs, grpo_batch, compute_entropy=False)
+        selection = window.selections[micro]
+        behavior, advantages, mask = window.behavior[micro], window.advantages[micro], window.masks[micro]
+        if self.m2po_faults.per_micro_batch_denominator:
+            share = loss_from_selection(logp, behavior, advantages, selection.keep, mask.sum()) / window.size
+        else:
+            share = loss_from_selection(logp, behavior, advantages, selection.keep, selection.valid_count)
+        if self.beta != 0.0:
+            # ms-swift's own k3 estimator, over the valid tokens, divided by the window's N.
+            safe = torch.clamp(grpo_batch.ref_per_token_logps - logp, min=-20, max=20)
+            per_token_kl = torch.clamp(torch.exp(safe) - safe - 1, min=-10, max=10)
+            share = share + self.beta * torch.where(mask, per_token_kl, torch.zeros_like(per_token_kl)).sum() / selection.valid_count.clamp(min=1)
+        recorder = self._recording()
+        if recorder is not None:
+            sampler = window.sampler[micro]
+            recorder.record(step=window.index, micro_batch=micro, logp=logp, behavior_logp=behavior, advantages=advantages, mask=mask,
+                            keep=selection.keep, loss=float(share.detach()), tau=self.m2po_tau, metrics=selection_metrics(selection),
+                            selection_logp=window.prepass[micro],
+                            rollout_logp=None if sampler is None else torch.where(mask, sampler.to(logp.dtype), torch.nan))
+            recorder.watch_gradient(logp)
+        # The HF Trainer divides every micro-batch's loss by the accumulation steps before backward;
+        # the share is already the window's (N is the window's), so that division is undone here.
+        loss = share.to(logp.dtype) * self.current_gradient_accumulation_steps
+        metrics_data = {"mode": "train", "entropy": {}, "completion_mask": mask, "completion_token_count": mask.sum().clamp(min=1)}
+        return loss, metrics_data
+
+    def _compute_loss_chunked(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("dynamic_num_samples: ms-swift computes this batch in chunks of a varying number of samples (multi-turn "
+                         "rollouts); M2PO's window is fixed micro-batches here (use single-turn rollouts)")
+
+    def compute_liger_loss(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("use_liger_kernel: Liger's fused GRPO loss would bypass the M2PO loss (set it to False)")
+
+
+def install() -> None:
+    """Make ``swift rlhf --rlhf_type grpo`` build :class:`M2POSwiftGRPOTrainer` (what the plugin file calls)."""
+    from swift.trainers.trainer_factory import TrainerFactory
+
+    tau_from_environment()  # a bad M2PO_TAU / M2PO_SWIFT_FAULT fails at plugin load, before any model is built
+    faults_from_environment()
+    TrainerFactory.TRAINER_MAPPING["grpo"] = TRAINER_PATH
+
+
+if __name__ == "__main__":
+    print(PLUGIN_FILE)
