@@ -143,3 +143,15 @@ def test_the_audit_room_check_sees_an_arrow_back_up():
     graph = import_graph()
     graph["m2po_oracle.audit.checks"] = graph["m2po_oracle.audit.checks"] | {"m2po_oracle.audit.diagnosis"}
     assert upward_arrows(graph, "m2po_oracle.audit", AUDIT_ROOMS) == [("m2po_oracle.audit.checks", "m2po_oracle.audit.diagnosis")]
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    """.ci/run is the README's second command, so a green CI means a user's copy of it passes."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    commands = re.findall(r"```bash\n(python3 -m venv .venv && [^\n]+)\n```", (root / "README.md").read_text())
+    test_command = next(c for c in commands if "pytest" in c)
+    ci_lines = [line for line in (root / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    assert ci_lines == [test_command], f".ci/run runs {ci_lines}, the README says {test_command!r}"
