@@ -46,9 +46,9 @@ from typing import Any
 
 import torch
 from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
-from transformers import TrainerCallback
 
 from m2po_oracle.core import loss_from_selection, select_micro_batches
+from m2po_oracle.integrations.hf_window import NoteParameterGradients, Window, check_window_fits_the_generation_batch, option
 from m2po_oracle.trainer.grpo import M2POKLWarning, selection_metrics, stochastic_layers
 
 #: The metrics M2POSwiftGRPOTrainer adds to ms-swift's logs, once per optimizer batch (as the TRL integration's).
@@ -92,56 +92,48 @@ def tau_from_environment(environ: Any = None) -> float:
     return tau
 
 
-def _option(args: Any, name: str, default: Any = None) -> Any:
-    return getattr(args, name, default)
-
 
 def check_m2po_args(args: Any, *, world_size: int = 1, sequence_parallel_size: int = 1) -> None:
     """Refuse, naming the ms-swift option, every setting under which the step would not compute
     Algorithm 1's objective; warn for ``beta != 0``."""
-    ga = int(_option(args, "gradient_accumulation_steps", 1))
-    spg = int(_option(args, "steps_per_generation", None) or ga)
-    if spg % ga:
-        raise ValueError(f"steps_per_generation: must be a multiple of gradient_accumulation_steps ({ga}) so that every optimizer batch "
-                         f"lies inside one buffered generation batch (M2PO selects over the whole window before its first micro-batch); "
-                         f"got {spg}")
-    loss_type = _option(args, "loss_type", "dapo")
+    check_window_fits_the_generation_batch(args)
+    loss_type = option(args, "loss_type", "dapo")
     if loss_type != "dapo":
         raise ValueError(f"loss_type: M2PO divides the masked sum by N, the optimizer batch's valid tokens before masking (ms-swift's "
                          f"window-normalised 'dapo'); loss_type={loss_type!r} asks for another normaliser that M2PO would ignore "
                          "(pass --loss_type dapo)")
-    if _option(args, "importance_sampling_level", "token") != "token":
+    if option(args, "importance_sampling_level", "token") != "token":
         raise ValueError(f"importance_sampling_level: M2PO is defined on token-level ratios; got "
-                         f"{_option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)")
-    if _option(args, "rollout_importance_sampling_mode", None) is not None:
+                         f"{option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)")
+    if option(args, "rollout_importance_sampling_mode", None) is not None:
         raise ValueError(f"rollout_importance_sampling_mode: an extra rollout importance-sampling correction "
-                         f"({_option(args, 'rollout_importance_sampling_mode')!r}) on top of M2PO corrects the same ratio twice; "
+                         f"({option(args, 'rollout_importance_sampling_mode')!r}) on top of M2PO corrects the same ratio twice; "
                          "M2PO's ratio is already taken against the behaviour log-probs (leave it unset)")
-    if _option(args, "top_entropy_quantile", 1.0) < 1.0:
-        raise ValueError(f"top_entropy_quantile: an entropy mask (got {_option(args, 'top_entropy_quantile')}) drops tokens Algorithm 1 "
+    if option(args, "top_entropy_quantile", 1.0) < 1.0:
+        raise ValueError(f"top_entropy_quantile: an entropy mask (got {option(args, 'top_entropy_quantile')}) drops tokens Algorithm 1 "
                          "keeps; M2PO's mask is its only mask (set it to 1.0)")
-    if _option(args, "off_policy_sequence_mask_delta", None) is not None:
+    if option(args, "off_policy_sequence_mask_delta", None) is not None:
         raise ValueError(f"off_policy_sequence_mask_delta: an off-policy sequence mask (got "
-                         f"{_option(args, 'off_policy_sequence_mask_delta')}) drops sequences Algorithm 1 keeps; M2PO's mask is its only "
+                         f"{option(args, 'off_policy_sequence_mask_delta')}) drops sequences Algorithm 1 keeps; M2PO's mask is its only "
                          "mask (leave it unset)")
-    if _option(args, "overlong_filter", False):
+    if option(args, "overlong_filter", False):
         raise ValueError("overlong_filter: dropping truncated completions from the loss is a mask Algorithm 1 does not have, and it "
                          "would change N (set it to False)")
-    if _option(args, "use_liger_kernel", False):
+    if option(args, "use_liger_kernel", False):
         raise ValueError("use_liger_kernel: Liger's fused GRPO loss computes ms-swift's clipped objective, not M2PO's; it would bypass "
                          "the M2PO loss (set it to False)")
-    if _option(args, "async_generate", False):
+    if option(args, "async_generate", False):
         raise ValueError("async_generate: completions sampled asynchronously come from weights older than those ms-swift computes "
                          "old_per_token_logps with, so the behaviour log-probs would not be the sampler's (set it to False)")
-    if (_option(args, "sdar_loss_coef", 0.0) or 0.0) > 0:
-        raise ValueError(f"sdar_loss_coef: a distillation term (got {_option(args, 'sdar_loss_coef')}) is added to the loss; Algorithm 1 "
+    if (option(args, "sdar_loss_coef", 0.0) or 0.0) > 0:
+        raise ValueError(f"sdar_loss_coef: a distillation term (got {option(args, 'sdar_loss_coef')}) is added to the loss; Algorithm 1 "
                          "has none (set it to 0)")
     for name, neutral in (("top_p", 1.0), ("repetition_penalty", 1.0)):
-        value = _option(args, name, neutral)
+        value = option(args, name, neutral)
         if value is not None and value != neutral:
             raise ValueError(f"{name}: the sampler must draw from the full distribution (got {name}={value!r}); ms-swift's recomputed "
                              "behaviour log-probs apply only the temperature, so they would not be the sampler's")
-    top_k = _option(args, "top_k", -1)
+    top_k = option(args, "top_k", -1)
     if top_k not in (None, -1, 0):
         raise ValueError(f"top_k: the sampler must draw from the full distribution (got top_k={top_k!r}); ms-swift's recomputed behaviour "
                          "log-probs apply only the temperature, so they would not be the sampler's (set it to -1)")
@@ -151,36 +143,12 @@ def check_m2po_args(args: Any, *, world_size: int = 1, sequence_parallel_size: i
     if sequence_parallel_size > 1:
         raise ValueError(f"sequence_parallel_size: the window's micro-batches are sequence shards here (got {sequence_parallel_size}); "
                          "this integration selects over whole sequences of one process (set it to 1)")
-    beta = float(_option(args, "beta", 0.0) or 0.0)
+    beta = float(option(args, "beta", 0.0) or 0.0)
     if beta != 0:
         warnings.warn(f"beta={beta}: a non-zero KL coefficient adds beta * KL to the M2PO objective (the reference experiments use beta=0; "
                       "pass --beta 0)", M2POKLWarning, stacklevel=3)
 
 
-@dataclass
-class _Window:
-    """The current optimizer batch: its micro-batches' inputs and one selection over them."""
-
-    index: int  # optimizer steps since training began (the capture's step)
-    size: int
-    behavior: list[torch.Tensor]
-    advantages: list[torch.Tensor]
-    masks: list[torch.Tensor]
-    prepass: list[torch.Tensor]
-    selections: list[Any]
-    sampler: list[torch.Tensor | None]
-
-
-class _NoteParameterGradients(TrainerCallback):
-    """Notes the parameters' gradient norms right before each optimizer step (after clipping)."""
-
-    def __init__(self, trainer: "M2POSwiftGRPOTrainer") -> None:
-        self.trainer = trainer
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        trainer = self.trainer
-        if trainer._recorder is not None and trainer._window is not None:
-            trainer._recorder.record_parameter_gradients(step=trainer._window.index, named_parameters=trainer.model.named_parameters())
 
 
 class M2POSwiftGRPOTrainer(GRPOTrainer):
@@ -197,13 +165,13 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         if training_args is None:
             raise ValueError("args: M2POSwiftGRPOTrainer needs ms-swift's GRPOConfig (its options decide whether M2PO can run)")
         check_m2po_args(training_args, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                        sequence_parallel_size=int(_option(training_args, "sequence_parallel_size", 1) or 1))
+                        sequence_parallel_size=int(option(training_args, "sequence_parallel_size", 1) or 1))
         if kwargs.get("chord_sft_dataset") is not None:
             raise ValueError("chord_sft_dataset: CHORD adds a supervised term to the loss; Algorithm 1 has none (leave it unset)")
         self._capture_directory = os.environ.get("M2PO_CAPTURE") or None
         self._capture_every = int(os.environ.get("M2PO_CAPTURE_EVERY", "1"))
         self._recorder: Any = None
-        self._window: _Window | None = None
+        self._window: Window | None = None
         self._windows_started = 0
         super().__init__(*args, **kwargs)
         if self._has_teacher_explicit():
@@ -218,7 +186,7 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
             # another temperature its numbers are not the sampler's (observed at 0.9: off by up
             # to 0.135 from old_per_token_logps, which do divide by the temperature).
             self.request_config.logprobs = True
-        self.add_callback(_NoteParameterGradients(self))
+        self.add_callback(NoteParameterGradients(self))
 
     # --- the loss --------------------------------------------------------------------------
 
@@ -251,7 +219,7 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
                              "than take the current policy as the behaviour policy")
         return old
 
-    def _start_window(self, model: Any, position: int) -> _Window:
+    def _start_window(self, model: Any, position: int) -> Window:
         stochastic = stochastic_layers(self.accelerator.unwrap_model(model))
         if stochastic:
             raise ValueError("disable_dropout: the mask prepass must be deterministic, but the policy has stochastic layers: "
@@ -281,7 +249,7 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
             selections = [replace(select_micro_batches([part], tau=self.m2po_tau)[0], valid_count=w.valid_count) for part, w in zip(inputs, whole)]
         else:
             selections = whole
-        window = _Window(self._windows_started, size, behavior, advantages, masks, prepass, selections, sampler)
+        window = Window(self._windows_started, size, behavior, advantages, masks, prepass, selections, sampler)
         self._windows_started += 1
         if not self.m2po_faults.per_micro_batch_mask:  # a per-micro-batch selection has no one set of metrics
             for name, value in selection_metrics(selections[0]).items():

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 from trl import GRPOTrainer
-from transformers import TrainerCallback
 
 from m2po_oracle.core import loss_from_selection, select_micro_batches
+from m2po_oracle.integrations.hf_window import NoteParameterGradients, Window, check_window_fits_the_generation_batch, option
 from m2po_oracle.trainer.grpo import M2POKLWarning, selection_metrics, stochastic_layers
 
 #: The metrics M2POGRPOTrainer adds to TRL's logs, once per optimizer batch.
@@ -55,54 +55,46 @@ class TRLFaults:
     per_rank_selection: bool = False  # each data-parallel rank selects over its own window alone (the global N kept)
 
 
-def _option(args: Any, name: str, default: Any = None) -> Any:
-    return getattr(args, name, default)
-
 
 def check_m2po_args(args: Any) -> None:
     """Refuse, naming the option, every GRPOConfig setting under which TRL's step would not
     compute Algorithm 1's objective; warn for ``beta != 0``."""
-    ga = int(_option(args, "gradient_accumulation_steps", 1))
-    spg = int(_option(args, "steps_per_generation", None) or ga)
-    if spg % ga:
-        raise ValueError(f"steps_per_generation: must be a multiple of gradient_accumulation_steps ({ga}) so that every optimizer batch "
-                         f"lies inside one buffered generation batch (M2PO selects over the whole window before its first micro-batch); "
-                         f"got {spg}")
-    loss_type = _option(args, "loss_type", "dapo")
+    check_window_fits_the_generation_batch(args)
+    loss_type = option(args, "loss_type", "dapo")
     if loss_type != "dapo":
         raise ValueError(f"loss_type: M2PO divides the masked sum by N, the optimizer batch's valid tokens before masking (TRL's 'dapo' "
                          f"normaliser, its default); loss_type={loss_type!r} asks for another normaliser that M2PO would ignore (set 'dapo')")
-    if _option(args, "importance_sampling_level", "token") != "token":
+    if option(args, "importance_sampling_level", "token") != "token":
         raise ValueError(f"importance_sampling_level: M2PO is defined on token-level ratios; got "
-                         f"{_option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)")
-    if _option(args, "use_vllm", False):
-        if _option(args, "vllm_importance_sampling_correction", False):
+                         f"{option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)")
+    if option(args, "use_vllm", False):
+        if option(args, "vllm_importance_sampling_correction", False):
             raise ValueError("vllm_importance_sampling_correction: an extra rollout importance-sampling correction on top of M2PO corrects the "
                              "same ratio twice; M2PO's ratio is already taken against the engine's log-probs (set it to False)")
-    if _option(args, "use_transformers_continuous_batching", False):
+    if option(args, "use_transformers_continuous_batching", False):
         raise ValueError("use_transformers_continuous_batching: this generation path returns no log-probs of the sampled tokens and casts the "
                          "model it samples with; M2PO fails closed rather than trust log-probs it cannot check (use regular generation)")
-    if _option(args, "top_entropy_quantile", 1.0) < 1.0:
-        raise ValueError(f"top_entropy_quantile: an entropy mask (got {_option(args, 'top_entropy_quantile')}) drops tokens Algorithm 1 keeps; "
+    if option(args, "top_entropy_quantile", 1.0) < 1.0:
+        raise ValueError(f"top_entropy_quantile: an entropy mask (got {option(args, 'top_entropy_quantile')}) drops tokens Algorithm 1 keeps; "
                          "M2PO's mask is its only mask (set it to 1.0)")
-    if _option(args, "off_policy_mask_threshold", None) is not None:
-        raise ValueError(f"off_policy_mask_threshold: an off-policy sequence mask (got {_option(args, 'off_policy_mask_threshold')}) drops "
+    if option(args, "off_policy_mask_threshold", None) is not None:
+        raise ValueError(f"off_policy_mask_threshold: an off-policy sequence mask (got {option(args, 'off_policy_mask_threshold')}) drops "
                          "sequences Algorithm 1 keeps; M2PO's mask is its only mask (set it to None)")
-    if _option(args, "entropy_coef", 0.0) or _option(args, "use_adaptive_entropy", False):
-        raise ValueError(f"entropy_coef: an entropy bonus (entropy_coef={_option(args, 'entropy_coef')}) adds a term Algorithm 1 does not have "
+    if option(args, "entropy_coef", 0.0) or option(args, "use_adaptive_entropy", False):
+        raise ValueError(f"entropy_coef: an entropy bonus (entropy_coef={option(args, 'entropy_coef')}) adds a term Algorithm 1 does not have "
                          "(set it to 0)")
-    if _option(args, "use_liger_kernel", False) or _option(args, "use_liger_loss", False):
+    if option(args, "use_liger_kernel", False) or option(args, "use_liger_loss", False):
         raise ValueError("use_liger_kernel: Liger's fused GRPO loss computes TRL's clipped objective, not M2PO's; it would bypass the "
                          "M2PO loss (set it to False)")
     for name, neutral in (("top_p", 1.0), ("top_k", 0), ("repetition_penalty", 1.0)):
-        value = _option(args, name, neutral)
+        value = option(args, name, neutral)
         if value is not None and value != neutral and not (name == "top_k" and value in (None, 0)):
             raise ValueError(f"{name}: the sampler must draw from the full distribution (got {name}={value!r}); TRL's recomputed behaviour "
                              "log-probs apply only the temperature, so they would not be the sampler's")
-    if _option(args, "min_p", None) is not None:
-        raise ValueError(f"min_p: the sampler must draw from the full distribution (got min_p={_option(args, 'min_p')!r}); TRL's recomputed "
+    if option(args, "min_p", None) is not None:
+        raise ValueError(f"min_p: the sampler must draw from the full distribution (got min_p={option(args, 'min_p')!r}); TRL's recomputed "
                          "behaviour log-probs apply only the temperature, so they would not be the sampler's")
-    beta = float(_option(args, "beta", 0.0) or 0.0)
+    beta = float(option(args, "beta", 0.0) or 0.0)
     if beta != 0:
         warnings.warn(f"beta={beta}: a non-zero KL coefficient adds beta * KL to the M2PO objective (the reference experiments use beta=0)",
                       M2POKLWarning, stacklevel=3)
@@ -123,31 +115,6 @@ class _GradScale(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-@dataclass
-class _Window:
-    """The current optimizer batch: its micro-batches' inputs and one selection over them."""
-
-    index: int  # optimizer steps since training began (the capture's step)
-    first: int  # position of its first micro-batch in the generation buffer
-    size: int
-    behavior: list[torch.Tensor]
-    advantages: list[torch.Tensor]
-    masks: list[torch.Tensor]
-    prepass: list[torch.Tensor]
-    selections: list[Any]
-    sampler: list[torch.Tensor | None]
-
-
-class _NoteParameterGradients(TrainerCallback):
-    """Notes the parameters' gradient norms right before each optimizer step (after clipping)."""
-
-    def __init__(self, trainer: "M2POGRPOTrainer") -> None:
-        self.trainer = trainer
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        trainer = self.trainer
-        if trainer._recorder is not None and trainer._window is not None:
-            trainer._recorder.record_parameter_gradients(step=trainer._window.index, named_parameters=trainer.model.named_parameters())
 
 
 class M2POGRPOTrainer(GRPOTrainer):
@@ -171,10 +138,10 @@ class M2POGRPOTrainer(GRPOTrainer):
         self._capture_directory = capture
         self._capture_every = capture_every
         self._recorder: Any = None
-        self._window: _Window | None = None
+        self._window: Window | None = None
         self._windows_started = 0
         super().__init__(*args, **kwargs)
-        self.add_callback(_NoteParameterGradients(self))
+        self.add_callback(NoteParameterGradients(self))
 
     # --- generation: the sampler's log-probs down TRL's own channel -----------------------------
 
@@ -259,7 +226,7 @@ class M2POGRPOTrainer(GRPOTrainer):
         # TRL computes none when the window was generated by the current policy (on-policy).
         return prepass if old is None else old
 
-    def _start_window(self, model: Any, position: int) -> _Window:
+    def _start_window(self, model: Any, position: int) -> Window:
         stochastic = stochastic_layers(self.accelerator.unwrap_model(model))
         if stochastic:
             raise ValueError("disable_dropout: the mask prepass must be deterministic, but the policy has stochastic layers: "
@@ -287,7 +254,7 @@ class M2POGRPOTrainer(GRPOTrainer):
             selections = [replace(alone, valid_count=w.valid_count) for alone, w in zip(select_micro_batches(inputs, tau=self.m2po_tau), whole)]
         else:
             selections = select_micro_batches(inputs, tau=self.m2po_tau, group=self._dp_group())
-        window = _Window(self._windows_started, first, size, behavior, advantages, masks, prepass, selections, sampler)
+        window = Window(self._windows_started, size, behavior, advantages, masks, prepass, selections, sampler, first=first)
         self._windows_started += 1
         if not self.m2po_faults.per_micro_batch_mask:  # a per-micro-batch selection has no one set of metrics
             for name, value in selection_metrics(selections[0]).items():
