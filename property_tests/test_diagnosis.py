@@ -37,13 +37,16 @@ def test_variants_that_set_one_knob_differently_do_not_combine():
     assert combine([]) == ALGORITHM_1
 
 
-@pytest.mark.parametrize("control", NEGATIVE_CONTROLS + COMPOSITE_CONTROLS, ids=lambda c: c.name)
-def test_every_control_is_named_exactly(control):
-    """Single and composite controls alike: the explanation is the planted set of deviations
-    (or one the examples cannot tell from it), and no failing check is left unexplained."""
-    (row,) = run_selftest(select_controls([control.name]), examples=EXAMPLES, shrink=False)
-    assert row.caught, f"{control.name} escaped {EXAMPLES} examples"
-    assert row.diagnosed, f"{control.name}: planted {' + '.join(control.variants)}, diagnosed {row.diagnosis} (alternatives {row.alternatives}, unexplained {row.unexplained}, only partly explained {row.partly_explained})"
+def test_every_control_is_named_exactly_by_the_ci_command():
+    """Every control (single and composite) named exactly, every failing check explained on
+    every failing example: that is ``selftest --quick``, which the CI command runs after the
+    suite (it exits non-zero on one MISDIAGNOSED row) at each control's measured example count.
+    Running it again here at 150 examples each cost CI a minute of its fifteen; this holds the
+    command in place instead."""
+    from pathlib import Path
+
+    ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
+    assert "&& .venv/bin/m2po-oracle selftest --quick &&" in ci, ".ci/run no longer names every control"
 
 
 def test_every_knob_keys_the_judges_memo():
