@@ -1102,6 +1102,7 @@ def test_an_adapter_run_shows_its_call_bindings_and_why_each_check_did_not_run(d
     summary = _tables(html)["summary"] if "summary" in _tables(html) else None
     assert "clip_kernel: port(ppo_kl=&lt;ppo_kl&gt;, ...) -&gt; loss at [0]; m2_before at [2]" in html, summary
     assert "m2_before=2" in html
+    assert '<div class="full"><dt>adapter</dt>' in html, "the call is a line of its own, not a narrow grid cell"
     rows = {cells[0][1]: cells for _, cells in _tables(html)["checks"][1:]}
     assert "not run: the port returns no m2_after here (bind it: --bind m2_after=INDEX)" in rows["metrics.m2_after"][1][1]
     # A check that ran carries no reason.

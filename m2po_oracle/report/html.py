@@ -271,12 +271,13 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
             ("seed", _fmt(options.get("seed"))),
             ("tau", f"drawn per {'step' if report.get('example_unit') == 'steps' else 'batch'}" if options.get("tau") is None else _fmt(options.get("tau"))),
             ("device", _text(options.get("device"), "\u2014")),
-            *([("adapter", f"{_text(adapter.get('name'))}: {_text(adapter.get('call'), _text(adapter.get('signature')))}")]
-              if (adapter := _mapping(report.get("adapter"))) else []),
-            *([("bindings", ", ".join(_text(b) for b in _list(adapter.get("bindings"))))] if adapter and adapter.get("bindings") else []),
             ("duration", _duration(report.get("duration_s"))),
             *([("capture", f"{_text(capture.get('directory'))} ({_fmt(capture.get('steps'))} steps): m2po-oracle audit {_text(capture.get('directory'))}")]
               if isinstance(capture := report.get("capture"), Mapping) else []),
+            *([("bindings", ", ".join(_text(b) for b in _list(adapter.get("bindings"))))]
+              if (adapter := _mapping(report.get("adapter"))) and adapter.get("bindings") else []),
+            # Last and full width: the call the adapter makes is a line of its own.
+            *([("adapter", f"{_text(adapter.get('name'))}: {_text(adapter.get('call'), _text(adapter.get('signature')))}")] if adapter else []),
         ],
         "checks": checks,
         "checks_failed": failed,
