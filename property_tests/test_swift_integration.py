@@ -34,7 +34,8 @@ from m2po_oracle.audit import audit_capture  # noqa: E402
 from m2po_oracle.batch import Batch  # noqa: E402
 from m2po_oracle.capture import load_capture  # noqa: E402
 from m2po_oracle.equivalence import same_up_to_ties, valid_m2  # noqa: E402
-from m2po_oracle.integrations.swift import LOGGED_METRICS, METRIC_PREFIX, check_m2po_args  # noqa: E402
+from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX  # noqa: E402
+from m2po_oracle.integrations.swift import check_m2po_args  # noqa: E402
 from m2po_oracle.integrations.swift_demo import DemoSetup, run  # noqa: E402
 from m2po_oracle.trainer.grpo import M2POKLWarning  # noqa: E402
 

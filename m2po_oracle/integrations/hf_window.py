@@ -4,11 +4,14 @@ its first one runs (one selection per window). Framework-neutral: imports transf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
+
+from m2po_oracle.core import loss_from_selection, select_micro_batches
+from m2po_oracle.trainer.grpo import selection_metrics
 
 
 def option(args: Any, name: str, default: Any = None) -> Any:
@@ -52,3 +55,51 @@ class NoteParameterGradients(TrainerCallback):
         trainer = self.trainer
         if trainer._recorder is not None and trainer._window is not None:
             trainer._recorder.record_parameter_gradients(step=trainer._window.index, named_parameters=trainer.model.named_parameters())
+
+
+#: The selection's metrics each trainer logs, under this prefix (``m2po/m2_before``, ...).
+LOGGED_METRICS = ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction")
+METRIC_PREFIX = "m2po/"
+
+
+def select_window(inputs: list[tuple[torch.Tensor, ...]], tau: float, *, group: Any = None, per_micro_batch: bool = False,
+                  per_rank: bool = False) -> list[Any]:
+    """One selection over the window's micro-batches ``(logp, behavior_logp, advantages, mask)``
+    (across ``group``); ``per_micro_batch``/``per_rank`` plant the scope bugs of the negative
+    controls: each micro-batch, or each rank, selected alone, the window's N kept (as a natural
+    port logs it)."""
+    whole = select_micro_batches(inputs, tau=tau, group=group)
+    if per_micro_batch:
+        return [replace(select_micro_batches([part], tau=tau)[0], valid_count=w.valid_count) for part, w in zip(inputs, whole)]
+    if per_rank:
+        return [replace(alone, valid_count=w.valid_count) for alone, w in zip(select_micro_batches(inputs, tau=tau), whole)]
+    return whole
+
+
+def log_window_metrics(logged: dict[str, list[float]], selections: list[Any], per_micro_batch: bool) -> None:
+    """The window's selection metrics into a trainer's metric lists (a per-micro-batch selection has no one set)."""
+    if per_micro_batch:
+        return
+    for name, value in selection_metrics(selections[0]).items():
+        if name in LOGGED_METRICS:
+            logged[METRIC_PREFIX + name].append(float(value))
+
+
+def micro_batch_share(logp: torch.Tensor, window: Window, micro: int, *, own_denominator: bool = False) -> torch.Tensor:
+    """The micro-batch's share of the window's M2PO loss: its kept terms over the window's N
+    (``own_denominator`` plants the bug: its own N, then divided by the accumulation steps)."""
+    selection = window.selections[micro]
+    behavior, advantages, mask = window.behavior[micro], window.advantages[micro], window.masks[micro]
+    if own_denominator:
+        return loss_from_selection(logp, behavior, advantages, selection.keep, mask.sum()) / window.size
+    return loss_from_selection(logp, behavior, advantages, selection.keep, selection.valid_count)
+
+
+def record_micro_batch(recorder: Any, window: Window, micro: int, logp: torch.Tensor, loss: torch.Tensor, tau: float,
+                       rollout_logp: torch.Tensor | None) -> None:
+    """One micro-batch into a capture (``m2po_oracle.capture.Recorder``), its gradient watched."""
+    selection = window.selections[micro]
+    recorder.record(step=window.index, micro_batch=micro, logp=logp, behavior_logp=window.behavior[micro], advantages=window.advantages[micro],
+                    mask=window.masks[micro], keep=selection.keep, loss=float(loss.detach()), tau=tau, metrics=selection_metrics(selection),
+                    selection_logp=window.prepass[micro], rollout_logp=rollout_logp)
+    recorder.watch_gradient(logp)

@@ -40,20 +40,18 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
 
-from m2po_oracle.core import loss_from_selection, select_micro_batches
-from m2po_oracle.integrations.hf_window import NoteParameterGradients, Window, check_window_fits_the_generation_batch, option
-from m2po_oracle.trainer.grpo import M2POKLWarning, selection_metrics, stochastic_layers
+from m2po_oracle.integrations.hf_window import (NoteParameterGradients, Window, check_window_fits_the_generation_batch, log_window_metrics,
+                                                micro_batch_share, option, record_micro_batch, select_window)
+from m2po_oracle.trainer.grpo import M2POKLWarning, stochastic_layers
 
 #: The metrics M2POSwiftGRPOTrainer adds to ms-swift's logs, once per optimizer batch (as the TRL integration's).
-LOGGED_METRICS = ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction")
-METRIC_PREFIX = "m2po/"
 #: The file ``--external_plugins`` takes. It sits in a folder of its own because ms-swift puts a
 #: plugin's folder first on ``sys.path``: this folder holds ``trl.py`` and ``swift.py``, which
 #: would shadow the real packages.
@@ -242,19 +240,11 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
                 advantages.append((a[:, None] if a.dim() == 1 else a).expand_as(logps).to(logps.dtype))
                 masks.append(mask)
                 sampler.append(grpo_batch.rollout_per_token_logps)
-        inputs = [(p, b, a, m) for p, b, a, m in zip(prepass, behavior, advantages, masks)]
-        whole = select_micro_batches(inputs, tau=self.m2po_tau)
-        if self.m2po_faults.per_micro_batch_mask:
-            # The planted bug: each micro-batch selected alone (the window's N kept, as a natural port logs).
-            selections = [replace(select_micro_batches([part], tau=self.m2po_tau)[0], valid_count=w.valid_count) for part, w in zip(inputs, whole)]
-        else:
-            selections = whole
+        per_micro_batch = self.m2po_faults.per_micro_batch_mask
+        selections = select_window(list(zip(prepass, behavior, advantages, masks)), self.m2po_tau, per_micro_batch=per_micro_batch)
         window = Window(self._windows_started, size, behavior, advantages, masks, prepass, selections, sampler)
         self._windows_started += 1
-        if not self.m2po_faults.per_micro_batch_mask:  # a per-micro-batch selection has no one set of metrics
-            for name, value in selection_metrics(selections[0]).items():
-                if name in LOGGED_METRICS:
-                    self._metrics["train"][METRIC_PREFIX + name].append(float(value))
+        log_window_metrics(self._metrics["train"], selections, per_micro_batch)
         return window
 
     def _compute_loss_and_metrics(self, model: Any, model_inputs: dict[str, Any], grpo_batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -271,12 +261,8 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
             self._window = self._start_window(model, position)
         window = self._window
         logp, _ = self._get_per_token_logps_and_entropies(model, model_inputs, grpo_batch, compute_entropy=False)
-        selection = window.selections[micro]
-        behavior, advantages, mask = window.behavior[micro], window.advantages[micro], window.masks[micro]
-        if self.m2po_faults.per_micro_batch_denominator:
-            share = loss_from_selection(logp, behavior, advantages, selection.keep, mask.sum()) / window.size
-        else:
-            share = loss_from_selection(logp, behavior, advantages, selection.keep, selection.valid_count)
+        selection, mask = window.selections[micro], window.masks[micro]
+        share = micro_batch_share(logp, window, micro, own_denominator=self.m2po_faults.per_micro_batch_denominator)
         if self.beta != 0.0:
             # ms-swift's own k3 estimator, over the valid tokens, divided by the window's N.
             safe = torch.clamp(grpo_batch.ref_per_token_logps - logp, min=-20, max=20)
@@ -285,11 +271,8 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         recorder = self._recording()
         if recorder is not None:
             sampler = window.sampler[micro]
-            recorder.record(step=window.index, micro_batch=micro, logp=logp, behavior_logp=behavior, advantages=advantages, mask=mask,
-                            keep=selection.keep, loss=float(share.detach()), tau=self.m2po_tau, metrics=selection_metrics(selection),
-                            selection_logp=window.prepass[micro],
-                            rollout_logp=None if sampler is None else torch.where(mask, sampler.to(logp.dtype), torch.nan))
-            recorder.watch_gradient(logp)
+            record_micro_batch(recorder, window, micro, logp, share, self.m2po_tau,
+                               None if sampler is None else torch.where(mask, sampler.to(logp.dtype), torch.nan))
         # The HF Trainer divides every micro-batch's loss by the accumulation steps before backward;
         # the share is already the window's (N is the window's), so that division is undone here.
         loss = share.to(logp.dtype) * self.current_gradient_accumulation_steps

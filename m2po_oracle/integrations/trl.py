@@ -28,20 +28,18 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
 
-from m2po_oracle.core import loss_from_selection, select_micro_batches
-from m2po_oracle.integrations.hf_window import NoteParameterGradients, Window, check_window_fits_the_generation_batch, option
-from m2po_oracle.trainer.grpo import M2POKLWarning, selection_metrics, stochastic_layers
+from m2po_oracle.integrations.hf_window import (NoteParameterGradients, Window, check_window_fits_the_generation_batch, log_window_metrics,
+                                                micro_batch_share, option, record_micro_batch, select_window)
+from m2po_oracle.trainer.grpo import M2POKLWarning, stochastic_layers
 
 #: The metrics M2POGRPOTrainer adds to TRL's logs, once per optimizer batch.
-LOGGED_METRICS = ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction")
-METRIC_PREFIX = "m2po/"
 
 
 @dataclass(frozen=True)
@@ -245,21 +243,12 @@ class M2POGRPOTrainer(GRPOTrainer):
                 advantages.append((a[:, None] if a.dim() == 1 else a).expand_as(logps).to(logps.dtype))
                 masks.append(mask)
                 sampler.append(micro.get("sampling_per_token_logps"))
-        inputs = [(p, b, a, m) for p, b, a, m in zip(prepass, behavior, advantages, masks)]
-        if self.m2po_faults.per_micro_batch_mask:
-            whole = select_micro_batches(inputs, tau=self.m2po_tau, group=self._dp_group())
-            selections = [replace(select_micro_batches([part], tau=self.m2po_tau)[0], valid_count=w.valid_count) for part, w in zip(inputs, whole)]
-        elif self.m2po_faults.per_rank_selection:
-            whole = select_micro_batches(inputs, tau=self.m2po_tau, group=self._dp_group())
-            selections = [replace(alone, valid_count=w.valid_count) for alone, w in zip(select_micro_batches(inputs, tau=self.m2po_tau), whole)]
-        else:
-            selections = select_micro_batches(inputs, tau=self.m2po_tau, group=self._dp_group())
+        faults = self.m2po_faults
+        selections = select_window(list(zip(prepass, behavior, advantages, masks)), self.m2po_tau, group=self._dp_group(),
+                                   per_micro_batch=faults.per_micro_batch_mask, per_rank=faults.per_rank_selection)
         window = Window(self._windows_started, size, behavior, advantages, masks, prepass, selections, sampler, first=first)
         self._windows_started += 1
-        if not self.m2po_faults.per_micro_batch_mask:  # a per-micro-batch selection has no one set of metrics
-            for name, value in selection_metrics(selections[0]).items():
-                if name in LOGGED_METRICS:
-                    self._metrics["train"][METRIC_PREFIX + name].append(float(value))
+        log_window_metrics(self._metrics["train"], selections, faults.per_micro_batch_mask)
         return window
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -277,12 +266,8 @@ class M2POGRPOTrainer(GRPOTrainer):
         logps = self._logps(model, inputs)
         world = self.accelerator.num_processes
         logp = _GradScale.apply(logps, float(world)) if world > 1 else logps
-        selection = window.selections[micro]
-        behavior, advantages, mask = window.behavior[micro], window.advantages[micro], window.masks[micro]
-        if self.m2po_faults.per_micro_batch_denominator:
-            loss = loss_from_selection(logp, behavior, advantages, selection.keep, mask.sum()) / window.size
-        else:
-            loss = loss_from_selection(logp, behavior, advantages, selection.keep, selection.valid_count)
+        selection, mask = window.selections[micro], window.masks[micro]
+        loss = micro_batch_share(logp, window, micro, own_denominator=self.m2po_faults.per_micro_batch_denominator)
         if self.beta != 0.0:
             reference = inputs["ref_per_token_logps"]
             per_token_kl = torch.exp(reference - logp) - (reference - logp) - 1
@@ -290,10 +275,7 @@ class M2POGRPOTrainer(GRPOTrainer):
         recorder = self._recording()
         if recorder is not None:
             sampler = window.sampler[micro]
-            recorder.record(step=window.index, micro_batch=micro, logp=logp, behavior_logp=behavior, advantages=advantages, mask=mask,
-                            keep=selection.keep, loss=float(loss.detach()), tau=self.m2po_tau, metrics=selection_metrics(selection),
-                            selection_logp=window.prepass[micro], rollout_logp=None if sampler is None else torch.where(mask, sampler, torch.nan))
-            recorder.watch_gradient(logp)
+            record_micro_batch(recorder, window, micro, logp, loss, self.m2po_tau, None if sampler is None else torch.where(mask, sampler, torch.nan))
         return loss.to(logps.dtype)
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:

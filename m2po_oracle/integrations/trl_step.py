@@ -29,14 +29,14 @@ The controls ``trainer:trl:NAME`` plant :class:`~m2po_oracle.integrations.trl.TR
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import tempfile
 from typing import Any
 
 import torch
 
-from m2po_oracle.integrations.trl import LOGGED_METRICS, METRIC_PREFIX, M2POGRPOTrainer, TRLFaults
+from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX
+from m2po_oracle.integrations.trl import M2POGRPOTrainer, TRLFaults
 
 #: The planted bugs ``trainer:trl:NAME`` runs, with what must catch them and name them.
 TRL_CONTROLS: dict[str, dict[str, Any]] = {
