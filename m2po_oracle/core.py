@@ -8,6 +8,7 @@ dtype; the objective runs in at least float32. Follows the implementation contra
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -267,25 +268,16 @@ def _disagreement_message(records: list[_RankRecord], group: Any) -> str:
     return f"tau: the ranks disagree ({listed}{more}); every rank must pass the same budget"
 
 
-def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float, group: Any,
-                 on_invalid: Callable[[], None] | None = None) -> Selection:
-    """Selection over 1-d float64 tokens (padding zeroed); see :func:`select_tokens`.
-
-    Single-process, ``on_invalid`` runs when some valid d or A is not finite (it raises
-    the detailed error); without it the inputs were validated already. Overwrites ``d``
-    and ``advantages`` (the caller's own float64 buffers).
-    """
-    # Padding has d = 0 and A = 0, so it is never a candidate.
-    # In place where possible: on CPU every token-sized temporary from 4M tokens up is
-    # fresh memory from the OS (glibc maps same-sized blocks anew), i.e. page faults.
-    trust = (advantages > 0).logical_and_(d > 0).logical_or_((advantages < 0).logical_and_(d < 0))
-    valid_count = torch.count_nonzero(mask)  # no token-sized int64 copy, as a bool sum makes
-    if group is None:
-        return _select_single(d, advantages, trust, mask, valid_count, tau, on_invalid)
+def _select_across(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float, group: Any) -> Selection:
+    """Selection over every rank of ``group`` from this rank's 1-d float64 d and A
+    (padding zeroed; both overwritten): one global cut, global N and metrics."""
     import torch.distributed as dist
 
-    # Every token takes part, the trust region as a mask: nothing is gathered, so nothing
-    # waits for a size (the agreement's verdict was this forward's one host read).
+    # Padding has d = 0 and A = 0, so it is never a candidate. Every token takes part, the
+    # trust region as a mask: nothing is gathered, so nothing waits for a size (the
+    # agreement's verdict was this forward's one host read).
+    trust = (advantages > 0).logical_and_(d > 0).logical_or_((advantages < 0).logical_and_(d < 0))
+    valid_count = torch.count_nonzero(mask)  # no token-sized int64 copy, as a bool sum makes
     m2 = d.mul_(d)
     kept = kept_candidates_across(m2, tau, group, candidates=trust)
     zero = torch.zeros((), dtype=torch.float64, device=d.device)
@@ -308,86 +300,187 @@ def _select_flat(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
     )
 
 
-def _select_single(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor,
-                   tau: float, on_invalid: Callable[[], None] | None) -> Selection:
-    """Single-process selection with one host synchronisation, the fail-closed verdict.
+#: Tokens per pass of the single-process first level and the loss on CPU. Chunk by chunk,
+#: a dozen passes run over data in cache, and their scratch is reused from one forward to
+#: the next, where token-sized float64 buffers from 4M tokens up were fresh memory from
+#: the OS every forward (glibc maps blocks of 32 MiB and more anew: a page fault per 4 KiB,
+#: 147k per forward at 16M). 2**18 was fastest of 2**16 .. 2**20 at 1M and 4M tokens.
+#: Other devices take the whole batch in one pass (their caching allocators reuse memory).
+CPU_CHUNK = 1 << 18
+#: The largest bucket index a finite or infinite M2 >= 0 can have (+inf's top 16 bits); a
+#: crossing "above every bucket" is clamped to one past it, so int16 comparisons hold.
+_ABOVE_EVERY_BUCKET = 0x7FFF
 
-    The first radix level runs over every token on the device (non-candidates go to a
-    bank of buckets that is never read, so they neither count nor contend). The verdict's
-    one read also brings the candidate count and the crossing bucket's size, so the
-    candidates to finish with are gathered with a fixed size (``nonzero_static``) and the
-    rest of the cut runs on them alone, again on the device: up to SMALL candidates are all
-    sorted as ``kept_candidates`` finishes (the same result to the last bit), and so is a
-    crossing bucket of up to SMALL values; a larger crossing bucket is sorted (up to
-    SORT_AT_MOST values) or goes through the remaining radix levels, both exact up to
-    float64 rounding at tau.
+
+@dataclass(frozen=True)
+class _Scratch:
+    """Chunk-sized buffers for the first level and the loss: two float64 and one int64. On
+    CPU one set per thread is kept between forwards (up to CPU_CHUNK tokens: 6 MiB at
+    2**18), since fresh memory costs a page fault per 4 KiB; elsewhere the device's caching
+    allocator keeps memory, and one pass takes the whole batch."""
+
+    chunk: int
+    d: torch.Tensor
+    other: torch.Tensor
+    bits: torch.Tensor
+
+    @classmethod
+    def for_device(cls, device: torch.device, n: int) -> "_Scratch":
+        if device.type != "cpu":
+            return cls._allocate(device, max(n, 1))
+        chunk = max(1, min(n, CPU_CHUNK))  # an empty batch still has a (unused) chunk of 1
+        kept = getattr(_SCRATCH, "cpu", None)
+        if kept is None or kept.chunk < chunk:
+            kept = _SCRATCH.cpu = cls._allocate(device, chunk)
+        return cls(chunk, kept.d[:chunk], kept.other[:chunk], kept.bits[:chunk])
+
+    @classmethod
+    def _allocate(cls, device: torch.device, chunk: int) -> "_Scratch":
+        d, other = (torch.empty(chunk, dtype=torch.float64, device=device) for _ in range(2))
+        return cls(chunk, d, other, torch.empty(chunk, dtype=torch.int64, device=device))
+
+
+_SCRATCH = threading.local()
+
+
+@dataclass(frozen=True)
+class _FirstLevel:
+    """The first radix level over every token: the candidates' M2 histogram, the trust
+    region, each token's bucket (candidates' top 16 bits of M2, non-candidates 0), and on
+    the device the candidate count and a sum that is finite iff every valid input is."""
+
+    sums: torch.Tensor
+    counts: torch.Tensor
+    trust: torch.Tensor
+    bucket: torch.Tensor
+    trust_count: torch.Tensor
+    checksum: torch.Tensor
+
+
+def _first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> _FirstLevel:
+    """One pass (per chunk) over the raw 1-d inputs, with no token-sized float64 buffer.
+
+    Bit masks stand in for ``where``: on CPU, operators that read or write bool tensors
+    cost 4-10x an arithmetic pass, while ANDing a float's bits with 0 or all-ones selects
+    it (padding's NaN/inf included) at the cost of an integer pass.
     """
-    device, n = d.device, d.numel()
-    if n <= fast_selection.SMALL:
-        return _select_few(d, advantages, trust, mask, valid_count, tau, on_invalid)
-    # A sum is non-finite when one of its terms is (or, from float64 inputs, when it overflows).
-    finite = torch.isfinite(d.sum() + advantages.sum())
-    # d and A are this function's own buffers: M2 overwrites d and the bucket indices
-    # overwrite A (on CPU a fresh token-sized buffer costs more than the pass that fills it).
-    m2 = d.mul_(d)
-    bucket = torch.bitwise_right_shift(m2.view(torch.int64), 64 - DIGIT_BITS, out=advantages.view(torch.int64))
-    # Non-candidates go to the bank BUCKETS .. 2 * BUCKETS - 1 that is never read, each at
-    # BUCKETS + its own digit (< 2**15: M2's sign bit is 0). Padding shares one bank bucket:
-    # at 1M tokens, half of them padding, one CPU thread, that costs a histogram about 0.2 ms,
-    # where spreading the bank by position (out_of_level) took about 3 ms more to build.
-    bucket.add_(~trust, alpha=BUCKETS)
-    ones = torch.ones((), dtype=torch.float64, device=device).expand(n)
-    sums = torch.zeros(2 * BUCKETS, dtype=torch.float64, device=device).scatter_add_(0, bucket, m2)[:BUCKETS]
-    counts = torch.zeros(2 * BUCKETS, dtype=torch.float64, device=device).scatter_add_(0, bucket, ones)[:BUCKETS]
-    descent, crossing = Descent.start(device).step(sums, counts, tau, 0)
+    device, n = mask.device, mask.numel()
+    scratch = _Scratch.for_device(device, n)
+    trust = torch.empty(n, dtype=torch.bool, device=device)
+    bucket = torch.empty(n, dtype=torch.int16, device=device)
+    sums, counts = (torch.zeros(BUCKETS, dtype=torch.float64, device=device) for _ in range(2))
+    ones = torch.ones((), dtype=torch.float64, device=device).expand(scratch.chunk)
+    checksum = torch.zeros((), dtype=torch.float64, device=device)
+    negative_trust_count = torch.zeros((), dtype=torch.int64, device=device)
+    for start in range(0, n, scratch.chunk):
+        end = min(start + scratch.chunk, n)
+        d, other, bits = scratch.d[: end - start], scratch.other[: end - start], scratch.bits[: end - start]
+        d.copy_(logp[start:end]).sub_(other.copy_(behavior_logp[start:end]))
+        # d + 0 * A: d itself when A is finite, NaN when it is not, so that d's sum carries
+        # the verdict for all three inputs.
+        d.add_(other.copy_(advantages[start:end]), alpha=0.0)
+        # Padding's d becomes +0 (all-ones bits on valid tokens, 0 on padding).
+        d.view(torch.int64).bitwise_and_(bits.copy_(mask[start:end].view(torch.uint8)).neg_())
+        checksum += d.sum()
+        # d * sign(A) > 0 exactly when d and A are non-zero with the same sign (sign(A) is
+        # -1, 0 or 1, so the product is exact): the trust region. On padding d is +0 and
+        # sign(A) finite (sign(NaN) is 0), so the product is never > 0.
+        chunk_trust = torch.gt(other.sign_().mul_(d), 0, out=trust[start:end])
+        m2 = torch.mul(d, d, out=other)
+        # Non-candidates' M2 becomes +0: they land in bucket 0 with nothing to add, and
+        # their count is taken out of it below.
+        candidate_bits = bits.copy_(chunk_trust.view(torch.uint8)).neg_()
+        m2.view(torch.int64).bitwise_and_(candidate_bits)
+        negative_trust_count += candidate_bits.sum()
+        histogram_index = torch.bitwise_right_shift(m2.view(torch.int64), 64 - DIGIT_BITS, out=bits)
+        sums.scatter_add_(0, histogram_index, m2)
+        counts.scatter_add_(0, histogram_index, ones[: end - start])
+        bucket[start:end].copy_(histogram_index)
+    trust_count = -negative_trust_count
+    counts[0] -= n - trust_count  # the non-candidates (counts are integers, exact in float64)
+    return _FirstLevel(sums, counts, trust, bucket, trust_count, checksum)
+
+
+def _m2_at(logp: torch.Tensor, behavior_logp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """M2 of the tokens at ``index`` (1-d), computed as the first level computed it."""
+    d = logp.index_select(0, index).to(torch.float64).sub_(behavior_logp.index_select(0, index).to(torch.float64))
+    return d.mul_(d)
+
+
+@torch.no_grad()
+def _select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float,
+                  on_invalid: Callable[[], None]) -> Selection:
+    """Single-process selection over 1-d detached inputs, with one host synchronisation:
+    the fail-closed verdict (``on_invalid`` raises, naming the argument and the token).
+
+    The first radix level runs over every token on the device. The verdict's one read also
+    brings the candidate count and the crossing bucket's size, so the candidates to finish
+    with are gathered with a fixed size (``nonzero_static``) and the rest of the cut runs
+    on them alone, again on the device: up to SMALL candidates are all sorted as
+    ``kept_candidates`` finishes (the same result to the last bit), and so is a crossing
+    bucket of up to SMALL values; a larger crossing bucket is sorted (up to SORT_AT_MOST
+    values) or goes through the remaining radix levels, both exact up to float64 rounding
+    at tau.
+    """
+    valid_count = torch.count_nonzero(mask)  # no token-sized int64 copy, as a bool sum makes
+    if mask.numel() <= fast_selection.SMALL:
+        d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
+        return _select_few(d, a, mask, valid_count, tau, on_invalid)
+    first = _first_level(logp, behavior_logp, advantages, mask)
+    descent, crossing = Descent.start(mask.device).step(first.sums, first.counts, tau, 0)
     crossing_size = torch.where(crossing < BUCKETS, descent.tied_count, 0).to(torch.int64)
-    trust_count = counts.sum().to(torch.int64)  # exact: integers in float64
     # The forward's one host synchronisation: the verdict, the crossing bucket's size and
     # the candidate count in one int64 (-1: not finite).
-    packed = (trust_count << 32) | crossing_size
-    read = int(torch.where(finite, packed, -1).item())
+    packed = (first.trust_count << 32) | crossing_size
+    read = int(torch.where(torch.isfinite(first.checksum), packed, -1).item())
     if read < 0:
-        if on_invalid is not None:
-            on_invalid()  # raises, naming the argument and the token
+        on_invalid()
         # Finite float64 inputs whose d or sums overflow (beyond 1.8e308): one more read, and on.
         read = int(packed.item())
     size, candidates = read & 0xFFFFFFFF, read >> 32
+    trust = first.trust
     if candidates <= fast_selection.SMALL:
         # As kept_candidates selects so few: the same result to the last bit.
-        kept, cut, kept_sum, candidate_sum = _sorted_finish(m2, torch.nonzero_static(bucket < BUCKETS, size=candidates).reshape(-1),
-                                                            candidates, tau, mask)
+        alive = torch.nonzero_static(trust, size=candidates).reshape(-1)
+        kept, cut, kept_sum, candidate_sum = _sorted_finish(_m2_at(logp, behavior_logp, alive), alive, candidates, tau, mask)
     else:
-        alive = torch.nonzero_static(bucket == crossing, size=size).reshape(-1)
-        cut = cut_of_crossing_bucket(m2.index_select(0, alive), tau, descent)
-        # Candidates below the crossing bucket are kept (non-candidates sit at BUCKETS and above).
-        kept = (bucket < crossing).index_put_((alive,), cut.kept)
-        kept_sum, candidate_sum = cut.kept_sum, sums.sum()
-    return _selection(kept, trust, mask, valid_count, trust_count, cut.kept_count, candidate_sum, kept_sum)
+        # Non-candidates sit in bucket 0 too: only candidates are compared.
+        cut_bucket = crossing.clamp(max=_ABOVE_EVERY_BUCKET)
+        in_crossing = torch.eq(first.bucket, cut_bucket).logical_and_(trust)
+        alive = torch.nonzero_static(in_crossing, size=size).reshape(-1)
+        cut = cut_of_crossing_bucket(_m2_at(logp, behavior_logp, alive), tau, descent)
+        # Candidates below the crossing bucket are kept (in the same buffer: a fresh
+        # token-sized one is page faults on CPU).
+        kept = torch.lt(first.bucket, cut_bucket, out=in_crossing).logical_and_(trust).index_put_((alive,), cut.kept)
+        kept_sum, candidate_sum = cut.kept_sum, first.sums.sum()
+    return _selection(kept, trust, mask, valid_count, first.trust_count, cut.kept_count, candidate_sum, kept_sum)
 
 
-def _select_few(d: torch.Tensor, advantages: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor,
-                tau: float, on_invalid: Callable[[], None] | None) -> Selection:
-    """:func:`_select_single` for at most SMALL tokens: every candidate sorted, as its own
-    small-candidate branch finishes (the same result to the last bit), without the first
-    radix level, whose BUCKETS-sized histogram costs a small batch 10-30x its selection."""
+def _select_few(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, tau: float,
+                on_invalid: Callable[[], None]) -> Selection:
+    """:func:`_select_local` for at most SMALL tokens, from float64 d and A (padding
+    zeroed; both overwritten): every candidate sorted, as its own small-candidate branch
+    finishes (the same result to the last bit), without the first radix level, whose
+    BUCKETS-sized histogram costs a small batch 10-30x its selection."""
+    trust = (advantages > 0).logical_and_(d > 0).logical_or_((advantages < 0).logical_and_(d < 0))
     finite = torch.isfinite(d.sum() + advantages.sum())
     trust_count = torch.count_nonzero(trust)
     read = int(torch.where(finite, trust_count, -1).item())  # the one host synchronisation
     if read < 0:
-        if on_invalid is not None:
-            on_invalid()
+        on_invalid()
         read = int(trust_count.item())
     m2 = d.mul_(d)
-    kept, cut, kept_sum, candidate_sum = _sorted_finish(m2, torch.nonzero_static(trust, size=read).reshape(-1), read, tau, mask)
+    alive = torch.nonzero_static(trust, size=read).reshape(-1)
+    kept, cut, kept_sum, candidate_sum = _sorted_finish(m2.index_select(0, alive), alive, read, tau, mask)
     return _selection(kept, trust, mask, valid_count, trust_count, cut.kept_count, candidate_sum, kept_sum)
 
 
-def _sorted_finish(m2: torch.Tensor, alive: torch.Tensor, count: int, tau: float, mask: torch.Tensor
+def _sorted_finish(values: torch.Tensor, alive: torch.Tensor, count: int, tau: float, mask: torch.Tensor
                    ) -> tuple[torch.Tensor, fast_selection.DeviceCut, torch.Tensor, torch.Tensor]:
-    """As kept_candidates selects a few candidates (``alive``, in index order): all sorted,
-    no bucket sums. The kept mask, the cut, and the kept and candidate M2 sums."""
-    values = m2.index_select(0, alive)
-    cut = cut_of_crossing_bucket(values, tau, Descent.start(m2.device), small=count)
+    """As kept_candidates selects a few candidates (``alive``, in index order, with M2
+    ``values``): all sorted, no bucket sums. The kept mask, the cut, and the kept and
+    candidate M2 sums."""
+    cut = cut_of_crossing_bucket(values, tau, Descent.start(mask.device), small=count)
     kept = torch.zeros_like(mask).index_put_((alive,), cut.kept)
     return kept, cut, torch.where(cut.kept, values, 0.0).sum(), values.sum()
 
@@ -430,15 +523,16 @@ def select_tokens(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     Tensor- and context-parallel replicas must not be in ``group`` (they would be counted
     twice): select over the pure DP group on CP-reconstructed tensors.
     """
-    on_invalid = None
-    if group is None:
-        _validate_structure(logp, behavior_logp, advantages, mask, tau)
-        on_invalid = lambda: _validate_finite(logp, behavior_logp, advantages, mask)  # noqa: E731
-    else:
+    if group is not None:
         validate_across_ranks(logp, behavior_logp, advantages, mask, tau=tau, group=group)
-    d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
+        d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
+        with torch.no_grad():
+            flat = _select_across(d.reshape(-1), a.reshape(-1), mask.reshape(-1), float(tau), group)
+        return replace(flat, keep=flat.keep.reshape(mask.shape))
+    _validate_structure(logp, behavior_logp, advantages, mask, tau)
     with torch.no_grad():
-        flat = _select_flat(d.reshape(-1), a.reshape(-1), mask.reshape(-1), float(tau), group, on_invalid)
+        flat = _select_local(*(x.detach().reshape(-1) for x in (logp, behavior_logp, advantages, mask)), float(tau),
+                             lambda: _validate_finite(logp, behavior_logp, advantages, mask))
     return replace(flat, keep=flat.keep.reshape(mask.shape))
 
 
@@ -472,7 +566,6 @@ def select_micro_batches(micro_batches: Sequence[Sequence[torch.Tensor]], *, tau
     so ``loss_from_selection`` on each and summing gives the full-batch loss whatever the
     split.
     """
-    on_invalid = None
     if group is None:
         try:
             _validate_micro_batches(micro_batches, tau, finite=False)
@@ -480,25 +573,74 @@ def select_micro_batches(micro_batches: Sequence[Sequence[torch.Tensor]], *, tau
             # An earlier micro-batch's non-finite value is the first failure, as before.
             _validate_micro_batches(micro_batches, tau)
             raise
-        on_invalid = lambda: _validate_micro_batches(micro_batches, tau)  # noqa: E731
+        # One selection over the concatenation (torch.cat promotes mixed dtypes exactly).
+        flats = [torch.cat([parts[i].detach().reshape(-1) for parts in micro_batches]) for i in range(4)]
+        with torch.no_grad():
+            whole = _select_local(*flats, float(tau), lambda: _validate_micro_batches(micro_batches, tau))
     else:
         _check_group(group)  # local: a broken group cannot carry an agreement
         _validate_across(lambda: _validate_micro_batches(micro_batches, tau), tau, _first_logp(micro_batches), group)
-    flats_d, flats_a, flats_mask, shapes = [], [], [], []
-    for logp, behavior_logp, advantages, mask in micro_batches:
-        d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
-        flats_d.append(d.reshape(-1))
-        flats_a.append(a.reshape(-1))
-        flats_mask.append(mask.reshape(-1))
-        shapes.append(mask.shape)
-    with torch.no_grad():
-        whole = _select_flat(torch.cat(flats_d), torch.cat(flats_a), torch.cat(flats_mask), float(tau), group, on_invalid)
+        flats_d, flats_a = [], []
+        for logp, behavior_logp, advantages, mask in micro_batches:
+            d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
+            flats_d.append(d.reshape(-1))
+            flats_a.append(a.reshape(-1))
+        with torch.no_grad():
+            whole = _select_across(torch.cat(flats_d), torch.cat(flats_a), torch.cat([parts[3].reshape(-1) for parts in micro_batches]),
+                                   float(tau), group)
     parts, start = [], 0
-    for flat_mask, shape in zip(flats_mask, shapes):
-        end = start + flat_mask.numel()
+    for shape in (parts[3].shape for parts in micro_batches):
+        end = start + math.prod(shape)
         parts.append(replace(whole, keep=whole.keep[start:end].reshape(shape)))
         start = end
     return parts
+
+
+class _KeptRatioLoss(torch.autograd.Function):
+    """``-(1/N) * sum(keep * exp(logp - behavior_logp) * advantages)`` on flat tensors,
+    forward and backward by hand: the values and gradient autograd gives for the same
+    expression (dropped tokens' log-ratio zeroed, then exp, times A zeroed off ``keep``),
+    with only the two buffers the backward needs token-sized, bit masks instead of
+    ``where`` (on CPU a pass over a bool tensor costs 4-10x an arithmetic pass), and on
+    CPU chunk by chunk, so that each chunk's passes run in cache. The sum adds the chunks'
+    sums: over more than CPU_CHUNK tokens it rounds in another order than one sum."""
+
+    @staticmethod
+    def forward(ctx: Any, logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
+                denominator: torch.Tensor) -> torch.Tensor:
+        compute_dtype, n = denominator.dtype, keep.numel()
+        bits_dtype = torch.int64 if compute_dtype == torch.float64 else torch.int32
+        scratch = _Scratch.for_device(keep.device, n)
+        # The scratch's float64 and int64 buffers seen as chunk-sized buffers of the compute width.
+        products = scratch.d.view(compute_dtype)[: scratch.chunk]
+        bits = scratch.bits.view(bits_dtype)[: scratch.chunk]
+        ratio = torch.empty(n, dtype=compute_dtype, device=keep.device)
+        weight = torch.empty(n, dtype=compute_dtype, device=keep.device)
+        total = torch.zeros((), dtype=compute_dtype, device=keep.device)
+        for start in range(0, n, scratch.chunk):
+            end = min(start + scratch.chunk, n)
+            r, w = ratio[start:end], weight[start:end]
+            if logp.dtype == behavior_logp.dtype == compute_dtype:
+                torch.sub(logp[start:end], behavior_logp[start:end], out=r)
+            else:
+                r.copy_(logp[start:end]).sub_(behavior_logp[start:end].to(compute_dtype))
+            # All-ones bits where kept, 0 where dropped: ANDed into a float, it keeps the
+            # value or makes it +0, so padding NaN/inf never meets the loss or the backward.
+            kept_bits = bits[: end - start].copy_(keep[start:end].view(torch.uint8)).neg_()
+            r.view(bits_dtype).bitwise_and_(kept_bits)
+            r.exp_()
+            w.copy_(advantages[start:end]).view(bits_dtype).bitwise_and_(kept_bits)
+            total += torch.mul(r, w, out=products[: end - start]).sum()
+        ctx.save_for_backward(ratio, weight, denominator)
+        ctx.logp_dtype = logp.dtype
+        return -total / denominator
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ratio, weight, denominator = ctx.saved_tensors
+        # In autograd's order (division, negation, A, then exp's result): the same bits.
+        return (-(grad / denominator) * weight).mul_(ratio).to(ctx.logp_dtype), None, None, None, None
 
 
 def loss_from_selection(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
@@ -506,21 +648,13 @@ def loss_from_selection(logp: torch.Tensor, behavior_logp: torch.Tensor, advanta
     """``-(1/N) * sum(keep * exp(logp - behavior_logp) * advantages)`` with the given global N.
 
     ``keep`` may be a part of a selection (a micro-batch, a context-parallel shard): only
-    its kept tokens carry gradient, and padding never meets the backward pass.
+    its kept tokens carry gradient, and padding never meets the backward pass. Computed in
+    float64 for float64 logp, else in float32.
     """
     compute_dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
-    zero = torch.zeros((), dtype=compute_dtype, device=logp.device)
-    # Zeroing the dropped tokens' log-ratio routes gradient only to kept tokens, so padding
-    # NaN/inf never meets a zero weight in the backward pass (0 * nan would poison the
-    # gradient). Taken after the subtraction it gives the same values as masking logp and
-    # behavior_logp apart. masked_fill_ and exp_ work on the subtraction's own result: the
-    # values and gradient of where() and exp() without two more token-sized buffers (at 4M
-    # tokens and above each is fresh memory from the OS on CPU: thousands of page faults).
-    dropped = ~keep
-    ratio_kept = (logp.to(compute_dtype) - behavior_logp.detach().to(compute_dtype)).masked_fill_(dropped, 0.0).exp_()
-    advantages_kept = torch.where(keep, advantages.detach().to(compute_dtype), zero)
     denominator = torch.as_tensor(valid_count, device=logp.device).clamp(min=1).to(compute_dtype)
-    return -(ratio_kept * advantages_kept).sum() / denominator
+    flat = [x.reshape(-1) for x in (logp, behavior_logp.detach(), advantages.detach(), torch.broadcast_to(keep, logp.shape))]
+    return _KeptRatioLoss.apply(*flat, denominator)
 
 
 def m2po_loss(

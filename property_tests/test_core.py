@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -156,6 +157,32 @@ def test_fails_closed_with_an_error_naming_the_argument(case):
         m2po_loss(**inputs, tau=tau)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=str)
+@pytest.mark.parametrize("argument", ["logp", "behavior_logp", "advantages"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_a_large_batch_fails_closed_too(argument, value, dtype):
+    """Above SMALL tokens the verdict comes from the first level's checksum (d + 0 * A over
+    valid tokens, chunk by chunk): one non-finite value on one valid token in the last
+    chunk still raises, naming the argument; the same values on padding do not."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (8, 1200)  # above SMALL, and three CPU chunks of 4096
+    behavior = -torch.empty(shape).exponential_(0.5, generator=generator)
+    inputs = {"logp": (behavior + 0.3 * torch.randn(shape, generator=generator)).to(dtype), "behavior_logp": behavior.to(dtype),
+              "advantages": torch.where(torch.rand(shape, generator=generator) < 0.5, 1.0, -1.0).to(dtype),
+              "mask": torch.ones(shape, dtype=torch.bool)}
+    inputs["mask"][-1, -1] = False
+    from m2po_oracle import core
+
+    with mock.patch.object(core, "CPU_CHUNK", 4096):
+        padded = dict(inputs, **{argument: inputs[argument].clone()})
+        padded[argument][-1, -1] = value
+        assert torch.isfinite(m2po_loss(**padded, tau=0.04).loss)
+        invalid = dict(inputs, **{argument: inputs[argument].clone()})
+        invalid[argument][-1, -2] = value
+        with pytest.raises(ValueError, match=rf"{argument}: expected finite values on valid tokens \(mask True\), got {value} at index \(7, 1198\)"):
+            m2po_loss(**invalid, tau=0.04)
+
+
 def test_nan_on_padding_is_accepted():
     inputs, tau = _inputs(logp=torch.tensor([[-0.5, float("nan")]], requires_grad=True), mask=torch.tensor([[True, False]]))
     assert torch.isfinite(m2po_loss(**inputs, tau=tau).loss)
@@ -181,3 +208,80 @@ def test_float16_gradient_underflow_is_within_tolerance():
     batch = Batch(np.array([[-1.3598638079378191, -2.0391942029317294]]), np.array([[-1.3598638079378191, -2.0391942029317294]]),
                   np.array([[5.960464477539063e-08, 5.960464477539063e-08]]), np.ones((1, 2), bool), 0.04)
     assert_battery_passes(m2po_loss, batch, impl="core", dtype="float16", compute_dtype="float64")
+
+
+def _forward_and_gradient(batch: Batch, dtype: str):
+    tensors = to_tensors(batch.with_padding(float("nan")), dtype)
+    result = m2po_loss(**tensors, tau=batch.tau)
+    (grad,) = torch.autograd.grad(result.loss, tensors["logp"])
+    return result, grad
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@given(batch=strategies.batches())
+def test_chunk_by_chunk_the_forward_is_the_one_pass_forward(chunk, dtype, batch):
+    """On CPU the first level and the loss run chunk by chunk (core.CPU_CHUNK tokens):
+    whatever the chunk, the selection and its metrics are the one-pass ones bit for bit,
+    the gradient too; the loss adds the chunks' sums, so it may round differently."""
+    from m2po_oracle import core, fast_selection
+
+    with mock.patch.object(fast_selection, "SMALL", 0):  # every batch through the first level
+        with mock.patch.object(core, "CPU_CHUNK", 1 << 30):
+            whole, whole_grad = _forward_and_gradient(batch, dtype)
+        with mock.patch.object(core, "CPU_CHUNK", chunk):
+            chunked, chunked_grad = _forward_and_gradient(batch, dtype)
+    for name in ("keep", "valid_count", "trust_region_count", "kept_trust_region_count", "m2_before", "m2_after", "masked_fraction",
+                 "trust_region_fraction"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), f"{name}: {getattr(chunked, name)} chunked by {chunk}, {getattr(whole, name)} in one pass"
+    assert torch.equal(chunked_grad, whole_grad)
+    scale = float(torch.nan_to_num(torch.abs(whole_grad), nan=0.0).sum()) + 1e-300  # |loss terms| / N
+    assert abs(float(chunked.loss.detach()) - float(whole.loss.detach())) <= (1e-12 if dtype == "float64" else 1e-5) * scale
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@given(batch=strategies.batches())
+def test_the_hand_written_loss_is_autograd_s_to_the_last_bit(dtype, batch):
+    """loss_from_selection's forward and backward are written by hand (bit masks, one
+    pass per chunk); autograd on the plain expression must give the same loss and the
+    same gradient, bit for bit, with NaN on padding."""
+    from m2po_oracle.core import loss_from_selection, select_tokens
+
+    tensors = to_tensors(batch.with_padding(float("nan")), dtype)
+    logp, behavior, advantages, mask = (tensors[k] for k in ("logp", "behavior_logp", "advantages", "mask"))
+    keep = select_tokens(logp, behavior, advantages, mask, tau=batch.tau).keep
+    n = max(int(mask.sum()), 1)
+    compute = torch.float64 if dtype == "float64" else torch.float32
+    ratio = (logp.to(compute) - behavior.to(compute)).masked_fill(~keep, 0.0).exp()
+    reference = -(ratio * torch.where(keep, advantages.to(compute), torch.zeros((), dtype=compute))).sum() / torch.tensor(float(n), dtype=compute)
+    (reference_grad,) = torch.autograd.grad(reference, logp)
+    loss = loss_from_selection(logp, behavior, advantages, keep, mask.sum())
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.equal(loss, reference), f"loss {loss.item()!r}, autograd's {reference.item()!r}"
+    assert grad.dtype == logp.dtype and torch.equal(grad, reference_grad), \
+        f"gradient differs at {torch.nonzero(grad != reference_grad)[:3].tolist()}"
+
+
+@pytest.mark.parametrize("tau", [0.0, 5e-321, 1e-300])
+def test_a_crossing_in_bucket_0_is_shared_with_no_non_candidate(tau):
+    """Non-candidates sit in bucket 0 of the first level (their M2 is set to +0); when the
+    cut falls in bucket 0 itself (candidates with subnormal or zero M2, float64 inputs),
+    only candidates may be gathered from it. 6,000 candidates (above SMALL) interleaved
+    with 6,000 non-candidates of the wrong sign."""
+    from m2po_oracle.core import select_tokens
+    from m2po_oracle.fast_selection import kept_candidates_by_sorting
+
+    n = 12000
+    d = torch.where(torch.arange(n) % 2 == 0, torch.tensor(1e-160, dtype=torch.float64), torch.tensor(-0.5, dtype=torch.float64))
+    d[::6] = 1e-170  # M2 underflows to +0: candidates that always fit
+    d[2::6] = 3e-161  # M2 about 9e-322
+    behavior = torch.zeros(n, dtype=torch.float64)  # logp is d itself
+    advantages = torch.ones(n, dtype=torch.float64)
+    mask = torch.ones(n, dtype=torch.bool)
+    selection = select_tokens(behavior + d, behavior, advantages, mask, tau=tau)
+    d_seen = (behavior + d) - behavior
+    trust = d_seen > 0
+    expected = mask.clone()
+    expected[trust] = kept_candidates_by_sorting(d_seen[trust] ** 2, tau)
+    assert torch.equal(selection.keep, expected), f"{int((selection.keep != expected).sum())} tokens differ"
+    assert int(selection.trust_region_count) == int(trust.sum()) and int(selection.kept_trust_region_count) == int(expected[trust].sum())
