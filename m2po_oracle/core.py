@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from m2po_oracle import fast_selection
-from m2po_oracle.fast_selection import BUCKETS, DIGIT_BITS, Descent, cut_of_crossing_bucket, kept_candidates_across
+from m2po_oracle.fast_selection import BUCKETS, DIGIT_BITS, Descent, cut_of_crossing_bucket, kept_candidates_across, out_of_level
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -366,9 +366,10 @@ def _first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: to
     """
     device, n = mask.device, mask.numel()
     scratch = _Scratch.for_device(device, n)
+    spread = _spread_non_candidates(device)
     trust = torch.empty(n, dtype=torch.bool, device=device)
     bucket = torch.empty(n, dtype=torch.int16, device=device)
-    sums, counts = (torch.zeros(BUCKETS, dtype=torch.float64, device=device) for _ in range(2))
+    sums, counts = (torch.zeros(2 * BUCKETS if spread else BUCKETS, dtype=torch.float64, device=device) for _ in range(2))
     ones = torch.ones((), dtype=torch.float64, device=device).expand(scratch.chunk)
     checksum = torch.zeros((), dtype=torch.float64, device=device)
     negative_trust_count = torch.zeros((), dtype=torch.int64, device=device)
@@ -393,12 +394,25 @@ def _first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: to
         m2.view(torch.int64).bitwise_and_(candidate_bits)
         negative_trust_count += candidate_bits.sum()
         histogram_index = torch.bitwise_right_shift(m2.view(torch.int64), 64 - DIGIT_BITS, out=bits)
+        bucket[start:end].copy_(histogram_index)
+        if spread:
+            out_of_level(histogram_index, inside=chunk_trust)
         sums.scatter_add_(0, histogram_index, m2)
         counts.scatter_add_(0, histogram_index, ones[: end - start])
-        bucket[start:end].copy_(histogram_index)
     trust_count = -negative_trust_count
-    counts[0] -= n - trust_count  # the non-candidates (counts are integers, exact in float64)
+    if spread:
+        sums, counts = sums[:BUCKETS], counts[:BUCKETS]  # the bank is never read
+    else:
+        counts[0] -= n - trust_count  # the non-candidates (counts are integers, exact in float64)
     return _FirstLevel(sums, counts, trust, bucket, trust_count, checksum)
+
+
+def _spread_non_candidates(device: torch.device) -> bool:
+    """Whether the first level sends non-candidates to a bank of buckets spread by position
+    (2 x BUCKETS histograms) instead of bucket 0. On a GPU, half a batch adding to one
+    bucket is contended atomics; on CPU the histogram is a serial loop, where bucket 0
+    costs nothing extra and the spreading costs a ``where`` per chunk."""
+    return device.type != "cpu"
 
 
 def _m2_at(logp: torch.Tensor, behavior_logp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
