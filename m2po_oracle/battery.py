@@ -7,8 +7,9 @@ into one self-sufficient failure message (the one formatter in ``equivalence``).
 
 from __future__ import annotations
 
+import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -88,10 +89,36 @@ def _padding_differs(drawn: Batch, zeroed: Batch) -> bool:
                ((drawn.logp, zeroed.logp), (drawn.behavior_logp, zeroed.behavior_logp), (drawn.advantages, zeroed.advantages)))
 
 
-def _padding_immunity(first: Measurement, probe: Measurement, fill: str, dtype: str) -> list[Mismatch]:
+#: Padding positions listed at most in a drawn-padding failure's details.
+_PADDING_LISTED = 6
+
+
+def _drawn_padding(drawn: Batch) -> tuple[str, ...]:
+    """The drawn padding's non-zero values, which the printed minimal batch (judged with
+    zero padding) does not show: the values the failing probe ran with."""
+    lines = []
+    for name in ("logp", "behavior_logp", "advantages"):
+        values = getattr(drawn, name)
+        at = [tuple(int(i) for i in index) for index in np.argwhere(~drawn.valid & (values != 0.0))]
+        if at:
+            shown = ", ".join(f"{index}: {float(values[index])!r}" for index in at[:_PADDING_LISTED])
+            lines.append(f"the probe's padding {name}: {shown}" + (f", and {len(at) - _PADDING_LISTED} more" if len(at) > _PADDING_LISTED else ""))
+    return tuple(lines) or ("the probe's padding is all 0 (but -0.0 or a different dtype's rounding)",)
+
+
+def _padding_immunity(first: Measurement, probe: Measurement, fill: str, dtype: str, drawn: Batch | None = None) -> list[Mismatch]:
     """With other padding the result is the clean run's, up to a tie choice at the cut
-    (whose loss and gradient are then judged on the probe's own mask)."""
+    (whose loss and gradient are then judged on the probe's own mask). With ``drawn``
+    (the drawn padding's batch), each mismatch lists that padding's values."""
     label = f"with padding set to {fill}" if fill != "the drawn padding" else "with the drawn padding (instead of 0)"
+    found = _padding_mismatches(first, probe, label, dtype)
+    if drawn is None:
+        return found
+    listed = _drawn_padding(drawn)
+    return [replace(m, details=m.details + listed) for m in found]
+
+
+def _padding_mismatches(first: Measurement, probe: Measurement, label: str, dtype: str) -> list[Mismatch]:
     if probe.finding is not None:
         return _failed_call("padding_immunity", label, probe)
     ref, res, seen = first.result, probe.result, first.batch
@@ -157,7 +184,7 @@ def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", com
             probe = caller.measure(probed, dtype=dtype, device=device)
             probes.append(probe)
             probe_labels.append((f" {'with the drawn padding' if label == 'the drawn padding' else f'with padding set to {label}'}", probe))
-            differs = _padding_immunity(first, probe, label, dtype)
+            differs = _padding_immunity(first, probe, label, dtype, drawn=probed if label == "the drawn padding" else None)
             found.extend(differs)
             if differs and probe.result is not None:
                 changed.append((probe.batch, probe.result))
@@ -174,13 +201,22 @@ def replay_command(impl: str, example_json: str, *, dtype: str = "float64", comp
                    extra: tuple[str, ...] = ()) -> str:
     """The one ``m2po-oracle replay`` command for an example (its JSON: a batch or a trainer
     case) under the options that shape a call; ``extra`` (e.g. the topology) follows the spec."""
-    parts = ["m2po-oracle", "replay", "--impl", impl, *extra]
+    parts = ["m2po-oracle", "replay", "--impl", _portable(impl), *extra]
     if adapter:
         parts += ["--adapter", adapter]
     parts += ["--dtype", dtype]
     if compute_dtype and compute_dtype != dtype:
         parts += ["--compute-dtype", compute_dtype]
     return shlex.join([*parts, "--batch", example_json])
+
+
+def _portable(impl: str) -> str:
+    """``file.py:function`` with the file made absolute, so that the replay runs from any
+    directory (a report is read, and its command pasted, elsewhere than the run's)."""
+    target, separator, name = impl.rpartition(":")
+    if separator and target.endswith(".py") and not os.path.isabs(target) and os.path.isfile(target):
+        return f"{os.path.abspath(target)}:{name}"
+    return impl
 
 
 def assert_battery_passes(fn: Implementation, batch: Batch, *, impl: str, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> BatteryOutcome:

@@ -4,6 +4,7 @@ the outcomes Algorithm 1 allows and to reject the rest."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -153,3 +154,38 @@ def test_selection_bounds_sort_values_and_order_candidates_only_on_demand():
     trust = oracle.trust_region(oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid), batch.advantages, batch.valid)
     assert np.array_equal(bounds.order, oracle.sorted_candidates(m2, trust))
     assert np.array_equal(bounds.sorted_m2, m2.ravel()[bounds.order])
+
+
+def test_a_drawn_padding_failure_lists_the_padding_it_ran_with():
+    """The battery judges with zero padding and prints that batch; a failure "with the
+    drawn padding (instead of 0)" must show the padding values its probe ran with, or the
+    message holds no trace of the NaN/inf that broke the port."""
+    from m2po_oracle.battery import run_battery
+    from m2po_oracle.controls import control
+    from m2po_oracle.equivalence import format_mismatches
+
+    nan, inf = float("nan"), float("inf")
+    batch = Batch(np.array([[-0.5, nan, -1.0]]), np.array([[-0.6, -1e30, -1.0]]), np.array([[1.0, inf, -1.0]]),
+                  np.array([[True, False, True]]), 0.04)
+    outcome = run_battery(control("nan_padding_leak").fn, batch)
+    drawn = [m for m in outcome.mismatches if "with the drawn padding" in m.summary]
+    assert drawn, [m.summary for m in outcome.mismatches]
+    message = format_mismatches(drawn, batch=outcome.batch)
+    for line in ("the probe's padding logp: (0, 1): nan", "the probe's padding behavior_logp: (0, 1): -1e+30",
+                 "the probe's padding advantages: (0, 1): inf"):
+        assert line in message, message
+    # Probes with one fill for every padding value say it in their label; they list nothing.
+    filled = [m for m in outcome.mismatches if "with padding set to" in m.summary]
+    assert filled and not any(d.startswith("the probe's padding") for m in filled for d in m.details)
+
+
+def test_a_replay_names_a_port_file_by_its_absolute_path(tmp_path, monkeypatch):
+    """A report's replay command is pasted in another directory than the run's: a port
+    given as a relative ``file.py:function`` is named by its absolute path there."""
+    from m2po_oracle.battery import replay_command
+
+    (tmp_path / "port.py").write_text("def loss(*args, **kwargs): ...\n")
+    monkeypatch.chdir(tmp_path)
+    command = replay_command("port.py:loss", "{}")
+    assert f"--impl {os.path.join(os.getcwd(), 'port.py')}:loss " in command, command
+    assert "--impl core " in replay_command("core", "{}") and "--impl trainer:trl " in replay_command("trainer:trl", "{}")
