@@ -102,7 +102,7 @@ def classify(p: Probe | str, error: BaseException | None, also: tuple[str, ...] 
     p = probe(p) if isinstance(p, str) else p
     if error is None:
         return ProbeResult(p.name, p.description, "accepted", "returned a result instead of raising: the invalid input was silently accepted")
-    text = f"{type(error).__name__}: {error}"
+    text = "; ".join([f"{type(error).__name__}: {error}", *getattr(error, "__notes__", ())])
     if is_rejection(error, also):
         return ProbeResult(p.name, p.description, "rejected", text)
     return ProbeResult(p.name, p.description, "crashed", f"crashed on invalid input (not a deliberate ValueError/TypeError): {text}")

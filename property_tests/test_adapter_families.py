@@ -127,3 +127,29 @@ def test_the_pytest_plugin_gives_each_stand_in_its_verdict(case, pytester):
     if skipped:  # a check outside the adapter's reach is skipped, saying why
         result.stdout.fnmatch_lines([f"*SKIPPED*adapter {case.adapter}: *"])
     assert outcomes.get("skipped", 0) >= len(skipped)
+
+
+def _clip_kernel_reading_the_shape(ppo_kl, advantages, budget, response_mask):
+    """A self-written clip kernel that, like many ports, reads ppo_kl's shape before anything."""
+    import torch
+
+    rows, _ = ppo_kl.shape
+    ratio = torch.exp(-ppo_kl)
+    loss = -(ratio * advantages * response_mask).sum() / response_mask.sum().clamp(min=1)
+    return loss, torch.zeros(())
+
+
+def test_a_port_that_chokes_on_the_adapters_none_is_told_so():
+    """On the missing-behaviour probe the clip_kernel adapter can only hand the port
+    ppo_kl=None; the crash it causes says that None was the adapter's, not a bug in the
+    port's arithmetic (seen on the Relax port: "AttributeError: 'NoneType' object has no
+    attribute 'shape'" and nothing else)."""
+    from m2po_oracle.adapters import adapt
+    from m2po_oracle.validation import run_probe
+
+    result = run_probe(adapt(_clip_kernel_reading_the_shape, "clip_kernel"), "behavior_logp_missing")
+    assert result.status == "crashed", result
+    assert "AttributeError: 'NoneType' object has no attribute 'shape'" in result.message
+    assert "the adapter passed ppo_kl=None: it builds ppo_kl from behavior_logp" in result.message, result.message
+    # Any other probe's failure carries no such note.
+    assert "the adapter passed" not in run_probe(adapt(_clip_kernel_reading_the_shape, "clip_kernel"), "nan_logp_on_valid_token").message

@@ -375,6 +375,10 @@ class BoundCall:
 
     # --- calling ------------------------------------------------------------------------
 
+    def receiving(self, role: str) -> str | None:
+        """The port's parameter that takes ``role`` (None: the port does not take it)."""
+        return next((name for name, source in self._targets.items() if source.role == role), None)
+
     def __call__(self, **values: Any) -> Any:
         """Call the port with the roles' values (a role the port does not take is dropped)."""
         arguments: dict[str, Any] = {}

@@ -155,11 +155,25 @@ def _float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 # --- the families --------------------------------------------------------------------------
 
+def _noting_missing_behavior(call: BoundCall, derived: str, behavior_missing: bool, **values: Any) -> Any:
+    """Call the port; when behavior_logp is missing (the fail-closed probe) and the port
+    takes ``derived`` (built from it) instead, an exception it raises says that the None it
+    choked on was the adapter's, so that a crash is not read as the port's own arithmetic."""
+    try:
+        return call(**values)
+    except Exception as error:
+        receiver = call.receiving(derived)
+        if behavior_missing and receiver is not None and call.receiving("behavior_logp") is None:
+            error.add_note(f"the adapter passed {receiver}=None: it builds {derived} from behavior_logp, which this call lacks "
+                           "(the port cannot tell a missing behavior_logp from a missing argument)")
+        raise
+
+
 def _mask_only(call: BoundCall) -> Implementation:
     def implementation(logp, behavior_logp, advantages, mask, *, tau):
         condition = _condition(mask)
         log_ratio = None if behavior_logp is None else torch.where(condition, logp.detach() - behavior_logp, torch.zeros_like(logp))
-        returned = call(log_ratio=log_ratio, advantages=advantages, mask=mask, budget=tau)
+        returned = _noting_missing_behavior(call, "log_ratio", behavior_logp is None, log_ratio=log_ratio, advantages=advantages, mask=mask, budget=tau)
         keep = _as_keep(call.read(returned, "keep"), tuple(logp.shape), "keep returned by the mask-only function")
         return {"loss": _objective(logp, behavior_logp, advantages, mask, keep), "keep": keep, **call.metrics(returned)}
     return implementation
@@ -211,8 +225,8 @@ def _loss_only() -> Callable[[BoundCall], Implementation]:
     def wrap(call: BoundCall) -> Implementation:
         def implementation(logp, behavior_logp, advantages, mask, *, tau):
             ppo_kl = None if behavior_logp is None else behavior_logp - logp  # old - new, differentiable through logp
-            returned = call(behavior_logp=behavior_logp, logp=logp, advantages=advantages, mask=_float_mask(mask, logp), budget=tau,
-                            config=policy_loss_config(tau), ppo_kl=ppo_kl)
+            returned = _noting_missing_behavior(call, "ppo_kl", behavior_logp is None, behavior_logp=behavior_logp, logp=logp, advantages=advantages,
+                                                mask=_float_mask(mask, logp), budget=tau, config=policy_loss_config(tau), ppo_kl=ppo_kl)
             loss = _differentiable_loss(call.read(returned, "loss"), "the loss returned by the port")
             keep = _keep_from_gradient(loss, logp, behavior_logp, advantages, mask, tau)
             return {"loss": loss, "keep": keep, **call.metrics(returned)}
