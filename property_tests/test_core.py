@@ -217,21 +217,19 @@ def _forward_and_gradient(batch: Batch, dtype: str):
     return result, grad
 
 
-@pytest.mark.parametrize("chunk, spread", [(1, False), (5, False), (64, False), (64, True)], ids=["1", "5", "64", "64, GPU's bank"])
+@pytest.mark.parametrize("chunk", [1, 5, 64])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @given(batch=strategies.batches())
-def test_chunk_by_chunk_the_forward_is_the_one_pass_forward(chunk, spread, dtype, batch):
+def test_chunk_by_chunk_the_forward_is_the_one_pass_forward(chunk, dtype, batch):
     """On CPU the first level and the loss run chunk by chunk (core.CPU_CHUNK tokens):
     whatever the chunk, the selection and its metrics are the one-pass ones bit for bit,
-    the gradient too; the loss adds the chunks' sums, so it may round differently. The
-    GPU's way of leaving non-candidates out of the histogram (a bank of buckets spread by
-    position instead of bucket 0) gives the same too, run here on CPU."""
+    the gradient too; the loss adds the chunks' sums, so it may round differently."""
     from m2po_oracle import core, fast_selection
 
     with mock.patch.object(fast_selection, "SMALL", 0):  # every batch through the first level
         with mock.patch.object(core, "CPU_CHUNK", 1 << 30):
             whole, whole_grad = _forward_and_gradient(batch, dtype)
-        with mock.patch.object(core, "CPU_CHUNK", chunk), mock.patch.object(core, "_spread_non_candidates", lambda device: spread):
+        with mock.patch.object(core, "CPU_CHUNK", chunk):
             chunked, chunked_grad = _forward_and_gradient(batch, dtype)
     for name in ("keep", "valid_count", "trust_region_count", "kept_trust_region_count", "m2_before", "m2_after", "masked_fraction",
                  "trust_region_fraction"):
@@ -269,18 +267,20 @@ def test_the_hand_written_loss_is_autograd_s_to_the_last_bit(dtype, batch):
 
 
 @pytest.mark.parametrize("tau", [0.0, 5e-321, 1e-300])
-def test_a_crossing_in_bucket_0_is_shared_with_no_non_candidate(tau):
-    """Non-candidates sit in bucket 0 of the first level (their M2 is set to +0); when the
-    cut falls in bucket 0 itself (candidates with subnormal or zero M2, float64 inputs),
-    only candidates may be gathered from it. 6,000 candidates (above SMALL) interleaved
-    with 6,000 non-candidates of the wrong sign."""
+def test_a_crossing_bucket_shared_with_non_candidates_gathers_candidates_only(tau):
+    """Each token keeps its own bucket (M2's top 16 bits), non-candidates too: when the cut
+    falls in a bucket that non-candidates share (here bucket 0: subnormal or zero M2,
+    float64 inputs), only candidates may be gathered from it or kept below it. 6,000
+    candidates (above SMALL) interleaved with 6,000 non-candidates of the same |d| and the
+    wrong sign."""
     from m2po_oracle.core import select_tokens
     from m2po_oracle.fast_selection import kept_candidates_by_sorting
 
     n = 12000
-    d = torch.where(torch.arange(n) % 2 == 0, torch.tensor(1e-160, dtype=torch.float64), torch.tensor(-0.5, dtype=torch.float64))
+    d = torch.where(torch.arange(n) % 2 == 0, torch.tensor(1e-160, dtype=torch.float64), torch.tensor(-1e-160, dtype=torch.float64))
     d[::6] = 1e-170  # M2 underflows to +0: candidates that always fit
     d[2::6] = 3e-161  # M2 about 9e-322
+    d[1::6] = -1e-170  # non-candidates with M2 +0
     behavior = torch.zeros(n, dtype=torch.float64)  # logp is d itself
     advantages = torch.ones(n, dtype=torch.float64)
     mask = torch.ones(n, dtype=torch.bool)
