@@ -1,7 +1,8 @@
-"""The two ways a run is refused before it starts: a usage error, and a load error.
+"""The two ways a run is refused before it starts: a usage error, and a load error; and
+the one way an adapter fails after the port returned: its return could not be read.
 
-Both are ValueErrors whose message names the argument (or the spec) and what was expected;
-the CLI exits 2 on either, and writes the report of a load error when asked.
+The first two are ValueErrors whose message names the argument (or the spec) and what was
+expected; the CLI exits 2 on either, and writes the report of a load error when asked.
 """
 
 
@@ -11,3 +12,9 @@ class UsageError(ValueError):
 
 class LoadError(ValueError):
     """The implementation could not be loaded (the message says why, naming the spec)."""
+
+
+class UnreadableReturn(TypeError):
+    """The port returned, but not what its adapter reads back (a type, a shape, a place in
+    the return): a finding about the port's result, and never its refusal of an input, so a
+    validation probe that ends here counts as accepted, not rejected."""

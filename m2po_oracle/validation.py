@@ -18,6 +18,7 @@ import torch
 
 from m2po_oracle.batch import Batch
 from m2po_oracle.contract import Implementation, captured_output, to_tensors
+from m2po_oracle.errors import UnreadableReturn
 
 #: The clean batch every probe starts from: two rows, one padded.
 CLEAN = Batch(
@@ -103,6 +104,9 @@ def classify(p: Probe | str, error: BaseException | None, also: tuple[str, ...] 
     if error is None:
         return ProbeResult(p.name, p.description, "accepted", "returned a result instead of raising: the invalid input was silently accepted")
     text = "; ".join([f"{type(error).__name__}: {error}", *getattr(error, "__notes__", ())])
+    if isinstance(error, UnreadableReturn):  # raised after the port returned: it did not refuse
+        return ProbeResult(p.name, p.description, "accepted", "returned a result instead of raising (one its adapter could not read: "
+                           f"{error}): the invalid input was silently accepted")
     if is_rejection(error, also):
         return ProbeResult(p.name, p.description, "rejected", text)
     return ProbeResult(p.name, p.description, "crashed", f"crashed on invalid input (not a deliberate ValueError/TypeError): {text}")

@@ -153,3 +153,46 @@ def test_a_port_that_chokes_on_the_adapters_none_is_told_so():
     assert "the adapter passed ppo_kl=None: it builds ppo_kl from behavior_logp" in result.message, result.message
     # Any other probe's failure carries no such note.
     assert "the adapter passed" not in run_probe(adapt(_clip_kernel_reading_the_shape, "clip_kernel"), "nan_logp_on_valid_token").message
+
+
+def _mask_rows_port(behavior_logp, proximal_logp, loss_mask, threshold, advantages):
+    """A self-written mask function that, like ports editing per-sequence lists, returns one
+    mask per row (and its metrics): Algorithm 1's mask (the core's)."""
+    from m2po_oracle.core import select_tokens
+
+    return [row for row in select_tokens(proximal_logp, behavior_logp, advantages, loss_mask.bool(), tau=threshold).keep], {}
+
+
+def _mask_port_returning_python_lists(behavior_logp, proximal_logp, loss_mask, threshold, advantages):
+    """Refuses nothing and returns its mask as nested Python lists, which no adapter reads."""
+    return loss_mask.tolist()
+
+
+def test_a_mask_function_may_return_one_mask_per_row():
+    from hypothesis import given, settings
+
+    from m2po_oracle import strategies
+    from m2po_oracle.adapters import adapt
+    from m2po_oracle.battery import run_battery
+
+    port = adapt(_mask_rows_port, "mask_function")
+
+    @settings(max_examples=25, deadline=None)
+    @given(batch=strategies.batches())
+    def judged(batch):
+        outcome = run_battery(port, batch)
+        assert not outcome.mismatches, [m.summary for m in outcome.mismatches]
+
+    judged()
+
+
+def test_a_probe_whose_return_the_adapter_cannot_read_was_accepted_not_rejected():
+    """The port returned (it refused nothing); that its adapter could not read the return
+    (a TypeError inside the tool) must not count as the port's deliberate refusal. Seen on
+    an untuned port (LoongSage's apply_m2po_masking): four probes read "rejected"."""
+    from m2po_oracle.adapters import adapt
+    from m2po_oracle.validation import run_probe
+
+    result = run_probe(adapt(_mask_port_returning_python_lists, "mask_function"), "nan_logp_on_valid_token")
+    assert result.status == "accepted", result
+    assert "could not read" in result.message and "expected a tensor, got list" in result.message, result.message

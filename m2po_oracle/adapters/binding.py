@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from m2po_oracle.errors import UsageError
+from m2po_oracle.errors import UnreadableReturn, UsageError
 from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS
 
 #: Our metric and count names: each can be an output bound to a place in the return.
@@ -404,7 +404,7 @@ class BoundCall:
         if output.optional:
             return None
         how = f"--bind {role}={self._bound[role]}" if role in self._bound else f"adapter {self.family}'s default"
-        raise TypeError(f"{role}: expected at {_path_text(output.at)} of the return ({how}); {problem}")
+        raise UnreadableReturn(f"{role}: expected at {_path_text(output.at)} of the return ({how}); {problem}")
 
     def metrics(self, returned: Any) -> dict[str, Any]:
         """Our metrics from ``returned``: the ``metrics`` output's keys mapped to our names

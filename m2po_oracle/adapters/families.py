@@ -20,6 +20,7 @@ import torch
 from m2po_oracle.adapters.binding import METRIC_NAMES, PORT_DEFAULT, BoundCall, Config, Output, Param, bound_metric_names
 from m2po_oracle.checks import CHECKS, DISTRIBUTED_CHECKS, result_field
 from m2po_oracle.contract import Implementation
+from m2po_oracle.errors import UnreadableReturn
 
 
 @dataclass(frozen=True)
@@ -86,14 +87,21 @@ def _condition(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _as_keep(value: Any, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    if isinstance(value, (list, tuple)) and value and all(isinstance(row, torch.Tensor) for row in value):
+        # One mask per row (ports that edit per-sequence lists return them so).
+        if len(shape) != 2 or len(value) != shape[0] or any(tuple(row.shape) != tuple(shape[1:]) for row in value):
+            raise UnreadableReturn(f"{what}: expected a tensor of shape {tuple(shape)} or {shape[0] if shape else 0} rows of shape "
+                                   f"{tuple(shape[1:])}, got a {type(value).__name__} of {len(value)} tensors of shapes "
+                                   f"{sorted({tuple(row.shape) for row in value})}")
+        value = torch.stack(list(value))
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
+        raise UnreadableReturn(f"{what}: expected a tensor, got {type(value).__name__}")
     if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"{what}: expected shape {tuple(shape)}, got {tuple(value.shape)}")
+        raise UnreadableReturn(f"{what}: expected shape {tuple(shape)}, got {tuple(value.shape)}")
     # Masks are often float 0/1 in these ports; a value other than 0/1 is not a mask.
     if value.dtype != torch.bool:
         if not bool(((value == 0) | (value == 1)).all()):
-            raise ValueError(f"{what}: expected a bool or 0/1 mask, got values other than 0 and 1")
+            raise UnreadableReturn(f"{what}: expected a bool or 0/1 mask, got values other than 0 and 1")
         value = value != 0
     # Not and-ed with the loss mask: a port that keeps padding is caught by keep_only_valid.
     return value.detach()
@@ -124,7 +132,7 @@ def _objective(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torc
 
 def _differentiable_loss(value: Any, what: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
-        raise TypeError(f"{what}: expected a differentiable 0-d tensor, got {type(value).__name__}"
+        raise UnreadableReturn(f"{what}: expected a differentiable 0-d tensor, got {type(value).__name__}"
                         + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""))
     return value.reshape(())
 
@@ -201,7 +209,7 @@ def _per_token_loss(call: BoundCall) -> Implementation:
         returned = call(logp=logp, behavior_logp=behavior_logp, advantages=advantages, mask=mask, budget=tau)
         per_token = call.read(returned, "per_token_loss")
         if not isinstance(per_token, torch.Tensor) or tuple(per_token.shape) != tuple(logp.shape):
-            raise TypeError(f"per_token_loss: expected a tensor of shape {tuple(logp.shape)}, got "
+            raise UnreadableReturn(f"per_token_loss: expected a tensor of shape {tuple(logp.shape)}, got "
                             + (f"shape {tuple(per_token.shape)}" if isinstance(per_token, torch.Tensor) else type(per_token).__name__))
         keep = _as_keep(call.read(returned, "keep"), tuple(logp.shape), "keep returned by the per-token loss")
         condition = _condition(mask)
