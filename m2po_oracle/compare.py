@@ -103,7 +103,7 @@ class CompareReport:
 
     @property
     def validation_warnings(self) -> list[ProbeResult]:
-        return [p for p in self.validation if not p.as_expected]
+        return [p for p in self.validation if p.ran and not p.as_expected]
 
     @property
     def usable(self) -> bool:

@@ -35,6 +35,7 @@ class Probe:
     name: str
     description: str
     corrupt: Callable[[dict[str, Any]], None]  # edits the keyword arguments in place
+    argument: str = ""  # the contract argument it makes invalid
 
 
 def _set(name: str, index: tuple[int, int], value: float) -> Callable[[dict[str, Any]], None]:
@@ -52,28 +53,33 @@ def _replace(name: str, make: Callable[[dict[str, Any]], Any]) -> Callable[[dict
 
 
 PROBES: tuple[Probe, ...] = (
-    Probe("behavior_logp_missing", "behavior_logp is None (rollout log-probs missing)", _replace("behavior_logp", lambda kw: None)),
-    Probe("nan_logp_on_valid_token", "NaN in logp on a valid token", _set("logp", (0, 1), math.nan)),
-    Probe("inf_behavior_logp_on_valid_token", "-inf in behavior_logp on a valid token", _set("behavior_logp", (1, 0), -math.inf)),
-    Probe("nan_advantage_on_valid_token", "NaN advantage on a valid token", _set("advantages", (0, 2), math.nan)),
-    Probe("mask_not_boolean", "mask given as float 0/1 instead of bool", _replace("mask", lambda kw: kw["mask"].float())),
-    Probe("shape_mismatch", "advantages with one column more than logp", _replace("advantages", lambda kw: torch.zeros(kw["logp"].shape[0], kw["logp"].shape[1] + 1, dtype=kw["logp"].dtype))),
-    Probe("negative_tau", "tau = -0.1", _replace("tau", lambda kw: -0.1)),
-    Probe("nan_tau", "tau = NaN", _replace("tau", lambda kw: math.nan)),
-)
+    Probe("behavior_logp_missing", "behavior_logp is None (rollout log-probs missing)", _replace("behavior_logp", lambda kw: None), "behavior_logp"),
+    Probe("nan_logp_on_valid_token", "NaN in logp on a valid token", _set("logp", (0, 1), math.nan), "logp"),
+    Probe("inf_behavior_logp_on_valid_token", "-inf in behavior_logp on a valid token", _set("behavior_logp", (1, 0), -math.inf), "behavior_logp"),
+    Probe("nan_advantage_on_valid_token", "NaN advantage on a valid token", _set("advantages", (0, 2), math.nan), "advantages"),
+    Probe("mask_not_boolean", "mask given as float 0/1 instead of bool", _replace("mask", lambda kw: kw["mask"].float()), "mask"),
+    Probe("shape_mismatch", "advantages with one column more than logp", _replace("advantages", lambda kw: torch.zeros(kw["logp"].shape[0], kw["logp"].shape[1] + 1, dtype=kw["logp"].dtype)), "advantages"),
+    Probe("negative_tau", "tau = -0.1", _replace("tau", lambda kw: -0.1), "tau"),
+    Probe("nan_tau", "tau = NaN", _replace("tau", lambda kw: math.nan), "tau"),)
 
 
 @dataclass(frozen=True)
 class ProbeResult:
     probe: str
     description: str
-    status: str  # rejected | warned | accepted | hung | crashed (on invalid input, or the process died)
+    status: str  # rejected | warned | accepted | hung | crashed (on invalid input, or the process died) | not run
     message: str
     expected: str = "rejected"  # "warned" for a setting that is allowed, but only with a warning
 
     @property
     def as_expected(self) -> bool:
         return self.status == self.expected
+
+    @property
+    def ran(self) -> bool:
+        """False when the invalid input could not reach the port (its adapter hands it none
+        of the values carrying that argument): neither a refusal nor an acceptance."""
+        return self.status != "not run"
 
     def to_json(self) -> dict[str, str]:
         return {"probe": self.probe, "description": self.description, "status": self.status, "expected": self.expected, "message": self.message}
@@ -112,9 +118,29 @@ def classify(p: Probe | str, error: BaseException | None, also: tuple[str, ...] 
     return ProbeResult(p.name, p.description, "crashed", f"crashed on invalid input (not a deliberate ValueError/TypeError): {text}")
 
 
+#: The adapter roles through which each probed argument reaches a port (ppo_kl and the log
+#: ratio are built from logp and behavior_logp, the config carries the budget). The mask is
+#: not listed: it shapes everything an adapter hands over (packing, lengths).
+_CARRIERS = {"logp": ("logp", "ppo_kl", "log_ratio"), "behavior_logp": ("behavior_logp", "ppo_kl", "log_ratio"),
+             "advantages": ("advantages",), "tau": ("budget", "config")}
+
+
+def unreachable(fn: Implementation, p: Probe) -> str | None:
+    """Why the probe's invalid input cannot reach an adapted port (None: it can, or ``fn``
+    is called directly)."""
+    call = getattr(fn, "bound_call", None)
+    carriers = _CARRIERS.get(p.argument)
+    if call is None or carriers is None or any(call.receiving(role) is not None for role in carriers):
+        return None
+    return f"the port takes no {p.argument} (adapter {call.family} hands it none of {', '.join(carriers)}): this invalid input cannot reach it"
+
+
 def run_probe(fn: Implementation, name: str, *, dtype: str = "float64", device: str = "cpu", rejecting: tuple[str, ...] = ()) -> ProbeResult:
     """Call ``fn`` once with the probe's invalid input; never raises because of ``fn``."""
     p = probe(name)
+    why = unreachable(fn, p)
+    if why is not None:
+        return ProbeResult(p.name, p.description, "not run", why)
     kwargs: dict[str, Any] = dict(to_tensors(CLEAN, dtype, device), tau=CLEAN.tau)
     p.corrupt(kwargs)
     tau = kwargs.pop("tau")

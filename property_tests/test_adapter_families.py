@@ -196,3 +196,31 @@ def test_a_probe_whose_return_the_adapter_cannot_read_was_accepted_not_rejected(
     result = run_probe(adapt(_mask_port_returning_python_lists, "mask_function"), "nan_logp_on_valid_token")
     assert result.status == "accepted", result
     assert "could not read" in result.message and "expected a tensor, got list" in result.message, result.message
+
+
+def _mask_port_without_advantages(behavior_logp, proximal_logp, loss_mask, threshold):
+    """Takes no advantages (the family's are optional) and refuses nothing."""
+    return loss_mask.bool()
+
+
+def test_a_probe_whose_input_cannot_reach_the_port_is_not_run():
+    """An advantage probe against a port its adapter hands no advantages is neither a
+    refusal nor an acceptance (an untuned port was told it "silently accepted" a NaN
+    advantage it was never given): it is reported not run, with why; the probes that do
+    reach the port still run, including a budget bound inside a config object."""
+    from m2po_oracle.adapters import adapt
+    from m2po_oracle.validation import PROBES, run_probe
+
+    port = adapt(_mask_port_without_advantages, "mask_function")
+    results = {p.name: run_probe(port, p.name) for p in PROBES}
+    for name in ("nan_advantage_on_valid_token", "shape_mismatch"):
+        assert results[name].status == "not run" and not results[name].ran, results[name]
+        assert "the port takes no advantages" in results[name].message
+    assert {name for name, r in results.items() if r.ran} == {p.name for p in PROBES} - {"nan_advantage_on_valid_token", "shape_mismatch"}
+    assert results["nan_tau"].status == "accepted" and results["nan_logp_on_valid_token"].status == "accepted"
+
+    def with_config(behavior_logp, proximal_logp, loss_mask, config):
+        return loss_mask.bool()
+
+    bound = adapt(with_config, "mask_function", ["budget=config.threshold"])
+    assert run_probe(bound, "nan_tau").status == "accepted"  # the budget reaches it inside config

@@ -376,8 +376,11 @@ class BoundCall:
     # --- calling ------------------------------------------------------------------------
 
     def receiving(self, role: str) -> str | None:
-        """The port's parameter that takes ``role`` (None: the port does not take it)."""
-        return next((name for name, source in self._targets.items() if source.role == role), None)
+        """Where the port takes ``role``: a parameter, or a place inside one (None: nowhere)."""
+        named = next((name for name, source in self._targets.items() if source.role == role), None)
+        if named is not None:
+            return named
+        return next((".".join((head, *rest)) for path_role, head, rest in self._paths if path_role == role), None)
 
     def __call__(self, **values: Any) -> Any:
         """Call the port with the roles' values (a role the port does not take is dropped)."""

@@ -177,13 +177,14 @@ _VERDICT_TEXT = {
     "interrupted": "the run was interrupted; this report is partial",
 }
 _CHECK_CLASS = {"pass": "ok", "fail": "bad", "not run": "neutral"}
-_PROBE_CLASS = {"rejected": "ok", "warned": "ok", "accepted": "warn", "hung": "bad", "crashed": "bad"}
+_PROBE_CLASS = {"rejected": "ok", "warned": "ok", "accepted": "warn", "hung": "bad", "crashed": "bad", "not run": "neutral"}
 _PROBE_NOTE = {
     "rejected": "rejected as it should be",
     "warned": "allowed with a warning, as it should be",
     "accepted": "WARNING: silently accepted invalid input",
     "hung": "hung",
     "crashed": "crashed instead of raising a clean error",
+    "not run": "this input cannot reach the port",
 }
 # The diagnosis status as the page words it, and the class of its badge.
 _DIAGNOSIS_WORD = {
