@@ -132,7 +132,8 @@ def unreachable(fn: Implementation, p: Probe) -> str | None:
     carriers = _CARRIERS.get(p.argument)
     if call is None or carriers is None or any(call.receiving(role) is not None for role in carriers):
         return None
-    return f"the port takes no {p.argument} (adapter {call.family} hands it none of {', '.join(carriers)}): this invalid input cannot reach it"
+    passed = carriers[0] if len(carriers) == 1 else f"any of {', '.join(carriers)}"
+    return f"the port takes no {p.argument} (its adapter, {call.family}, passes it no {passed}): this invalid input cannot reach it"
 
 
 def run_probe(fn: Implementation, name: str, *, dtype: str = "float64", device: str = "cpu", rejecting: tuple[str, ...] = ()) -> ProbeResult:
