@@ -568,13 +568,14 @@ def _print_validation(console: Console, report) -> None:
     not_run = [p for p in report.validation if not p.ran]
     warned = [p.probe for p in ran if p.expected == "warned"]
     skipped = f" ({len(not_run)} not run: {', '.join(p.probe for p in not_run)})" if not_run else ""
+    run = " run" if not_run else ""
     if not warnings:
         also = f"; {', '.join(warned)} allowed with a warning, as required" if warned else ""
-        console.print(f"validation: all {len(ran) - len(warned)} invalid-input probes run were rejected (fails closed){also}{skipped}",
+        console.print(f"validation: all {len(ran) - len(warned)} invalid-input probes{run} were rejected (fails closed){also}{skipped}",
                       highlight=False, soft_wrap=True)
     else:
         label = "counted as divergence (--strict-validation)" if report.strict_validation else "warnings; the verdict is unchanged (use --strict-validation to count them)"
-        console.print(f"validation: {len(warnings)} of {len(ran)} probes run were not handled as required{skipped}, {label}:", highlight=False, soft_wrap=True)
+        console.print(f"validation: {len(warnings)} of {len(ran)} probes{run} were not handled as required{skipped}, {label}:", highlight=False, soft_wrap=True)
         for p in warnings:
             console.print(f"  - {p.probe} ({p.description}): {p.status} (expected: {p.expected}): {p.message}", highlight=False, markup=False, soft_wrap=True)
     for p in not_run:
