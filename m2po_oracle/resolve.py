@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import sys
 import os
 import traceback
 from pathlib import Path
@@ -94,6 +95,11 @@ def load_module(target: str) -> ModuleType:
         path = Path(target)
         if not path.is_file():
             raise LoadError(f"impl: file {target!r} does not exist")
+        # Its folder goes last on sys.path, so that a wrapper imports the port file beside it
+        # (as a script would) without hiding an installed package of the same name.
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.append(folder)
         module_spec = importlib.util.spec_from_file_location(f"m2po_impl_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
         try:

@@ -90,6 +90,16 @@ def test_load_builtin_module_and_file(tmp_path):
     assert run_battery(load_implementation(f"{source}:port"), BATCH).passed
 
 
+def test_a_wrapper_file_imports_the_port_file_beside_it(tmp_path, monkeypatch):
+    """A wrapper next to the port it adapts imports it by name, as a script would, from
+    any working directory (an untuned port's wrapper failed with "No module named 'port'")."""
+    (tmp_path / "sibling_port_for_wrapper.py").write_text("from m2po_oracle.core import m2po_loss as loss\n")
+    (tmp_path / "wrapper.py").write_text("from sibling_port_for_wrapper import loss\n\ndef port(*args, **kwargs):\n    return loss(*args, **kwargs)\n")
+    monkeypatch.chdir(tmp_path.parent)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p != str(tmp_path.resolve())])
+    assert run_battery(load_implementation(f"{tmp_path / 'wrapper.py'}:port"), BATCH).passed
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
