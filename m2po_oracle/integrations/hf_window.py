@@ -11,7 +11,7 @@ import torch
 from transformers import TrainerCallback
 
 from m2po_oracle.core import loss_from_selection, select_micro_batches
-from m2po_oracle.trainer.grpo import selection_metrics
+from m2po_oracle.trainer.grpo import selection_metrics, stochastic_layers
 
 
 def option(args: Any, name: str, default: Any = None) -> Any:
@@ -41,7 +41,6 @@ class Window:
     prepass: list[torch.Tensor]
     selections: list[Any]
     sampler: list[torch.Tensor | None]
-    first: int = 0  # position of its first micro-batch in the generation buffer (where the framework indexes it)
 
 
 class NoteParameterGradients(TrainerCallback):
@@ -74,6 +73,37 @@ def select_window(inputs: list[tuple[torch.Tensor, ...]], tau: float, *, group: 
     if per_rank:
         return [replace(alone, valid_count=w.valid_count) for alone, w in zip(select_micro_batches(inputs, tau=tau), whole)]
     return whole
+
+
+def buffered_window(trainer: Any, model: Any, position: int, dropout_hint: str) -> tuple[int, list[Any]]:
+    """The accumulation steps and the buffered micro-batches of the window holding
+    ``position``, once the policy is known deterministic (a stochastic prepass would select
+    on another forward than the loss pass's; ``dropout_hint`` says how to turn it off)."""
+    stochastic = stochastic_layers(trainer.accelerator.unwrap_model(model))
+    if stochastic:
+        raise ValueError("disable_dropout: the mask prepass must be deterministic, but the policy has stochastic layers: "
+                         f"{', '.join(stochastic)}; {dropout_hint}")
+    size = trainer.current_gradient_accumulation_steps
+    first = position - position % size
+    return size, trainer._buffered_inputs[first:first + size]
+
+
+def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-sequence advantages (one per row) or per-token ones, as a tensor shaped and typed like ``like``."""
+    return (advantages[:, None] if advantages.dim() == 1 else advantages).expand_as(like).to(like.dtype)
+
+
+def open_window(trainer: Any, size: int, prepass: list[torch.Tensor], behavior: list[torch.Tensor], advantages: list[torch.Tensor],
+                masks: list[torch.Tensor], sampler: list[torch.Tensor | None], *, group: Any = None, per_rank: bool = False) -> Window:
+    """The window's one selection (with the trainer's planted scope fault, if any), its
+    record, and its metrics logged; counts the trainer's windows."""
+    per_micro_batch = trainer.m2po_faults.per_micro_batch_mask
+    selections = select_window(list(zip(prepass, behavior, advantages, masks)), trainer.m2po_tau, group=group,
+                               per_micro_batch=per_micro_batch, per_rank=per_rank)
+    window = Window(trainer._windows_started, size, behavior, advantages, masks, prepass, selections, sampler)
+    trainer._windows_started += 1
+    log_window_metrics(trainer._metrics["train"], selections, per_micro_batch)
+    return window
 
 
 def log_window_metrics(logged: dict[str, list[float]], selections: list[Any], per_micro_batch: bool) -> None:

@@ -47,9 +47,9 @@ from typing import Any
 import torch
 from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
 
-from m2po_oracle.integrations.hf_window import (NoteParameterGradients, Window, check_window_fits_the_generation_batch, log_window_metrics,
-                                                micro_batch_share, option, record_micro_batch, select_window)
-from m2po_oracle.trainer.grpo import M2POKLWarning, stochastic_layers
+from m2po_oracle.integrations.hf_window import (NoteParameterGradients, Window, buffered_window, check_window_fits_the_generation_batch,
+                                                micro_batch_share, open_window, option, record_micro_batch, token_advantages)
+from m2po_oracle.trainer.grpo import M2POKLWarning
 
 #: The metrics M2POSwiftGRPOTrainer adds to ms-swift's logs, once per optimizer batch (as the TRL integration's).
 #: The file ``--external_plugins`` takes. It sits in a folder of its own because ms-swift puts a
@@ -218,13 +218,7 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         return old
 
     def _start_window(self, model: Any, position: int) -> Window:
-        stochastic = stochastic_layers(self.accelerator.unwrap_model(model))
-        if stochastic:
-            raise ValueError("disable_dropout: the mask prepass must be deterministic, but the policy has stochastic layers: "
-                             f"{', '.join(stochastic)}; use a model whose config has no dropout (LoRA: --lora_dropout 0)")
-        size = self.current_gradient_accumulation_steps
-        first = position - position % size
-        buffered = self._buffered_inputs[first:first + size]
+        size, buffered = buffered_window(self, model, position, "use a model whose config has no dropout (LoRA: --lora_dropout 0)")
         prepass, behavior, advantages, masks, sampler = [], [], [], [], []
         with torch.no_grad():
             for micro in buffered:
@@ -236,16 +230,10 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
                 mask = grpo_batch.completion_mask.bool()
                 prepass.append(logps)
                 behavior.append(self._behaviour(grpo_batch, logps, mask).detach())
-                a = grpo_batch.advantages
-                advantages.append((a[:, None] if a.dim() == 1 else a).expand_as(logps).to(logps.dtype))
+                advantages.append(token_advantages(grpo_batch.advantages, logps))
                 masks.append(mask)
                 sampler.append(grpo_batch.rollout_per_token_logps)
-        per_micro_batch = self.m2po_faults.per_micro_batch_mask
-        selections = select_window(list(zip(prepass, behavior, advantages, masks)), self.m2po_tau, per_micro_batch=per_micro_batch)
-        window = Window(self._windows_started, size, behavior, advantages, masks, prepass, selections, sampler)
-        self._windows_started += 1
-        log_window_metrics(self._metrics["train"], selections, per_micro_batch)
-        return window
+        return open_window(self, size, prepass, behavior, advantages, masks, sampler)
 
     def _compute_loss_and_metrics(self, model: Any, model_inputs: dict[str, Any], grpo_batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         if not self.model.training:

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from m2po_oracle.integrations.hf_window import (NoteParameterGradients, Window, check_window_fits_the_generation_batch, log_window_metrics,
-                                                micro_batch_share, option, record_micro_batch, select_window)
-from m2po_oracle.trainer.grpo import M2POKLWarning, stochastic_layers
+from m2po_oracle.integrations.hf_window import (NoteParameterGradients, Window, buffered_window, check_window_fits_the_generation_batch,
+                                                micro_batch_share, open_window, option, record_micro_batch, token_advantages)
+from m2po_oracle.trainer.grpo import M2POKLWarning
 
 #: The metrics M2POGRPOTrainer adds to TRL's logs, once per optimizer batch.
 
@@ -225,13 +225,7 @@ class M2POGRPOTrainer(GRPOTrainer):
         return prepass if old is None else old
 
     def _start_window(self, model: Any, position: int) -> Window:
-        stochastic = stochastic_layers(self.accelerator.unwrap_model(model))
-        if stochastic:
-            raise ValueError("disable_dropout: the mask prepass must be deterministic, but the policy has stochastic layers: "
-                             f"{', '.join(stochastic)}; set disable_dropout=True (LoRA: lora_dropout=0)")
-        size = self.current_gradient_accumulation_steps
-        first = position - position % size
-        buffered = self._buffered_inputs[first:first + size]
+        size, buffered = buffered_window(self, model, position, "set disable_dropout=True (LoRA: lora_dropout=0)")
         prepass, behavior, advantages, masks, sampler = [], [], [], [], []
         with torch.no_grad():
             for micro in buffered:
@@ -239,17 +233,11 @@ class M2POGRPOTrainer(GRPOTrainer):
                 mask = self._loss_mask(micro)
                 prepass.append(logps.detach())
                 behavior.append(self._behaviour(micro, logps.detach(), mask).detach())
-                a = micro["advantages"]
-                advantages.append((a[:, None] if a.dim() == 1 else a).expand_as(logps).to(logps.dtype))
+                advantages.append(token_advantages(micro["advantages"], logps))
                 masks.append(mask)
                 sampler.append(micro.get("sampling_per_token_logps"))
-        faults = self.m2po_faults
-        selections = select_window(list(zip(prepass, behavior, advantages, masks)), self.m2po_tau, group=self._dp_group(),
-                                   per_micro_batch=faults.per_micro_batch_mask, per_rank=faults.per_rank_selection)
-        window = Window(self._windows_started, size, behavior, advantages, masks, prepass, selections, sampler, first=first)
-        self._windows_started += 1
-        log_window_metrics(self._metrics["train"], selections, faults.per_micro_batch_mask)
-        return window
+        return open_window(self, size, prepass, behavior, advantages, masks, sampler, group=self._dp_group(),
+                           per_rank=self.m2po_faults.per_rank_selection)
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         if not self.model.training:
