@@ -103,7 +103,7 @@ def _drawn_padding(drawn: Batch) -> tuple[str, ...]:
         if at:
             shown = ", ".join(f"{index}: {float(values[index])!r}" for index in at[:_PADDING_LISTED])
             lines.append(f"the probe's padding {name}: {shown}" + (f", and {len(at) - _PADDING_LISTED} more" if len(at) > _PADDING_LISTED else ""))
-    return tuple(lines) or ("the probe's padding is all 0 (but -0.0 or a different dtype's rounding)",)
+    return tuple(lines)
 
 
 def _padding_immunity(first: Measurement, probe: Measurement, fill: str, dtype: str, drawn: Batch | None = None) -> list[Mismatch]:
