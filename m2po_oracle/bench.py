@@ -8,7 +8,13 @@ then four methods timed in rotating order on the same values, each repeat:
 * ``radix``: the core's exact selection without sorting (``fast_selection``), the selection;
 * ``floor``: one streaming pass over the values (their sum): no selection can beat it;
 * ``forward``: the whole ``core.m2po_loss`` forward (validation, d, the trust region, the
-  selection, the loss with its autograd graph, the metrics) on the batch itself.
+  selection, the loss with its autograd graph, the metrics) on the batch itself;
+* ``passes``: the passes over the batch that a forward made of torch operators cannot
+  skip: d in float64 (two conversions and a subtraction), M2's count and sum histogrammed
+  for every token (gathering the candidates first needs their count on the host: a second
+  synchronisation), and the loss's terms (a subtraction, exp, a product and a sum). What
+  the forward takes beyond them is the price of unfused passes (validation, the trust
+  region, the digits, bit masks, the tie finish, the backward's buffers).
 
 Medians and bests are recorded; the ratios sort/radix and radix/floor use medians, the
 forward's ratios (forward/selection, sort/forward, forward/floor) use bests, as the
@@ -28,13 +34,13 @@ from typing import Any
 
 import torch
 
-from m2po_oracle.core import m2po_loss
-from m2po_oracle.fast_selection import kept_candidates, kept_candidates_by_sorting
+from m2po_oracle.core import CPU_CHUNK, m2po_loss
+from m2po_oracle.fast_selection import BUCKETS, DIGIT_BITS, kept_candidates, kept_candidates_by_sorting
 from m2po_oracle.host_syncs import count_host_syncs
 from m2po_oracle.runner import check_device
 
 SCHEMA = "m2po-oracle/bench/2"
-METHODS = ("sort", "radix", "floor", "forward")
+METHODS = ("sort", "radix", "floor", "forward", "passes")
 #: Rows of the benchmark batch (tokens / ROWS per row), as a training step's sequences.
 ROWS = 256
 
@@ -73,6 +79,35 @@ def candidate_m2(tokens: int, *, device: str = "cpu", seed: int = 0, staleness: 
     return (log_ratio[trust] ** 2).contiguous().to(device)
 
 
+def _essential_passes(batch: dict[str, torch.Tensor], trust: torch.Tensor) -> Callable[[], Any]:
+    """The ``passes`` method: the batch's unskippable passes, one torch operator each, in
+    the core's chunks on CPU with buffers allocated once (as the core's scratch is), so
+    that neither page faults nor cache misses count against the forward alone."""
+    logp, behavior, advantages = (batch[k].reshape(-1) for k in ("logp", "behavior_logp", "advantages"))
+    n = logp.numel()
+    m2 = (logp.double() - behavior.double()).square_()
+    # Each token's bucket as the core's first level histograms it (non-candidates in a bank).
+    bucket = (m2.view(torch.int64) >> (64 - DIGIT_BITS)) + (~trust).to(torch.int64) * BUCKETS
+    chunk = min(n, CPU_CHUNK) if logp.device.type == "cpu" else n
+    d, other = (torch.empty(chunk, dtype=torch.float64, device=logp.device) for _ in range(2))
+    terms = torch.empty(chunk, dtype=logp.dtype, device=logp.device)
+    ones = torch.ones((), dtype=torch.float64, device=logp.device).expand(chunk)
+
+    def passes() -> torch.Tensor:
+        histogram = torch.zeros(2, 2 * BUCKETS, dtype=torch.float64, device=logp.device)
+        total = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            size = end - start
+            d[:size].copy_(logp[start:end]).sub_(other[:size].copy_(behavior[start:end]))
+            histogram[0].scatter_add_(0, bucket[start:end], m2[start:end])
+            histogram[1].scatter_add_(0, bucket[start:end], ones[:size])
+            total += torch.sub(logp[start:end], behavior[start:end], out=terms[:size]).exp_().mul_(advantages[start:end]).sum()
+        return total
+
+    return passes
+
+
 def measure_size(tokens: int, *, repeats: int, device: str, tau: float) -> dict[str, Any]:
     batch = forward_batch(tokens, device=device)
     trust, log_ratio = _trust_region(batch)
@@ -87,6 +122,7 @@ def measure_size(tokens: int, *, repeats: int, device: str, tau: float) -> dict[
         "radix": lambda: kept_candidates(m2, tau),
         "floor": lambda: m2.sum(),
         "forward": forward,
+        "passes": _essential_passes(batch, trust),
     }
     radix = methods["radix"]()
     result, counter = count_host_syncs(forward)
@@ -113,6 +149,8 @@ def measure_size(tokens: int, *, repeats: int, device: str, tau: float) -> dict[
         "forward_over_selection": bests["forward"] / bests["radix"],
         "sort_over_forward": bests["sort"] / bests["forward"],
         "forward_over_floor": bests["forward"] / bests["floor"],
+        "forward_over_passes": bests["forward"] / bests["passes"],
+        "passes_over_selection": bests["passes"] / bests["radix"],
         "syncs_per_forward": counter.total, "syncs": dict(counter.syncs),
         "operators_per_forward": sum(counter.operators.values()),
     }
@@ -145,9 +183,9 @@ table{border-collapse:collapse;margin:1rem 0}th,td{border:1px solid #ccd3dd;padd
 th{background:#f1f4f8}.bad{background:#fde8e8}svg text{font:12px system-ui,sans-serif}
 </style></head><body>
 <h1>Selection benchmark ({{ device }}, {{ threads }} thread(s))</h1>
-<p>{{ repeats }} interleaved repeats; tau = {{ tau }}. sort: sort and prefix sums; radix: the core's exact selection without sorting; floor: one streaming pass over the values; forward: the whole core.m2po_loss forward. Selection columns are medians; forward columns and ratios are bests.</p>
-<table><tr><th>tokens</th><th>candidates</th><th>sort ms</th><th>radix ms</th><th>floor ms</th><th>sort / radix</th><th>radix / floor</th><th>forward ms</th><th>forward / selection</th><th>sort / forward</th><th>forward / floor</th><th>syncs / forward</th><th>identical</th></tr>
-{% for r in rows %}<tr{% if not r.identical %} class="bad"{% endif %}><td>{{ r.tokens }}</td><td>{{ r.candidates }}</td><td>{{ "%.3f"|format(r.median_ms.sort) }}</td><td>{{ "%.3f"|format(r.median_ms.radix) }}</td><td>{{ "%.3f"|format(r.median_ms.floor) }}</td><td>{{ "%.1f"|format(r.sort_over_radix) }}x</td><td>{{ "%.1f"|format(r.radix_over_floor) }}x</td><td>{{ "%.3f"|format(r.best_ms.forward) }}</td><td>{{ "%.2f"|format(r.forward_over_selection) }}x</td><td>{{ "%.1f"|format(r.sort_over_forward) }}x</td><td>{{ "%.1f"|format(r.forward_over_floor) }}x</td><td>{{ r.syncs_per_forward }}</td><td>{{ "yes" if r.identical else "NO" }}</td></tr>
+<p>{{ repeats }} interleaved repeats; tau = {{ tau }}. sort: sort and prefix sums; radix: the core's exact selection without sorting; floor: one streaming pass over the values; forward: the whole core.m2po_loss forward; passes: the passes over the batch a forward of torch operators cannot skip (d in float64, every token's M2 histogrammed, the loss's terms). Selection columns are medians; forward columns and ratios are bests.</p>
+<table><tr><th>tokens</th><th>candidates</th><th>sort ms</th><th>radix ms</th><th>floor ms</th><th>sort / radix</th><th>radix / floor</th><th>forward ms</th><th>forward / selection</th><th>sort / forward</th><th>forward / floor</th><th>passes ms</th><th>passes / selection</th><th>forward / passes</th><th>syncs / forward</th><th>identical</th></tr>
+{% for r in rows %}<tr{% if not r.identical %} class="bad"{% endif %}><td>{{ r.tokens }}</td><td>{{ r.candidates }}</td><td>{{ "%.3f"|format(r.median_ms.sort) }}</td><td>{{ "%.3f"|format(r.median_ms.radix) }}</td><td>{{ "%.3f"|format(r.median_ms.floor) }}</td><td>{{ "%.1f"|format(r.sort_over_radix) }}x</td><td>{{ "%.1f"|format(r.radix_over_floor) }}x</td><td>{{ "%.3f"|format(r.best_ms.forward) }}</td><td>{{ "%.2f"|format(r.forward_over_selection) }}x</td><td>{{ "%.1f"|format(r.sort_over_forward) }}x</td><td>{{ "%.1f"|format(r.forward_over_floor) }}x</td><td>{{ "%.3f"|format(r.best_ms.passes) }}</td><td>{{ "%.2f"|format(r.passes_over_selection) }}x</td><td>{{ "%.2f"|format(r.forward_over_passes) }}x</td><td>{{ r.syncs_per_forward }}</td><td>{{ "yes" if r.identical else "NO" }}</td></tr>
 {% endfor %}</table>
 <svg width="{{ plot.width }}" height="{{ plot.height }}" role="img" aria-label="median time against tokens, log-log">
 <rect x="{{ plot.left }}" y="{{ plot.top }}" width="{{ plot.inner_w }}" height="{{ plot.inner_h }}" fill="none" stroke="#8a94a6"/>
@@ -170,7 +208,7 @@ def _plot(rows: list[dict[str, Any]]) -> dict[str, Any]:
     y0, y1 = math.floor(min(ys)), math.ceil(max(ys)) if math.ceil(max(ys)) > math.floor(min(ys)) else math.floor(min(ys)) + 1
     px = lambda x: left + (x - x0) / (x1 - x0) * inner_w  # noqa: E731
     py = lambda y: top + inner_h - (y - y0) / (y1 - y0) * inner_h  # noqa: E731
-    colours = {"sort": "#c0392b", "radix": "#1f6feb", "floor": "#6b7785", "forward": "#2da44e"}
+    colours = {"sort": "#c0392b", "radix": "#1f6feb", "floor": "#6b7785", "forward": "#2da44e", "passes": "#9a6700"}
     series = []
     for m in METHODS:
         points = [(px(math.log2(r["tokens"])), py(math.log10(max(r["median_ms"][m], 1e-6)))) for r in rows]

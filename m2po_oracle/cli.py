@@ -425,7 +425,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     table = Table(title=f"selection and forward on {args.device}, {torch.get_num_threads()} thread(s): {args.repeats} interleaved repeats "
                         "(selection columns medians; forward columns and ratios bests)")
     for column in ("tokens", "candidates", "sort ms", "radix ms", "floor ms", "sort / radix", "radix / floor",
-                   "forward ms", "forward / selection", "sort / forward", "forward / floor", "syncs / forward", "identical"):
+                   "forward ms", "forward / selection", "sort / forward", "forward / floor", "passes ms", "passes / selection",
+                   "forward / passes", "syncs / forward", "identical"):
         table.add_column(column, justify="right")
 
     def show(row):
@@ -433,6 +434,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         table.add_row(f"{row['tokens']:,}", f"{row['candidates']:,}", f"{m['sort']:.2f}", f"{m['radix']:.2f}", f"{m['floor']:.3f}",
                       f"{row['sort_over_radix']:.1f}x", f"{row['radix_over_floor']:.1f}x", f"{b['forward']:.2f}",
                       f"{row['forward_over_selection']:.2f}x", f"{row['sort_over_forward']:.1f}x", f"{row['forward_over_floor']:.1f}x",
+                      f"{b['passes']:.2f}", f"{row['passes_over_selection']:.2f}x", f"{row['forward_over_passes']:.2f}x",
                       str(row["syncs_per_forward"]), "yes" if row["identical"] else "[red]NO[/]")
 
     try:

@@ -15,11 +15,12 @@ def test_bench_reports_medians_ratios_and_identical_results(tmp_path):
     record = json.loads((tmp_path / "b.json").read_text())
     assert record["schema"] == "m2po-oracle/bench/2" and [r["tokens"] for r in record["rows"]] == [4096, 8192]
     for row in record["rows"]:
-        assert row["identical"] and set(row["median_ms"]) == set(row["best_ms"]) == {"sort", "radix", "floor", "forward"} and row["sort_over_radix"] > 0
+        assert row["identical"] and set(row["median_ms"]) == set(row["best_ms"]) == {"sort", "radix", "floor", "forward", "passes"} and row["sort_over_radix"] > 0
         assert row["forward_over_selection"] > 0 and row["sort_over_forward"] > 0 and row["forward_over_floor"] > 0
+        assert row["forward_over_passes"] > 0 and row["passes_over_selection"] > 0
         assert row["syncs_per_forward"] == 1 and row["syncs"] == {"aten::_local_scalar_dense": 1}
     html = (tmp_path / "b.html").read_text()
-    assert html.count("<polyline") == 4 and "http" not in html
+    assert html.count("<polyline") == 5 and "http" not in html
 
 
 def test_bench_html_escapes_and_renders_a_single_size():
