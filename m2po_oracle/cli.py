@@ -146,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     return _run(args, console)
 
 
+def _metric_sources_text(sources: dict[str, str]) -> str:
+    """``m2_before <- [1]['m2']``: each metric judged, and the port's value it was read from."""
+    return ", ".join(f"{ours} <- {where}" for ours, where in sorted(sources.items()))
+
+
 def _adapters(console: Console) -> int:
     """Every adapter (``--adapter NAME``): the port's signature, the roles ``--bind`` moves,
     what is read back, which checks it can run and which it cannot (with why)."""
@@ -292,6 +297,8 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
         console.print(f"adapter {a['name']} ({a['signature']}): checks {', '.join(a['checked'])}"
                       + (f"; not run (the adapter, not the port, decides them): {', '.join(skipped)}" if skipped else "")
                       + (f"; call: {a['call']}" if a.get("call") else ""), highlight=False, markup=False, soft_wrap=True)
+        if report.metric_sources:
+            console.print(f"metrics read from the port: {_metric_sources_text(report.metric_sources)}", highlight=False, markup=False, soft_wrap=True)
     unit = report.example_unit
     if report.verdict == "unusable":
         console.print(f"[bold red]unusable[/]: no call returned a usable result on {report.examples} {unit}; no check other than 'call' ran", soft_wrap=True)

@@ -29,7 +29,7 @@ from m2po_oracle.contract import Implementation
 from m2po_oracle.coverage import CoverageTally, failure_rate_upper
 from m2po_oracle.diagnosis import Observation, diagnose
 from m2po_oracle.equivalence import Mismatch
-from m2po_oracle.record import M2POResult
+from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 from m2po_oracle.report.json_record import SCHEMA, counterexample_json, tolerances_json
 from m2po_oracle.runner import Runner, RunOptions
 from m2po_oracle.validation import ProbeResult
@@ -90,6 +90,7 @@ class CompareReport:
     topology: dict[str, Any] | None = None  # dp, cp, tp, backend of a distributed run
     adapter: dict[str, Any] | None = None  # name, signature and the fields the port supplies
     collectives: list[dict[str, Any]] = field(default_factory=list)  # per rank, for one step
+    metric_sources: dict[str, str] = field(default_factory=dict)  # an adapted port's metrics: ours -> where in its return
     example_unit: str = "batches"  # what one example is: a batch, or a training step (the trainer)
     stopped_early: str | None = None  # why exploration ended before ``examples_requested``
     examples_requested: int = 0
@@ -180,11 +181,23 @@ class CompareReport:
             "validation": {"strict": self.strict_validation, "not_run": self.validation_not_run, "probes": [p.to_json() for p in self.validation]},
             "implementation_output": self.output,
             **({"topology": self.topology, "collectives_per_step": self.collectives} if self.topology else {}),
-            **({"adapter": self.adapter} if self.adapter else {}),
+            **({"adapter": self._adapter_json()} if self.adapter else {}),
             **({"capture": self.capture} if self.capture else {}),
             "tolerances": tolerances_json(),
             "environment": environment(),
         }
+
+
+    def _adapter_json(self) -> dict[str, Any]:
+        """The adapter as described, with what this run observed: ``metrics_read`` (each
+        metric of ours the port returned, and where), and ``supplies`` narrowed to the
+        metrics it returned (the family may return more than this port does)."""
+        adapter = dict(self.adapter or {})
+        if "supplies" in adapter:
+            metrics = set(METRIC_FIELDS + COUNT_FIELDS)
+            adapter["supplies"] = [f for f in adapter["supplies"] if f not in metrics or f in self.metric_sources]
+        adapter["metrics_read"] = dict(sorted(self.metric_sources.items()))
+        return adapter
 
 
 def _accepts(accepted: str, name: str) -> bool:
@@ -407,6 +420,9 @@ def _explore_and_judge(runner: Runner, report: CompareReport, exploration: Explo
             if tally.first_failure is None:
                 tally.first_failure, tally.first_failure_at = example, report.examples
         evidence.keep(outcome, example)
+        if outcome.measurement.result is not None:
+            for ours, where in outcome.measurement.result.metric_sources:
+                report.metric_sources.setdefault(ours, where)
         if outcome.explained_by is not None:
             evidence.keep_step(outcome)
         if outcome.ranks and not report.collectives:

@@ -154,6 +154,9 @@ def normalise_result(raw: Any, logp: torch.Tensor, shape: tuple[int, int]) -> tu
             if not number.is_integer():
                 raise TypeError(f"{name}: expected an integer count, got {number}")
             extras[name] = int(number)
+    sources = _field(raw, "metric_sources")  # set by an adapter: where it read each metric
+    if isinstance(sources, Mapping):
+        extras["metric_sources"] = tuple((str(k), str(v)) for k, v in sources.items() if k in extras)
     result = M2POResult(
         loss=float(loss.detach().double().cpu().item()),
         keep=keep.detach().cpu().numpy().copy(),

@@ -398,17 +398,22 @@ def compare_fields(batch: Batch, actual: M2POResult, expected: M2POResult, dtype
     metric_dtype = coarser(metrics_dtype or dtype, compute_dtype)
     metric_tol = tolerance(metric_dtype, "metric")
     m2_allowance = m2_rounding(batch, expected.keep, metric_dtype)
+    # An adapted port's metric may be its own value under another name ('m2' read as
+    # m2_before): the mismatch says which value of the port was judged.
+    sources = dict(actual.metric_sources)
+    read_from = lambda name: (f"read from the port's {sources[name]}",) if name in sources else ()  # noqa: E731
     for name in METRIC_FIELDS:
         value = getattr(actual, name)
         if value is None:
             continue
         mismatch = compare_values(f"metrics.{name}", name, value, getattr(expected, name), metric_tol, allowance=m2_allowance.get(name, 0.0))
         if mismatch:
-            found.append(mismatch)
+            found.append(dataclasses.replace(mismatch, details=read_from(name) + mismatch.details))
     for name in COUNT_FIELDS:
         value = getattr(actual, name)
         if value is not None and value != getattr(expected, name):
-            found.append(Mismatch(f"metrics.{name}", f"{name}: {value} differs from Algorithm 1's {getattr(expected, name)}", field=name, actual=value, expected=getattr(expected, name)))
+            found.append(Mismatch(f"metrics.{name}", f"{name}: {value} differs from Algorithm 1's {getattr(expected, name)}", field=name, actual=value,
+                                  expected=getattr(expected, name), details=read_from(name)))
     return found
 
 

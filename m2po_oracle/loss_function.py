@@ -107,7 +107,7 @@ class LossFunctionRunner:
         adapter = ADAPTERS[self.options.adapter]
         bindings = self.options.bind
         return {"adapter": {"name": adapter.name, "signature": adapter.signature, "checked": list(adapter.checked),
-                            "supplies": sorted(adapter.supplies_with(bindings)), "not_run": self._not_run(), "bindings": list(bindings),
+                            "supplies": sorted(adapter.supplies_with(bindings)), "builds": dict(adapter.builds), "not_run": self._not_run(), "bindings": list(bindings),
                             "call": self.call}}
 
     def start(self) -> None:

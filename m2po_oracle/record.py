@@ -46,6 +46,9 @@ class M2POResult:
     valid_count: int | None = None
     trust_region_count: int | None = None
     kept_trust_region_count: int | None = None
+    #: Where an adapted port's metrics were read in its return, ours -> its place (e.g.
+    #: ``m2_before: "[1]['m2']"``); empty for an implementation of the contract.
+    metric_sources: tuple[tuple[str, str], ...] = ()
 
     def reported(self) -> dict[str, Any]:
         """Metrics and counts that are not ``None``."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from m2po_oracle.adapters import Config, bind, map_metric_name, parse_value, policy_loss_config
+from m2po_oracle.adapters.binding import METRIC_SOURCES
 from m2po_oracle.cli import EXIT_UNUSABLE, main
 from m2po_oracle.errors import UsageError
 
@@ -86,10 +87,14 @@ def test_outputs_are_read_where_bound_and_metrics_mapped_to_our_names():
     call = bind(lambda log_ratio, advantages, mask, tau: None, "mask_only", ("keep=1", "metrics=0.logged", "m2_after=2"))
     returned = ({"logged": {"actor/m2po_masked_fraction": 0.25, "M2_now": 0.5, "M2_after": 9.0, "pg_clipfrac": 1.0}}, "the mask", 0.125)
     assert call.read(returned, "keep") == "the mask"
-    assert call.metrics(returned) == {"masked_fraction": 0.25, "m2_before": 0.5, "m2_after": 0.125}
+    # Each metric says where in the return it was read (the port's own name included).
+    assert call.metrics(returned) == {"masked_fraction": 0.25, "m2_before": 0.5, "m2_after": 0.125, METRIC_SOURCES: {
+        "masked_fraction": "[0]['logged']['actor/m2po_masked_fraction']", "m2_before": "[0]['logged']['M2_now']", "m2_after": "[2]"}}
     plain = bind(lambda log_ratio, advantages, mask, tau: None, "mask_only")
     assert plain.read("bare", "keep") == "bare" and plain.read({"keep": "k", "m2_before": 1.0}, "keep") == "k"
-    assert plain.metrics({"keep": "k", "m2_before": 1.0}) == {"m2_before": 1.0}  # a returned mapping is its own metrics
+    # A returned mapping is its own metrics.
+    assert plain.metrics({"keep": "k", "m2_before": 1.0}) == {"m2_before": 1.0, METRIC_SOURCES: {"m2_before": "['m2_before']"}}
+    assert plain.metrics({"keep": "k"}) == {}
     with pytest.raises(TypeError, match=r"keep: expected at \[0\]"):
         plain.read({"loss": 1}, "keep")
 

@@ -149,3 +149,34 @@ def test_the_adapter_option_names_every_adapter():
 
     (option,) = [o for o in COMPARE_OPTIONS if o.name == "adapter"]
     assert all(name in option.help for name in ADAPTERS), option.help
+
+
+def mask_function_port_m2_as_sum(behavior_logp, proximal_logp, loss_mask, threshold, advantages):
+    """Algorithm 1's mask, but the port logs 'm2' as the sum of M2 over its valid tokens
+    (read as m2_before by name, as some ports log it), and no other metric."""
+    keep = select_tokens(proximal_logp, behavior_logp, advantages, loss_mask, tau=threshold).keep
+    d = torch.where(loss_mask, proximal_logp - behavior_logp, torch.zeros_like(proximal_logp))
+    return keep, {"m2": (d * d).sum(), "clip_count": 0.0}
+
+
+def test_a_report_says_which_value_of_the_port_each_metric_read_and_never_calls_the_adapter_s_values_actual(tmp_path):
+    """A metric read under the port's own name says so (console, mismatch, JSON, HTML);
+    ``supplies`` lists only the metrics the port returned; the loss and gradient an adapter
+    builds are shown as the adapter's, never as the port's "actual"."""
+    from m2po_oracle.report.html import render_html
+
+    path = tmp_path / "r.json"
+    assert main(["compare", "--impl", "property_tests.test_adapters:mask_function_port_m2_as_sum", "--adapter", "mask_function",
+                 "--examples", "40", "--json", str(path)]) == EXIT_DIVERGENT
+    data = json.loads(path.read_text())
+    adapter = data["adapter"]
+    assert adapter["metrics_read"] == {"m2_before": "[1]['m2']"}
+    assert adapter["supplies"] == ["keep", "m2_before"] and adapter["builds"] == dict(ADAPTERS["mask_function"].builds)
+    statuses = {c["name"]: c["status"] for c in data["checks"]}
+    assert statuses["metrics.m2_before"] == "fail" and statuses["metrics.masked_fraction"] == "not run"
+    failing = [m for cx in data["counterexamples"] for m in cx["mismatches"] if m["check"] == "metrics.m2_before"]
+    assert failing and all(m["details"][0] == "read from the port's [1]['m2']" for m in failing)
+    page = render_html(data)
+    assert "metrics read" in page and "m2_before \u2190 [1][&#39;m2&#39;]" in page
+    assert "(the adapter's, not the port's)</span>" in page  # the loss cell
+    assert "grad (the adapter&#39;s, not the port&#39;s)</th>" in page

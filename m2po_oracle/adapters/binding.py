@@ -43,6 +43,8 @@ METRIC_NAMES: tuple[str, ...] = METRIC_FIELDS + COUNT_FIELDS
 #: mean over the kept trust-region tokens), so it is not mapped. Its ``m2po/M2`` (and the
 #: verl pull request's ``m2po/m2``) is the candidates' mean M2 before any cap: m2_before.
 METRIC_ALIASES: dict[str, str] = {"M2_now": "m2_before", "m2_now": "m2_before", "M2": "m2_before", "m2": "m2_before"}
+#: The key of a wrapped port's result that says where each metric was read in its return.
+METRIC_SOURCES = "metric_sources"
 #: Prefixes ports put before a metric's name ("m2po/masked_fraction", "actor/m2po_m2_before").
 METRIC_PREFIXES: tuple[str, ...] = ("m2po_", "m2po.", "m2po-")
 
@@ -413,27 +415,33 @@ class BoundCall:
         """Our metrics from ``returned``: the ``metrics`` output's keys mapped to our names
         (:func:`map_metric_name`), then every metric bound to a place of its own."""
         found: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         if "metrics" in self._outputs:
-            for key, value in self._logged(returned).items():
+            logged, at = self._logged(returned)
+            for key, value in logged.items():
                 name = map_metric_name(key)
                 if name is not None and name not in found and _is_number(value):
                     found[name] = value
+                    sources[name] = _path_text(at + (key,))
         for name in METRIC_NAMES:
             if name in self._outputs:
                 found[name] = self.read(returned, name)
-        return found
+                sources[name] = _path_text(self._outputs[name].at)
+        # Where each metric was read (a key of the port's own naming, e.g. its 'm2' read as
+        # m2_before), so that a report says which of the port's values it judged.
+        return {**found, METRIC_SOURCES: sources} if found else found
 
-    def _logged(self, returned: Any) -> Mapping:
-        """What the port logged: the ``metrics`` output; unless bound elsewhere, a returned
-        mapping is itself the metrics (beside loss and keep), and so is a result object (its
-        attributes of our names)."""
+    def _logged(self, returned: Any) -> tuple[Mapping, tuple[int | str, ...]]:
+        """What the port logged, and where in its return: the ``metrics`` output; unless
+        bound elsewhere, a returned mapping is itself the metrics (beside loss and keep), and
+        so is a result object (its attributes of our names)."""
         if "metrics" not in self._bound:
             if isinstance(returned, Mapping):
-                return returned
+                return returned, ()
             if not isinstance(returned, (tuple, list, torch.Tensor)):
-                return {name: getattr(returned, name) for name in METRIC_NAMES if getattr(returned, name, None) is not None}
+                return {name: getattr(returned, name) for name in METRIC_NAMES if getattr(returned, name, None) is not None}, ()
         logged = self.read(returned, "metrics")
-        return logged if isinstance(logged, Mapping) else {}
+        return (logged if isinstance(logged, Mapping) else {}), self._outputs["metrics"].at
 
     def describe_call(self) -> str:
         """The call the port receives, e.g. ``port(old_log_prob=<behavior_logp>, ..., M2_budget=<budget>)``."""

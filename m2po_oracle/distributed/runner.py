@@ -149,7 +149,7 @@ class DistributedRunner:
             a, bindings = self.adapter, self.options.bind
             call = load_distributed_implementation(self.spec, self._adapter_payload).bound_call.describe_call()  # loaded (and cached) by open_runner
             described["adapter"] = {"name": a.name, "signature": a.signature, "checked": list(a.checked), "supplies": sorted(a.supplies_with(bindings)),
-                                    "not_run": a.not_run(bindings), "bindings": list(bindings), "call": call}
+                                    "builds": dict(a.builds), "not_run": a.not_run(bindings), "bindings": list(bindings), "call": call}
         return described
 
     def start(self) -> None:

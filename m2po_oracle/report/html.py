@@ -221,7 +221,8 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
     diagnosis = (_diagnosis(report.get("diagnosis"), [(_text(c.get("name"), "?"), _text(c.get("status"), "?")) for c in raw_checks])
                  if "diagnosis" in report else None)
     anchors = diagnosis["anchors"] if diagnosis is not None else {}
-    counterexamples = [_counterexample(i, cx, anchors) for i, cx in enumerate(_list(report.get("counterexamples")), start=1) if isinstance(cx, Mapping)]
+    builds = _mapping(_mapping(report.get("adapter")).get("builds"))
+    counterexamples = [_counterexample(i, cx, anchors, builds) for i, cx in enumerate(_list(report.get("counterexamples")), start=1) if isinstance(cx, Mapping)]
     first_cx: dict[str, str] = {}
     for cx in counterexamples:
         for name in [cx["check"], *cx["checks"]]:
@@ -279,6 +280,9 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
               if (adapter := _mapping(report.get("adapter"))) and adapter.get("bindings") else []),
             # Last and full width: the call the adapter makes is a line of its own.
             *([("adapter", f"{_text(adapter.get('name'))}: {_text(adapter.get('call'), _text(adapter.get('signature')))}")] if adapter else []),
+            # Which of the port's values each metric check judged (its own names, e.g. 'm2' read as m2_before).
+            *([("metrics read", ", ".join(f"{_text(k)} \u2190 {_text(v)}" for k, v in _mapping(adapter.get("metrics_read")).items()))]
+              if adapter and _mapping(adapter.get("metrics_read")) else []),
         ],
         "checks": checks,
         "checks_failed": failed,
@@ -499,8 +503,12 @@ def _validation(raw: Any) -> dict[str, Any]:
     }
 
 
-def _counterexample(number: int, raw: Mapping[str, Any], anchors: Mapping[str, str] | None = None) -> dict[str, Any]:
+def _counterexample(number: int, raw: Mapping[str, Any], anchors: Mapping[str, str] | None = None,
+                    builds: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One counterexample's tables; ``builds`` (field -> how) are the values an adapter
+    computed itself, shown as the adapter's, never as the port's "actual"."""
     anchors = anchors or {}
+    builds = {name: _text(how) for name, how in (builds or {}).items()}
     expected = _mapping(raw.get("expected"))
     on_mask = _mapping(raw.get("expected_on_actual_mask"))
     actual = _mapping(raw.get("actual"))
@@ -515,7 +523,9 @@ def _counterexample(number: int, raw: Mapping[str, Any], anchors: Mapping[str, s
         # The loss and metric checks compare against Algorithm 1 evaluated on the
         # implementation's own mask, so that is the reference for the highlight. A metric
         # the port does not report is not a difference: its check is "not run".
-        "differs": actual.get(name) is not None and _numbers_differ(actual.get(name), on_mask.get(name) if name in on_mask else expected.get(name)),
+        "differs": name not in builds and actual.get(name) is not None
+        and _numbers_differ(actual.get(name), on_mask.get(name) if name in on_mask else expected.get(name)),
+        "built": builds.get(name),
     } for name in names]
     tokens = []
     for t in map(_mapping, _list(raw.get("tokens"))):
@@ -532,7 +542,7 @@ def _counterexample(number: int, raw: Mapping[str, Any], anchors: Mapping[str, s
             "keep_differs": _keep_differs(t.get("actual_keep"), t.get("expected_keep")),
             "expected_grad": _fmt(t.get("expected_grad")),
             "actual_grad": _fmt(t.get("actual_grad")),
-            "grad_differs": _numbers_differ(t.get("actual_grad"), t.get("expected_grad")),
+            "grad_differs": "grad" not in builds and _numbers_differ(t.get("actual_grad"), t.get("expected_grad")),
         })
     mismatches = [{
         "check": _text(m.get("check")),
@@ -567,6 +577,8 @@ def _counterexample(number: int, raw: Mapping[str, Any], anchors: Mapping[str, s
         "tokens": tokens,
         "tokens_truncated": raw.get("tokens_truncated") is True,
         "tokens_differ": sum(1 for t in tokens if t["keep_differs"] or t["grad_differs"]),
+        "actual_keep_label": "keep (the adapter's, not the port's)" if "keep" in builds else "actual keep",
+        "actual_grad_label": "grad (the adapter's, not the port's)" if "grad" in builds else "actual grad",
         "curve": _removal_curve(raw.get("removal_curve")),
         "ranks": _ranks(raw.get("ranks"), number, _padding(raw.get("tokens"))) if "ranks" in raw else None,
         "trainer_case": _trainer_case(raw.get("trainer_case")) if "trainer_case" in raw else None,
