@@ -223,7 +223,7 @@ def check_selection(batch: Batch, keep: np.ndarray, compute_dtype: str = "float6
             "selection.budget",
             f"kept {kept_count} of {candidates} trust-region tokens; Algorithm 1 keeps at most {bounds.k_max}: "
             f"the mean M2 of the kept trust-region tokens is {mean_kept!r} > tau {batch.tau!r}",
-            field="keep", actual=kept_count, expected=_range(bounds),
+            field="kept trust-region tokens", actual=kept_count, expected=_range(bounds),
         ))
     elif kept_count < bounds.k_min:
         next_mean = float(bounds.prefix_means[kept_count])
@@ -231,7 +231,7 @@ def check_selection(batch: Batch, keep: np.ndarray, compute_dtype: str = "float6
             "selection.minimal",
             f"kept {kept_count} of {candidates} trust-region tokens; Algorithm 1 keeps at least {bounds.k_min}: "
             f"keeping the next-smallest removed token gives mean M2 {next_mean!r} <= tau {batch.tau!r}",
-            field="keep", actual=kept_count, expected=_range(bounds),
+            field="kept trust-region tokens", actual=kept_count, expected=_range(bounds),
         ))
     if 0 < kept_count < candidates:
         kept_m2 = candidate_m2[kept_flat]
@@ -245,7 +245,7 @@ def check_selection(batch: Batch, keep: np.ndarray, compute_dtype: str = "float6
                 "selection.largest_removed_first",
                 f"kept trust-region token at {_index(kept_at, keep.shape)} with M2 {float(kept_m2.max())!r} while removing "
                 f"the token at {_index(removed_at, keep.shape)} with smaller M2 {float(removed_m2.min())!r}",
-                field="keep", index=_index(kept_at, keep.shape), actual=float(kept_m2.max()), expected=f"<= {float(removed_m2.min())!r}",
+                field="M2 of a kept token", index=_index(kept_at, keep.shape), actual=float(kept_m2.max()), expected=f"<= {float(removed_m2.min())!r}",
             ))
     return found
 

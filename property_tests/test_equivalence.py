@@ -129,7 +129,7 @@ def test_compare_values_reports_the_worst_element_like_assert_close():
 def test_the_failure_message_is_self_sufficient():
     mismatches = check_selection(TIE, np.array([[False, False, True]]))
     text = format_mismatches(mismatches, batch=TIE, where="for 'x'", replay="m2po-oracle replay --impl x --batch '{}'")
-    for needle in ("[selection.minimal]", "kept 1 of 3", "keep: actual 1, expected 2", "tau=0.140625", "logp=", "replay: m2po-oracle replay"):
+    for needle in ("[selection.minimal]", "kept 1 of 3", "kept trust-region tokens: actual 1, expected 2", "tau=0.140625", "logp=", "replay: m2po-oracle replay"):
         assert needle in text, f"{needle!r} missing from:\n{text}"
 
 
