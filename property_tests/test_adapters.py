@@ -180,3 +180,4 @@ def test_a_report_says_which_value_of_the_port_each_metric_read_and_never_calls_
     assert "metrics read" in page and "m2_before \u2190 [1][&#39;m2&#39;]" in page
     assert "(the adapter's, not the port's)</span>" in page  # the loss cell
     assert "grad (the adapter&#39;s, not the port&#39;s)</th>" in page
+    assert "not run: no result the port returned carried masked_fraction" in page  # a metric it never returned says why

@@ -250,7 +250,7 @@ def _view(report: Mapping[str, Any]) -> dict[str, Any]:
                        # Only a failing check has something to explain.
                        "explained_by": [_linked(n, anchors) for n in by_check.get(name, [])] if failed else [],
                        # A check the adapter cannot run says why (and often which binding would run it).
-                       "not_run_reason": _text(not_run_reasons.get(name)) if status == "not run" and name in not_run_reasons else None,
+                       "not_run_reason": _not_run_reason(name, not_run_reasons, adapted=bool(report.get("adapter"))) if status == "not run" else None,
                        "unexplained": failed and name in unexplained})
     failed = sum(1 for c in checks if c["failed"])
     not_run = sum(1 for c in checks if c["status"] == "not run")
@@ -501,6 +501,16 @@ def _validation(raw: Any) -> dict[str, Any]:
         "accepted": sum(1 for p in probes if p["status"] == "accepted"),
         "bad": sum(1 for p in probes if p["status_class"] == "bad"),
     }
+
+
+def _not_run_reason(check: str, reasons: Mapping[str, Any], *, adapted: bool) -> str | None:
+    """Why a check did not run: the adapter's reason, else, for a metric, that no result carried it."""
+    if check in reasons:
+        return _text(reasons[check])
+    if check.startswith("metrics."):
+        who = "the port" if adapted else "the implementation"
+        return f"no result {who} returned carried {check.split('.', 1)[1]}"
+    return None
 
 
 def _counterexample(number: int, raw: Mapping[str, Any], anchors: Mapping[str, str] | None = None,
