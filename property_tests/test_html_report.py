@@ -420,7 +420,7 @@ def test_removed_tokens_are_labelled_removed_not_mask(divergent):
     report = copy.deepcopy(divergent)
     base = {"valid": True, "log_ratio": 0.5, "advantage": 1.0, "m2": 0.125, "trust_region": True, "expected_grad": 0.0, "actual_grad": 0.0}
     report["counterexamples"][0]["tokens"] = [{**base, "index": [0, 0], "expected_keep": True, "actual_keep": False},
-                                              {**base, "index": [0, 1], "expected_keep": False, "actual_keep": True}]
+                                              {**base, "index": [0, 1], "m2": 0.25, "expected_keep": False, "actual_keep": True}]  # not a tie
     rows = _tables(render_html(report))["tokens"][1:]
     assert [(cells[6], cells[7][1]) for _, cells in rows] == [(("keep-keep", "keep"), "removed"), (("keep-removed", "removed"), "keep")]
     assert all(text != "mask" for _, cells in rows for _, text in cells)
@@ -476,6 +476,27 @@ def test_token_table_highlights_differences_and_greys_padding(divergent):
     assert grad_diff == [False, False, False, True, True, True, False]
     assert [cls for cls, _ in rows] == ["valid"] * 6 + ["padding"]
     assert rows[4][1][9][1] == "\u2014" and rows[5][1][9][1] == "nan"
+
+
+@pytest.mark.parametrize("lost_m2, swapped", [(0.125, True), (0.25, False)])
+def test_a_mask_that_keeps_another_of_equal_m2_tokens_is_a_tie_not_a_difference(divergent, lost_m2, swapped):
+    """Algorithm 1 keeps the lowest-index of tied tokens; a port that keeps another one of
+    equal M2 made an admissible choice: marked "tie", not highlighted, not counted as a row
+    that differs (seen on Trinity-RFT's mask, whose float32 sort ordered a tie otherwise).
+    Unequal M2 stays a difference."""
+    report = copy.deepcopy(divergent)
+    base = {"valid": True, "log_ratio": 0.5, "advantage": 1.0, "m2": 0.125, "trust_region": True,
+            "expected_keep": True, "actual_keep": True, "expected_grad": -0.25, "actual_grad": -0.25}
+    report["counterexamples"][0]["tokens_truncated"] = False
+    report["counterexamples"][0]["tokens"] = [
+        {**base, "index": [0, 0]},
+        {**base, "index": [0, 1], "expected_keep": False, "actual_keep": True},  # kept instead
+        {**base, "index": [0, 2], "m2": lost_m2, "actual_keep": False},          # of this one
+    ]
+    page = render_html(report)
+    rows = _tables(page)["tokens"][1:]
+    assert [("diff" in cells[7][0]) for _, cells in rows] == [False, not swapped, not swapped]
+    assert ("(tie)" in page) == swapped and (("0 row(s) differ; 2 row(s) keep another" in page) == swapped)
 
 
 def test_metrics_table_compares_actual_with_expected_on_the_implementations_mask(divergent):

@@ -503,6 +503,20 @@ def _validation(raw: Any) -> dict[str, Any]:
     }
 
 
+def _tie_swaps(tokens: list[dict[str, Any]]) -> int:
+    """Where the port's mask and Algorithm 1's differ only by which of several equal-M2
+    tokens are kept (any choice among ties is admissible), those rows are marked as tie
+    swaps, not differences; returns how many rows that is (0: a real difference, or none)."""
+    swapped = [t for t in tokens if t["keep_differs"] and t["expected_keep"] != "\u2014" and t["actual_keep"] != "\u2014"]
+    gained = sorted(t["m2"] for t in swapped if t["actual_keep"] == "keep")
+    lost = sorted(t["m2"] for t in swapped if t["actual_keep"] == "removed")
+    if not gained or not all(isinstance(v, (int, float)) for v in gained + lost) or gained != lost:
+        return 0
+    for t in swapped:
+        t["keep_differs"], t["tie_swap"] = False, True
+    return len(swapped)
+
+
 def _not_run_reason(check: str, reasons: Mapping[str, Any], *, adapted: bool) -> str | None:
     """Why a check did not run: the adapter's reason, else, for a metric, that no result carried it."""
     if check in reasons:
@@ -553,7 +567,9 @@ def _counterexample(number: int, raw: Mapping[str, Any], anchors: Mapping[str, s
             "expected_grad": _fmt(t.get("expected_grad")),
             "actual_grad": _fmt(t.get("actual_grad")),
             "grad_differs": "grad" not in builds and _numbers_differ(t.get("actual_grad"), t.get("expected_grad")),
+            "tie_swap": False,
         })
+    ties = _tie_swaps(tokens) if raw.get("tokens_truncated") is not True else 0
     mismatches = [{
         "check": _text(m.get("check")),
         "summary": _text(m.get("summary")),
@@ -587,6 +603,7 @@ def _counterexample(number: int, raw: Mapping[str, Any], anchors: Mapping[str, s
         "tokens": tokens,
         "tokens_truncated": raw.get("tokens_truncated") is True,
         "tokens_differ": sum(1 for t in tokens if t["keep_differs"] or t["grad_differs"]),
+        "tie_swaps": ties,
         "actual_keep_label": "keep (the adapter's, not the port's)" if "keep" in builds else "actual keep",
         "actual_grad_label": "grad (the adapter's, not the port's)" if "grad" in builds else "actual grad",
         "curve": _removal_curve(raw.get("removal_curve")),
