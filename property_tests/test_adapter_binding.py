@@ -83,6 +83,29 @@ def test_the_budget_goes_inside_the_config_where_bound(port, bindings, where):
     assert value == "<budget>" and config.policy_loss.get("m2_budget") in ("<budget>", 0.5) and config["tau"] == 0.5
 
 
+def config_only(old_log_prob, log_prob, advantages, response_mask, config):
+    """A port that reads every setting from its config (config.loss_agg_mode, config.miniclip_low)."""
+    return dict(locals())
+
+
+def test_settings_and_a_family_constant_go_inside_an_argument():
+    """--bind config.miniclip_low=0.3 sets a value inside the config the port receives, and
+    --bind loss_agg_mode=config.loss_agg_mode moves the family's constant there (a port with
+    no loss_agg_mode parameter was a usage error); a setting inside a parameter the port
+    does not have is one too."""
+    bindings = ("loss_agg_mode=config.loss_agg_mode", "config.miniclip_low=0.3", "config.clip.high=None")
+    received = called_with("policy_loss", config_only, bindings, config=policy_loss_config(0.5))
+    config = received["config"]
+    assert config.loss_agg_mode == "token-mean" and config.miniclip_low == 0.3 and config.clip.high is None
+    assert config.policy_loss.m2_budget == "<budget>" and "loss_agg_mode" not in received
+    call = bind(config_only, "policy_loss", bindings)
+    assert "config.loss_agg_mode='token-mean'" in call.describe_call() and "config.miniclip_low=0.3" in call.describe_call()
+    with pytest.raises(UsageError, match="no parameter 'loss_agg_mode'"):
+        bind(config_only, "policy_loss", ())
+    with pytest.raises(UsageError, match="no parameter 'cfg' to hold the setting miniclip_low"):
+        bind(config_only, "policy_loss", ("loss_agg_mode=config.loss_agg_mode", "cfg.miniclip_low=0.3"))
+
+
 def test_outputs_are_read_where_bound_and_metrics_mapped_to_our_names():
     call = bind(lambda log_ratio, advantages, mask, tau: None, "mask_only", ("keep=1", "metrics=0.logged", "m2_after=2"))
     returned = ({"logged": {"actor/m2po_masked_fraction": 0.25, "M2_now": 0.5, "M2_after": 9.0, "pg_clipfrac": 1.0}}, "the mask", 0.125)

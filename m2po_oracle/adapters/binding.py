@@ -149,8 +149,9 @@ def parse_bindings(bindings: tuple[str, ...] | list[str]) -> dict[str, str]:
     for text in bindings:
         key, sep, value = text.partition("=")
         key = key.strip()
-        if not sep or not key.isidentifier():
-            raise UsageError(f"bind: expected KEY=VALUE with KEY an identifier (a role, an output or a parameter of the port), got {text!r}")
+        if not sep or not all(part.isidentifier() for part in key.split(".")):
+            raise UsageError(f"bind: expected KEY=VALUE with KEY an identifier (a role, an output or a parameter of the port) "
+                             f"or PARAMETER.ATTRIBUTE... (a setting inside an argument), got {text!r}")
         if key in parsed:
             raise UsageError(f"bind: {key} is bound twice ({key}={parsed[key]} and {text}); give each key once")
         parsed[key] = value.strip()
@@ -250,6 +251,8 @@ class BoundCall:
         # parameter name (or, uninspectable, "#i" for position i) -> what it receives
         self._targets: dict[str, _Source] = {}
         self._paths: list[tuple[str, str, tuple[str, ...]]] = []  # (role, head parameter, attribute path)
+        #: Settings put inside an argument (a port that reads config.miniclip_low): (head, path, value).
+        self._settings: list[tuple[str, tuple[str, ...], Any]] = []
         pending: list[tuple[int, Param]] = []
         family_positions = [p for p in params if not p.is_path]
 
@@ -258,6 +261,10 @@ class BoundCall:
             position = family_positions.index(param) if param in family_positions else None
             if param.constant:
                 if param.value is PORT_DEFAULT and text is None:
+                    continue
+                place = self._setting_place(text)
+                if place is not None:  # the family's constant, read by the port from inside an argument
+                    self._settings.append((place[0], place[1], param.value))
                     continue
                 if self._has(param.name):
                     self._claim(param.name, self._source_of(param, bound), param.role)
@@ -319,6 +326,12 @@ class BoundCall:
                     raise self._refuse(f"bind {key}={text}: expected where {key} is in the return: an index (0), a key, "
                                        f"or a path such as 4.M2_after") from None
                 continue
+            if "." in key:  # a setting inside an argument: config.miniclip_low=0.3
+                head, *rest = key.split(".")
+                if not self._has(head) and not (self.signature is None or self._var_keyword):
+                    raise self._refuse(f"bind {key}={text}: the port has no parameter {head!r} to hold the setting {'.'.join(rest)}")
+                self._settings.append((head, tuple(rest), parse_value(text)))
+                continue
             # Anything else is an extra keyword argument of the port.
             if self.signature is not None and not (key in self._names or self._var_keyword):
                 raise self._refuse(f"bind {key}={text}: {key!r} is neither a role of adapter {self.family} "
@@ -327,7 +340,7 @@ class BoundCall:
             self._claim(key, _Source(None, parse_value(text)), f"{key}={text}")
 
         if self.signature is not None:
-            heads = {head for _, head, _ in self._paths}
+            heads = {head for _, head, _ in self._paths} | {head for head, _, _ in self._settings}
             missing = [p.name for p in parameters if p.default is kinds.empty and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)
                        and p.name not in self._targets and p.name not in heads]
             if missing:
@@ -338,6 +351,14 @@ class BoundCall:
                     and any(m in self._targets for m in self._positional[i + 1:] if m in self._positional_only)]
             if gaps:
                 raise self._refuse(f"the port's positional-only parameter(s) {', '.join(gaps)} would receive nothing before later ones")
+
+    def _setting_place(self, text: str | None) -> tuple[str, tuple[str, ...]] | None:
+        """``config.loss_agg_mode`` as (head, path) when ``text`` names a place inside one of
+        the port's parameters (a constant's value moved there), else None (a plain value)."""
+        if text is None or "." not in text or not all(part.isidentifier() for part in text.split(".")):
+            return None
+        head, *rest = text.split(".")
+        return (head, tuple(rest)) if self._has(head) else None
 
     def _source_of(self, param: Param, bound: dict[str, str]) -> _Source:
         if param.constant:
@@ -393,6 +414,10 @@ class BoundCall:
             if head not in arguments:  # a parameter only a path reaches: a fresh config object
                 arguments[head] = Config()
             _set_path(arguments[head], path, values[role])
+        for head, path, value in self._settings:
+            if head not in arguments:
+                arguments[head] = Config()
+            _set_path(arguments[head], path, copy.deepcopy(value))
         if self.signature is None:
             positions = sorted(int(n[1:]) for n in arguments if n.startswith("#"))
             args = [arguments.pop(f"#{i}") for i in positions]
@@ -453,6 +478,7 @@ class BoundCall:
         shown = lambda source: f"<{source.role}>" if source.role is not None else repr(source.value)  # noqa: E731
         parts = [shown(source) if name.startswith("#") else f"{name}={shown(source)}" for name, source in ordered]
         parts += [f"{head}.{'.'.join(path)}=<{role}>" for role, head, path in self._paths]
+        parts += [f"{head}.{'.'.join(path)}={value!r}" for head, path, value in self._settings]
         name = getattr(self.fn, "__name__", "port")
         outputs = "; ".join(o.text() for o in self._outputs.values())
         return f"{name}({', '.join(parts)}) -> {outputs}"
