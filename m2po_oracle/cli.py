@@ -578,7 +578,9 @@ def _print_validation(console: Console, report) -> None:
     warned = [p.probe for p in ran if p.expected == "warned"]
     skipped = f" ({len(not_run)} not run: {', '.join(p.probe for p in not_run)})" if not_run else ""
     run = " run" if not_run else ""
-    if not warnings:
+    if not ran:  # nothing to claim: no probe's answer can be told
+        console.print(f"validation: no invalid-input probe could run{skipped}", highlight=False, soft_wrap=True)
+    elif not warnings:
         also = f"; {', '.join(warned)} allowed with a warning, as required" if warned else ""
         console.print(f"validation: all {len(ran) - len(warned)} invalid-input probes{run} were rejected (fails closed){also}{skipped}",
                       highlight=False, soft_wrap=True)

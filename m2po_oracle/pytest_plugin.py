@@ -108,6 +108,10 @@ def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, report
                                        else {"status": "pass", "message": "", "warnings": [f"{fixed} (strict = false)"]})
     if report.validation_not_run:
         items["validation"] = {"status": "skip", "message": f"validation not run: {report.validation_not_run}"}
+    elif report.validation and not any(p.ran for p in report.validation):
+        # A check that did not run is never a pass.
+        reasons = "; ".join(f"{p.probe}: {p.message}" for p in report.validation)
+        items["validation"] = {"status": "skip", "message": f"validation not run: no invalid-input probe could run ({reasons})"}
     else:
         problems = [f"- {p.probe} ({p.description}): {p.status}: {p.message}" for p in report.validation_warnings]
         failing = bool(problems) and report.strict_validation

@@ -149,5 +149,23 @@ def run_probe(fn: Implementation, name: str, *, dtype: str = "float64", device: 
         with captured_output():
             fn(kwargs["logp"], kwargs["behavior_logp"], kwargs["advantages"], kwargs["mask"], tau=tau)
     except (Exception, SystemExit) as error:
+        control = _fails_on_clean(fn, dtype, device)
+        if control is not None:
+            who = "the port" if getattr(fn, "bound_call", None) is not None else "the implementation"
+            return ProbeResult(p.name, p.description, "not run",
+                               f"{who} raises on the valid batch this probe starts from too ({control}), so its answer to the invalid "
+                               "input cannot be told from that failure")
         return classify(p, error, rejecting)
     return classify(p, None)
+
+
+def _fails_on_clean(fn: Implementation, dtype: str, device: str) -> str | None:
+    """What ``fn`` raises on the probes' clean batch (None: it returns). A probe's exception
+    means a refusal only where the same call without the invalid input goes through."""
+    kwargs = to_tensors(CLEAN, dtype, device)
+    try:
+        with captured_output():
+            fn(kwargs["logp"], kwargs["behavior_logp"], kwargs["advantages"], kwargs["mask"], tau=CLEAN.tau)
+    except (Exception, SystemExit) as error:
+        return f"{type(error).__name__}: {error}"
+    return None

@@ -59,3 +59,37 @@ def test_cli_strict_validation_exit_status(tmp_path):
                       "def port(*a, **k):\n    return planted(*a, **k, deviation=Deviation())\n")
     assert main(["compare", "--impl", f"{source}:port", "--examples", "10", "--in-process"]) == EXIT_EQUIVALENT
     assert main(["compare", "--impl", f"{source}:port", "--examples", "10", "--in-process", "--strict-validation"]) == EXIT_DIVERGENT
+
+
+def _fails_on_three_columns(logp, behavior_logp, advantages, mask, *, tau):
+    """Algorithm 1 that crashes on every batch of three columns (the probes' clean batch
+    has three), valid or not, as a port whose logging code breaks on some shapes does."""
+    if logp.shape[-1] == 3:
+        raise RuntimeError("The size of tensor a (3) must match the size of tensor b (2) at non-singleton dimension 1")
+    return m2po_loss(logp, behavior_logp, advantages, mask, tau=tau)
+
+
+def test_a_probe_on_a_batch_the_port_fails_anyway_is_not_run_not_crashed(capsys):
+    """A probe's exception is a refusal (or a crash on invalid input) only where the same
+    call without the invalid input goes through: otherwise the probe is not run, says why,
+    and no summary claims the implementation fails closed (seen on an untuned public port
+    whose ratio statistics crash whenever rows != columns: seven probes read 'crashed on
+    invalid input'). The pytest plugin skips validation rather than passing it."""
+    from m2po_oracle import options
+    from m2po_oracle.config import ProjectConfig
+    from m2po_oracle.pytest_plugin import item_outcomes
+
+    report = run_compare(_fails_on_three_columns, "three", examples=10)
+    assert {p.status for p in report.validation} == {"not run"} and not report.validation_warnings
+    assert all("raises on the valid batch this probe starts from too (RuntimeError" in p.message for p in report.validation)
+    from m2po_oracle.cli import _print_validation
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    _print_validation(console, report)
+    text = console.export_text()
+    assert "no invalid-input probe could run" in text and "fails closed" not in text
+    assert InProcess(m2po_loss).probe("nan_tau").status == "rejected"  # a port that runs on the clean batch is judged as before
+    values = ProjectConfig().merged({o.name: None for o in options.COMPARE_OPTIONS + options.RUN_SETTINGS})
+    outcome = item_outcomes("property_tests.test_validation:_fails_on_three_columns", {**values, "examples": 10, "in_process": True})
+    assert outcome["items"]["validation"]["status"] == "skip" and "no invalid-input probe could run" in outcome["items"]["validation"]["message"]
