@@ -100,6 +100,17 @@ class Batch:
         fill = lambda a: np.where(self.valid, a, value)  # noqa: E731
         return Batch(fill(self.logp), fill(self.behavior_logp), fill(self.advantages), self.valid.copy(), self.tau)
 
+    def with_trust_region_padding(self) -> "Batch":
+        """The same batch with every invalid position made a small trust-region token, as
+        real padding looks (finite log-probs, the row's advantage): logp = -1 + 2**-6,
+        behavior_logp = -1, A = 1, so d = 2**-6 and M2 = 2**-12 (exact down to bfloat16).
+        A selection that lets padding compete keeps such tokens first and so keeps more valid
+        ones; NaN/inf padding never competes and 0 or huge padding never changes the cut."""
+        def fill(a: np.ndarray, value: float) -> np.ndarray:
+            return np.where(self.valid, a, value)
+
+        return Batch(fill(self.logp, -1.0 + 2.0 ** -6), fill(self.behavior_logp, -1.0), fill(self.advantages, 1.0), self.valid.copy(), self.tau)
+
     def with_finite_padding(self, value: float = 0.0) -> "Batch":
         """The same batch with every NaN/inf at an invalid position set to ``value`` (finite
         padding is kept): the values a port is judged on, apart from the padding probes."""

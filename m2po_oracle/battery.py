@@ -21,6 +21,8 @@ from m2po_oracle import oracle
 from m2po_oracle.equivalence import Mismatch, Tolerance, checks_run_on, compare_to_oracle, compare_values, format_mismatches, same_up_to_ties, tolerance, valid_m2
 
 PADDING_PROBES = (float("nan"), float("inf"), float("-inf"))
+#: The finite padding probe (Batch.with_trust_region_padding), by its label.
+TRUST_REGION_PADDING = "small trust-region tokens (d = 2**-6, A = 1)"
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,8 @@ def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", com
     if not nondeterministic and not batch.valid.all() and _finite(first.result):
         checked.append("padding_immunity")
         variants = [("the drawn padding", drawn)] if _padding_differs(drawn, batch) else []
-        for label, probed in variants + [(f"{fill}", batch.with_padding(fill)) for fill in PADDING_PROBES]:
+        fills = [(f"{fill}", batch.with_padding(fill)) for fill in PADDING_PROBES] + [(TRUST_REGION_PADDING, batch.with_trust_region_padding())]
+        for label, probed in variants + fills:
             probe = caller.measure(probed, dtype=dtype, device=device)
             probes.append(probe)
             probe_labels.append((f" {'with the drawn padding' if label == 'the drawn padding' else f'with padding set to {label}'}", probe))

@@ -24,7 +24,7 @@ CHECKS: dict[str, str] = {
     "metrics.valid_count": "valid_count equals N",
     "metrics.trust_region_count": "trust_region_count equals |T|",
     "metrics.kept_trust_region_count": "kept_trust_region_count equals the kept trust-region tokens",
-    "padding_immunity": "NaN/inf padding changes neither the mask, the loss nor the gradient",
+    "padding_immunity": "NaN/inf padding, and padding of small trust-region tokens, change neither the mask, the loss nor the gradient",
     "determinism": "the same input gives the same mask, loss and gradient",
     "inputs_not_mutated": "the implementation does not modify its input tensors",
 }

@@ -512,7 +512,10 @@ def _diagnose(runner: Runner, report: CompareReport, evidence: _Evidence, suppli
     if not report.usable:
         report.diagnosis = {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
         return
-    observations = evidence.failing + evidence.passing if evidence.failing else []
+    # A padding failure alone is diagnosed on its probes (what read the padding), which the
+    # observations carry; other behavioural failures need no observation.
+    padding = "padding_immunity" in report.failing_checks
+    observations = evidence.failing + evidence.passing if evidence.failing or padding else []
     report.diagnosis = diagnose(observations, report.failing_checks, dtype=report.dtype, divergent=bool(report.failing_checks),
                                 compute_dtype=report.compute_dtype, supplied=supplied, prefer=frozenset(a.deviation for a in report.accepted),
                                 step_explanations={c: names for c, names in evidence.step_by_check.items() if names},

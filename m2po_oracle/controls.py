@@ -437,6 +437,9 @@ COMPOSITE_CONTROLS: tuple[NegativeControl, ...] = (
                ("loss", "gradient", "selection.budget", "selection.minimal", "selection.largest_removed_first", "metrics.m2_after")),
     _composite("maskless_all_valid", ("all_valid_candidates", "statistic_over_padding"),
                ("selection.only_trust_region_masked", "selection.budget", "selection.minimal", "metrics.masked_fraction")),
+    # A kernel handed no mask with the spec's candidate test: finite padding competes (only
+    # the battery's small trust-region padding probe shows it; the judged batch pads with 0).
+    _composite("maskless_trust_region", ("statistic_over_padding",), ("padding_immunity",)),
     _composite("hard_clamp_leak", ("hard_clamped_log_ratio", "nan_padding_leak"),
                ("padding_immunity", "gradient", "loss", "metrics.m2_before", "metrics.m2_after", "selection.budget", "selection.minimal",
                 "selection.largest_removed_first")),
@@ -481,6 +484,7 @@ QUICK_EXAMPLES: dict[str, int] = {
     "scaled_budget": 62,  # 2 / 2.5 / 41
     "release_clip_float32_bound": 20,  # 2 / 2.5 / 13
     "maskless_all_valid": 42,  # 3 / 6.5 / 28
+    "maskless_trust_region": 47,  # 3 / 9 / 31
     "fails_at_zero_budget": 207,  # 7 / 33.5 / 138
     "loss_clamped_log_ratio": 500,  # 29 / 118.5 / 400 (needs a kept token with |d| > 20; capped at the run's 500)
 }

@@ -505,11 +505,13 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         if check == "call" and call_failure_taus and all(t == 0 for t in call_failure_taus):
             behavioural = ["fails_at_zero_budget"]  # every call that raised had tau == 0, and only such calls raised
         name = field_of(check)
-        if check == "padding_immunity" and explanation.components:
-            reading = _reads_padding(judge, explanation.components)
+        if check == "padding_immunity":
+            reading = _padding_reader(judge, explanation.components)
             if reading:  # the explanation reproduces the port under every padding it changed with
                 by_check[check] = reading
                 continue
+            if not _non_finite_under_padding(judge):
+                behavioural = []  # a NaN leak is named only where some padding made the result NaN/inf
         if behavioural:
             by_check[check] = behavioural
             continue
@@ -658,6 +660,26 @@ def _cover(explanations: dict[str, set[str]], order: list[str]) -> tuple[dict[st
             choice[check] = best
     alternatives = [(n,) for n in everyone if n not in chosen and any(covers[n] == {c for c, v in choice.items() if v == m} for m in chosen)]
     return choice, alternatives
+
+
+def _padding_reader(judge: Judge, components: tuple[str, ...]) -> list[str]:
+    """The deviations that reproduce the port under every padding probe it changed with: the
+    explanation's own (column 0's advantage), else with a statistic over every position (a
+    kernel handed no mask: finite padding competes in the selection); [] if neither does."""
+    reading = _reads_padding(judge, components) if components else []
+    if reading:
+        return reading
+    return _reads_padding(judge, (*components, "statistic_over_padding"))
+
+
+def _non_finite_under_padding(judge: Judge) -> bool:
+    """Whether some padding probe made the port's loss or gradient NaN/inf on valid tokens."""
+    for o in judge.observations:
+        for probed, result in o.padding_probes:
+            grad = result.grad[probed.valid] if result.grad is not None else np.zeros(0)
+            if not np.isfinite(result.loss) or not np.all(np.isfinite(grad)):
+                return True
+    return False
 
 
 def _reads_padding(judge: Judge, components: tuple[str, ...]) -> list[str]:
