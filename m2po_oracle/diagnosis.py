@@ -541,6 +541,8 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         if known is not None:
             counted = [shares[c] for c in explained if c in shares]
             evidence = (f"every one of the {len(call_failure_taus)} calls that raised had tau == 0" if known.behaviour_check == "call" else
+                        "NaN/inf padding made the loss or gradient NaN/inf (check padding_immunity failed)"
+                        if known.behaviour_check == "padding_immunity" else
                         f"check {known.behaviour_check} failed" if known.is_behavioural else
                         "reproduces " + "; ".join(f"{field_of(c) or c} on {_share_text(shares[c])}" for c in explained if c in shares)
                         if counted else f"reproduces the port under the padding probes ({', '.join(explained)})")
