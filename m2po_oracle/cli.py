@@ -147,8 +147,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _metric_sources_text(sources: dict[str, str]) -> str:
-    """``m2_before <- [1]['m2']``: each metric judged, and the port's value it was read from."""
-    return ", ".join(f"{ours} <- {where}" for ours, where in sorted(sources.items()))
+    """``m2_before <- [1]['m2']``: each metric judged, and the port's value it was read from;
+    those the port logs under our own names in one place are listed once."""
+    plain: dict[str, list[str]] = {}
+    renamed = []
+    for ours, where in sorted(sources.items()):
+        suffix = f"[{ours!r}]"
+        if where.endswith(suffix):
+            plain.setdefault(where[: -len(suffix)] or "the return", []).append(ours)
+        else:
+            renamed.append(f"{ours} <- {where}")
+    return "; ".join([*(f"{', '.join(names)} under our names at {at}" for at, names in plain.items()), *renamed])
 
 
 def _adapters(console: Console) -> int:
