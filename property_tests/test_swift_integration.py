@@ -17,7 +17,6 @@ import warnings
 from dataclasses import replace
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.swift
@@ -29,15 +28,13 @@ else:
                                                        "tox -e swift run these tests")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from m2po_oracle import oracle  # noqa: E402
 from m2po_oracle.audit import audit_capture  # noqa: E402
-from m2po_oracle.batch import Batch  # noqa: E402
 from m2po_oracle.capture import load_capture  # noqa: E402
-from m2po_oracle.equivalence import same_up_to_ties, valid_m2  # noqa: E402
 from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX  # noqa: E402
 from m2po_oracle.integrations.swift import check_m2po_args  # noqa: E402
 from m2po_oracle.integrations.swift_demo import DemoSetup, run  # noqa: E402
 from m2po_oracle.trainer.grpo import M2POKLWarning  # noqa: E402
+from window_checks import assert_one_selection_per_window  # noqa: E402  (beside this file)
 
 #: Stale rollouts under accumulation: each generation batch serves two optimizer batches of two
 #: micro-batches, each iterated twice (steps_per_generation 4, GA 2, num_iterations 2).
@@ -57,37 +54,12 @@ def correct_run(tmp_path_factory):
     return _train(tmp_path_factory, "correct")
 
 
-def _batch(records, logp_field="selection_logp"):
-    width = max(r["mask"].shape[1] for r in records)
-
-    def cat(field, fill):
-        return np.concatenate([np.pad(r[field].double().numpy(), ((0, 0), (0, width - r[field].shape[1])), constant_values=fill) for r in records])
-
-    valid = np.concatenate([np.pad(r["mask"].numpy(), ((0, 0), (0, width - r["mask"].shape[1]))) for r in records])
-    return Batch(cat(logp_field, 0.0), cat("behavior_logp", 0.0), cat("advantages", 0.0), valid, records[0]["tau"])
-
-
 def test_the_correct_run_selects_once_per_optimizer_batch_on_stale_rollouts(correct_run):
     directory, logs, report = correct_run
     capture = load_capture(directory)
     windows = {step: [record for _, record in capture.records(step=step)] for step in capture.steps()}
     assert sorted(windows) == list(range(SETUP.steps)) and all(len(w) == SETUP.gradient_accumulation_steps for w in windows.values())
-    per_micro_differs = cut_inside = stale = 0
-    for step, records in windows.items():
-        batch = _batch(records)
-        keep = np.concatenate([r["keep"].numpy() for r in records])
-        algorithm_1 = oracle.m2po(batch).keep
-        assert same_up_to_ties(keep, algorithm_1, valid_m2(batch)), f"step {step}: the mask is not Algorithm 1 over the whole window"
-        d = np.where(batch.valid, batch.logp - batch.behavior_logp, 0.0)
-        stale += bool(np.abs(d).max() > 1e-3)
-        removed = int((batch.valid & ~keep).sum())
-        trust = int(oracle.trust_region(oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid), batch.advantages, batch.valid).sum())
-        cut_inside += 0 < removed < trust
-        alone = np.concatenate([oracle.m2po(_batch([r])).keep for r in records])
-        per_micro_differs += not same_up_to_ties(alone, algorithm_1, valid_m2(batch))
-    # The assertion has teeth: rollouts are stale, the cut falls inside the trust region, and
-    # selecting each micro-batch alone would have kept another mask on some step.
-    assert stale >= SETUP.steps - 1 and cut_inside >= 1 and per_micro_differs >= 1, (stale, cut_inside, per_micro_differs)
+    assert_one_selection_per_window(windows, SETUP.steps)
     assert report.verdict == "equivalent", [(s.step, s.verdict, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
     checks = {c.name: c.status for s in report.steps for c in s.checks}
     for name in ("audit.selection", "audit.policy_logp", "audit.behavior_logp", "audit.loss_sum", "audit.gradient", "audit.metrics",

@@ -22,12 +22,12 @@ pytest.importorskip("trl")
 
 from m2po_oracle import oracle  # noqa: E402
 from m2po_oracle.audit import audit_capture  # noqa: E402
-from m2po_oracle.batch import Batch  # noqa: E402
 from m2po_oracle.capture import load_capture  # noqa: E402
 from m2po_oracle.equivalence import same_up_to_ties, valid_m2  # noqa: E402
 from m2po_oracle.integrations.trl import TRLFaults  # noqa: E402
 from m2po_oracle.integrations.trl_step import TRL_CONTROLS  # noqa: E402
 from m2po_oracle.integrations.trl_demo import DemoSetup, build_trainer, tiny_llama, train  # noqa: E402
+from window_checks import assert_one_selection_per_window, window_batch  # noqa: E402  (beside this file)
 from m2po_oracle.trainer.grpo import M2POKLWarning  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("trl")
@@ -54,34 +54,11 @@ def _windows(directory):
     return {step: [record for _, record in capture.records(step=step)] for step in capture.steps()}
 
 
-def _batch(records, logp_field="selection_logp"):
-    width = max(r["mask"].shape[1] for r in records)
-    def cat(field, fill):
-        return np.concatenate([np.pad(r[field].double().numpy(), ((0, 0), (0, width - r[field].shape[1])), constant_values=fill) for r in records])
-    valid = np.concatenate([np.pad(r["mask"].numpy(), ((0, 0), (0, width - r["mask"].shape[1]))) for r in records])
-    return Batch(cat(logp_field, 0.0), cat("behavior_logp", 0.0), cat("advantages", 0.0), valid, records[0]["tau"])
-
-
 def test_the_correct_run_selects_once_per_optimizer_batch_on_stale_rollouts(correct_run):
     trainer, directory, report = correct_run
     windows = _windows(directory)
     assert sorted(windows) == list(range(SETUP.steps)) and all(len(w) == SETUP.gradient_accumulation_steps for w in windows.values())
-    per_micro_differs = cut_inside = stale = 0
-    for step, records in windows.items():
-        batch = _batch(records)
-        keep = np.concatenate([r["keep"].numpy() for r in records])
-        algorithm_1 = oracle.m2po(batch).keep
-        assert same_up_to_ties(keep, algorithm_1, valid_m2(batch)), f"step {step}: the mask is not Algorithm 1 over the whole window"
-        d = np.where(batch.valid, batch.logp - batch.behavior_logp, 0.0)
-        stale += bool(np.abs(d).max() > 1e-3)
-        removed = int((batch.valid & ~keep).sum())
-        trust = int(oracle.trust_region(oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid), batch.advantages, batch.valid).sum())
-        cut_inside += 0 < removed < trust
-        alone = np.concatenate([oracle.m2po(_batch([r])).keep for r in records])
-        per_micro_differs += not same_up_to_ties(alone, algorithm_1, valid_m2(batch))
-    # The assertion has teeth: rollouts are stale, the cut falls inside the trust region, and
-    # selecting each micro-batch alone would have kept another mask on some step.
-    assert stale >= SETUP.steps - 1 and cut_inside >= 1 and per_micro_differs >= 1, (stale, cut_inside, per_micro_differs)
+    assert_one_selection_per_window(windows, SETUP.steps)
     assert report.verdict == "equivalent", [(s.step, s.verdict, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
     logged = [entry for entry in trainer.state.log_history if "m2po/masked_fraction" in entry]
     assert len(logged) == SETUP.steps and all(f"m2po/{m}" in logged[0] for m in ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction"))
@@ -267,7 +244,7 @@ def test_two_gloo_ranks_select_once_over_the_dp_group_and_the_audit_reassembles_
     for step in capture.steps():
         records = [record for _, record in capture.records(step=step)]
         assert len(records) == 4  # two ranks x two micro-batches, one selection over all four
-        batch = _batch(records)
+        batch = window_batch(records)
         keep = np.concatenate([r["keep"].numpy() for r in records])
         assert same_up_to_ties(keep, oracle.m2po(batch).keep, valid_m2(batch)), f"step {step}"
     # DDP averages the ranks' gradients; the objective wants their sum. The gradient each rank
