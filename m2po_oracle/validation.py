@@ -8,8 +8,11 @@ from equivalence, unless the user asks for strict validation.
 
 from __future__ import annotations
 
+import linecache
 import math
+import re
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,8 +117,43 @@ def classify(p: Probe | str, error: BaseException | None, also: tuple[str, ...] 
         return ProbeResult(p.name, p.description, "accepted", "returned a result instead of raising (one its adapter could not read: "
                            f"{error}): the invalid input was silently accepted")
     if is_rejection(error, also):
-        return ProbeResult(p.name, p.description, "rejected", text)
+        accident = None if _declared(error, also) else accidental_origin(error)
+        if accident is None:
+            return ProbeResult(p.name, p.description, "rejected", text)
+        return ProbeResult(p.name, p.description, "crashed", f"crashed on invalid input (a {type(error).__name__} from an operation, "
+                           f"not a raise statement: {accident}; not a deliberate refusal): {text}")
     return ProbeResult(p.name, p.description, "crashed", f"crashed on invalid input (not a deliberate ValueError/TypeError): {text}")
+
+
+def _declared(error: BaseException, also: tuple[str, ...]) -> bool:
+    """Whether ``error`` is of a type the user named as a refusal (--validation-errors)."""
+    return bool(also) and is_rejection(error, also) and not is_rejection(error, ())
+
+
+#: Libraries whose own argument checks raise TypeError/ValueError: such an exception is the
+#: port handing them an invalid value, not the port refusing it.
+_LIBRARY_ROOTS = tuple(str(Path(module.__file__).parent) for module in (torch, np))
+
+
+def accidental_origin(error: BaseException) -> str | None:
+    """Where a ValueError/TypeError came from when it was no refusal: the innermost frame is
+    not a ``raise`` statement (``None - tensor``, ``torch.sub(x, None)`` raise from inside an
+    operation) or lies in torch's or NumPy's own code. None: a ``raise`` statement outside
+    them, or no source to read (the benefit of the doubt)."""
+    tb = error.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename, line = tb.tb_frame.f_code.co_filename, tb.tb_lineno
+    code = linecache.getline(filename, line).strip()
+    if not code:
+        return None
+    where = f"{Path(filename).name}:{line} `{code[:80]}`"
+    library = next((Path(root).name for root in _LIBRARY_ROOTS if filename.startswith(root)), None)
+    if library is not None:
+        return f"inside {library}'s own code at {where}"
+    return None if re.search(r"\braise\b", code) else f"at {where}"
 
 
 #: The adapter roles through which each probed argument reaches a port (ppo_kl and the log

@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 from m2po_oracle.cli import EXIT_DIVERGENT, EXIT_EQUIVALENT, main
 from m2po_oracle.compare import run_compare
@@ -93,3 +94,37 @@ def test_a_probe_on_a_batch_the_port_fails_anyway_is_not_run_not_crashed(capsys)
     values = ProjectConfig().merged({o.name: None for o in options.COMPARE_OPTIONS + options.RUN_SETTINGS})
     outcome = item_outcomes("property_tests.test_validation:_fails_on_three_columns", {**values, "examples": 10, "in_process": True})
     assert outcome["items"]["validation"]["status"] == "skip" and "no invalid-input probe could run" in outcome["items"]["validation"]["message"]
+
+
+def _subtracts_none(logp, behavior_logp, advantages, mask, *, tau):
+    """No check at all: a missing behavior_logp meets `logp - None`, a TypeError from the operation."""
+    d = logp - behavior_logp
+    return m2po_loss(logp, logp.detach() - d.detach(), advantages, mask, tau=tau)
+
+
+def _hands_none_to_torch(logp, behavior_logp, advantages, mask, *, tau):
+    """No check at all: torch's own argument check raises the TypeError."""
+    d = torch.sub(logp, behavior_logp)
+    return m2po_loss(logp, logp.detach() - d.detach(), advantages, mask, tau=tau)
+
+
+def _refuses_none(logp, behavior_logp, advantages, mask, *, tau):
+    if behavior_logp is None:
+        raise TypeError("behavior_logp: required")
+    return m2po_loss(logp, behavior_logp, advantages, mask, tau=tau)
+
+
+def test_a_type_error_from_an_operation_is_a_crash_not_a_refusal():
+    """A ValueError/TypeError counts as a refusal only where a raise statement outside torch
+    and NumPy raised it; `None - tensor` or torch's own argument check is the port meeting
+    the invalid input unguarded (it used to read "rejected as it should be")."""
+    for port, where in ((_subtracts_none, "test_validation.py"), (_hands_none_to_torch, "test_validation.py")):
+        result = InProcess(port).probe("behavior_logp_missing")
+        assert result.status == "crashed" and "not a raise statement" in result.message and where in result.message, result
+    assert InProcess(_refuses_none).probe("behavior_logp_missing").status == "rejected"
+    # A raise statement inside torch's own code is torch checking what the port handed it.
+    from m2po_oracle.validation import accidental_origin
+
+    with pytest.raises(ValueError) as raised:
+        torch.nn.functional.interpolate(torch.ones(1, 1, 2))  # neither size nor scale_factor
+    assert accidental_origin(raised.value).startswith("inside torch's own code at functional.py:")
