@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from m2po_oracle.batch import Batch
-from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
+from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, METRIC_SOURCES, M2POResult
 
 Implementation = Callable[..., Any]
 
@@ -154,7 +154,7 @@ def normalise_result(raw: Any, logp: torch.Tensor, shape: tuple[int, int]) -> tu
             if not number.is_integer():
                 raise TypeError(f"{name}: expected an integer count, got {number}")
             extras[name] = int(number)
-    sources = _field(raw, "metric_sources")  # set by an adapter: where it read each metric
+    sources = _field(raw, METRIC_SOURCES)  # set by an adapter: where it read each metric
     if isinstance(sources, Mapping):
         extras["metric_sources"] = tuple((str(k), str(v)) for k, v in sources.items() if k in extras)
     result = M2POResult(

@@ -27,6 +27,11 @@ COUNT_FIELDS: tuple[str, ...] = (
 )
 
 
+#: The key of a wrapped (adapted) implementation's raw result that says where in the
+#: port's return each metric was read (ours -> place): carried into M2POResult.metric_sources.
+METRIC_SOURCES = "metric_sources"
+
+
 @dataclass(frozen=True)
 class M2POResult:
     """Every quantity Algorithm 1 defines for one optimizer batch.

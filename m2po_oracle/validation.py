@@ -100,11 +100,20 @@ def probe(name: str) -> Probe:
 REJECTING_EXCEPTIONS: tuple[str, ...] = ("ValueError", "TypeError")
 
 
+def _named(error: BaseException, names: tuple[str, ...]) -> bool:
+    """Whether ``error``'s class, or a base class, has one of ``names`` (bare or qualified)."""
+    mro = type(error).__mro__
+    return bool(({cls.__name__ for cls in mro} | {f"{cls.__module__}.{cls.__qualname__}" for cls in mro}) & set(names))
+
+
 def is_rejection(error: BaseException, also: tuple[str, ...] = ()) -> bool:
-    """Whether ``error`` is a deliberate refusal: a ValueError/TypeError, or an exception
-    whose class (or a base class) has one of the names in ``also``."""
-    names = {cls.__name__ for cls in type(error).__mro__} | {f"{cls.__module__}.{cls.__qualname__}" for cls in type(error).__mro__}
-    return bool(names & (set(REJECTING_EXCEPTIONS) | set(also)))
+    """Whether ``error`` is a deliberate refusal: an exception of a class named in ``also``
+    (--validation-errors), or a ValueError/TypeError that a ``raise`` statement outside
+    torch and NumPy raised (:func:`accidental_origin`: one from an operation on the invalid
+    value, ``logp - None``, is the implementation meeting it unguarded)."""
+    if also and _named(error, also) and not _named(error, REJECTING_EXCEPTIONS):
+        return True
+    return _named(error, REJECTING_EXCEPTIONS) and accidental_origin(error) is None
 
 
 def classify(p: Probe | str, error: BaseException | None, also: tuple[str, ...] = ()) -> "ProbeResult":
@@ -117,17 +126,11 @@ def classify(p: Probe | str, error: BaseException | None, also: tuple[str, ...] 
         return ProbeResult(p.name, p.description, "accepted", "returned a result instead of raising (one its adapter could not read: "
                            f"{error}): the invalid input was silently accepted")
     if is_rejection(error, also):
-        accident = None if _declared(error, also) else accidental_origin(error)
-        if accident is None:
-            return ProbeResult(p.name, p.description, "rejected", text)
+        return ProbeResult(p.name, p.description, "rejected", text)
+    if _named(error, REJECTING_EXCEPTIONS):
         return ProbeResult(p.name, p.description, "crashed", f"crashed on invalid input (a {type(error).__name__} from an operation, "
-                           f"not a raise statement: {accident}; not a deliberate refusal): {text}")
+                           f"not a raise statement: {accidental_origin(error)}; not a deliberate refusal): {text}")
     return ProbeResult(p.name, p.description, "crashed", f"crashed on invalid input (not a deliberate ValueError/TypeError): {text}")
-
-
-def _declared(error: BaseException, also: tuple[str, ...]) -> bool:
-    """Whether ``error`` is of a type the user named as a refusal (--validation-errors)."""
-    return bool(also) and is_rejection(error, also) and not is_rejection(error, ())
 
 
 #: Libraries whose own argument checks raise TypeError/ValueError: such an exception is the

@@ -122,8 +122,13 @@ def test_a_type_error_from_an_operation_is_a_crash_not_a_refusal():
         result = InProcess(port).probe("behavior_logp_missing")
         assert result.status == "crashed" and "not a raise statement" in result.message and where in result.message, result
     assert InProcess(_refuses_none).probe("behavior_logp_missing").status == "rejected"
+    # The rule is is_rejection's, which the distributed and trainer probes share.
+    from m2po_oracle.validation import accidental_origin, is_rejection
+
+    with pytest.raises(TypeError) as raised:
+        _subtracts_none(torch.zeros(1), None, torch.zeros(1), torch.ones(1, dtype=torch.bool), tau=0.04)
+    assert not is_rejection(raised.value) and is_rejection(TypeError("declared"), ()) is True  # no traceback: the benefit of the doubt
     # A raise statement inside torch's own code is torch checking what the port handed it.
-    from m2po_oracle.validation import accidental_origin
 
     with pytest.raises(ValueError) as raised:
         torch.nn.functional.interpolate(torch.ones(1, 1, 2))  # neither size nor scale_factor

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from m2po_oracle.errors import UnreadableReturn, UsageError
-from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS
+from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, METRIC_SOURCES
 
 #: Our metric and count names: each can be an output bound to a place in the return.
 METRIC_NAMES: tuple[str, ...] = METRIC_FIELDS + COUNT_FIELDS
@@ -43,8 +43,6 @@ METRIC_NAMES: tuple[str, ...] = METRIC_FIELDS + COUNT_FIELDS
 #: mean over the kept trust-region tokens), so it is not mapped. Its ``m2po/M2`` (and the
 #: verl pull request's ``m2po/m2``) is the candidates' mean M2 before any cap: m2_before.
 METRIC_ALIASES: dict[str, str] = {"M2_now": "m2_before", "m2_now": "m2_before", "M2": "m2_before", "m2": "m2_before"}
-#: The key of a wrapped port's result that says where each metric was read in its return.
-METRIC_SOURCES = "metric_sources"
 #: Prefixes ports put before a metric's name ("m2po/masked_fraction", "actor/m2po_m2_before").
 METRIC_PREFIXES: tuple[str, ...] = ("m2po_", "m2po.", "m2po-")
 
