@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
-from m2po_oracle import fast_selection
+from m2po_oracle import fast_selection, fused
 from m2po_oracle.fast_selection import BUCKETS, DIGIT_BITS, Descent, cut_of_crossing_bucket, kept_candidates_across
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -343,6 +343,20 @@ class _Scratch:
 _SCRATCH = threading.local()
 
 
+def _token_buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first level's per-token trust region (bool) and bucket (int16), read only
+    within one selection. On CPU one pair per thread is kept and grown to the largest batch
+    (3 bytes per token: 48 MiB at 16M), since fresh memory of 32 MiB and more is a page
+    fault per 4 KiB every forward (8k per forward at 16M); elsewhere the device's caching
+    allocator keeps memory."""
+    if device.type != "cpu":
+        return torch.empty(n, dtype=torch.bool, device=device), torch.empty(n, dtype=torch.int16, device=device)
+    kept = getattr(_SCRATCH, "tokens", None)
+    if kept is None or kept[0].numel() < n:
+        kept = _SCRATCH.tokens = (torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.int16))
+    return kept[0][:n], kept[1][:n]
+
+
 @dataclass(frozen=True)
 class _FirstLevel:
     """The first radix level over every token: the candidates' M2 histogram, the trust
@@ -366,8 +380,7 @@ def _first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: to
     """
     device, n = mask.device, mask.numel()
     scratch = _Scratch.for_device(device, n)
-    trust = torch.empty(n, dtype=torch.bool, device=device)
-    bucket = torch.empty(n, dtype=torch.int16, device=device)
+    trust, bucket = _token_buffers(device, n)
     # Candidates go to buckets 0 .. BUCKETS - 1; non-candidates to the bank BUCKETS ..
     # 2 * BUCKETS - 1, which is never read, each at BUCKETS + its own digit: spread as the
     # candidates are (thousands of additions to one bucket are a chain of dependent adds on
@@ -404,10 +417,34 @@ def _first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: to
     return _FirstLevel(sums[:BUCKETS], counts[:BUCKETS], trust, bucket, trust_count, checksum)
 
 
+def _first_level_fused(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+                       ) -> tuple[_FirstLevel, int, int]:
+    """:func:`_first_level` in one fused pass (``fused.first_level``): the same histogram,
+    trust region and buckets, to the last bit; the verdict comes back as a flag, not a sum.
+    Also returns the candidate and valid-token counts (read on the host already)."""
+    n = mask.numel()
+    histogram = torch.zeros(BUCKETS + fused.BANK, 2, dtype=torch.float64)
+    trust, bucket = _token_buffers(mask.device, n)
+    candidates, valid, finite = fused.first_level(logp, behavior_logp, advantages, mask, histogram, trust, bucket)
+    # Contiguous sums and counts, as the torch operators' are: a reduction over a strided
+    # view may add in another order.
+    sums, counts = histogram[:BUCKETS].T.contiguous()
+    return _FirstLevel(sums, counts, trust, bucket, torch.tensor(candidates),
+                       torch.tensor(0.0 if finite else math.nan, dtype=torch.float64)), candidates, valid
+
+
 def _m2_at(logp: torch.Tensor, behavior_logp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """M2 of the tokens at ``index`` (1-d), computed as the first level computed it."""
     d = logp.index_select(0, index).to(torch.float64).sub_(behavior_logp.index_select(0, index).to(torch.float64))
     return d.mul_(d)
+
+
+def uses_fused_passes(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether a single-process selection over these tensors runs the fused CPU passes
+    (``m2po_oracle.fused``) rather than torch operators: more than SMALL tokens (a smaller
+    batch skips the first level), on the CPU, contiguous, one dtype the passes take."""
+    flat = [x.detach().reshape(-1) for x in (logp, behavior_logp, advantages, mask)]
+    return mask.numel() > fast_selection.SMALL and fused.applies(*flat)
 
 
 @torch.no_grad()
@@ -425,38 +462,59 @@ def _select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     values) or goes through the remaining radix levels, both exact up to float64 rounding
     at tau.
     """
-    valid_count = torch.count_nonzero(mask)  # no token-sized int64 copy, as a bool sum makes
     if mask.numel() <= fast_selection.SMALL:
         d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
-        return _select_few(d, a, mask, valid_count, tau, on_invalid)
-    first = _first_level(logp, behavior_logp, advantages, mask)
+        return _select_few(d, a, mask, torch.count_nonzero(mask), tau, on_invalid)
+    fuse = uses_fused_passes(logp, behavior_logp, advantages, mask)
+    if fuse:
+        first, fused_candidates, valid = _first_level_fused(logp, behavior_logp, advantages, mask)
+        valid_count = torch.tensor(valid)
+    else:
+        valid_count = torch.count_nonzero(mask)  # no token-sized int64 copy, as a bool sum makes
+        first = _first_level(logp, behavior_logp, advantages, mask)
     descent, crossing = Descent.start(mask.device).step(first.sums, first.counts, tau, 0)
     crossing_size = torch.where(crossing < BUCKETS, descent.tied_count, 0).to(torch.int64)
+    # Non-candidates have buckets too: only candidates are compared with it.
+    cut_bucket = crossing.clamp(max=_ABOVE_EVERY_BUCKET)
     # The forward's one host synchronisation: the verdict, the crossing bucket's size and
-    # the candidate count in one int64 (-1: not finite).
-    packed = (first.trust_count << 32) | crossing_size
+    # the candidate count (the fused pass returned it: the crossing bucket) in one int64
+    # (-1: not finite).
+    packed = ((cut_bucket if fuse else first.trust_count) << 32) | crossing_size
     read = int(torch.where(torch.isfinite(first.checksum), packed, -1).item())
     if read < 0:
         on_invalid()
         # Finite float64 inputs whose d or sums overflow (beyond 1.8e308): one more read, and on.
         read = int(packed.item())
-    size, candidates = read & 0xFFFFFFFF, read >> 32
+    size, candidates, below = read & 0xFFFFFFFF, read >> 32, None
+    if fuse:
+        candidates, below = fused_candidates, candidates
     trust = first.trust
     if candidates <= fast_selection.SMALL:
         # As kept_candidates selects so few: the same result to the last bit.
-        alive = torch.nonzero_static(trust, size=candidates).reshape(-1)
-        kept, cut, kept_sum, candidate_sum = _sorted_finish(_m2_at(logp, behavior_logp, alive), alive, candidates, tau, mask)
+        if fuse:
+            keep = torch.empty_like(mask)
+            alive = fused.finish(first.bucket, trust, mask, below=0, alive=None, size=candidates, keep=keep)
+        else:
+            keep, alive = torch.zeros_like(mask), torch.nonzero_static(trust, size=candidates).reshape(-1)
+        cut, kept_sum, candidate_sum = _sorted_finish(_m2_at(logp, behavior_logp, alive), alive, candidates, tau, keep)
     else:
-        # Non-candidates have buckets too: only candidates are compared.
-        cut_bucket = crossing.clamp(max=_ABOVE_EVERY_BUCKET)
-        in_crossing = torch.eq(first.bucket, cut_bucket).logical_and_(trust)
-        alive = torch.nonzero_static(in_crossing, size=size).reshape(-1)
+        if fuse:
+            keep = torch.empty_like(mask)
+            alive = fused.finish(first.bucket, trust, mask, below=below, alive=below, size=size, keep=keep)
+        else:
+            in_crossing = torch.eq(first.bucket, cut_bucket).logical_and_(trust)
+            alive = torch.nonzero_static(in_crossing, size=size).reshape(-1)
+            # Candidates below the crossing bucket are kept (in the same buffer: a fresh
+            # token-sized one is page faults on CPU).
+            keep = torch.lt(first.bucket, cut_bucket, out=in_crossing).logical_and_(trust)
         cut = cut_of_crossing_bucket(_m2_at(logp, behavior_logp, alive), tau, descent)
-        # Candidates below the crossing bucket are kept (in the same buffer: a fresh
-        # token-sized one is page faults on CPU).
-        kept = torch.lt(first.bucket, cut_bucket, out=in_crossing).logical_and_(trust).index_put_((alive,), cut.kept)
+        keep.index_put_((alive,), cut.kept)
         kept_sum, candidate_sum = cut.kept_sum, first.sums.sum()
-    return _selection(kept, trust, mask, valid_count, first.trust_count, cut.kept_count, candidate_sum, kept_sum)
+    if not fuse:
+        # kept is within trust, trust within mask: keep = (mask and not trust) or kept
+        # (computed in kept's own buffer).
+        keep.bitwise_xor_(trust).bitwise_xor_(mask)
+    return _selection(keep, mask, valid_count, first.trust_count, cut.kept_count, candidate_sum, kept_sum)
 
 
 def _select_few(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, tau: float,
@@ -474,29 +532,29 @@ def _select_few(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, v
         read = int(trust_count.item())
     m2 = d.mul_(d)
     alive = torch.nonzero_static(trust, size=read).reshape(-1)
-    kept, cut, kept_sum, candidate_sum = _sorted_finish(m2.index_select(0, alive), alive, read, tau, mask)
-    return _selection(kept, trust, mask, valid_count, trust_count, cut.kept_count, candidate_sum, kept_sum)
+    keep = torch.zeros_like(mask)
+    cut, kept_sum, candidate_sum = _sorted_finish(m2.index_select(0, alive), alive, read, tau, keep)
+    # kept is within trust, trust within mask: keep = (mask and not trust) or kept.
+    return _selection(keep.bitwise_xor_(trust).bitwise_xor_(mask), mask, valid_count, trust_count, cut.kept_count, candidate_sum, kept_sum)
 
 
-def _sorted_finish(values: torch.Tensor, alive: torch.Tensor, count: int, tau: float, mask: torch.Tensor
-                   ) -> tuple[torch.Tensor, fast_selection.DeviceCut, torch.Tensor, torch.Tensor]:
+def _sorted_finish(values: torch.Tensor, alive: torch.Tensor, count: int, tau: float, into: torch.Tensor
+                   ) -> tuple[fast_selection.DeviceCut, torch.Tensor, torch.Tensor]:
     """As kept_candidates selects a few candidates (``alive``, in index order, with M2
-    ``values``): all sorted, no bucket sums. The kept mask, the cut, and the kept and
-    candidate M2 sums."""
-    cut = cut_of_crossing_bucket(values, tau, Descent.start(mask.device), small=count)
-    kept = torch.zeros_like(mask).index_put_((alive,), cut.kept)
-    return kept, cut, torch.where(cut.kept, values, 0.0).sum(), values.sum()
+    ``values``): all sorted, no bucket sums. Writes which of them are kept into ``into``
+    at ``alive``; returns the cut, and the kept and candidate M2 sums."""
+    cut = cut_of_crossing_bucket(values, tau, Descent.start(into.device), small=count)
+    into.index_put_((alive,), cut.kept)
+    return cut, torch.where(cut.kept, values, 0.0).sum(), values.sum()
 
 
-def _selection(kept: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, trust_count: torch.Tensor,
+def _selection(keep: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, trust_count: torch.Tensor,
                kept_count: torch.Tensor, candidate_sum: torch.Tensor, kept_sum: torch.Tensor) -> Selection:
-    """The selection's record from the kept candidates (``kept``, overwritten) and its sums."""
+    """The selection's record from its keep mask, counts and sums."""
     kept_count = kept_count.to(torch.int64)
     valid_denominator = valid_count.clamp(min=1).double()
     return Selection(
-        # kept is within trust, trust within mask: keep = (mask and not trust) or kept
-        # (computed in kept's own buffer).
-        keep=kept.bitwise_xor_(trust).bitwise_xor_(mask),
+        keep=keep,
         valid_count=valid_count,
         trust_region_count=trust_count,
         kept_trust_region_count=kept_count,
@@ -603,47 +661,74 @@ class _KeptRatioLoss(torch.autograd.Function):
     """``-(1/N) * sum(keep * exp(logp - behavior_logp) * advantages)`` on flat tensors,
     forward and backward by hand: the values and gradient autograd gives for the same
     expression (dropped tokens' log-ratio zeroed, then exp, times A zeroed off ``keep``),
-    with only the two buffers the backward needs token-sized, bit masks instead of
-    ``where`` (on CPU a pass over a bool tensor costs 4-10x an arithmetic pass), and on
-    CPU chunk by chunk, so that each chunk's passes run in cache. The sum adds the chunks'
-    sums: over more than CPU_CHUNK tokens it rounds in another order than one sum."""
+    bit masks instead of ``where`` (on CPU a pass over a bool tensor costs 4-10x an
+    arithmetic pass), and on CPU chunk by chunk, so that each chunk's passes run in cache.
+    The sum adds the chunks' sums: over more than CPU_CHUNK tokens it rounds in another
+    order than one sum. The backward recomputes each chunk's terms from the inputs rather
+    than keeping two token-sized buffers alive from the forward (fresh memory for them was
+    a page fault per 4 KiB: half the forward's time at 16M tokens)."""
 
     @staticmethod
     def forward(ctx: Any, logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
                 denominator: torch.Tensor) -> torch.Tensor:
         compute_dtype, n = denominator.dtype, keep.numel()
-        bits_dtype = torch.int64 if compute_dtype == torch.float64 else torch.int32
-        scratch = _Scratch.for_device(keep.device, n)
-        # The scratch's float64 and int64 buffers seen as chunk-sized buffers of the compute width.
-        products = scratch.d.view(compute_dtype)[: scratch.chunk]
-        bits = scratch.bits.view(bits_dtype)[: scratch.chunk]
-        ratio = torch.empty(n, dtype=compute_dtype, device=keep.device)
-        weight = torch.empty(n, dtype=compute_dtype, device=keep.device)
+        terms = _KeptTerms(logp, behavior_logp, advantages, keep, compute_dtype)
         total = torch.zeros((), dtype=compute_dtype, device=keep.device)
-        for start in range(0, n, scratch.chunk):
-            end = min(start + scratch.chunk, n)
-            r, w = ratio[start:end], weight[start:end]
-            if logp.dtype == behavior_logp.dtype == compute_dtype:
-                torch.sub(logp[start:end], behavior_logp[start:end], out=r)
-            else:
-                r.copy_(logp[start:end]).sub_(behavior_logp[start:end].to(compute_dtype))
-            # All-ones bits where kept, 0 where dropped: ANDed into a float, it keeps the
-            # value or makes it +0, so padding NaN/inf never meets the loss or the backward.
-            kept_bits = bits[: end - start].copy_(keep[start:end].view(torch.uint8)).neg_()
-            r.view(bits_dtype).bitwise_and_(kept_bits)
-            r.exp_()
-            w.copy_(advantages[start:end]).view(bits_dtype).bitwise_and_(kept_bits)
-            total += torch.mul(r, w, out=products[: end - start]).sum()
-        ctx.save_for_backward(ratio, weight, denominator)
-        ctx.logp_dtype = logp.dtype
+        for start, end, ratio, weight in terms.chunks():
+            total += ratio.mul_(weight).sum()
+        ctx.save_for_backward(logp, behavior_logp, advantages, keep, denominator)
         return -total / denominator
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        ratio, weight, denominator = ctx.saved_tensors
-        # In autograd's order (division, negation, A, then exp's result): the same bits.
-        return (-(grad / denominator) * weight).mul_(ratio).to(ctx.logp_dtype), None, None, None, None
+        logp, behavior_logp, advantages, keep, denominator = ctx.saved_tensors
+        gradient = torch.empty(keep.numel(), dtype=denominator.dtype, device=keep.device)
+        scale = -(grad / denominator)
+        for start, end, ratio, weight in _KeptTerms(logp, behavior_logp, advantages, keep, denominator.dtype).chunks():
+            # In autograd's order (division, negation, A, then exp's result): the same bits.
+            torch.mul(scale, weight, out=gradient[start:end]).mul_(ratio)
+        return gradient.to(logp.dtype), None, None, None, None
+
+
+@dataclass(frozen=True)
+class _KeptTerms:
+    """The loss's terms chunk by chunk (the whole batch in one chunk off the CPU): exp of
+    the log-ratio where kept (exp(+0) = 1 elsewhere) and A where kept (+0 elsewhere), in
+    the compute dtype, in the thread's scratch (valid until the next chunk)."""
+
+    logp: torch.Tensor
+    behavior_logp: torch.Tensor
+    advantages: torch.Tensor
+    keep: torch.Tensor
+    compute_dtype: torch.dtype
+
+    def chunks(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        logp, behavior_logp, advantages, keep, compute_dtype = (self.logp, self.behavior_logp, self.advantages, self.keep,
+                                                                self.compute_dtype)
+        n = keep.numel()
+        bits_dtype = torch.int64 if compute_dtype == torch.float64 else torch.int32
+        scratch = _Scratch.for_device(keep.device, n)
+        # The scratch's float64 and int64 buffers seen as chunk-sized buffers of the compute width.
+        ratios, weights = (buffer.view(compute_dtype)[: scratch.chunk] for buffer in (scratch.d, scratch.other))
+        bits = scratch.bits.view(bits_dtype)[: scratch.chunk]
+        fuse = fused.applies(logp, behavior_logp, advantages, keep)
+        for start in range(0, n, scratch.chunk):
+            end = min(start + scratch.chunk, n)
+            r, w = ratios[: end - start], weights[: end - start]
+            if fuse:  # the chunk's masked terms in one pass
+                fused.loss_terms(logp[start:end], behavior_logp[start:end], advantages[start:end], keep[start:end], r, w)
+            else:
+                if logp.dtype == behavior_logp.dtype == compute_dtype:
+                    torch.sub(logp[start:end], behavior_logp[start:end], out=r)
+                else:
+                    r.copy_(logp[start:end]).sub_(behavior_logp[start:end].to(compute_dtype))
+                # All-ones bits where kept, 0 where dropped: ANDed into a float, it keeps the
+                # value or makes it +0, so padding NaN/inf never meets the loss or the backward.
+                kept_bits = bits[: end - start].copy_(keep[start:end].view(torch.uint8)).neg_()
+                r.view(bits_dtype).bitwise_and_(kept_bits)
+                w.copy_(advantages[start:end]).view(bits_dtype).bitwise_and_(kept_bits)
+            yield start, end, r.exp_(), w
 
 
 def loss_from_selection(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,

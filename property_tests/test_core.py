@@ -18,6 +18,7 @@ from m2po_oracle.battery import assert_battery_passes
 from m2po_oracle.contract import rounded_batch, to_tensors
 from m2po_oracle.core import m2po_loss
 from m2po_oracle.equivalence import selection_bounds
+from core_passes import PASSES, core_passes  # beside this file
 
 FAMILIES = {
     "grpo": strategies.grpo_batches(),
@@ -217,16 +218,18 @@ def _forward_and_gradient(batch: Batch, dtype: str):
     return result, grad
 
 
+@pytest.mark.parametrize("passes", PASSES)
 @pytest.mark.parametrize("chunk", [1, 5, 64])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @given(batch=strategies.batches())
-def test_chunk_by_chunk_the_forward_is_the_one_pass_forward(chunk, dtype, batch):
+def test_chunk_by_chunk_the_forward_is_the_one_pass_forward(chunk, dtype, passes, batch):
     """On CPU the first level and the loss run chunk by chunk (core.CPU_CHUNK tokens):
     whatever the chunk, the selection and its metrics are the one-pass ones bit for bit,
     the gradient too; the loss adds the chunks' sums, so it may round differently."""
     from m2po_oracle import core, fast_selection
 
-    with mock.patch.object(fast_selection, "SMALL", 0):  # every batch through the first level
+    # Every batch through the first level.
+    with mock.patch.object(fast_selection, "SMALL", 0), core_passes(passes):
         with mock.patch.object(core, "CPU_CHUNK", 1 << 30):
             whole, whole_grad = _forward_and_gradient(batch, dtype)
         with mock.patch.object(core, "CPU_CHUNK", chunk):
@@ -243,9 +246,10 @@ def test_chunk_by_chunk_the_forward_is_the_one_pass_forward(chunk, dtype, batch)
     assert abs(loss - whole_loss) <= (1e-12 if dtype == "float64" else 1e-5) * scale
 
 
+@pytest.mark.parametrize("passes", PASSES)
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 @given(batch=strategies.batches())
-def test_the_hand_written_loss_is_autograd_s_to_the_last_bit(dtype, batch):
+def test_the_hand_written_loss_is_autograd_s_to_the_last_bit(dtype, passes, batch):
     """loss_from_selection's forward and backward are written by hand (bit masks, one
     pass per chunk); autograd on the plain expression must give the same loss and the
     same gradient, bit for bit, with NaN on padding."""
@@ -259,8 +263,9 @@ def test_the_hand_written_loss_is_autograd_s_to_the_last_bit(dtype, batch):
     ratio = (logp.to(compute) - behavior.to(compute)).masked_fill(~keep, 0.0).exp()
     reference = -(ratio * torch.where(keep, advantages.to(compute), torch.zeros((), dtype=compute))).sum() / torch.tensor(float(n), dtype=compute)
     (reference_grad,) = torch.autograd.grad(reference, logp)
-    loss = loss_from_selection(logp, behavior, advantages, keep, mask.sum())
-    (grad,) = torch.autograd.grad(loss, logp)
+    with core_passes(passes):
+        loss = loss_from_selection(logp, behavior, advantages, keep, mask.sum())
+        (grad,) = torch.autograd.grad(loss, logp)
     assert torch.equal(loss, reference), f"loss {loss.item()!r}, autograd's {reference.item()!r}"
     assert grad.dtype == logp.dtype and torch.equal(grad, reference_grad), \
         f"gradient differs at {torch.nonzero(grad != reference_grad)[:3].tolist()}"

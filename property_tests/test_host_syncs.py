@@ -15,6 +15,7 @@ import torch
 from m2po_oracle import fast_selection
 from m2po_oracle.core import m2po_loss, select_micro_batches, select_tokens
 from m2po_oracle.host_syncs import HostSyncCounter, count_host_syncs
+from core_passes import PASSES, core_passes  # beside this file
 
 #: The single-process forward's budget: the verdict that must reach the host to raise.
 SINGLE_RANK_BUDGET = 1
@@ -32,33 +33,39 @@ def _batch(shape: tuple[int, int], seed: int = 0, dtype: torch.dtype = torch.flo
 SHAPES = [(64, 512), (4, 2), (0, 3)]
 
 
+@pytest.mark.parametrize("passes", PASSES)
 @pytest.mark.parametrize("finish", ["sorted", "radix levels"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-def test_the_forward_synchronises_once(shape, dtype, finish):
+def test_the_forward_synchronises_once(shape, dtype, finish, passes):
     """Both finishes (sorted, or the remaining radix levels: forced by sorting at most 0
-    values), tiny and empty batches."""
+    values), tiny and empty batches; the torch operators are what a GPU runs."""
     logp, behavior, advantages, mask = _batch(shape, dtype=dtype)
     at_most = fast_selection.SMALL if finish == "sorted" else 0
-    with mock.patch.object(fast_selection, "SMALL", at_most), mock.patch.object(fast_selection, "SORT_AT_MOST", at_most):
+    with mock.patch.object(fast_selection, "SMALL", at_most), mock.patch.object(fast_selection, "SORT_AT_MOST", at_most), \
+            core_passes(passes):
         result, counter = count_host_syncs(lambda: m2po_loss(logp, behavior, advantages, mask, tau=0.04))
     assert counter.total <= SINGLE_RANK_BUDGET, f"{shape} {dtype}: {dict(counter.syncs)} (budget {SINGLE_RANK_BUDGET})"
     # Reading the metrics stays on the device too: they are tensors, not Python numbers.
     assert all(isinstance(getattr(result, name), torch.Tensor) for name in ("m2_before", "valid_count", "kept_trust_region_count"))
 
 
-def test_select_tokens_and_micro_batches_synchronise_once():
+@pytest.mark.parametrize("passes", PASSES)
+def test_select_tokens_and_micro_batches_synchronise_once(passes):
     parts = [_batch((8, 64), seed=s) for s in range(3)] + [_batch((0, 64), seed=9)]
-    _, counter = count_host_syncs(lambda: select_micro_batches(parts, tau=0.04))
-    assert counter.total <= SINGLE_RANK_BUDGET, dict(counter.syncs)
-    _, counter = count_host_syncs(lambda: select_tokens(*parts[0], tau=0.04))
-    assert counter.total <= SINGLE_RANK_BUDGET, dict(counter.syncs)
+    with core_passes(passes):
+        _, counter = count_host_syncs(lambda: select_micro_batches(parts, tau=0.04))
+        assert counter.total <= SINGLE_RANK_BUDGET, dict(counter.syncs)
+        _, counter = count_host_syncs(lambda: select_tokens(*parts[0], tau=0.04))
+        assert counter.total <= SINGLE_RANK_BUDGET, dict(counter.syncs)
 
 
-def test_the_backward_does_not_synchronise():
+@pytest.mark.parametrize("passes", PASSES)
+def test_the_backward_does_not_synchronise(passes):
     logp, behavior, advantages, mask = _batch((64, 512))
-    loss = m2po_loss(logp, behavior, advantages, mask, tau=0.04).loss
-    _, counter = count_host_syncs(lambda: loss.backward())
+    with core_passes(passes):
+        loss = m2po_loss(logp, behavior, advantages, mask, tau=0.04).loss
+        _, counter = count_host_syncs(lambda: loss.backward())
     assert counter.total == 0, dict(counter.syncs)
 
 

@@ -1,0 +1,158 @@
+"""The core's CPU passes fused: one read of the batch where torch operators need a dozen.
+
+``m2po_oracle._fused`` is an optional C extension built at install (``pyproject.toml``'s
+``ext-modules``). The core calls it, through the checked functions below, for CPU tensors
+that are contiguous and share one dtype of float64, float32 or bfloat16; everywhere else
+(a GPU, float16, mixed dtypes, strided views, no compiler at install) it runs its torch
+operators. Both give the same results to the last bit (``property_tests/test_fused.py``
+runs the core both ways).
+
+``M2PO_ORACLE_FUSED=0`` in the environment, or :func:`disabled`, turns the fused passes
+off, e.g. to compare the two (``m2po-oracle bench`` times both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: The extension's argument conventions this module calls (its INTERFACE constant).
+INTERFACE = 1
+
+
+def _load() -> tuple[Any, str | None]:
+    """The extension, or None and why: not built (no C compiler at install), built for
+    other arguments, or (in a source checkout) built before its source last changed."""
+    try:
+        from m2po_oracle import _fused as extension
+    except ImportError as error:
+        return None, f"{error} (built without a C compiler? reinstall with one: pip install -e .)"
+    if getattr(extension, "INTERFACE", None) != INTERFACE:
+        return None, f"{extension.__file__} has interface {getattr(extension, 'INTERFACE', None)}, this module calls {INTERFACE}: rebuild (pip install -e .)"
+    source = Path(__file__).with_name("_fused.c")
+    if source.exists() and source.stat().st_mtime > Path(extension.__file__).stat().st_mtime:
+        return None, f"{source} changed after {extension.__file__} was built: rebuild (pip install -e .)"
+    return extension, None
+
+
+_extension, _IMPORT_ERROR = _load()
+
+#: The extension's dtype codes.
+DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2}
+#: Buckets of the first level (16-bit digits), as ``fast_selection.BUCKETS``.
+BUCKETS = 1 << 16
+#: Histogram cells after the buckets for non-candidates (never read), as the extension's BANK.
+BANK = 256
+
+_STATE = threading.local()
+
+
+def built() -> bool:
+    """Whether the C extension was built at install (for this source and these arguments)."""
+    return _extension is not None
+
+
+def why_not_built() -> str | None:
+    """Why the extension is not used (None when it is)."""
+    return _IMPORT_ERROR
+
+
+def enabled() -> bool:
+    """Whether the core uses the fused passes where they apply."""
+    return built() and os.environ.get("M2PO_ORACLE_FUSED", "1") != "0" and not getattr(_STATE, "off", False)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within this block (this thread), the core runs its torch operators only."""
+    before = getattr(_STATE, "off", False)
+    _STATE.off = True
+    try:
+        yield
+    finally:
+        _STATE.off = before
+
+
+def applies(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, *masks: torch.Tensor) -> bool:
+    """Whether the fused passes take these 1-d tensors: enabled, every one on the CPU and
+    contiguous, the three float ones of one supported dtype, the masks bool."""
+    tensors = (logp, behavior_logp, advantages, *masks)
+    return (enabled() and logp.dtype in DTYPE_CODES and behavior_logp.dtype == logp.dtype == advantages.dtype
+            and all(m.dtype == torch.bool for m in masks) and all(t.device.type == "cpu" and t.dim() == 1
+                                                                   and t.is_contiguous() for t in tensors)
+            and len({t.numel() for t in tensors}) == 1)
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise ValueError(what)
+
+
+def _check_tokens(n: int, dtype: torch.dtype | None = None, **tensors: torch.Tensor) -> None:
+    """Every tensor 1-d, contiguous, on the CPU, of ``n`` elements (and ``dtype`` if given):
+    the extension reads and writes raw memory, so nothing reaches it unchecked."""
+    for name, tensor in tensors.items():
+        _require(isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.dim() == 1 and tensor.is_contiguous()
+                 and tensor.numel() == n, f"{name}: expected a contiguous 1-d CPU tensor of {n} elements, got "
+                 f"{tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
+        if dtype is not None:
+            _require(tensor.dtype == dtype, f"{name}: expected dtype {dtype}, got {tensor.dtype}")
+
+
+def first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                histogram: torch.Tensor, trust: torch.Tensor, bucket: torch.Tensor) -> tuple[int, int, bool]:
+    """The first radix level over every token in one pass: each candidate's M2 added to
+    the sum and one to the count of its bucket in ``histogram`` (float64, shape (BUCKETS +
+    BANK, 2): (sum, count) per bucket, added to; the BANK rows after the buckets take
+    non-candidates and are never read), ``trust`` (bool) and ``bucket`` (int16: M2's top
+    16 bits) written for every token. Returns the candidate count, the valid-token count
+    and whether every input on a valid token is finite."""
+    n = mask.numel()
+    _check_tokens(n, logp.dtype, logp=logp, behavior_logp=behavior_logp, advantages=advantages)
+    _require(logp.dtype in DTYPE_CODES, f"logp: expected float64, float32 or bfloat16, got {logp.dtype}")
+    _check_tokens(n, torch.bool, mask=mask, trust=trust)
+    _check_tokens(n, torch.int16, bucket=bucket)
+    _require(isinstance(histogram, torch.Tensor) and histogram.shape == (BUCKETS + BANK, 2) and histogram.dtype == torch.float64
+             and histogram.device.type == "cpu" and histogram.is_contiguous(),
+             f"histogram: expected a contiguous float64 CPU tensor of shape ({BUCKETS + BANK}, 2)")
+    return _extension.first_level(logp.data_ptr(), behavior_logp.data_ptr(), advantages.data_ptr(), mask.data_ptr(), n,
+                                 DTYPE_CODES[logp.dtype], histogram.data_ptr(), trust.data_ptr(), bucket.data_ptr())
+
+
+def finish(bucket: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, *, below: int, alive: int | None, size: int,
+           keep: torch.Tensor) -> torch.Tensor:
+    """The selection's pass over every token once the first level's cut is known: writes
+    ``keep`` = mask and (not a candidate, or a candidate whose bucket is < ``below``) and
+    returns the positions, in index order, of the ``size`` candidates still to decide
+    (those in bucket ``alive``; every candidate when ``alive`` is None)."""
+    n = mask.numel()
+    _check_tokens(n, torch.bool, trust=trust, mask=mask, keep=keep)
+    _check_tokens(n, torch.int16, bucket=bucket)
+    _require(0 <= size <= n, f"size: expected 0 .. {n}, got {size}")
+    positions = torch.empty(size, dtype=torch.int64)
+    found = _extension.finish(bucket.data_ptr(), trust.data_ptr(), mask.data_ptr(), n, below, -1 if alive is None else alive,
+                              alive is None, keep.data_ptr(), positions.data_ptr(), size)
+    if found != size:
+        raise RuntimeError(f"fused finish: {found} candidates to decide where the first level counted {size}")
+    return positions[:size]
+
+
+def loss_terms(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
+               ratio: torch.Tensor, weight: torch.Tensor) -> None:
+    """The loss's terms before ``exp``: ``ratio`` = logp - behavior_logp and ``weight`` = A
+    in the compute precision (float64 for float64 inputs, else float32), both +0 where
+    ``keep`` is False."""
+    n = keep.numel()
+    _check_tokens(n, logp.dtype, logp=logp, behavior_logp=behavior_logp, advantages=advantages)
+    _require(logp.dtype in DTYPE_CODES, f"logp: expected float64, float32 or bfloat16, got {logp.dtype}")
+    _check_tokens(n, torch.bool, keep=keep)
+    compute = torch.float64 if logp.dtype == torch.float64 else torch.float32
+    _check_tokens(n, compute, ratio=ratio, weight=weight)
+    _extension.loss_terms(logp.data_ptr(), behavior_logp.data_ptr(), advantages.data_ptr(), keep.data_ptr(), n,
+                          DTYPE_CODES[logp.dtype], ratio.data_ptr(), weight.data_ptr())

@@ -1,0 +1,198 @@
+"""The fused CPU passes (``m2po_oracle.fused``) against the torch operators they replace:
+every field of the result and the gradient, bit for bit, on drawn batches forced through
+every branch, on large batches, and at the edges the fused passes must refuse."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import sysconfig
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from core_passes import core_passes  # beside this file
+from m2po_oracle import core, fast_selection, fused, strategies
+from m2po_oracle.batch import Batch
+from m2po_oracle.contract import to_tensors
+from m2po_oracle.core import CoreResult, m2po_loss
+
+FIELDS = [name for name in CoreResult.__dataclass_fields__ if name != "loss"]
+
+
+def _compiler() -> str | None:
+    command = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    return shutil.which(command[0]) if command else None
+
+
+def test_the_extension_is_built_wherever_a_compiler_is():
+    """The extension is optional at install (no compiler: the torch operators run), so a
+    build that failed on a machine with a compiler would pass unnoticed: not here."""
+    if _compiler() is None:
+        pytest.skip("no C compiler on this machine: the core runs its torch operators")
+    assert fused.built(), f"a C compiler is here ({_compiler()}) but m2po_oracle._fused is not built: {fused.why_not_built()}"
+
+
+def _both_ways(tensors: dict[str, torch.Tensor], tau: float) -> tuple[list, int]:
+    """The forward and gradient with the fused passes and with the torch operators, and how
+    many times the fused first level ran."""
+    results = []
+    calls = 0
+    for passes in ("fused", "torch operators"):
+        logp = tensors["logp"].clone().requires_grad_(True)
+        with core_passes(passes), mock.patch.object(fused, "first_level", wraps=fused.first_level) as spy:
+            result = m2po_loss(logp, tensors["behavior_logp"], tensors["advantages"], tensors["mask"], tau=tau)
+            (grad,) = torch.autograd.grad(result.loss, logp)
+        calls += spy.call_count if passes == "fused" else 0
+        results.append((result, grad))
+    return results, calls
+
+
+def _assert_identical(results: list, where: str) -> None:
+    (fused_result, fused_grad), (torch_result, torch_grad) = results
+    for name in ["loss", *FIELDS]:
+        ours, theirs = getattr(fused_result, name).detach(), getattr(torch_result, name).detach()
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs) or (
+            name == "loss" and bool(torch.isnan(ours)) and bool(torch.isnan(theirs))), \
+            f"{where}: {name} fused {ours if ours.numel() == 1 else ours.nonzero()[:5].tolist()}, " \
+            f"torch operators {theirs if theirs.numel() == 1 else theirs.nonzero()[:5].tolist()}"
+    differ = (fused_grad != torch_grad) & ~(fused_grad.isnan() & torch_grad.isnan())
+    assert fused_grad.dtype == torch_grad.dtype and not bool(differ.any()), \
+        f"{where}: gradient differs at {differ.nonzero()[:3].tolist()}: fused {fused_grad[differ][:3].tolist()}, " \
+        f"torch operators {torch_grad[differ][:3].tolist()}"
+
+
+@pytest.mark.parametrize("small", [0, 4], ids=["first level always", "few candidates sorted"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@given(batch=strategies.batches(), padding=st.sampled_from([0.0, float("nan"), float("inf"), -1e30]))
+def test_the_fused_passes_are_the_torch_operators_to_the_last_bit(small, dtype, batch, padding):
+    """Every batch of more than ``small`` tokens goes through the first level (fused: one
+    pass), then the finish: all candidates sorted (at most ``small``) or the crossing
+    bucket's; padding of any value."""
+    if not fused.built():
+        pytest.skip(f"the fused passes are not built: {fused.why_not_built()}")
+    tensors = to_tensors(batch.with_padding(padding), dtype)
+    with mock.patch.object(fast_selection, "SMALL", small):
+        results, calls = _both_ways(tensors, batch.tau)
+    _assert_identical(results, f"{dtype}, SMALL={small}, padding {padding}, shape {batch.shape}, tau {batch.tau}")
+    assert calls == (1 if batch.logp.size > small else 0), "the fused first level did not run where it applies"
+
+
+def _large_batch(seed: int, shape: tuple[int, int], *, ties: bool = False, padding: float | None = None,
+                 few_candidates: bool = False, tau: float = 0.04) -> Batch:
+    rng = np.random.default_rng(seed)
+    behavior = -rng.exponential(2.0, size=shape)
+    d = 0.3 * rng.standard_t(3, size=shape)
+    if ties:
+        d[:, ::3] = 0.25  # thousands of equal M2 (0.0625): the cut falls among them
+    advantages = np.where(rng.random(shape) < 0.5, 1.0, -1.0)
+    if few_candidates:
+        advantages[rng.random(shape) < 0.995] = 0.0  # a few hundred candidates among 65k tokens
+    valid = np.arange(shape[1])[None, :] < rng.integers(shape[1] // 4, shape[1] + 1, size=(shape[0], 1))
+    batch = Batch(behavior + d, behavior, advantages, valid, tau)
+    return batch.with_padding(padding) if padding is not None else batch
+
+
+LARGE = {
+    "crossing bucket sorted": dict(seed=0, shape=(16, 4096)),
+    "exact ties at the cut": dict(seed=1, shape=(16, 4096), ties=True, tau=0.0625),
+    "NaN padding": dict(seed=2, shape=(16, 4096), padding=float("nan")),
+    "few candidates": dict(seed=3, shape=(16, 4096), few_candidates=True),
+    "everything fits": dict(seed=4, shape=(16, 4096), tau=1e6),
+    "nothing fits": dict(seed=5, shape=(16, 4096), tau=0.0),
+}
+
+
+@pytest.mark.parametrize("finish", ["sorted", "radix levels"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("case", LARGE)
+def test_large_batches_agree_bit_for_bit(case, dtype, finish):
+    """65,536 tokens, the core's own SMALL; the crossing bucket finished by sorting or by
+    the remaining radix levels (SORT_AT_MOST = 0)."""
+    if not fused.built():
+        pytest.skip(f"the fused passes are not built: {fused.why_not_built()}")
+    batch = _large_batch(**LARGE[case])
+    at_most = fast_selection.SORT_AT_MOST if finish == "sorted" else 0
+    with mock.patch.object(fast_selection, "SORT_AT_MOST", at_most):
+        results, calls = _both_ways(to_tensors(batch, dtype), batch.tau)
+    _assert_identical(results, f"{case}, {dtype}, {finish}")
+    assert calls == 1
+
+
+@pytest.mark.parametrize("argument, value", [("logp", float("nan")), ("behavior_logp", float("inf")), ("advantages", float("-inf"))])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_a_non_finite_valid_token_is_refused_with_the_same_message(argument, value, dtype):
+    if not fused.built():
+        pytest.skip(f"the fused passes are not built: {fused.why_not_built()}")
+    tensors = to_tensors(_large_batch(6, (8, 2048)), dtype)
+    tensors[argument] = tensors[argument].clone()
+    tensors[argument][3, 700] = value
+    messages = []
+    for passes in ("fused", "torch operators"):
+        with core_passes(passes), pytest.raises(ValueError) as refused:
+            m2po_loss(**tensors, tau=0.04)
+        messages.append(str(refused.value))
+    assert messages[0] == messages[1] and argument in messages[0] and "(3, 700)" in messages[0], messages
+
+
+def test_the_fused_passes_take_only_what_they_were_written_for():
+    """float16, mixed dtypes, strided views, another device: the torch operators run."""
+    if not fused.built():
+        pytest.skip(f"the fused passes are not built: {fused.why_not_built()}")
+    x32, mask = torch.zeros(8), torch.ones(8, dtype=torch.bool)
+    assert fused.applies(x32, x32, x32, mask)
+    assert not fused.applies(x32.half(), x32.half(), x32.half(), mask)
+    assert not fused.applies(x32, x32.double(), x32, mask)
+    assert not fused.applies(torch.zeros(16)[::2], x32, x32, mask)
+    assert not fused.applies(x32, x32, x32, mask.float())
+    assert not fused.applies(x32, x32, x32, torch.ones(9, dtype=torch.bool))
+    with fused.disabled():
+        assert not fused.applies(x32, x32, x32, mask)
+    assert fused.applies(x32, x32, x32, mask)
+    with mock.patch.dict("os.environ", {"M2PO_ORACLE_FUSED": "0"}):
+        assert not fused.applies(x32, x32, x32, mask)
+    # A float16 batch large enough for the first level runs the torch operators.
+    tensors = to_tensors(_large_batch(7, (8, 2048)), "float16")
+    with mock.patch.object(fused, "first_level", wraps=fused.first_level) as spy:
+        m2po_loss(**tensors, tau=0.04)
+    assert spy.call_count == 0
+
+
+def test_the_wrappers_check_every_buffer_before_the_extension_touches_it():
+    """The extension reads and writes raw memory: a wrong size, dtype, layout or device is
+    a ValueError naming the buffer, never a write past its end."""
+    if not fused.built():
+        pytest.skip(f"the fused passes are not built: {fused.why_not_built()}")
+    n = 64
+    x, mask = torch.zeros(n), torch.ones(n, dtype=torch.bool)
+    histogram = torch.zeros(fused.BUCKETS + fused.BANK, 2, dtype=torch.float64)
+    trust, bucket = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.int16)
+    assert fused.first_level(x, x, x, mask, histogram, trust, bucket) == (0, n, True)
+    wrong = {
+        "bucket": dict(bucket=torch.empty(n - 1, dtype=torch.int16)),
+        "trust": dict(trust=torch.empty(n, dtype=torch.uint8)),
+        "histogram": dict(histogram=torch.zeros(fused.BUCKETS, 2, dtype=torch.float64)),
+        "behavior_logp": dict(behavior_logp=torch.zeros(2 * n)[::2]),
+        "advantages": dict(advantages=torch.zeros(n, dtype=torch.float64)),
+    }
+    arguments = dict(logp=x, behavior_logp=x, advantages=x, mask=mask, histogram=histogram, trust=trust, bucket=bucket)
+    for name, change in wrong.items():
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            fused.first_level(**{**arguments, **change})
+    with pytest.raises(ValueError, match="^logp: expected float64, float32 or bfloat16"):
+        fused.first_level(**{**arguments, "logp": x.half(), "behavior_logp": x.half(), "advantages": x.half()})
+    keep = torch.empty(n, dtype=torch.bool)
+    with pytest.raises(ValueError, match="^keep: expected"):
+        fused.finish(bucket, trust, mask, below=0, alive=None, size=0, keep=torch.empty(n + 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="^size: expected"):
+        fused.finish(bucket, trust, mask, below=0, alive=None, size=n + 1, keep=keep)
+    # A size that disagrees with the data is an error, not a short or overlong write.
+    trust.fill_(True)
+    with pytest.raises(RuntimeError, match="64 candidates to decide where the first level counted 3"):
+        fused.finish(bucket, trust, mask, below=0, alive=None, size=3, keep=keep)
+    with pytest.raises(ValueError, match="^ratio: expected"):
+        fused.loss_terms(x, x, x, keep, torch.empty(n, dtype=torch.float64), torch.empty(n))
