@@ -8,7 +8,10 @@ then four methods timed in rotating order on the same values, each repeat:
 * ``radix``: the core's exact selection without sorting (``fast_selection``), the selection;
 * ``floor``: one streaming pass over the values (their sum): no selection can beat it;
 * ``forward``: the whole ``core.m2po_loss`` forward (validation, d, the trust region, the
-  selection, the loss with its autograd graph, the metrics) on the batch itself;
+  selection, the loss with its autograd graph, the metrics) on the batch itself, with the
+  fused CPU passes where they apply (``m2po_oracle.fused``);
+* ``unfused``: the same forward with torch operators only (``fused.disabled()``), as every
+  device but the CPU runs it;
 * ``passes``: the passes over the batch that a forward made of torch operators cannot
   skip: d in float64 (two conversions and a subtraction), M2's count and sum histogrammed
   for every token (gathering the candidates first needs their count on the host: a second
@@ -17,9 +20,10 @@ then four methods timed in rotating order on the same values, each repeat:
   region, the digits, bit masks, the tie finish, the backward's buffers).
 
 Medians and bests are recorded; the ratios sort/radix and radix/floor use medians, the
-forward's ratios (forward/selection, sort/forward, forward/floor) use bests, as the
-targets are stated. The forward's would-sync operators are counted once per size
-(``host_syncs``). Results of sort, radix and the forward's mask must be identical.
+forward's ratios (forward/selection, sort/forward, forward/floor, unfused/forward) use
+bests, as the targets are stated. The forward's would-sync operators are counted once per
+size (``host_syncs``). Results of sort, radix and both forwards' masks must be identical,
+and the two forwards' losses too.
 Performance is asserted nowhere but here: timed unit tests lie on a shared machine.
 """
 
@@ -34,13 +38,14 @@ from typing import Any
 
 import torch
 
-from m2po_oracle.core import CPU_CHUNK, m2po_loss
+from m2po_oracle import fused
+from m2po_oracle.core import CPU_CHUNK, m2po_loss, uses_fused_passes
 from m2po_oracle.fast_selection import BUCKETS, DIGIT_BITS, kept_candidates, kept_candidates_by_sorting
 from m2po_oracle.host_syncs import count_host_syncs
 from m2po_oracle.runner import check_device
 
-SCHEMA = "m2po-oracle/bench/2"
-METHODS = ("sort", "radix", "floor", "forward", "passes")
+SCHEMA = "m2po-oracle/bench/3"
+METHODS = ("sort", "radix", "floor", "forward", "unfused", "passes")
 #: Rows of the benchmark batch (tokens / ROWS per row), as a training step's sequences.
 ROWS = 256
 
@@ -117,17 +122,23 @@ def measure_size(tokens: int, *, repeats: int, device: str, tau: float) -> dict[
     def forward() -> Any:
         return m2po_loss(logp, batch["behavior_logp"], batch["advantages"], batch["mask"], tau=tau)
 
+    def unfused() -> Any:
+        with fused.disabled():
+            return forward()
+
     methods: dict[str, Callable[[], Any]] = {
         "sort": lambda: kept_candidates_by_sorting(m2, tau),
         "radix": lambda: kept_candidates(m2, tau),
         "floor": lambda: m2.sum(),
         "forward": forward,
+        "unfused": unfused,
         "passes": _essential_passes(batch, trust),
     }
     radix = methods["radix"]()
     result, counter = count_host_syncs(forward)
-    forward_kept = result.keep.reshape(-1)[trust]
-    identical = bool(torch.equal(methods["sort"](), radix)) and bool(torch.equal(forward_kept, radix))
+    torch_only = unfused()
+    identical = (bool(torch.equal(methods["sort"](), radix)) and bool(torch.equal(result.keep.reshape(-1)[trust], radix))
+                 and bool(torch.equal(torch_only.keep, result.keep)) and bool(torch.equal(torch_only.loss, result.loss)))
     times: dict[str, list[float]] = {name: [] for name in METHODS}
     for repeat in range(repeats):
         # Rotate the order so drift on a shared machine hits every method alike.
@@ -151,6 +162,8 @@ def measure_size(tokens: int, *, repeats: int, device: str, tau: float) -> dict[
         "forward_over_floor": bests["forward"] / bests["floor"],
         "forward_over_passes": bests["forward"] / bests["passes"],
         "passes_over_selection": bests["passes"] / bests["radix"],
+        "unfused_over_forward": bests["unfused"] / bests["forward"],
+        "fused": uses_fused_passes(batch["logp"], batch["behavior_logp"], batch["advantages"], batch["mask"]),
         "syncs_per_forward": counter.total, "syncs": dict(counter.syncs),
         "operators_per_forward": sum(counter.operators.values()),
     }
@@ -171,7 +184,8 @@ def run_bench(sizes: list[int], *, repeats: int = 7, device: str = "cpu", tau: f
     return {
         "schema": SCHEMA, "device": device, "tau": tau, "repeats": repeats, "rows": rows,
         "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "platform": platform.platform(),
-                        "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None},
+                        "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+                        "fused_passes": "built" if fused.built() else f"not used: {fused.why_not_built()}"},
     }
 
 
@@ -183,9 +197,9 @@ table{border-collapse:collapse;margin:1rem 0}th,td{border:1px solid #ccd3dd;padd
 th{background:#f1f4f8}.bad{background:#fde8e8}svg text{font:12px system-ui,sans-serif}
 </style></head><body>
 <h1>Selection benchmark ({{ device }}, {{ threads }} thread(s))</h1>
-<p>{{ repeats }} interleaved repeats; tau = {{ tau }}. sort: sort and prefix sums; radix: the core's exact selection without sorting; floor: one streaming pass over the values; forward: the whole core.m2po_loss forward; passes: the passes over the batch a forward of torch operators cannot skip (d in float64, every token's M2 histogrammed, the loss's terms). Selection columns are medians; forward columns and ratios are bests.</p>
-<table><tr><th>tokens</th><th>candidates</th><th>sort ms</th><th>radix ms</th><th>floor ms</th><th>sort / radix</th><th>radix / floor</th><th>forward ms</th><th>forward / selection</th><th>sort / forward</th><th>forward / floor</th><th>passes ms</th><th>passes / selection</th><th>forward / passes</th><th>syncs / forward</th><th>identical</th></tr>
-{% for r in rows %}<tr{% if not r.identical %} class="bad"{% endif %}><td>{{ r.tokens }}</td><td>{{ r.candidates }}</td><td>{{ "%.3f"|format(r.median_ms.sort) }}</td><td>{{ "%.3f"|format(r.median_ms.radix) }}</td><td>{{ "%.3f"|format(r.median_ms.floor) }}</td><td>{{ "%.1f"|format(r.sort_over_radix) }}x</td><td>{{ "%.1f"|format(r.radix_over_floor) }}x</td><td>{{ "%.3f"|format(r.best_ms.forward) }}</td><td>{{ "%.2f"|format(r.forward_over_selection) }}x</td><td>{{ "%.1f"|format(r.sort_over_forward) }}x</td><td>{{ "%.1f"|format(r.forward_over_floor) }}x</td><td>{{ "%.3f"|format(r.best_ms.passes) }}</td><td>{{ "%.2f"|format(r.passes_over_selection) }}x</td><td>{{ "%.2f"|format(r.forward_over_passes) }}x</td><td>{{ r.syncs_per_forward }}</td><td>{{ "yes" if r.identical else "NO" }}</td></tr>
+<p>{{ repeats }} interleaved repeats; tau = {{ tau }}. sort: sort and prefix sums; radix: the core's exact selection without sorting; floor: one streaming pass over the values; forward: the whole core.m2po_loss forward (with the fused CPU passes where "fused" says yes); unfused: the same forward with torch operators only; passes: the passes over the batch a forward of torch operators cannot skip (d in float64, every token's M2 histogrammed, the loss's terms). Selection columns are medians; forward columns and ratios are bests.</p>
+<table><tr><th>tokens</th><th>candidates</th><th>sort ms</th><th>radix ms</th><th>floor ms</th><th>sort / radix</th><th>radix / floor</th><th>forward ms</th><th>forward / selection</th><th>sort / forward</th><th>forward / floor</th><th>fused</th><th>unfused ms</th><th>unfused / forward</th><th>passes ms</th><th>passes / selection</th><th>forward / passes</th><th>syncs / forward</th><th>identical</th></tr>
+{% for r in rows %}<tr{% if not r.identical %} class="bad"{% endif %}><td>{{ r.tokens }}</td><td>{{ r.candidates }}</td><td>{{ "%.3f"|format(r.median_ms.sort) }}</td><td>{{ "%.3f"|format(r.median_ms.radix) }}</td><td>{{ "%.3f"|format(r.median_ms.floor) }}</td><td>{{ "%.1f"|format(r.sort_over_radix) }}x</td><td>{{ "%.1f"|format(r.radix_over_floor) }}x</td><td>{{ "%.3f"|format(r.best_ms.forward) }}</td><td>{{ "%.2f"|format(r.forward_over_selection) }}x</td><td>{{ "%.1f"|format(r.sort_over_forward) }}x</td><td>{{ "%.1f"|format(r.forward_over_floor) }}x</td><td>{{ "yes" if r.fused else "no" }}</td><td>{{ "%.3f"|format(r.best_ms.unfused) }}</td><td>{{ "%.2f"|format(r.unfused_over_forward) }}x</td><td>{{ "%.3f"|format(r.best_ms.passes) }}</td><td>{{ "%.2f"|format(r.passes_over_selection) }}x</td><td>{{ "%.2f"|format(r.forward_over_passes) }}x</td><td>{{ r.syncs_per_forward }}</td><td>{{ "yes" if r.identical else "NO" }}</td></tr>
 {% endfor %}</table>
 <svg width="{{ plot.width }}" height="{{ plot.height }}" role="img" aria-label="median time against tokens, log-log">
 <rect x="{{ plot.left }}" y="{{ plot.top }}" width="{{ plot.inner_w }}" height="{{ plot.inner_h }}" fill="none" stroke="#8a94a6"/>
@@ -194,7 +208,7 @@ th{background:#f1f4f8}.bad{background:#fde8e8}svg text{font:12px system-ui,sans-
 {% for s in plot.series %}<polyline fill="none" stroke="{{ s.colour }}" stroke-width="2" points="{{ s.points }}"/><text x="{{ plot.left + plot.inner_w + 8 }}" y="{{ s.label_y }}" fill="{{ s.colour }}">{{ s.name }}</text>{% endfor %}
 <text x="{{ plot.left + plot.inner_w / 2 }}" y="{{ plot.height - 24 }}" text-anchor="middle">tokens (log)</text>
 </svg>
-<p>Environment: torch {{ torch }}, {{ platform }}{% if gpu %}, {{ gpu }}{% endif %}.</p>
+<p>Environment: torch {{ torch }}, {{ platform }}{% if gpu %}, {{ gpu }}{% endif %}; fused CPU passes: {{ fused_passes }}.</p>
 </body></html>
 """
 
@@ -208,7 +222,7 @@ def _plot(rows: list[dict[str, Any]]) -> dict[str, Any]:
     y0, y1 = math.floor(min(ys)), math.ceil(max(ys)) if math.ceil(max(ys)) > math.floor(min(ys)) else math.floor(min(ys)) + 1
     px = lambda x: left + (x - x0) / (x1 - x0) * inner_w  # noqa: E731
     py = lambda y: top + inner_h - (y - y0) / (y1 - y0) * inner_h  # noqa: E731
-    colours = {"sort": "#c0392b", "radix": "#1f6feb", "floor": "#6b7785", "forward": "#2da44e", "passes": "#9a6700"}
+    colours = {"sort": "#c0392b", "radix": "#1f6feb", "floor": "#6b7785", "forward": "#2da44e", "unfused": "#8250df", "passes": "#9a6700"}
     series = []
     for m in METHODS:
         points = [(px(math.log2(r["tokens"])), py(math.log10(max(r["median_ms"][m], 1e-6)))) for r in rows]
@@ -224,7 +238,8 @@ def render_bench_html(record: dict[str, Any]) -> str:
     template = jinja2.Environment(autoescape=True).from_string(_PAGE)
     env = record.get("environment", {})
     return template.render(device=record["device"], threads=env.get("threads"), repeats=record["repeats"], tau=record["tau"], rows=record["rows"],
-                           plot=_plot(record["rows"]), torch=env.get("torch"), platform=env.get("platform"), gpu=env.get("gpu"))
+                           plot=_plot(record["rows"]), torch=env.get("torch"), platform=env.get("platform"), gpu=env.get("gpu"),
+                           fused_passes=env.get("fused_passes", "not recorded"))
 
 
 def bench_across_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:

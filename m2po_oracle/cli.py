@@ -438,27 +438,32 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         return EXIT_UNUSABLE
     if args.threads:
         torch.set_num_threads(args.threads)
-    table = Table(title=f"selection and forward on {args.device}, {torch.get_num_threads()} thread(s): {args.repeats} interleaved repeats "
-                        "(selection columns medians; forward columns and ratios bests)")
-    for column in ("tokens", "candidates", "sort ms", "radix ms", "floor ms", "sort / radix", "radix / floor",
-                   "forward ms", "forward / selection", "sort / forward", "forward / floor", "passes ms", "passes / selection",
-                   "forward / passes", "syncs / forward", "identical"):
-        table.add_column(column, justify="right")
+    repeats = f"{args.repeats} interleaved repeats"
+    selection = Table(title=f"selection on {args.device}, {torch.get_num_threads()} thread(s): {repeats} (medians)",
+                      caption="identical: sort's, radix's and both forwards' masks agree, and the two forwards' losses")
+    for column in ("tokens", "candidates", "sort ms", "radix ms", "floor ms", "sort / radix", "radix / floor", "identical"):
+        selection.add_column(column, justify="right")
+    forward = Table(title=f"core.m2po_loss forward on {args.device}: {repeats} (bests; selection = radix's best)")
+    for column in ("tokens", "forward ms", "forward / selection", "sort / forward", "fused", "unfused ms", "unfused / forward",
+                   "passes ms", "passes / selection", "forward / passes", "syncs / forward"):
+        forward.add_column(column, justify="right")
 
     def show(row):
         m, b = row["median_ms"], row["best_ms"]
-        table.add_row(f"{row['tokens']:,}", f"{row['candidates']:,}", f"{m['sort']:.2f}", f"{m['radix']:.2f}", f"{m['floor']:.3f}",
-                      f"{row['sort_over_radix']:.1f}x", f"{row['radix_over_floor']:.1f}x", f"{b['forward']:.2f}",
-                      f"{row['forward_over_selection']:.2f}x", f"{row['sort_over_forward']:.1f}x", f"{row['forward_over_floor']:.1f}x",
-                      f"{b['passes']:.2f}", f"{row['passes_over_selection']:.2f}x", f"{row['forward_over_passes']:.2f}x",
-                      str(row["syncs_per_forward"]), "yes" if row["identical"] else "[red]NO[/]")
+        selection.add_row(f"{row['tokens']:,}", f"{row['candidates']:,}", f"{m['sort']:.2f}", f"{m['radix']:.2f}", f"{m['floor']:.3f}",
+                          f"{row['sort_over_radix']:.1f}x", f"{row['radix_over_floor']:.1f}x", "yes" if row["identical"] else "[red]NO[/]")
+        forward.add_row(f"{row['tokens']:,}", f"{b['forward']:.2f}", f"{row['forward_over_selection']:.2f}x", f"{row['sort_over_forward']:.1f}x",
+                        "yes" if row["fused"] else "no", f"{b['unfused']:.2f}", f"{row['unfused_over_forward']:.2f}x", f"{b['passes']:.2f}",
+                        f"{row['passes_over_selection']:.2f}x", f"{row['forward_over_passes']:.2f}x", str(row["syncs_per_forward"]))
 
     try:
         record = run_bench([1 << e for e in exponents], repeats=args.repeats, device=args.device, on_size=show)
     except ValueError as error:
         Console(stderr=True).print(f"error: {error}", highlight=False, markup=False)
         return EXIT_UNUSABLE
-    console.print(table)
+    console.print(selection)
+    console.print(forward)
+    console.print(f"fused CPU passes: {record['environment']['fused_passes']}", highlight=False, soft_wrap=True)
     if args.ranks:
         from m2po_oracle.bench import run_bench_across
 
