@@ -30,8 +30,9 @@
 enum { F64 = 0, F32 = 1, BF16 = 2 };
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
-/* The elementwise passes in AVX2 where the CPU has it, SSE2 otherwise (chosen at load). */
-#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+/* The elementwise passes in AVX-512 or AVX2 where the CPU has them, SSE2 otherwise (chosen
+ * at load; the results are the same bits: no instruction changes an IEEE operation). */
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define VECTOR_CLONES
 #endif
@@ -101,22 +102,24 @@ DEFINE_LEVEL_BLOCK(level_block_bf16, uint16_t, bf16_at)
 
 static int element_size(int dtype) { return dtype == F64 ? 8 : dtype == F32 ? 4 : 2; }
 
-/* first_level(logp, behavior_logp, advantages, mask, n, dtype, histogram, trust, bucket)
- * -> (candidates, valid tokens, all valid inputs finite). histogram holds BUCKETS + BANK
- * cells of (sum, count), float64, and is added to (the caller zeroes it): one cache line
- * per token where two arrays would take two. trust and bucket receive n values. */
+/* first_level(logp, behavior_logp, advantages, mask, n, dtype, cells, sums, counts, trust, bucket)
+ * -> (candidates, valid tokens, all valid inputs finite). The histogram is built in
+ * `cells` (BUCKETS + BANK cells of (sum, count), float64, zeroed here: one cache line per
+ * token where two arrays would take two), then copied out to `sums` and `counts`
+ * (BUCKETS float64 each). trust and bucket receive n values. */
 static PyObject *first_level(PyObject *self, PyObject *args) {
-    unsigned long long logp, behavior, advantages, mask, histogram_at, trust_at, bucket_at;
+    unsigned long long logp, behavior, advantages, mask, histogram_at, sums_at, counts_at, trust_at, bucket_at;
     long long n;
     int dtype;
-    if (!PyArg_ParseTuple(args, "KKKKLiKKK", &logp, &behavior, &advantages, &mask, &n, &dtype,
-                          &histogram_at, &trust_at, &bucket_at))
+    if (!PyArg_ParseTuple(args, "KKKKLiKKKKK", &logp, &behavior, &advantages, &mask, &n, &dtype,
+                          &histogram_at, &sums_at, &counts_at, &trust_at, &bucket_at))
         return NULL;
     if (dtype != F64 && dtype != F32 && dtype != BF16) {
         PyErr_Format(PyExc_ValueError, "dtype: expected 0 (float64), 1 (float32) or 2 (bfloat16), got %d", dtype);
         return NULL;
     }
     double *histogram = (double *)(uintptr_t)histogram_at;
+    double *sums = (double *)(uintptr_t)sums_at, *counts = (double *)(uintptr_t)counts_at;
     uint8_t *trust = (uint8_t *)(uintptr_t)trust_at;
     int16_t *bucket = (int16_t *)(uintptr_t)bucket_at;
     int64_t candidates = 0, valid = 0;
@@ -125,6 +128,7 @@ static PyObject *first_level(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     double m2[BLOCK];
     int32_t slot[BLOCK];
+    memset(histogram, 0, sizeof(double) * 2 * (BUCKETS + BANK));
     for (int64_t start = 0; start < n; start += BLOCK) {
         int64_t size = n - start < BLOCK ? n - start : BLOCK;
         const char *l = (const char *)(uintptr_t)logp + start * width;
@@ -146,6 +150,10 @@ static PyObject *first_level(PyObject *self, PyObject *args) {
             cell[0] += m2[j];
             cell[1] += 1.0;
         }
+    }
+    for (int64_t b = 0; b < BUCKETS; b++) {
+        sums[b] = histogram[2 * b];
+        counts[b] = histogram[2 * b + 1];
     }
     Py_END_ALLOW_THREADS
     return Py_BuildValue("(LLO)", (long long)candidates, (long long)valid, invalid ? Py_False : Py_True);
@@ -266,7 +274,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused", "The core's
                                     NULL, NULL, NULL, NULL};
 
 /* fused.py refuses an extension built from another version of these functions' arguments. */
-#define INTERFACE 1
+#define INTERFACE 2
 
 PyMODINIT_FUNC PyInit__fused(void) {
     PyObject *built = PyModule_Create(&module);

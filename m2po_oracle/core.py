@@ -423,12 +423,9 @@ def _first_level_fused(logp: torch.Tensor, behavior_logp: torch.Tensor, advantag
     trust region and buckets, to the last bit; the verdict comes back as a flag, not a sum.
     Also returns the candidate and valid-token counts (read on the host already)."""
     n = mask.numel()
-    histogram = torch.zeros(BUCKETS + fused.BANK, 2, dtype=torch.float64)
+    sums, counts = torch.empty(BUCKETS, dtype=torch.float64), torch.empty(BUCKETS, dtype=torch.float64)
     trust, bucket = _token_buffers(mask.device, n)
-    candidates, valid, finite = fused.first_level(logp, behavior_logp, advantages, mask, histogram, trust, bucket)
-    # Contiguous sums and counts, as the torch operators' are: a reduction over a strided
-    # view may add in another order.
-    sums, counts = histogram[:BUCKETS].T.contiguous()
+    candidates, valid, finite = fused.first_level(logp, behavior_logp, advantages, mask, sums, counts, trust, bucket)
     return _FirstLevel(sums, counts, trust, bucket, torch.tensor(candidates),
                        torch.tensor(0.0 if finite else math.nan, dtype=torch.float64)), candidates, valid
 

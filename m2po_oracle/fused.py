@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 #: The extension's argument conventions this module calls (its INTERFACE constant).
-INTERFACE = 1
+INTERFACE = 2
 
 
 def _load() -> tuple[Any, str | None]:
@@ -106,23 +106,25 @@ def _check_tokens(n: int, dtype: torch.dtype | None = None, **tensors: torch.Ten
 
 
 def first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                histogram: torch.Tensor, trust: torch.Tensor, bucket: torch.Tensor) -> tuple[int, int, bool]:
-    """The first radix level over every token in one pass: each candidate's M2 added to
-    the sum and one to the count of its bucket in ``histogram`` (float64, shape (BUCKETS +
-    BANK, 2): (sum, count) per bucket, added to; the BANK rows after the buckets take
-    non-candidates and are never read), ``trust`` (bool) and ``bucket`` (int16: M2's top
-    16 bits) written for every token. Returns the candidate count, the valid-token count
-    and whether every input on a valid token is finite."""
+                sums: torch.Tensor, counts: torch.Tensor, trust: torch.Tensor, bucket: torch.Tensor) -> tuple[int, int, bool]:
+    """The first radix level over every token in one pass: per bucket (M2's top 16 bits)
+    the candidates' M2 summed in index order into ``sums`` and counted into ``counts``
+    (float64, BUCKETS each, overwritten), ``trust`` (bool) and ``bucket`` (int16) written
+    for every token. Returns the candidate count, the valid-token count and whether every
+    input on a valid token is finite."""
     n = mask.numel()
     _check_tokens(n, logp.dtype, logp=logp, behavior_logp=behavior_logp, advantages=advantages)
     _require(logp.dtype in DTYPE_CODES, f"logp: expected float64, float32 or bfloat16, got {logp.dtype}")
     _check_tokens(n, torch.bool, mask=mask, trust=trust)
     _check_tokens(n, torch.int16, bucket=bucket)
-    _require(isinstance(histogram, torch.Tensor) and histogram.shape == (BUCKETS + BANK, 2) and histogram.dtype == torch.float64
-             and histogram.device.type == "cpu" and histogram.is_contiguous(),
-             f"histogram: expected a contiguous float64 CPU tensor of shape ({BUCKETS + BANK}, 2)")
+    _check_tokens(BUCKETS, torch.float64, sums=sums, counts=counts)
+    # The histogram's (sum, count) cells, the BANK after the buckets for non-candidates.
+    cells = getattr(_STATE, "cells", None)
+    if cells is None:
+        cells = _STATE.cells = torch.empty(BUCKETS + BANK, 2, dtype=torch.float64)
     return _extension.first_level(logp.data_ptr(), behavior_logp.data_ptr(), advantages.data_ptr(), mask.data_ptr(), n,
-                                 DTYPE_CODES[logp.dtype], histogram.data_ptr(), trust.data_ptr(), bucket.data_ptr())
+                                  DTYPE_CODES[logp.dtype], cells.data_ptr(), sums.data_ptr(), counts.data_ptr(), trust.data_ptr(),
+                                  bucket.data_ptr())
 
 
 def finish(bucket: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, *, below: int, alive: int | None, size: int,

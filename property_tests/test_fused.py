@@ -169,17 +169,18 @@ def test_the_wrappers_check_every_buffer_before_the_extension_touches_it():
         pytest.skip(f"the fused passes are not built: {fused.why_not_built()}")
     n = 64
     x, mask = torch.zeros(n), torch.ones(n, dtype=torch.bool)
-    histogram = torch.zeros(fused.BUCKETS + fused.BANK, 2, dtype=torch.float64)
+    sums, counts = torch.empty(fused.BUCKETS, dtype=torch.float64), torch.empty(fused.BUCKETS, dtype=torch.float64)
     trust, bucket = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.int16)
-    assert fused.first_level(x, x, x, mask, histogram, trust, bucket) == (0, n, True)
+    assert fused.first_level(x, x, x, mask, sums, counts, trust, bucket) == (0, n, True)
     wrong = {
         "bucket": dict(bucket=torch.empty(n - 1, dtype=torch.int16)),
         "trust": dict(trust=torch.empty(n, dtype=torch.uint8)),
-        "histogram": dict(histogram=torch.zeros(fused.BUCKETS, 2, dtype=torch.float64)),
+        "sums": dict(sums=torch.zeros(fused.BUCKETS - 1, dtype=torch.float64)),
+        "counts": dict(counts=torch.zeros(fused.BUCKETS, dtype=torch.float32)),
         "behavior_logp": dict(behavior_logp=torch.zeros(2 * n)[::2]),
         "advantages": dict(advantages=torch.zeros(n, dtype=torch.float64)),
     }
-    arguments = dict(logp=x, behavior_logp=x, advantages=x, mask=mask, histogram=histogram, trust=trust, bucket=bucket)
+    arguments = dict(logp=x, behavior_logp=x, advantages=x, mask=mask, sums=sums, counts=counts, trust=trust, bucket=bucket)
     for name, change in wrong.items():
         with pytest.raises(ValueError, match=f"^{name}: expected"):
             fused.first_level(**{**arguments, **change})
