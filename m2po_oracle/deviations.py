@@ -95,6 +95,24 @@ class Deviation:
 
 ALGORITHM_1 = Deviation()
 
+#: What each knob changes in the loss or its gradient beyond which tokens are kept: a
+#: diagnosis of a port whose adapter builds the loss and gradient (mask_only,
+#: mask_function) has not observed it, whatever the variant's description says.
+LOSS_EFFECTS = {
+    "denominator": "the loss's normaliser",
+    "ppo_clip": "PPO's clip on kept tokens",
+    "apply_mask": "whether the mask reaches the loss",
+    "masked_keep_value": "masked tokens keeping their loss value (zero gradient)",
+    "clamp_log_ratio": "the clamp of d in the loss",
+    "hard_clamp": "the clamp's zero gradient",
+    "selection_kind": "clipped tokens keeping their clipped value (zero gradient)",
+}
+
+
+def loss_effects(deviation: Deviation) -> list[str]:
+    """The effects on the loss and gradient (``LOSS_EFFECTS``) of the knobs ``deviation`` sets."""
+    return list(dict.fromkeys(words for knob, words in LOSS_EFFECTS.items() if getattr(deviation, knob) != getattr(ALGORITHM_1, knob)))
+
 #: Deviations visible only in behaviour, not in the values computed, by the check that shows them.
 BEHAVIOURAL = {
     "zero_padding_by_multiplying": "padding_immunity",

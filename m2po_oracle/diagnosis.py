@@ -40,7 +40,7 @@ import numpy as np
 from m2po_oracle import variants
 from m2po_oracle.batch import Batch
 from m2po_oracle.checks import result_field
-from m2po_oracle.deviations import ALGORITHM_1, JOINT_MOVES, VARIANTS, Deviation, combine, fitted_name, variant
+from m2po_oracle.deviations import ALGORITHM_1, JOINT_MOVES, VARIANTS, Deviation, combine, fitted_name, loss_effects, variant
 from m2po_oracle.equivalence import check_selection, coarser, compare_fields, same_up_to_ties
 from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 
@@ -534,6 +534,9 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
     for check in shares:
         shares[check].pop("residual", None)
     components = list(dict.fromkeys(n for names in by_check.values() for n in names))
+    # An adapter that builds the loss and gradient itself leaves what a deviation does to
+    # them unobserved: the evidence says so rather than let its description claim it.
+    unseen_loss = supplied is not None and not ({"loss", "grad"} & supplied)
     matches = []
     for name in components:
         explained = [c for c, names in by_check.items() if name in names]
@@ -546,7 +549,11 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
                         f"check {known.behaviour_check} failed" if known.is_behavioural else
                         "reproduces " + "; ".join(f"{field_of(c) or c} on {_share_text(shares[c])}" for c in explained if c in shares)
                         if counted else f"reproduces the port under the padding probes ({', '.join(explained)})")
-            matches.append({"variant": name, "description": known.description, "source": known.source, "evidence": evidence, "checks": explained})
+            unobserved = loss_effects(known.deviation) if unseen_loss and not known.is_behavioural else []
+            if unobserved:
+                evidence += f"; not observed: {', '.join(unobserved)} (the adapter builds the loss and gradient)"
+            matches.append({"variant": name, "description": known.description, "source": known.source, "evidence": evidence, "checks": explained,
+                            "unobserved": unobserved})
         else:
             matches.append({"variant": name, "description": (step_descriptions or {}).get(name, ""), "source": step_source,
                             "evidence": "reproduces every failing step", "checks": explained})

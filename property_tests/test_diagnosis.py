@@ -175,6 +175,24 @@ def test_only_the_fields_the_port_supplied_are_compared():
     assert row.diagnosed, row
 
 
+def test_what_a_deviation_does_to_a_loss_the_adapter_built_is_not_claimed():
+    """Named from the mask alone, AReaL's kept-count normaliser was never seen: the evidence
+    says so. With the port's own loss it is seen, and nothing is said."""
+    (control,) = select_controls(["areal_mask_function"])
+    runner = control.load()
+    runner.start()
+    try:
+        report = run_compare(runner, "control:areal_mask_function", examples=60, shrink=False)
+    finally:
+        runner.close()
+    (match,) = [m for m in report.diagnosis["matches"] if m["variant"] == "areal"]
+    assert match["unobserved"] == ["the loss's normaliser"]
+    assert match["evidence"].endswith("; not observed: the loss's normaliser (the adapter builds the loss and gradient)"), match["evidence"]
+    whole = run_compare(partial(planted, deviation=variant("areal").deviation), "areal", examples=60, shrink=False).diagnosis
+    (match,) = [m for m in whole["matches"] if m["variant"] == "areal"]
+    assert match["unobserved"] == [] and "not observed" not in match["evidence"]
+
+
 def test_each_counterexample_names_its_cause_and_the_checks_it_shows():
     composite = next(c for c in COMPOSITE_CONTROLS if c.name == "hard_clamp_leak")
     report = run_compare(composite.fn, composite.name, examples=100)
