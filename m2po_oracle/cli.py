@@ -627,7 +627,7 @@ def _print_diagnosis(console: Console, diagnosis: dict) -> None:
         if example.get("replay"):
             say(f"    replay: {example['replay']}")
     for alternative in diagnosis.get("alternatives", []):
-        say(f"  equally small: {' + '.join(alternative)} (the examples do not tell them apart)")
+        say(f"  equally small: {' + '.join(alternative)} ({diagnosis.get('alternatives_reason') or 'the examples do not tell them apart'})")
     for hint in diagnosis.get("hints", []):
         say(f"  hint: {hint['text']}" + (f"; to accept it: {hint['option']}" if hint.get("option") else ""))
     for finding in diagnosis.get("findings", []):

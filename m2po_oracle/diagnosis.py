@@ -40,7 +40,7 @@ import numpy as np
 from m2po_oracle import variants
 from m2po_oracle.batch import Batch
 from m2po_oracle.checks import result_field
-from m2po_oracle.deviations import ALGORITHM_1, JOINT_MOVES, VARIANTS, Deviation, combine, fitted_name, loss_effects, variant
+from m2po_oracle.deviations import ALGORITHM_1, JOINT_MOVES, LOSS_EFFECTS, VARIANTS, Deviation, combine, fitted_name, loss_effects, variant
 from m2po_oracle.equivalence import check_selection, coarser, compare_fields, same_up_to_ties
 from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 
@@ -569,12 +569,33 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         "unexplained": unexplained,
         "matches": matches,
         "alternatives": [list(a) for a in explanation.alternatives + step_alternatives],
+        "alternatives_reason": _why_alike(explanation, unseen_loss),
         # Leads only where a check is unexplained: beside a full or majority explanation, single
         # variants that each reproduce a few examples only distract from it and its residual.
         "closest": _closest(judge, output_variants, set(components), closest_by_check) if unexplained else [],
         "hints": _hints(by_check),
         "summary": summary(status, by_check, unexplained, shares),
     }
+
+
+#: Why equally small explanations stand side by side, unless something more precise holds.
+ALIKE = "the examples do not tell them apart"
+
+
+def _why_alike(explanation: Explanation, unseen_loss: bool) -> str:
+    """Equally small explanations that differ only in what they do to a loss and gradient
+    the adapter built cannot be told apart by any example: say so."""
+    chosen = merge(explanation.components)
+    if not unseen_loss or chosen is None or not explanation.alternatives:
+        return ALIKE
+    for alternative in explanation.alternatives:
+        other = merge(alternative)
+        if other is None:
+            return ALIKE
+        differing = {f.name for f in fields(Deviation) if getattr(chosen, f.name) != getattr(other, f.name)}
+        if not differing <= set(LOSS_EFFECTS):
+            return ALIKE
+    return "they differ only in the loss and gradient, which the adapter builds"
 
 
 def _known(name: str):

@@ -188,9 +188,13 @@ def test_what_a_deviation_does_to_a_loss_the_adapter_built_is_not_claimed():
     (match,) = [m for m in report.diagnosis["matches"] if m["variant"] == "areal"]
     assert match["unobserved"] == ["the loss's normaliser"]
     assert match["evidence"].endswith("; not observed: the loss's normaliser (the adapter builds the loss and gradient)"), match["evidence"]
+    # slime_pr is AReaL's selection with the mask never applied: no mask can tell them apart.
+    assert report.diagnosis["alternatives"] == [["slime_pr"]]
+    assert report.diagnosis["alternatives_reason"] == "they differ only in the loss and gradient, which the adapter builds"
     whole = run_compare(partial(planted, deviation=variant("areal").deviation), "areal", examples=60, shrink=False).diagnosis
     (match,) = [m for m in whole["matches"] if m["variant"] == "areal"]
     assert match["unobserved"] == [] and "not observed" not in match["evidence"]
+    assert whole["alternatives"] == [] and whole["alternatives_reason"] == diagnosis.ALIKE
 
 
 def test_each_counterexample_names_its_cause_and_the_checks_it_shows():

@@ -341,7 +341,8 @@ def test_explanation_box_comes_first_with_components_findings_hints_and_the_firs
         ("nan_padding_leak", *COMPONENTS["nan_padding_leak"], "padding_immunity")]
     assert "metrics.m2_after</span>: no known deviation reproduces this failure" in explanation
     alternatives = re.search(r'<p class="alternatives">(.*?)</p>', explanation, re.DOTALL).group(1)
-    assert re.sub(r"<[^>]+>", "", alternatives).split(":")[1].split() == ["slime_pr;", "hard_clamped_log_ratio", "+", "float32_metrics."]
+    assert re.sub(r"<[^>]+>", "", alternatives).split(":")[1].split() == ["slime_pr;", "hard_clamped_log_ratio", "+", "float32_metrics", "(the",
+                                                                          "examples", "do", "not", "tell", "them", "apart)."]
     assert "the loss is NaN on 12 batches whose inputs are finite on every valid token" in explanation and "non_finite_result" in explanation
     assert "every failure of metrics.m2_before fits float32 rounding: try <code>--compute-dtype float32</code>" in explanation
     # The first counterexample, with its cause linked to the component; the others stay below.
