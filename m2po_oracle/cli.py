@@ -633,7 +633,8 @@ def _print_diagnosis(console: Console, diagnosis: dict) -> None:
     for finding in diagnosis.get("findings", []):
         say(f"  finding: {finding['summary']}")
     if diagnosis.get("closest"):
-        say(f"  leads for the unexplained (searched on the first {diagnosis['examples_compared']} examples):")
+        searched = diagnosis.get("examples_searched", diagnosis["examples_compared"])
+        say(f"  leads for the unexplained (searched on the first {searched} of the {diagnosis['examples_compared']} examples compared):")
         for c in diagnosis["closest"]:
             if c.get("check"):  # the explanation's own share, below the threshold that names it
                 say(f"  - {c['variant']}: {c['description']}")

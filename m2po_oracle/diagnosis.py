@@ -473,7 +473,9 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
     sample = len(observations)
     observations += list(more_failing)
     failed = list(dict.fromkeys(failed_checks))
-    empty = {"examples_compared": len(observations), "components": [], "by_check": {}, "shares": {}, "residuals": [], "unexplained": [],
+    # examples_searched: the sample the search and the leads ran on; examples_compared: every
+    # observation the shares count (the sample and the failing examples beyond it).
+    empty = {"examples_compared": len(observations), "examples_searched": sample, "components": [], "by_check": {}, "shares": {}, "residuals": [], "unexplained": [],
              "matches": [], "alternatives": [], "closest": [], "findings": list(findings), "hints": [], "summary": ""}
     if not divergent:
         return {"status": "not_needed", **empty}

@@ -283,6 +283,33 @@ def test_a_move_adds_a_variant_with_what_it_only_acts_with():
     assert frozenset({"clip_floors"}) in moves
 
 
+def test_the_search_s_sample_and_the_examples_the_shares_count_are_told_apart():
+    """The search runs on a sample; the shares count every failing example beyond it too.
+    The report says both numbers, never the larger one as the search's."""
+    from m2po_oracle.batch import Batch
+    from m2po_oracle.report.html import render_html
+
+    rng = np.random.default_rng(3)
+    batches = [Batch(rng.normal(0, 0.3, (2, 6)) - 1.0, np.full((2, 6), -1.0), rng.choice([-1.0, 1.0], (2, 6)), np.ones((2, 6), bool), 0.02)
+               for _ in range(7)]
+    observations = [diagnosis.Observation(b, variants.m2po(b, variant("one_extra_removed").deviation)) for b in batches]
+    d = diagnosis.diagnose(observations[:4], ["selection.minimal"], dtype="float64", divergent=True, more_failing=observations[4:])
+    assert (d["examples_searched"], d["examples_compared"]) == (4, 7)
+    report = run_compare(partial(planted, deviation=variant("one_extra_removed").deviation), "extra", examples=40, shrink=False)
+    report.diagnosis = {**report.diagnosis, "examples_searched": 4, "examples_compared": 7}
+    html = render_html(report.to_json())
+    assert "(7 example(s) compared; the deviations searched on the first 4, each share counting all 7)" in html
+    import io
+
+    from rich.console import Console
+
+    from m2po_oracle.cli import _print_diagnosis
+
+    out = io.StringIO()
+    _print_diagnosis(Console(file=out, width=300), {**report.diagnosis, "closest": [{"variant": "v", "description": "d", "check": "c"}]})
+    assert "leads for the unexplained (searched on the first 4 of the 7 examples compared):" in out.getvalue()
+
+
 def test_a_fitted_value_is_a_name_the_vocabulary_reads_back():
     fitted = variant("clip_floors(0.2, 0.28)")
     assert fitted.deviation.clip_floors == (0.2, 0.28) and "1 + 0.28" in fitted.description

@@ -425,6 +425,7 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
         "note": _DIAGNOSIS_NOTE.get(status, ""),
         "summary": summary or _DIAGNOSIS_TEXT.get(status, "" if status in _DIAGNOSIS_WORD else "Diagnosis status not recognised."),
         "examples_compared": _fmt(d.get("examples_compared")),
+        "examples_searched": _fmt(d.get("examples_searched")) if d.get("examples_searched") not in (None, d.get("examples_compared")) else None,
         "components": [entry(name) for name in components],
         "others": [entry(name) for name in described if name not in components],
         "by_check": by_check,
