@@ -123,6 +123,20 @@ def test_large_batches_agree_bit_for_bit(case, dtype, finish):
     assert calls == 1
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case", LARGE)
+def test_large_batches_through_the_fused_passes_pass_the_battery(case, dtype):
+    """Bit for bit the torch operators is not yet right: the battery holds the fused
+    forward at 65,536 tokens to Algorithm 1 (the oracle), as compare holds small batches."""
+    if not fused.built():
+        pytest.skip(f"the fused passes are not built: {fused.why_not_built()}")
+    from m2po_oracle.battery import assert_battery_passes
+
+    with mock.patch.object(fused, "first_level", wraps=fused.first_level) as spy:
+        assert_battery_passes(m2po_loss, _large_batch(**LARGE[case]), impl="core", dtype=dtype)
+    assert spy.call_count >= 1, "the battery's calls did not take the fused passes"
+
+
 @pytest.mark.parametrize("argument, value", [("logp", float("nan")), ("behavior_logp", float("inf")), ("advantages", float("-inf"))])
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 def test_a_non_finite_valid_token_is_refused_with_the_same_message(argument, value, dtype):
