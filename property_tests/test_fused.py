@@ -137,6 +137,36 @@ def test_large_batches_through_the_fused_passes_pass_the_battery(case, dtype):
     assert spy.call_count >= 1, "the battery's calls did not take the fused passes"
 
 
+def test_threads_running_the_fused_forward_at_once_get_their_own_results():
+    """The C passes release the GIL and their scratch is per thread: forwards running at
+    once in several threads give each the result it gets alone."""
+    if not fused.built():
+        pytest.skip(f"the fused passes are not built: {fused.why_not_built()}")
+    import threading
+
+    batches = [to_tensors(_large_batch(10 + i, (64, 4096), tau=0.02 * (i + 1)), "float32") for i in range(4)]
+    alone = [m2po_loss(**t, tau=0.02 * (i + 1)) for i, t in enumerate(batches)]
+    together: dict[int, list[CoreResult]] = {i: [] for i in range(len(batches))}
+    start = threading.Barrier(len(batches))
+
+    def run(i: int) -> None:
+        start.wait()
+        for _ in range(8):
+            together[i].append(m2po_loss(**batches[i], tau=0.02 * (i + 1)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i, expected in enumerate(alone):
+        assert len(together[i]) == 8, f"batch {i}: a thread failed"
+        for repeat, result in enumerate(together[i]):
+            for name in ["loss", *FIELDS]:
+                assert torch.equal(getattr(result, name), getattr(expected, name)), \
+                    f"batch {i}, repeat {repeat}: {name} differs when run beside other threads"
+
+
 @pytest.mark.parametrize("argument, value", [("logp", float("nan")), ("behavior_logp", float("inf")), ("advantages", float("-inf"))])
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 def test_a_non_finite_valid_token_is_refused_with_the_same_message(argument, value, dtype):
