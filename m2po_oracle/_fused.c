@@ -29,7 +29,11 @@
 /* Input dtypes (fused.py's codes). */
 enum { F64 = 0, F32 = 1, BF16 = 2 };
 
-#if (defined(__x86_64__) || defined(_M_X64)) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#if defined(M2PO_FUSED_ONE_TARGET)
+/* One build for the compiler's own target flags (the tests build SSE2 and AVX2 this way,
+ * to hold every clone to the same bits on a machine that would pick AVX-512). */
+#define VECTOR_CLONES
+#elif (defined(__x86_64__) || defined(_M_X64)) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 /* The elementwise passes in AVX-512 (x86-64-v4: its byte and word instructions make the
  * first level 1.45 -> 1.1 ms at 1M tokens beside AVX-512F alone) or AVX2 where the CPU has
  * them, SSE2 otherwise, chosen at load; the results are the same bits (no instruction

@@ -167,6 +167,39 @@ def test_threads_running_the_fused_forward_at_once_get_their_own_results():
                     f"batch {i}, repeat {repeat}: {name} differs when run beside other threads"
 
 
+@pytest.mark.parametrize("flags", [["-msse2", "-mno-avx"], ["-mavx2"]], ids=["SSE2", "AVX2"])
+def test_every_instruction_set_s_build_gives_the_same_bits(flags, tmp_path):
+    """The extension picks its AVX-512, AVX2 or SSE2 clone at load: this machine runs one.
+    The others, built alone with the extension's flags, must give the torch operators' bits."""
+    if not fused.built():
+        pytest.skip(f"the fused passes are not built: {fused.why_not_built()}")
+    import importlib.machinery
+    import importlib.util
+    import platform
+    import subprocess
+    from pathlib import Path
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the instruction-set clones are x86-64's")
+    source = Path(fused.__file__).with_name("_fused.c")
+    if not source.exists():
+        pytest.skip("an installed wheel: the extension's source is not here")
+    target = tmp_path / f"_fused{sysconfig.get_config_var('EXT_SUFFIX')}"
+    compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    subprocess.run([*compiler, "-O3", "-ffp-contract=off", *flags, "-DM2PO_FUSED_ONE_TARGET", "-shared", "-fPIC",
+                    f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(target)], check=True, capture_output=True)
+    loader = importlib.machinery.ExtensionFileLoader("m2po_oracle._fused", str(target))
+    built = importlib.util.module_from_spec(importlib.util.spec_from_loader("m2po_oracle._fused", loader))
+    loader.exec_module(built)
+    with mock.patch.object(fused, "_extension", built):
+        for case in ("crossing bucket sorted", "exact ties at the cut", "NaN padding"):
+            for dtype in ("float64", "float32", "bfloat16"):
+                batch = _large_batch(**LARGE[case])
+                results, calls = _both_ways(to_tensors(batch, dtype), batch.tau)
+                _assert_identical(results, f"{case}, {dtype}, built with {' '.join(flags)}")
+                assert calls == 1
+
+
 @pytest.mark.parametrize("argument, value", [("logp", float("nan")), ("behavior_logp", float("inf")), ("advantages", float("-inf"))])
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 def test_a_non_finite_valid_token_is_refused_with_the_same_message(argument, value, dtype):
