@@ -457,7 +457,8 @@ def _select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     ``kept_candidates`` finishes (the same result to the last bit), and so is a crossing
     bucket of up to SMALL values; a larger crossing bucket is sorted (up to SORT_AT_MOST
     values) or goes through the remaining radix levels, both exact up to float64 rounding
-    at tau.
+    at tau. Where ``uses_fused_passes``, the first level and the finish's pass over every
+    token are the extension's (``m2po_oracle.fused``), with the same results to the last bit.
     """
     if mask.numel() <= fast_selection.SMALL:
         d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
@@ -473,18 +474,18 @@ def _select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     crossing_size = torch.where(crossing < BUCKETS, descent.tied_count, 0).to(torch.int64)
     # Non-candidates have buckets too: only candidates are compared with it.
     cut_bucket = crossing.clamp(max=_ABOVE_EVERY_BUCKET)
-    # The forward's one host synchronisation: the verdict, the crossing bucket's size and
-    # the candidate count (the fused pass returned it: the crossing bucket) in one int64
-    # (-1: not finite).
+    # The forward's one host synchronisation, one int64 (-1: not finite): the verdict, the
+    # crossing bucket's size, and above them the candidate count, or with the fused passes
+    # (which returned that count to the host already) the crossing bucket itself.
     packed = ((cut_bucket if fuse else first.trust_count) << 32) | crossing_size
     read = int(torch.where(torch.isfinite(first.checksum), packed, -1).item())
     if read < 0:
         on_invalid()
         # Finite float64 inputs whose d or sums overflow (beyond 1.8e308): one more read, and on.
         read = int(packed.item())
-    size, candidates, below = read & 0xFFFFFFFF, read >> 32, None
+    size, candidates, crossing_bucket = read & 0xFFFFFFFF, read >> 32, None
     if fuse:
-        candidates, below = fused_candidates, candidates
+        candidates, crossing_bucket = fused_candidates, candidates
     trust = first.trust
     if candidates <= fast_selection.SMALL:
         # As kept_candidates selects so few: the same result to the last bit.
@@ -497,7 +498,7 @@ def _select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     else:
         if fuse:
             keep = torch.empty_like(mask)
-            alive = fused.finish(first.bucket, trust, mask, below=below, alive=below, size=size, keep=keep)
+            alive = fused.finish(first.bucket, trust, mask, below=crossing_bucket, alive=crossing_bucket, size=size, keep=keep)
         else:
             in_crossing = torch.eq(first.bucket, cut_bucket).logical_and_(trust)
             alive = torch.nonzero_static(in_crossing, size=size).reshape(-1)
