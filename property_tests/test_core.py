@@ -296,3 +296,26 @@ def test_a_crossing_bucket_shared_with_non_candidates_gathers_candidates_only(ta
     expected[trust] = kept_candidates_by_sorting(d_seen[trust] ** 2, tau)
     assert torch.equal(selection.keep, expected), f"{int((selection.keep != expected).sum())} tokens differ"
     assert int(selection.trust_region_count) == int(trust.sum()) and int(selection.kept_trust_region_count) == int(expected[trust].sum())
+
+
+@pytest.mark.parametrize("passes", PASSES)
+@pytest.mark.parametrize("argument", ["behavior_logp", "advantages"])
+def test_writing_into_an_input_before_the_backward_never_changes_the_gradient(argument, passes):
+    """The loss's backward recomputes its terms from the inputs it saved: an input written
+    into between the forward and the backward must make it raise (autograd's in-place
+    check) or leave the gradient the forward's, never give one of values it did not see."""
+    generator = torch.Generator().manual_seed(0)
+    logp = torch.randn(8, 1024, generator=generator).requires_grad_(True)
+    tensors = {"behavior_logp": logp.detach() + 0.1 * torch.randn(8, 1024, generator=generator),
+               "advantages": torch.sign(torch.randn(8, 1024, generator=generator))}
+    mask = torch.ones(8, 1024, dtype=torch.bool)
+    with core_passes(passes):
+        (expected,) = torch.autograd.grad(m2po_loss(logp, **tensors, mask=mask, tau=0.04).loss, logp)
+        result = m2po_loss(logp, **tensors, mask=mask, tau=0.04)
+        tensors[argument].mul_(2.0)
+        try:
+            (grad,) = torch.autograd.grad(result.loss, logp)
+        except RuntimeError as error:
+            assert "modified by an inplace operation" in str(error), error
+        else:
+            assert torch.equal(grad, expected), "the backward used the input as written after the forward"
