@@ -203,12 +203,16 @@ static PyObject *finish(PyObject *self, PyObject *args) {
         finish_block(bucket + start, trust + start, mask + start, size, (int32_t)below, (int32_t)alive,
                      (uint8_t)every_candidate, keep + start, open);
         /* The tokens to decide are few (a bucket's, or at most SMALL candidates): eight
-         * flags are tested at once, and only a word with one looks at its bytes. */
+         * flags are tested at once, and only a word with one looks at its bytes, in index
+         * order (whatever the machine's byte order). */
         for (int64_t j = 0; j < size; j += 8) {
+            int64_t width = size - j < 8 ? size - j : 8;
             uint64_t word = 0;
-            memcpy(&word, open + j, (size_t)(size - j < 8 ? size - j : 8));
-            for (int64_t k = j; word; k++, word >>= 8) {
-                if (word & 0xFF) {
+            memcpy(&word, open + j, (size_t)width);
+            if (!word)
+                continue;
+            for (int64_t k = j; k < j + width; k++) {
+                if (open[k]) {
                     if (found < capacity)
                         positions[found] = start + k;
                     found++;

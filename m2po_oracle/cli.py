@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from m2po_oracle import options
+from m2po_oracle.diagnosis import ALIKE
 
 EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_UNUSABLE = 0, 1, 2
 #: Ctrl-C: the partial report is written, as the shell's convention for SIGINT.
@@ -627,7 +628,7 @@ def _print_diagnosis(console: Console, diagnosis: dict) -> None:
         if example.get("replay"):
             say(f"    replay: {example['replay']}")
     for alternative in diagnosis.get("alternatives", []):
-        say(f"  equally small: {' + '.join(alternative)} ({diagnosis.get('alternatives_reason') or 'the examples do not tell them apart'})")
+        say(f"  equally small: {' + '.join(alternative)} ({diagnosis.get('alternatives_reason') or ALIKE})")
     for hint in diagnosis.get("hints", []):
         say(f"  hint: {hint['text']}" + (f"; to accept it: {hint['option']}" if hint.get("option") else ""))
     for finding in diagnosis.get("findings", []):

@@ -486,33 +486,37 @@ def _select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     size, candidates, crossing_bucket = read & 0xFFFFFFFF, read >> 32, None
     if fuse:
         candidates, crossing_bucket = fused_candidates, candidates
-    trust = first.trust
-    if candidates <= fast_selection.SMALL:
-        # As kept_candidates selects so few: the same result to the last bit.
-        if fuse:
-            keep = torch.empty_like(mask)
-            alive = fused.finish(first.bucket, trust, mask, below=0, alive=None, size=candidates, keep=keep)
-        else:
-            keep, alive = torch.zeros_like(mask), torch.nonzero_static(trust, size=candidates).reshape(-1)
-        cut, kept_sum, candidate_sum = _sorted_finish(_m2_at(logp, behavior_logp, alive), alive, candidates, tau, keep)
+    small = candidates <= fast_selection.SMALL  # as kept_candidates selects so few: the same result to the last bit
+    keep, alive = _undecided(first, mask, size=candidates if small else size,
+                             crossing=None if small else crossing_bucket if fuse else cut_bucket, fuse=fuse)
+    values = _m2_at(logp, behavior_logp, alive)
+    if small:
+        cut, kept_sum, candidate_sum = _sorted_finish(values, alive, candidates, tau, keep)
     else:
-        if fuse:
-            keep = torch.empty_like(mask)
-            alive = fused.finish(first.bucket, trust, mask, below=crossing_bucket, alive=crossing_bucket, size=size, keep=keep)
-        else:
-            in_crossing = torch.eq(first.bucket, cut_bucket).logical_and_(trust)
-            alive = torch.nonzero_static(in_crossing, size=size).reshape(-1)
-            # Candidates below the crossing bucket are kept (in the same buffer: a fresh
-            # token-sized one is page faults on CPU).
-            keep = torch.lt(first.bucket, cut_bucket, out=in_crossing).logical_and_(trust)
-        cut = cut_of_crossing_bucket(_m2_at(logp, behavior_logp, alive), tau, descent)
+        cut = cut_of_crossing_bucket(values, tau, descent)
         keep.index_put_((alive,), cut.kept)
         kept_sum, candidate_sum = cut.kept_sum, first.sums.sum()
-    if not fuse:
-        # kept is within trust, trust within mask: keep = (mask and not trust) or kept
-        # (computed in kept's own buffer).
-        keep.bitwise_xor_(trust).bitwise_xor_(mask)
     return _selection(keep, mask, valid_count, first.trust_count, cut.kept_count, candidate_sum, kept_sum)
+
+
+def _undecided(first: _FirstLevel, mask: torch.Tensor, *, size: int, crossing: torch.Tensor | int | None, fuse: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keep mask of every token but ``alive``: the ``size`` candidates still to decide,
+    in index order, those in bucket ``crossing`` (an int with the fused passes, a 0-d tensor
+    without), or every candidate where it is None. Candidates below the crossing bucket are
+    kept and those above it removed; a token outside the trust region is kept where valid."""
+    if fuse:
+        keep = torch.empty_like(mask)
+        return keep, fused.finish(first.bucket, first.trust, mask, crossing=crossing, size=size, keep=keep)
+    trust = first.trust
+    # Kept candidates are within trust, trust within mask: keep = (mask and not trust) or kept.
+    if crossing is None:
+        return torch.bitwise_xor(trust, mask), torch.nonzero_static(trust, size=size).reshape(-1)
+    in_crossing = torch.eq(first.bucket, crossing).logical_and_(trust)
+    alive = torch.nonzero_static(in_crossing, size=size).reshape(-1)
+    # In the same buffer: a fresh token-sized one is page faults on CPU.
+    keep = torch.lt(first.bucket, crossing, out=in_crossing).logical_and_(trust).bitwise_xor_(trust).bitwise_xor_(mask)
+    return keep, alive
 
 
 def _select_few(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, tau: float,
@@ -530,10 +534,10 @@ def _select_few(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, v
         read = int(trust_count.item())
     m2 = d.mul_(d)
     alive = torch.nonzero_static(trust, size=read).reshape(-1)
-    keep = torch.zeros_like(mask)
+    # Kept candidates are within trust, trust within mask: keep = (mask and not trust) or kept.
+    keep = torch.bitwise_xor(trust, mask)
     cut, kept_sum, candidate_sum = _sorted_finish(m2.index_select(0, alive), alive, read, tau, keep)
-    # kept is within trust, trust within mask: keep = (mask and not trust) or kept.
-    return _selection(keep.bitwise_xor_(trust).bitwise_xor_(mask), mask, valid_count, trust_count, cut.kept_count, candidate_sum, kept_sum)
+    return _selection(keep, mask, valid_count, trust_count, cut.kept_count, candidate_sum, kept_sum)
 
 
 def _sorted_finish(values: torch.Tensor, alive: torch.Tensor, count: int, tau: float, into: torch.Tensor
@@ -669,10 +673,8 @@ class _KeptRatioLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
                 denominator: torch.Tensor) -> torch.Tensor:
-        compute_dtype, n = denominator.dtype, keep.numel()
-        terms = _KeptTerms(logp, behavior_logp, advantages, keep, compute_dtype)
-        total = torch.zeros((), dtype=compute_dtype, device=keep.device)
-        for start, end, ratio, weight in terms.chunks():
+        total = torch.zeros((), dtype=denominator.dtype, device=keep.device)
+        for _, _, ratio, weight in _kept_terms(logp, behavior_logp, advantages, keep, denominator.dtype):
             total += ratio.mul_(weight).sum()
         ctx.save_for_backward(logp, behavior_logp, advantages, keep, denominator)
         return -total / denominator
@@ -683,50 +685,40 @@ class _KeptRatioLoss(torch.autograd.Function):
         logp, behavior_logp, advantages, keep, denominator = ctx.saved_tensors
         gradient = torch.empty(keep.numel(), dtype=denominator.dtype, device=keep.device)
         scale = -(grad / denominator)
-        for start, end, ratio, weight in _KeptTerms(logp, behavior_logp, advantages, keep, denominator.dtype).chunks():
+        for start, end, ratio, weight in _kept_terms(logp, behavior_logp, advantages, keep, denominator.dtype):
             # In autograd's order (division, negation, A, then exp's result): the same bits.
             torch.mul(scale, weight, out=gradient[start:end]).mul_(ratio)
         return gradient.to(logp.dtype), None, None, None, None
 
 
-@dataclass(frozen=True)
-class _KeptTerms:
-    """The loss's terms chunk by chunk (the whole batch in one chunk off the CPU): exp of
-    the log-ratio where kept (exp(+0) = 1 elsewhere) and A where kept (+0 elsewhere), in
-    the compute dtype, in the thread's scratch (valid until the next chunk)."""
-
-    logp: torch.Tensor
-    behavior_logp: torch.Tensor
-    advantages: torch.Tensor
-    keep: torch.Tensor
-    compute_dtype: torch.dtype
-
-    def chunks(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        logp, behavior_logp, advantages, keep, compute_dtype = (self.logp, self.behavior_logp, self.advantages, self.keep,
-                                                                self.compute_dtype)
-        n = keep.numel()
-        bits_dtype = torch.int64 if compute_dtype == torch.float64 else torch.int32
-        scratch = _Scratch.for_device(keep.device, n)
-        # The scratch's float64 and int64 buffers seen as chunk-sized buffers of the compute width.
-        ratios, weights = (buffer.view(compute_dtype)[: scratch.chunk] for buffer in (scratch.d, scratch.other))
-        bits = scratch.bits.view(bits_dtype)[: scratch.chunk]
-        fuse = fused.applies(logp, behavior_logp, advantages, keep)
-        for start in range(0, n, scratch.chunk):
-            end = min(start + scratch.chunk, n)
-            r, w = ratios[: end - start], weights[: end - start]
-            if fuse:  # the chunk's masked terms in one pass
-                fused.loss_terms(logp[start:end], behavior_logp[start:end], advantages[start:end], keep[start:end], r, w)
+def _kept_terms(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
+                compute_dtype: torch.dtype) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """The loss's terms chunk by chunk (the whole batch in one chunk off the CPU): each
+    chunk's bounds, exp of the log-ratio where kept (exp(+0) = 1 elsewhere) and A where kept
+    (+0 elsewhere), in the compute dtype, in the thread's scratch (valid until the next chunk)."""
+    n = keep.numel()
+    bits_dtype = torch.int64 if compute_dtype == torch.float64 else torch.int32
+    scratch = _Scratch.for_device(keep.device, n)
+    # The scratch's float64 and int64 buffers seen as chunk-sized buffers of the compute width.
+    ratios, weights = (buffer.view(compute_dtype)[: scratch.chunk] for buffer in (scratch.d, scratch.other))
+    bits = scratch.bits.view(bits_dtype)[: scratch.chunk]
+    fuse = fused.applies(logp, behavior_logp, advantages, keep)
+    for start in range(0, n, scratch.chunk):
+        end = min(start + scratch.chunk, n)
+        r, w = ratios[: end - start], weights[: end - start]
+        if fuse:  # the chunk's masked terms in one pass
+            fused.loss_terms(logp[start:end], behavior_logp[start:end], advantages[start:end], keep[start:end], r, w)
+        else:
+            if logp.dtype == behavior_logp.dtype == compute_dtype:
+                torch.sub(logp[start:end], behavior_logp[start:end], out=r)
             else:
-                if logp.dtype == behavior_logp.dtype == compute_dtype:
-                    torch.sub(logp[start:end], behavior_logp[start:end], out=r)
-                else:
-                    r.copy_(logp[start:end]).sub_(behavior_logp[start:end].to(compute_dtype))
-                # All-ones bits where kept, 0 where dropped: ANDed into a float, it keeps the
-                # value or makes it +0, so padding NaN/inf never meets the loss or the backward.
-                kept_bits = bits[: end - start].copy_(keep[start:end].view(torch.uint8)).neg_()
-                r.view(bits_dtype).bitwise_and_(kept_bits)
-                w.copy_(advantages[start:end]).view(bits_dtype).bitwise_and_(kept_bits)
-            yield start, end, r.exp_(), w
+                r.copy_(logp[start:end]).sub_(behavior_logp[start:end].to(compute_dtype))
+            # All-ones bits where kept, 0 where dropped: ANDed into a float, it keeps the
+            # value or makes it +0, so padding NaN/inf never meets the loss or the backward.
+            kept_bits = bits[: end - start].copy_(keep[start:end].view(torch.uint8)).neg_()
+            r.view(bits_dtype).bitwise_and_(kept_bits)
+            w.copy_(advantages[start:end]).view(bits_dtype).bitwise_and_(kept_bits)
+        yield start, end, r.exp_(), w
 
 
 def loss_from_selection(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,

@@ -106,6 +106,7 @@ LOSS_EFFECTS = {
     "clamp_log_ratio": "the clamp of d in the loss",
     "hard_clamp": "the clamp's zero gradient",
     "selection_kind": "clipped tokens keeping their clipped value (zero gradient)",
+    "ratio_inverted": "the inverted ratio in the loss",
 }
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from m2po_oracle.fast_selection import BUCKETS
+
 #: The extension's argument conventions this module calls (its INTERFACE constant).
 INTERFACE = 2
 
@@ -45,8 +47,6 @@ _extension, _IMPORT_ERROR = _load()
 
 #: The extension's dtype codes.
 DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2}
-#: Buckets of the first level (16-bit digits), as ``fast_selection.BUCKETS``.
-BUCKETS = 1 << 16
 #: Histogram cells after the buckets for non-candidates (never read), as the extension's BANK.
 BANK = 256
 
@@ -127,22 +127,24 @@ def first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: tor
                                   bucket.data_ptr())
 
 
-def finish(bucket: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, *, below: int, alive: int | None, size: int,
+def finish(bucket: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, *, crossing: int | None, size: int,
            keep: torch.Tensor) -> torch.Tensor:
     """The selection's pass over every token once the first level's cut is known: writes
-    ``keep`` = mask and (not a candidate, or a candidate whose bucket is < ``below``) and
-    returns the positions, in index order, of the ``size`` candidates still to decide
-    (those in bucket ``alive``; every candidate when ``alive`` is None)."""
+    ``keep`` = mask and (not a candidate, or a candidate whose bucket is below ``crossing``)
+    and returns the positions, in index order, of the ``size`` candidates still to decide:
+    those in bucket ``crossing``, or every candidate (none kept yet) where it is None."""
     n = mask.numel()
     _check_tokens(n, torch.bool, trust=trust, mask=mask, keep=keep)
     _check_tokens(n, torch.int16, bucket=bucket)
     _require(0 <= size <= n, f"size: expected 0 .. {n}, got {size}")
     positions = torch.empty(size, dtype=torch.int64)
-    found = _extension.finish(bucket.data_ptr(), trust.data_ptr(), mask.data_ptr(), n, below, -1 if alive is None else alive,
-                              alive is None, keep.data_ptr(), positions.data_ptr(), size)
+    # Every candidate to decide: none is below bucket 0 (a candidate's M2 is >= +0).
+    below, alive = (0, -1) if crossing is None else (crossing, crossing)
+    found = _extension.finish(bucket.data_ptr(), trust.data_ptr(), mask.data_ptr(), n, below, alive, crossing is None, keep.data_ptr(),
+                              positions.data_ptr(), size)
     if found != size:
         raise RuntimeError(f"fused finish: {found} candidates to decide where the first level counted {size}")
-    return positions[:size]
+    return positions
 
 
 def loss_terms(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,

@@ -195,6 +195,10 @@ def test_what_a_deviation_does_to_a_loss_the_adapter_built_is_not_claimed():
     (match,) = [m for m in whole["matches"] if m["variant"] == "areal"]
     assert match["unobserved"] == [] and "not observed" not in match["evidence"]
     assert whole["alternatives"] == [] and whole["alternatives_reason"] == diagnosis.ALIKE
+    # Every knob said to act on the loss is one the judge compares the loss by.
+    from m2po_oracle.deviations import LOSS_EFFECTS
+
+    assert set(LOSS_EFFECTS) <= set(diagnosis.OBJECTIVE_KNOBS), set(LOSS_EFFECTS) - set(diagnosis.OBJECTIVE_KNOBS)
 
 
 def test_each_counterexample_names_its_cause_and_the_checks_it_shows():

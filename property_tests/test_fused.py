@@ -265,12 +265,12 @@ def test_the_wrappers_check_every_buffer_before_the_extension_touches_it():
         fused.first_level(**{**arguments, "logp": x.half(), "behavior_logp": x.half(), "advantages": x.half()})
     keep = torch.empty(n, dtype=torch.bool)
     with pytest.raises(ValueError, match="^keep: expected"):
-        fused.finish(bucket, trust, mask, below=0, alive=None, size=0, keep=torch.empty(n + 1, dtype=torch.bool))
+        fused.finish(bucket, trust, mask, crossing=None, size=0, keep=torch.empty(n + 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="^size: expected"):
-        fused.finish(bucket, trust, mask, below=0, alive=None, size=n + 1, keep=keep)
+        fused.finish(bucket, trust, mask, crossing=None, size=n + 1, keep=keep)
     # A size that disagrees with the data is an error, not a short or overlong write.
     trust.fill_(True)
     with pytest.raises(RuntimeError, match="64 candidates to decide where the first level counted 3"):
-        fused.finish(bucket, trust, mask, below=0, alive=None, size=3, keep=keep)
+        fused.finish(bucket, trust, mask, crossing=None, size=3, keep=keep)
     with pytest.raises(ValueError, match="^ratio: expected"):
         fused.loss_terms(x, x, x, keep, torch.empty(n, dtype=torch.float64), torch.empty(n))

@@ -23,6 +23,7 @@ from typing import Any
 import jinja2
 
 from m2po_oracle.coverage import percent
+from m2po_oracle.diagnosis import ALIKE
 
 __all__ = ["render_html", "write_html"]
 
@@ -432,7 +433,7 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
         "unexplained": [c for c in _names(d.get("unexplained")) if c not in passed],
         "anchors": anchors,
         "alternatives": [[_linked(name, anchors) for name in _names(alt)] for alt in _list(d.get("alternatives")) if _names(alt)],
-        "alternatives_reason": _text(d.get("alternatives_reason")) if d.get("alternatives_reason") else "the examples do not tell them apart",
+        "alternatives_reason": _text(d.get("alternatives_reason")) if d.get("alternatives_reason") else ALIKE,
         "findings": [{"kind": _text(f.get("kind")), "checks": _names(f.get("checks")), "summary": _text(f.get("summary"))}
                      for f in map(_mapping, _list(d.get("findings")))],
         "hints": [{"checks": _names(h.get("checks")), "text": _text(h.get("text")),
