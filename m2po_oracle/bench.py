@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from m2po_oracle import fused
-from m2po_oracle.core import CPU_CHUNK, m2po_loss, uses_fused_passes
+from m2po_oracle.core import CPU_CHUNK, m2po_loss
 from m2po_oracle.fast_selection import BUCKETS, DIGIT_BITS, kept_candidates, kept_candidates_by_sorting
 from m2po_oracle.host_syncs import count_host_syncs
 from m2po_oracle.runner import check_device
@@ -135,7 +135,9 @@ def measure_size(tokens: int, *, repeats: int, device: str, tau: float) -> dict[
         "passes": _essential_passes(batch, trust),
     }
     radix = methods["radix"]()
+    ran_before = fused.first_levels_run()
     result, counter = count_host_syncs(forward)
+    fused_ran = fused.first_levels_run() > ran_before  # what the counted forward did, not what it should do
     torch_only = unfused()
     identical = (bool(torch.equal(methods["sort"](), radix)) and bool(torch.equal(result.keep.reshape(-1)[trust], radix))
                  and bool(torch.equal(torch_only.keep, result.keep)) and bool(torch.equal(torch_only.loss, result.loss)))
@@ -163,7 +165,7 @@ def measure_size(tokens: int, *, repeats: int, device: str, tau: float) -> dict[
         "forward_over_passes": bests["forward"] / bests["passes"],
         "passes_over_selection": bests["passes"] / bests["radix"],
         "unfused_over_forward": bests["unfused"] / bests["forward"],
-        "fused": uses_fused_passes(batch["logp"], batch["behavior_logp"], batch["advantages"], batch["mask"]),
+        "fused": fused_ran,
         "syncs_per_forward": counter.total, "syncs": dict(counter.syncs),
         "operators_per_forward": sum(counter.operators.values()),
     }

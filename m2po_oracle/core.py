@@ -436,14 +436,6 @@ def _m2_at(logp: torch.Tensor, behavior_logp: torch.Tensor, index: torch.Tensor)
     return d.mul_(d)
 
 
-def uses_fused_passes(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether a single-process selection over these tensors runs the fused CPU passes
-    (``m2po_oracle.fused``) rather than torch operators: more than SMALL tokens (a smaller
-    batch skips the first level), on the CPU, contiguous, one dtype the passes take."""
-    flat = [x.detach().reshape(-1) for x in (logp, behavior_logp, advantages, mask)]
-    return mask.numel() > fast_selection.SMALL and fused.applies(*flat)
-
-
 @torch.no_grad()
 def _select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float,
                   on_invalid: Callable[[], None]) -> Selection:
@@ -457,13 +449,13 @@ def _select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     ``kept_candidates`` finishes (the same result to the last bit), and so is a crossing
     bucket of up to SMALL values; a larger crossing bucket is sorted (up to SORT_AT_MOST
     values) or goes through the remaining radix levels, both exact up to float64 rounding
-    at tau. Where ``uses_fused_passes``, the first level and the finish's pass over every
+    at tau. Where ``fused.applies``, the first level and the finish's pass over every
     token are the extension's (``m2po_oracle.fused``), with the same results to the last bit.
     """
     if mask.numel() <= fast_selection.SMALL:
         d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
         return _select_few(d, a, mask, torch.count_nonzero(mask), tau, on_invalid)
-    fuse = uses_fused_passes(logp, behavior_logp, advantages, mask)
+    fuse = fused.applies(logp, behavior_logp, advantages, mask)  # on the CPU, contiguous, one dtype the passes take
     if fuse:
         first, fused_candidates, valid = _first_level_fused(logp, behavior_logp, advantages, mask)
         valid_count = torch.tensor(valid)

@@ -65,7 +65,15 @@ def why_not_built() -> str | None:
 
 def enabled() -> bool:
     """Whether the core uses the fused passes where they apply."""
-    return built() and os.environ.get("M2PO_ORACLE_FUSED", "1") != "0" and not getattr(_STATE, "off", False)
+    setting = os.environ.get("M2PO_ORACLE_FUSED", "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"M2PO_ORACLE_FUSED: expected 0 (the torch operators only) or 1 (the fused passes where they apply), got {setting!r}")
+    return built() and setting == "1" and not getattr(_STATE, "off", False)
+
+
+def first_levels_run() -> int:
+    """How many first levels the fused passes have run in this thread (reports count what ran)."""
+    return getattr(_STATE, "first_levels", 0)
 
 
 @contextlib.contextmanager
@@ -122,6 +130,7 @@ def first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: tor
     cells = getattr(_STATE, "cells", None)
     if cells is None:
         cells = _STATE.cells = torch.empty(BUCKETS + BANK, 2, dtype=torch.float64)
+    _STATE.first_levels = first_levels_run() + 1
     return _extension.first_level(logp.data_ptr(), behavior_logp.data_ptr(), advantages.data_ptr(), mask.data_ptr(), n,
                                   DTYPE_CODES[logp.dtype], cells.data_ptr(), sums.data_ptr(), counts.data_ptr(), trust.data_ptr(),
                                   bucket.data_ptr())

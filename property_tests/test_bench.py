@@ -20,6 +20,9 @@ def test_bench_reports_medians_ratios_and_identical_results(tmp_path):
         assert row["sort_over_radix"] > 0 and row["unfused_over_forward"] > 0
         # 4096 tokens take the small-batch path (no first level); 8192 the fused passes where built.
         assert row["fused"] == (row["tokens"] > 4096 and fused.built())
+    # "fused" says what the forward did: with the passes off, it ran none.
+    with fused.disabled():
+        assert run_bench([8192], repeats=1)["rows"][0]["fused"] is False
         assert row["forward_over_selection"] > 0 and row["sort_over_forward"] > 0 and row["forward_over_floor"] > 0
         assert row["forward_over_passes"] > 0 and row["passes_over_selection"] > 0
         assert row["syncs_per_forward"] == 1 and row["syncs"] == {"aten::_local_scalar_dense": 1}

@@ -232,6 +232,10 @@ def test_the_fused_passes_take_only_what_they_were_written_for():
     assert fused.applies(x32, x32, x32, mask)
     with mock.patch.dict("os.environ", {"M2PO_ORACLE_FUSED": "0"}):
         assert not fused.applies(x32, x32, x32, mask)
+    # Anything but 0 or 1 is an error naming the variable, not silently "on".
+    for setting in ("false", "off", ""):
+        with mock.patch.dict("os.environ", {"M2PO_ORACLE_FUSED": setting}), pytest.raises(ValueError, match=f"^M2PO_ORACLE_FUSED: expected 0 .* got {setting!r}"):
+            fused.applies(x32, x32, x32, mask)
     # A float16 batch large enough for the first level runs the torch operators.
     tensors = to_tensors(_large_batch(7, (8, 2048)), "float16")
     with mock.patch.object(fused, "first_level", wraps=fused.first_level) as spy:
