@@ -274,10 +274,150 @@ static PyObject *loss_terms(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* first_cut(sums, counts, tau) -> (crossing, kept_sum, kept_count, tied_count): the first
+ * level's cut from its histogram, as fast_selection.Descent.start().step(sums, counts, tau, 0)
+ * finds it: cumulative sums and counts in bucket order (torch.cumsum's sequential additions,
+ * then + 0.0 for the start's kept sum), the first bucket whose cumulative mean exceeds tau
+ * (BUCKETS when none does), the cumulative sum and count of the buckets below it (all of
+ * them when none crosses) and the count in bucket min(crossing, BUCKETS - 1). */
+static PyObject *first_cut(PyObject *self, PyObject *args) {
+    unsigned long long sums_at, counts_at;
+    double tau;
+    if (!PyArg_ParseTuple(args, "KKd", &sums_at, &counts_at, &tau))
+        return NULL;
+    const double *sums = (const double *)(uintptr_t)sums_at, *counts = (const double *)(uintptr_t)counts_at;
+    const double start = 0.0; /* the start state's kept sum and count */
+    double running_sum = 0.0, running_count = 0.0, below_sum = start, below_count = start;
+    int64_t crossing = BUCKETS;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t b = 0; b < BUCKETS; b++) {
+        running_sum += sums[b];
+        running_count += counts[b];
+        double cumulative_sum = running_sum + start, cumulative_count = running_count + start;
+        if (cumulative_sum / cumulative_count > tau) {
+            crossing = b;
+            break;
+        }
+        below_sum = cumulative_sum;
+        below_count = cumulative_count;
+    }
+    Py_END_ALLOW_THREADS
+    double tied = counts[crossing < BUCKETS ? crossing : BUCKETS - 1];
+    return Py_BuildValue("(Lddd)", (long long)crossing, below_sum, below_count, tied);
+}
+
+/* One stable LSD radix pass over (key, index) pairs by the key's byte `shift / 8`; skipped
+ * (returns 0) when every key has the same byte there. */
+static int radix_pass(const uint64_t *restrict from, uint64_t *restrict to, int64_t size, int shift) {
+    int64_t start[256] = {0};
+    for (int64_t i = 0; i < size; i++)
+        start[(from[2 * i] >> shift) & 0xFF]++;
+    for (int digit = 0; digit < 256; digit++)
+        if (start[digit] == size)
+            return 0;
+    int64_t total = 0;
+    for (int digit = 0; digit < 256; digit++) {
+        int64_t count = start[digit];
+        start[digit] = total;
+        total += count;
+    }
+    for (int64_t i = 0; i < size; i++) {
+        int64_t at = start[(from[2 * i] >> shift) & 0xFF]++;
+        to[2 * at] = from[2 * i];
+        to[2 * at + 1] = from[2 * i + 1];
+    }
+    return 1;
+}
+
+/* A block of M2 at given positions, as core._m2_at computes it (float64 d, squared). */
+#define DEFINE_M2_AT(NAME, T, AT)                                                                  \
+    static void NAME(const T *logp, const T *behavior, const int64_t *positions, int64_t size,     \
+                     uint64_t *pairs) {                                                            \
+        for (int64_t j = 0; j < size; j++) {                                                       \
+            double d = AT(logp, positions[j]) - AT(behavior, positions[j]);                        \
+            pairs[2 * j] = bits_of(d * d);                                                         \
+            pairs[2 * j + 1] = (uint64_t)j;                                                        \
+        }                                                                                          \
+    }
+
+DEFINE_M2_AT(m2_at_f64, double, f64_at)
+DEFINE_M2_AT(m2_at_f32, float, f32_at)
+DEFINE_M2_AT(m2_at_bf16, uint16_t, bf16_at)
+
+/* sorted_cut(logp, behavior_logp, dtype, n, positions, size, kept_sum, kept_count, tau, pairs, keep)
+ * -> (fits, kept_sum): the crossing bucket's cut by sorting, as
+ * fast_selection.cut_of_crossing_bucket sorts it: the M2 of the tokens at `positions` (in
+ * index order) sorted stably by their bit patterns, prefix sums (sequential, then
+ * + kept_sum), the count of prefix means (sum / (position + kept_count)) <= tau, and the
+ * first that many in sorted order kept: keep[positions[j]] is written for every j. Returns
+ * that count and the kept sum (the prefix sum at it, or kept_sum when it is 0). `pairs`
+ * holds 4 * size uint64 of scratch; a position outside 0 .. n - 1 is a ValueError before
+ * anything is read or written. */
+static PyObject *sorted_cut(PyObject *self, PyObject *args) {
+    unsigned long long logp, behavior, positions_at, pairs_at, keep_at;
+    long long n, size;
+    int dtype;
+    double kept_sum, kept_count, tau;
+    if (!PyArg_ParseTuple(args, "KKiLKLdddKK", &logp, &behavior, &dtype, &n, &positions_at, &size, &kept_sum,
+                          &kept_count, &tau, &pairs_at, &keep_at))
+        return NULL;
+    if (dtype != F64 && dtype != F32 && dtype != BF16) {
+        PyErr_Format(PyExc_ValueError, "dtype: expected 0 (float64), 1 (float32) or 2 (bfloat16), got %d", dtype);
+        return NULL;
+    }
+    const int64_t *positions = (const int64_t *)(uintptr_t)positions_at;
+    uint64_t *pairs = (uint64_t *)(uintptr_t)pairs_at, *spare = pairs + 2 * size;
+    uint8_t *keep = (uint8_t *)(uintptr_t)keep_at;
+    for (int64_t j = 0; j < size; j++) {
+        if (positions[j] < 0 || positions[j] >= n) {
+            PyErr_Format(PyExc_ValueError, "positions: expected indices in 0 .. %lld, got %lld at %lld", n - 1,
+                         (long long)positions[j], (long long)j);
+            return NULL;
+        }
+    }
+    int64_t fits = 0;
+    double fitted_sum = kept_sum;
+    Py_BEGIN_ALLOW_THREADS
+    if (dtype == F64)
+        m2_at_f64((const double *)(uintptr_t)logp, (const double *)(uintptr_t)behavior, positions, size, pairs);
+    else if (dtype == F32)
+        m2_at_f32((const float *)(uintptr_t)logp, (const float *)(uintptr_t)behavior, positions, size, pairs);
+    else
+        m2_at_bf16((const uint16_t *)(uintptr_t)logp, (const uint16_t *)(uintptr_t)behavior, positions, size, pairs);
+    /* Least significant byte first, each pass stable: pairs end sorted by key, then index. */
+    for (int shift = 0; shift < 64; shift += 8) {
+        if (radix_pass(pairs, spare, size, shift)) {
+            uint64_t *sorted = spare;
+            spare = pairs;
+            pairs = sorted;
+        }
+    }
+    double running = 0.0;
+    for (int64_t j = 0; j < size; j++) {
+        running += double_of(pairs[2 * j]);
+        double prefix = running + kept_sum;
+        if (prefix / ((double)(j + 1) + kept_count) <= tau) {
+            fits++;
+        }
+    }
+    /* The kept sum is the prefix sum at the fits-th value (recomputed: prefix sums are not kept). */
+    running = 0.0;
+    for (int64_t j = 0; j < size; j++) {
+        running += double_of(pairs[2 * j]);
+        if (j == fits - 1)
+            fitted_sum = running + kept_sum;
+        keep[positions[pairs[2 * j + 1]]] = (uint8_t)(j < fits);
+    }
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(Ld)", (long long)fits, fitted_sum);
+}
+
 static PyMethodDef methods[] = {
     {"first_level", first_level, METH_VARARGS, "The first radix level over every token (see fused.py)."},
     {"finish", finish, METH_VARARGS, "The selection's finish over every token (see fused.py)."},
     {"loss_terms", loss_terms, METH_VARARGS, "The loss's masked terms before exp (see fused.py)."},
+    {"first_cut", first_cut, METH_VARARGS, "The first level's cut from its histogram (see fused.py)."},
+    {"sorted_cut", sorted_cut, METH_VARARGS, "The crossing bucket's cut by sorting (see fused.py)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -285,7 +425,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused", "The core's
                                     NULL, NULL, NULL, NULL};
 
 /* fused.py refuses an extension built from another version of these functions' arguments. */
-#define INTERFACE 2
+#define INTERFACE 3
 
 PyMODINIT_FUNC PyInit__fused(void) {
     PyObject *built = PyModule_Create(&module);

@@ -446,7 +446,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         selection.add_column(column, justify="right")
     forward = Table(title=f"core.m2po_loss forward on {args.device}: {repeats} (bests; selection = radix's best)")
     for column in ("tokens", "forward ms", "forward / selection", "sort / forward", "fused", "unfused ms", "unfused / forward",
-                   "passes ms", "passes / selection", "forward / passes", "syncs / forward"):
+                   "passes ms", "passes / selection", "forward / passes", "syncs / forward", "syncs / unfused"):
         forward.add_column(column, justify="right")
 
     def show(row):
@@ -455,7 +455,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
                           f"{row['sort_over_radix']:.1f}x", f"{row['radix_over_floor']:.1f}x", "yes" if row["identical"] else "[red]NO[/]")
         forward.add_row(f"{row['tokens']:,}", f"{b['forward']:.2f}", f"{row['forward_over_selection']:.2f}x", f"{row['sort_over_forward']:.1f}x",
                         "yes" if row["fused"] else "no", f"{b['unfused']:.2f}", f"{row['unfused_over_forward']:.2f}x", f"{b['passes']:.2f}",
-                        f"{row['passes_over_selection']:.2f}x", f"{row['forward_over_passes']:.2f}x", str(row["syncs_per_forward"]))
+                        f"{row['passes_over_selection']:.2f}x", f"{row['forward_over_passes']:.2f}x", str(row["syncs_per_forward"]),
+                        str(row["syncs_per_unfused_forward"]))
 
     try:
         record = run_bench([1 << e for e in exponents], repeats=args.repeats, device=args.device, on_size=show)

@@ -418,16 +418,16 @@ def _first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: to
 
 
 def _first_level_fused(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
-                       ) -> tuple[_FirstLevel, int, int]:
+                       ) -> tuple[_FirstLevel, int, int, bool]:
     """:func:`_first_level` in one fused pass (``fused.first_level``): the same histogram,
     trust region and buckets, to the last bit; the verdict comes back as a flag, not a sum.
-    Also returns the candidate and valid-token counts (read on the host already)."""
+    Also returns, on the host already, the candidate and valid-token counts and the verdict."""
     n = mask.numel()
     sums, counts = torch.empty(BUCKETS, dtype=torch.float64), torch.empty(BUCKETS, dtype=torch.float64)
     trust, bucket = _token_buffers(mask.device, n)
     candidates, valid, finite = fused.first_level(logp, behavior_logp, advantages, mask, sums, counts, trust, bucket)
     return _FirstLevel(sums, counts, trust, bucket, torch.tensor(candidates),
-                       torch.tensor(0.0 if finite else math.nan, dtype=torch.float64)), candidates, valid
+                       torch.tensor(0.0 if finite else math.nan, dtype=torch.float64)), candidates, valid, finite
 
 
 def _m2_at(logp: torch.Tensor, behavior_logp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -455,32 +455,25 @@ def _select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     if mask.numel() <= fast_selection.SMALL:
         d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
         return _select_few(d, a, mask, torch.count_nonzero(mask), tau, on_invalid)
-    fuse = fused.applies(logp, behavior_logp, advantages, mask)  # on the CPU, contiguous, one dtype the passes take
-    if fuse:
-        first, fused_candidates, valid = _first_level_fused(logp, behavior_logp, advantages, mask)
-        valid_count = torch.tensor(valid)
-    else:
-        valid_count = torch.count_nonzero(mask)  # no token-sized int64 copy, as a bool sum makes
-        first = _first_level(logp, behavior_logp, advantages, mask)
+    if fused.applies(logp, behavior_logp, advantages, mask):  # on the CPU, contiguous, one dtype the passes take
+        return _select_fused(logp, behavior_logp, advantages, mask, tau, on_invalid)
+    valid_count = torch.count_nonzero(mask)  # no token-sized int64 copy, as a bool sum makes
+    first = _first_level(logp, behavior_logp, advantages, mask)
     descent, crossing = Descent.start(mask.device).step(first.sums, first.counts, tau, 0)
     crossing_size = torch.where(crossing < BUCKETS, descent.tied_count, 0).to(torch.int64)
     # Non-candidates have buckets too: only candidates are compared with it.
     cut_bucket = crossing.clamp(max=_ABOVE_EVERY_BUCKET)
     # The forward's one host synchronisation, one int64 (-1: not finite): the verdict, the
-    # crossing bucket's size, and above them the candidate count, or with the fused passes
-    # (which returned that count to the host already) the crossing bucket itself.
-    packed = ((cut_bucket if fuse else first.trust_count) << 32) | crossing_size
+    # crossing bucket's size, and above them the candidate count.
+    packed = (first.trust_count << 32) | crossing_size
     read = int(torch.where(torch.isfinite(first.checksum), packed, -1).item())
     if read < 0:
         on_invalid()
         # Finite float64 inputs whose d or sums overflow (beyond 1.8e308): one more read, and on.
         read = int(packed.item())
-    size, candidates, crossing_bucket = read & 0xFFFFFFFF, read >> 32, None
-    if fuse:
-        candidates, crossing_bucket = fused_candidates, candidates
+    size, candidates = read & 0xFFFFFFFF, read >> 32
     small = candidates <= fast_selection.SMALL  # as kept_candidates selects so few: the same result to the last bit
-    keep, alive = _undecided(first, mask, size=candidates if small else size,
-                             crossing=None if small else crossing_bucket if fuse else cut_bucket, fuse=fuse)
+    keep, alive = _undecided(first, mask, size=candidates if small else size, crossing=None if small else cut_bucket, fuse=False)
     values = _m2_at(logp, behavior_logp, alive)
     if small:
         cut, kept_sum, candidate_sum = _sorted_finish(values, alive, candidates, tau, keep)
@@ -489,6 +482,34 @@ def _select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
         keep.index_put_((alive,), cut.kept)
         kept_sum, candidate_sum = cut.kept_sum, first.sums.sum()
     return _selection(keep, mask, valid_count, first.trust_count, cut.kept_count, candidate_sum, kept_sum)
+
+
+def _select_fused(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float,
+                  on_invalid: Callable[[], None]) -> Selection:
+    """:func:`_select_local` through the fused CPU passes (``m2po_oracle.fused``), with the
+    same results to the last bit: the first level and its cut, the finish's pass over every
+    token and a crossing bucket of up to SORT_AT_MOST values each one call, whose numbers
+    come back to the host with no synchronisation to count (the CPU is the host)."""
+    first, candidates, valid, finite = _first_level_fused(logp, behavior_logp, advantages, mask)
+    if not finite:
+        on_invalid()
+    level = fused.first_cut(first.sums, first.counts, tau)
+    crossing_size = level.tied_count if level.crossing < BUCKETS else 0
+    small = candidates <= fast_selection.SMALL  # as kept_candidates selects so few: the same result to the last bit
+    keep, alive = _undecided(first, mask, size=candidates if small else int(crossing_size),
+                             crossing=None if small else min(level.crossing, _ABOVE_EVERY_BUCKET), fuse=True)
+    if small:
+        cut, kept_sum, candidate_sum = _sorted_finish(_m2_at(logp, behavior_logp, alive), alive, candidates, tau, keep)
+        kept_count = cut.kept_count
+    elif alive.numel() <= fast_selection.SORT_AT_MOST:
+        fits, fitted_sum = fused.sorted_cut(logp, behavior_logp, alive, keep, kept_sum=level.kept_sum, kept_count=level.kept_count, tau=tau)
+        kept_count, kept_sum = torch.tensor(level.kept_count + fits, dtype=torch.float64), torch.tensor(fitted_sum, dtype=torch.float64)
+        candidate_sum = first.sums.sum()
+    else:
+        cut = cut_of_crossing_bucket(_m2_at(logp, behavior_logp, alive), tau, level.descent())
+        keep.index_put_((alive,), cut.kept)
+        kept_count, kept_sum, candidate_sum = cut.kept_count, cut.kept_sum, first.sums.sum()
+    return _selection(keep, mask, torch.tensor(valid), first.trust_count, kept_count, candidate_sum, kept_sum)
 
 
 def _undecided(first: _FirstLevel, mask: torch.Tensor, *, size: int, crossing: torch.Tensor | int | None, fuse: bool

@@ -217,6 +217,19 @@ class Descent:
         return cls(torch.zeros((), dtype=torch.int64, device=device), zero, zero,
                    torch.full((), _INT64_MAX, dtype=torch.int64, device=device), torch.ones((), dtype=torch.bool, device=device), zero)
 
+    @classmethod
+    def after_first_level(cls, crossing: int, kept_sum: float, kept_count: float, tied_count: float,
+                          device: torch.device | str = "cpu") -> "Descent":
+        """The state ``Descent.start(device).step(...)`` reaches at level 0, from its numbers
+        found elsewhere (the fused CPU pass): the crossing bucket (BUCKETS: nothing
+        crosses), the sum and count of the values below it (all of them when nothing
+        crosses) and the count in bucket min(crossing, BUCKETS - 1)."""
+        f64 = {"dtype": torch.float64, "device": device}
+        crosses = crossing < BUCKETS
+        return cls(torch.tensor(crossing if crosses else 0, dtype=torch.int64, device=device), torch.tensor(kept_sum, **f64),
+                   torch.tensor(kept_count, **f64), torch.full((), _INT64_MAX, dtype=torch.int64, device=device),
+                   torch.tensor(crosses, device=device), torch.tensor(tied_count, **f64))
+
     def step(self, sums: torch.Tensor, counts: torch.Tensor, tau: float, level: int, *, bits: int = DIGIT_BITS,
              fixed_bits: int | None = None) -> tuple["Descent", torch.Tensor]:
         """One level from its histogram (``1 << bits`` sums and counts of the alive values,

@@ -17,15 +17,16 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from m2po_oracle.fast_selection import BUCKETS
+from m2po_oracle.fast_selection import BUCKETS, SORT_AT_MOST, Descent
 
 #: The extension's argument conventions this module calls (its INTERFACE constant).
-INTERFACE = 2
+INTERFACE = 3
 
 
 def _load() -> tuple[Any, str | None]:
@@ -169,3 +170,52 @@ def loss_terms(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torc
     _check_tokens(n, compute, ratio=ratio, weight=weight)
     _extension.loss_terms(logp.data_ptr(), behavior_logp.data_ptr(), advantages.data_ptr(), keep.data_ptr(), n,
                           DTYPE_CODES[logp.dtype], ratio.data_ptr(), weight.data_ptr())
+
+
+
+@dataclass(frozen=True)
+class FirstCut:
+    """The first level's cut on the host: the crossing bucket (BUCKETS when nothing
+    crosses), the sum and count of the candidates below it (all of them when nothing
+    crosses), and the count in bucket min(crossing, BUCKETS - 1)."""
+
+    crossing: int
+    kept_sum: float
+    kept_count: float
+    tied_count: float
+
+    def descent(self) -> Descent:
+        """The same state as ``Descent.start(cpu).step(sums, counts, tau, 0)``'s, as tensors."""
+        return Descent.after_first_level(self.crossing, self.kept_sum, self.kept_count, self.tied_count)
+
+
+def first_cut(sums: torch.Tensor, counts: torch.Tensor, tau: float) -> FirstCut:
+    """The first level's cut from its histogram (``sums`` and ``counts``, BUCKETS float64
+    each), in one pass: the numbers ``Descent.start(cpu).step(sums, counts, tau, 0)`` finds,
+    to the last bit."""
+    _check_tokens(BUCKETS, torch.float64, sums=sums, counts=counts)
+    _require(isinstance(tau, float), f"tau: expected a float, got {type(tau).__name__}")
+    return FirstCut(*_extension.first_cut(sums.data_ptr(), counts.data_ptr(), tau))
+
+
+def sorted_cut(logp: torch.Tensor, behavior_logp: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, *,
+               kept_sum: float, kept_count: float, tau: float) -> tuple[int, float]:
+    """The crossing bucket's cut by sorting, in one call: the M2 of the tokens at
+    ``positions`` (the candidates still to decide, in index order, at most SORT_AT_MOST)
+    as the core computes it, then the cut ``fast_selection.cut_of_crossing_bucket`` makes
+    by sorting them after a first level that kept ``kept_count`` values summing to
+    ``kept_sum``, to the last bit. Writes ``keep`` at ``positions``; returns how many of
+    them are kept and the kept sum (the first level's and theirs)."""
+    n = keep.numel()
+    _check_tokens(n, logp.dtype, logp=logp, behavior_logp=behavior_logp)
+    _require(logp.dtype in DTYPE_CODES, f"logp: expected float64, float32 or bfloat16, got {logp.dtype}")
+    _check_tokens(n, torch.bool, keep=keep)
+    size = positions.numel()
+    _check_tokens(size, torch.int64, positions=positions)
+    _require(size <= SORT_AT_MOST, f"positions: expected at most SORT_AT_MOST ({SORT_AT_MOST}) to sort, got {size}")
+    for name, value in (("kept_sum", kept_sum), ("kept_count", kept_count), ("tau", tau)):
+        _require(isinstance(value, float), f"{name}: expected a float, got {type(value).__name__}")
+    pairs = torch.empty(4 * size, dtype=torch.int64)  # (key, index) pairs, twice: the sort's two buffers
+    # The extension checks every position against n before it writes (a ValueError naming positions).
+    return _extension.sorted_cut(logp.data_ptr(), behavior_logp.data_ptr(), DTYPE_CODES[logp.dtype], n, positions.data_ptr(),
+                                 size, kept_sum, kept_count, tau, pairs.data_ptr(), keep.data_ptr())

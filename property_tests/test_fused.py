@@ -278,3 +278,93 @@ def test_the_wrappers_check_every_buffer_before_the_extension_touches_it():
         fused.finish(bucket, trust, mask, crossing=None, size=3, keep=keep)
     with pytest.raises(ValueError, match="^ratio: expected"):
         fused.loss_terms(x, x, x, keep, torch.empty(n, dtype=torch.float64), torch.empty(n))
+
+
+def _histogram(rng: np.random.Generator, values: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A first level's histogram of ``values`` drawn M2 spread over random buckets, and the values."""
+    index = torch.from_numpy(rng.integers(0, fused.BUCKETS, size=values))
+    m2 = torch.from_numpy(rng.exponential(scale, size=values))
+    sums, counts = (torch.zeros(fused.BUCKETS, dtype=torch.float64) for _ in range(2))
+    sums.scatter_add_(0, index, m2)
+    counts.scatter_add_(0, index, torch.ones(values, dtype=torch.float64))
+    return sums, counts, m2
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_fused_first_cut_is_the_descent_s_first_step(seed):
+    """Every field of the state ``Descent.step`` reaches at level 0, and its crossing
+    bucket: something crosses, nothing does, the first bucket does, an infinite sum."""
+    if not fused.built():
+        pytest.skip(f"the fused passes are not built: {fused.why_not_built()}")
+    rng = np.random.default_rng(seed)
+    sums, counts, m2 = _histogram(rng, int(rng.integers(1, 5000)), float(rng.choice([1e-3, 0.05, 1.0, 1e30])))
+    if seed % 5 == 0:
+        sums[int(rng.integers(0, fused.BUCKETS))] = float("inf")
+    for tau in (0.0, 0.01, 0.04, 1.0, 1e300, float(m2.mean()), float(sums[sums > 0][0] / counts[sums > 0][0])):
+        expected, crossing = fast_selection.Descent.start(torch.device("cpu")).step(sums, counts, tau, 0)
+        cut = fused.first_cut(sums, counts, tau)
+        assert cut.crossing == int(crossing), f"seed {seed}, tau {tau}: crossing {cut.crossing}, Descent.step {int(crossing)}"
+        for name, value in vars(expected).items():
+            ours = getattr(cut.descent(), name)
+            assert ours.dtype == value.dtype and torch.equal(ours, value), f"seed {seed}, tau {tau}: {name} {ours}, Descent.step {value}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", range(30))
+def test_the_fused_sorted_cut_is_the_crossing_bucket_s_sorted_cut(seed, dtype):
+    """The kept tokens, their count and sum of ``cut_of_crossing_bucket`` (which sorts up
+    to SORT_AT_MOST values), from the tokens' positions; exact ties straddling the cut; and
+    no token outside ``positions`` written."""
+    if not fused.built():
+        pytest.skip(f"the fused passes are not built: {fused.why_not_built()}")
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 3 * fast_selection.SORT_AT_MOST))
+    logp = torch.from_numpy(rng.normal(size=n) * rng.choice([0.01, 0.3, 3.0])).to(dtype)
+    behavior = torch.from_numpy(rng.normal(size=n) * 0.1).to(dtype)
+    if seed % 3 == 0:
+        logp[::3], behavior[::3] = 0.5, 0.25  # M2 0.0625 on a third of the tokens: ties at the cut
+    size = int(rng.integers(0, min(n, fast_selection.SORT_AT_MOST) + 1))
+    positions = torch.from_numpy(np.sort(rng.choice(n, size=size, replace=False))).to(torch.int64)
+    kept_sum, kept_count = float(rng.choice([0.0, 3.5, 100.0])), float(rng.choice([0.0, 100.0, 1000.0]))
+    descent = fused.FirstCut(5, kept_sum, kept_count, float(size)).descent()
+    d = logp.index_select(0, positions).double() - behavior.index_select(0, positions).double()
+    keep = torch.from_numpy(rng.random(n) < 0.5)
+    untouched = torch.ones(n, dtype=torch.bool).index_fill_(0, positions, False)
+    before = keep.clone()
+    for tau in (0.0, 0.01, 0.04, 0.0625, 1.0):
+        expected = fast_selection.cut_of_crossing_bucket(d * d, tau, descent)
+        fits, fitted_sum = fused.sorted_cut(logp, behavior, positions, keep, kept_sum=kept_sum, kept_count=kept_count, tau=tau)
+        where = f"seed {seed}, {n} tokens, {size} to decide, tau {tau}"
+        assert torch.equal(keep[positions], expected.kept), f"{where}: kept {keep[positions].nonzero()[:5].tolist()}, expected {expected.kept.nonzero()[:5].tolist()}"
+        assert kept_count + fits == float(expected.kept_count), f"{where}: count {kept_count + fits}, expected {float(expected.kept_count)}"
+        assert torch.equal(torch.tensor(fitted_sum, dtype=torch.float64), expected.kept_sum), f"{where}: sum {fitted_sum!r}, expected {expected.kept_sum}"
+        assert torch.equal(keep[untouched], before[untouched]), f"{where}: a token outside positions was written"
+
+
+def test_the_cut_wrappers_check_their_arguments():
+    """A position outside the batch is a ValueError before the extension writes anything;
+    more than SORT_AT_MOST positions, a non-float tau or a wrong buffer too."""
+    if not fused.built():
+        pytest.skip(f"the fused passes are not built: {fused.why_not_built()}")
+    n = 64
+    x, keep = torch.zeros(n), torch.zeros(n, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"^positions: expected indices in 0 \.\. 63, got 64 at 1"):
+        fused.sorted_cut(x, x, torch.tensor([3, 64]), keep, kept_sum=0.0, kept_count=0.0, tau=0.04)
+    with pytest.raises(ValueError, match=r"^positions: expected indices in 0 \.\. 63, got -1 at 0"):
+        fused.sorted_cut(x, x, torch.tensor([-1]), keep, kept_sum=0.0, kept_count=0.0, tau=0.04)
+    assert not bool(keep.any()), "a refused call wrote into keep"
+    with pytest.raises(ValueError, match="^positions: expected at most SORT_AT_MOST"):
+        big = torch.zeros(fast_selection.SORT_AT_MOST + 1)
+        fused.sorted_cut(big, big, torch.arange(fast_selection.SORT_AT_MOST + 1), torch.zeros_like(big, dtype=torch.bool),
+                         kept_sum=0.0, kept_count=0.0, tau=0.04)
+    with pytest.raises(ValueError, match="^positions: expected a contiguous 1-d CPU tensor"):
+        fused.sorted_cut(x, x, torch.tensor([[1]]), keep, kept_sum=0.0, kept_count=0.0, tau=0.04)
+    with pytest.raises(ValueError, match="^tau: expected a float, got int"):
+        fused.sorted_cut(x, x, torch.tensor([1]), keep, kept_sum=0.0, kept_count=0.0, tau=1)
+    with pytest.raises(ValueError, match="^keep: expected dtype torch.bool"):
+        fused.sorted_cut(x, x, torch.tensor([1]), keep.to(torch.uint8), kept_sum=0.0, kept_count=0.0, tau=0.04)
+    sums = torch.zeros(fused.BUCKETS, dtype=torch.float64)
+    with pytest.raises(ValueError, match="^counts: expected"):
+        fused.first_cut(sums, sums[:-1], 0.04)
+    with pytest.raises(ValueError, match="^tau: expected a float"):
+        fused.first_cut(sums, sums, 0)
