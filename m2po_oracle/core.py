@@ -449,8 +449,8 @@ def _select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     ``kept_candidates`` finishes (the same result to the last bit), and so is a crossing
     bucket of up to SMALL values; a larger crossing bucket is sorted (up to SORT_AT_MOST
     values) or goes through the remaining radix levels, both exact up to float64 rounding
-    at tau. Where ``fused.applies``, the first level and the finish's pass over every
-    token are the extension's (``m2po_oracle.fused``), with the same results to the last bit.
+    at tau. Where ``fused.applies``, :func:`_select_fused` makes the same selection, to the
+    last bit, through the extension's passes (``m2po_oracle.fused``).
     """
     if mask.numel() <= fast_selection.SMALL:
         d, a = _selection_inputs(logp, behavior_logp, advantages, mask)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from m2po_oracle.fast_selection import BUCKETS, SORT_AT_MOST, Descent
+from m2po_oracle.fast_selection import BUCKETS, Descent
 
 #: The extension's argument conventions this module calls (its INTERFACE constant).
 INTERFACE = 3
@@ -201,18 +201,18 @@ def first_cut(sums: torch.Tensor, counts: torch.Tensor, tau: float) -> FirstCut:
 def sorted_cut(logp: torch.Tensor, behavior_logp: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, *,
                kept_sum: float, kept_count: float, tau: float) -> tuple[int, float]:
     """The crossing bucket's cut by sorting, in one call: the M2 of the tokens at
-    ``positions`` (the candidates still to decide, in index order, at most SORT_AT_MOST)
-    as the core computes it, then the cut ``fast_selection.cut_of_crossing_bucket`` makes
-    by sorting them after a first level that kept ``kept_count`` values summing to
-    ``kept_sum``, to the last bit. Writes ``keep`` at ``positions``; returns how many of
-    them are kept and the kept sum (the first level's and theirs)."""
+    ``positions`` (the candidates still to decide, in index order) as the core computes
+    it, then the cut ``fast_selection.cut_of_crossing_bucket`` makes by sorting them (it
+    sorts up to SORT_AT_MOST values, and the core calls this for no more), after a first
+    level that kept ``kept_count`` values summing to ``kept_sum``, to the last bit.
+    Writes ``keep`` at ``positions``; returns how many of them are kept and the kept sum
+    (the first level's and theirs)."""
     n = keep.numel()
     _check_tokens(n, logp.dtype, logp=logp, behavior_logp=behavior_logp)
     _require(logp.dtype in DTYPE_CODES, f"logp: expected float64, float32 or bfloat16, got {logp.dtype}")
     _check_tokens(n, torch.bool, keep=keep)
     size = positions.numel()
     _check_tokens(size, torch.int64, positions=positions)
-    _require(size <= SORT_AT_MOST, f"positions: expected at most SORT_AT_MOST ({SORT_AT_MOST}) to sort, got {size}")
     for name, value in (("kept_sum", kept_sum), ("kept_count", kept_count), ("tau", tau)):
         _require(isinstance(value, float), f"{name}: expected a float, got {type(value).__name__}")
     pairs = torch.empty(4 * size, dtype=torch.int64)  # (key, index) pairs, twice: the sort's two buffers
