@@ -31,6 +31,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from m2po_oracle.integrations.demo import DemoKnobs
+
 #: The demo's reward, an ms-swift ORM registered by this plugin file (beside the M2PO plugin).
 REWARD_PLUGIN = Path(__file__).with_name("swift_plugin") / "m2po_demo_reward.py"
 REWARD_NAME = "m2po_demo_code_points"
@@ -40,20 +42,8 @@ EOS_ROW_SCALE = 0.15
 
 
 @dataclass(frozen=True)
-class DemoSetup:
-    """One short training run: the knobs that matter to M2PO."""
-
-    steps: int = 4  # optimizer steps
-    num_generations: int = 2
-    per_device_train_batch_size: int = 2
-    gradient_accumulation_steps: int = 2
-    steps_per_generation: int = 4
-    num_iterations: int = 2
-    max_completion_length: int = 6
-    learning_rate: float = 3e-2
-    tau: float = 0.05
-    seed: int = 0
-    max_grad_norm: float = 1.0
+class DemoSetup(DemoKnobs):
+    """One short ms-swift training run (the shared knobs, tau 0.05)."""
 
 
 def tokenizer() -> Any:

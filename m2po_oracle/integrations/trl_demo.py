@@ -28,27 +28,20 @@ import tempfile
 from dataclasses import dataclass, fields
 from typing import Any
 
+from m2po_oracle.integrations.demo import DemoKnobs
+
 #: Token ids of the toy vocabulary (as the seed trainer's).
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 VOCAB_SIZE = 64
 
 
 @dataclass(frozen=True)
-class DemoSetup:
-    """One short training run: the knobs that matter to M2PO."""
+class DemoSetup(DemoKnobs):
+    """One short TRL training run: the shared knobs, tau 0.1, and the prompts each
+    generation batch draws from."""
 
-    steps: int = 4  # optimizer steps
     prompts_per_generation: int = 4
-    num_generations: int = 2
-    per_device_train_batch_size: int = 2
-    gradient_accumulation_steps: int = 2
-    steps_per_generation: int = 4
-    num_iterations: int = 2
-    max_completion_length: int = 6
-    learning_rate: float = 3e-2
     tau: float = 0.1
-    seed: int = 0
-    max_grad_norm: float = 1.0
 
 
 def tokenizer() -> Any:
