@@ -479,6 +479,23 @@ def test_token_table_highlights_differences_and_greys_padding(divergent):
     assert rows[4][1][9][1] == "\u2014" and rows[5][1][9][1] == "nan"
 
 
+def test_token_table_prints_m2_values_apart_in_the_last_bits_apart(divergent):
+    """Six digits made four tokens whose M2 differ in the last bits (Trinity-RFT's float32
+    sort put the cut between them) read 0.729454 each: a column takes as many digits as
+    its distinct values need, and stays at six where they do not."""
+    report = copy.deepcopy(divergent)
+    base = {"valid": True, "advantage": 1.0, "trust_region": True, "expected_keep": True, "actual_keep": True,
+            "expected_grad": -0.25, "actual_grad": -0.25}
+    close = [(0.8540811, 0.7294538172817457), (0.8540811, 0.729453817281745), (0.5, 0.25), (None, None)]
+    report["counterexamples"][0]["tokens"] = [{**base, "index": [0, t], "log_ratio": r, "m2": m} for t, (r, m) in enumerate(close)]
+    rows = _tables(render_html(report))["tokens"][1:]
+    m2_texts = [cells[4][1] for _, cells in rows]
+    assert m2_texts[0] != m2_texts[1] and m2_texts[2:] == ["0.25", "\u2014"], m2_texts
+    assert abs(float(m2_texts[0]) - close[0][1]) < abs(float(m2_texts[0]) - close[1][1]), "the digits shown tell which is larger"
+    assert [cells[2][1] for _, cells in rows] == ["0.854081", "0.854081", "0.5", "\u2014"], "equal values keep six digits"
+    assert html_module._column_texts([1.0 + 2 ** -40, 1.0, -0.0, float("nan")]) == ["1.000000000001", "1", "0", "nan"]
+
+
 @pytest.mark.parametrize("lost_m2, swapped", [(0.125, True), (0.25, False)])
 def test_a_mask_that_keeps_another_of_equal_m2_tokens_is_a_tie_not_a_difference(divergent, lost_m2, swapped):
     """Algorithm 1 keeps the lowest-index of tied tokens; a port that keeps another one of

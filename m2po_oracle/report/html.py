@@ -123,6 +123,15 @@ def _fmt_short(value: Any) -> str:
     return _fmt(value)
 
 
+def _column_texts(values: Sequence[Any]) -> list[str]:
+    """A dense column's values at six significant digits, or at as many more as it takes for
+    distinct numbers to print distinctly (up to a round trip): tokens whose M2 differ in the
+    last bits, where the cut falls between them, must not look tied."""
+    numbers = {v for v in values if isinstance(v, float) and math.isfinite(v) and v != 0}
+    digits = next((d for d in range(6, 17) if len({f"{v:.{d}g}" for v in numbers}) == len(numbers)), 17)
+    return [f"{v:.{digits}g}" if isinstance(v, float) and math.isfinite(v) and v != 0 else _fmt(v) for v in values]
+
+
 def _fixed(value: float, digits: int) -> str:
     """``value`` with ``digits`` decimals; a value that rounds to zero prints without a minus sign."""
     text = f"{value:.{digits}f}"
@@ -572,6 +581,9 @@ def _counterexample(number: int, raw: Mapping[str, Any], anchors: Mapping[str, s
             "grad_differs": "grad" not in builds and _numbers_differ(t.get("actual_grad"), t.get("expected_grad")),
             "tie_swap": False,
         })
+    for column in ("log_ratio", "m2"):
+        for token, text in zip(tokens, _column_texts([t[column] for t in tokens])):
+            token[f"{column}_text"] = text
     ties = _tie_swaps(tokens) if raw.get("tokens_truncated") is not True else 0
     mismatches = [{
         "check": _text(m.get("check")),
