@@ -25,7 +25,10 @@ def test_pytest_plugin_fails_a_control_on_its_check_with_a_replay_command(pytest
 def test_pytest_plugin_runs_the_trainer_step_with_its_own_checks(pytester):
     from m2po_oracle.trainer.checks import CHECK_NAMES
 
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "trainer:embedding_gradient_dropped", "--m2po-examples", "8")
+    # Not shrunk: the failure, its check and its replay line are what the plugin owes here
+    # (test_cli holds counterexamples minimal); shrinking the trainer case took half of this test.
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "trainer:embedding_gradient_dropped", "--m2po-examples", "8",
+                                           "--m2po-no-shrink")
     result.assert_outcomes(failed=1, passed=len(CHECK_NAMES))
     result.stdout.fnmatch_lines(["*replay: m2po-oracle replay --impl trainer:embedding_gradient_dropped*trainer_case*",
                                  "*FAILED*m2po[[]trainer:embedding_gradient_dropped[]]::trainer.parameter_gradient*"])
@@ -33,7 +36,7 @@ def test_pytest_plugin_runs_the_trainer_step_with_its_own_checks(pytester):
 
 def test_pytest_plugin_strict_validation_and_unloadable_impl(pytester):
     strict = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "control:m2_after_over_valid", "--m2po-examples", "5",
-                                           "--m2po-in-process", "--m2po-strict-validation")
+                                           "--m2po-in-process", "--m2po-strict-validation", "--m2po-no-shrink")
     strict.stdout.fnmatch_lines(["*FAILED*::validation*"])
     missing = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "cor", "--m2po-in-process")
     missing.assert_outcomes(failed=len(CHECKS) + 1)
