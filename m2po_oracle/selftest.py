@@ -116,38 +116,65 @@ def _open(control: SelftestTarget) -> Runner:
 
 
 def run_selftest(controls: list[SelftestTarget], *, examples: int = 500, seed: int = 0, seeds: int = 1,
-                 on_row: Callable[[SelftestRow], None] | None = None, shrink: bool = True, quick: bool = False) -> list[SelftestRow]:
+                 on_row: Callable[[SelftestRow], None] | None = None, shrink: bool = True, quick: bool = False,
+                 jobs: int = 1) -> list[SelftestRow]:
     """``shrink=False`` skips the minimal counterexamples (catching and naming need none);
-    ``quick`` runs each control at its ``quick_examples`` (else ``examples``), unshrunk."""
+    ``quick`` runs each control at its ``quick_examples`` (else ``examples``), unshrunk.
+    ``jobs`` > 1 runs the controls in that many fresh processes at once (rows still in the
+    controls' order), except where a distributed control is among them: its gloo worlds
+    run one at a time."""
+    settings = {"examples": examples, "seed": seed, "seeds": seeds, "shrink": shrink, "quick": quick}
+    if jobs > 1 and len(controls) > 1 and not any(c.name.startswith("distributed:") for c in controls):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # Fresh interpreters: a fork of a process whose torch thread pools have run can hang.
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_row_of, control.name, settings) for control in controls]
+            rows = []
+            for future in futures:
+                rows.append(future.result())
+                if on_row is not None:
+                    on_row(rows[-1])
+            return rows
     rows = []
     for control in controls:
-        started = time.perf_counter()
-        runner = _open(control)
-        try:
-            count = (control.quick_examples or examples) if quick else examples
-            report = run_compare(runner, _spec(control), examples=count, seed=seed, shrink=control.shrink and shrink and not quick)
-            failing = [t for t in report.tallies.values() if t.failures]
-            first = min((t.first_failure_at for t in failing if t.first_failure_at), default=None)
-            later = [_first_failure(runner, control, count, seed + k) for k in range(1, seeds)]
-        finally:
-            runner.close()
-        row = SelftestRow(
-            control=control.name,
-            bug=control.bug,
-            caught_by=tuple(t.name for t in failing),
-            examples_needed=first,
-            diagnosis=tuple(report.diagnosis.get("components", ())),
-            alternatives=tuple(tuple(a) for a in report.diagnosis.get("alternatives", ())),
-            unexplained=tuple(report.diagnosis.get("unexplained", ())),
-            partly_explained=tuple(sorted(check for check, share in report.diagnosis.get("shares", {}).items() if share["share"] < 1)),
-            seconds=time.perf_counter() - started,
-            variant=control.variant,
-            first_failures=(first, *later),
-        )
-        rows.append(row)
+        rows.append(_row(control, **settings))
         if on_row is not None:
-            on_row(row)
+            on_row(rows[-1])
     return rows
+
+
+def _row_of(name: str, settings: dict[str, Any]) -> SelftestRow:
+    """One control's row, by name (what a worker process is sent)."""
+    (control,) = select_controls([name])
+    return _row(control, **settings)
+
+
+def _row(control: SelftestTarget, *, examples: int, seed: int, seeds: int, shrink: bool, quick: bool) -> SelftestRow:
+    started = time.perf_counter()
+    runner = _open(control)
+    try:
+        count = (control.quick_examples or examples) if quick else examples
+        report = run_compare(runner, _spec(control), examples=count, seed=seed, shrink=control.shrink and shrink and not quick)
+        failing = [t for t in report.tallies.values() if t.failures]
+        first = min((t.first_failure_at for t in failing if t.first_failure_at), default=None)
+        later = [_first_failure(runner, control, count, seed + k) for k in range(1, seeds)]
+    finally:
+        runner.close()
+    return SelftestRow(
+        control=control.name,
+        bug=control.bug,
+        caught_by=tuple(t.name for t in failing),
+        examples_needed=first,
+        diagnosis=tuple(report.diagnosis.get("components", ())),
+        alternatives=tuple(tuple(a) for a in report.diagnosis.get("alternatives", ())),
+        unexplained=tuple(report.diagnosis.get("unexplained", ())),
+        partly_explained=tuple(sorted(check for check, share in report.diagnosis.get("shares", {}).items() if share["share"] < 1)),
+        seconds=time.perf_counter() - started,
+        variant=control.variant,
+        first_failures=(first, *later),
+    )
 
 
 def _first_failure(runner: Any, control: SelftestTarget, examples: int, seed: int) -> int | None:

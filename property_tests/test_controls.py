@@ -73,3 +73,24 @@ def test_per_sequence_selection_is_caught_fast_on_most_seeds():
 
     (row,) = run_selftest(select_controls(["per_sequence_selection"]), examples=50, seeds=10)
     assert row.status == "ok" and sum(n is not None and n <= 50 for n in row.first_failures) >= 9, row
+
+
+def test_the_selftest_in_two_processes_gives_the_serial_rows_in_order():
+    """``selftest --jobs 2`` (the CI command) runs controls in fresh processes: each row is
+    the one the serial run gives (seconds aside), in the controls' order, and a distributed
+    control keeps the run serial."""
+    import dataclasses
+    from unittest import mock
+
+    from m2po_oracle import selftest
+    from m2po_oracle.selftest import run_selftest, select_controls
+
+    controls = select_controls(["mean_over_valid", "per_sequence_selection", "kept_count_denominator"])
+    shown: list[str] = []
+    parallel = run_selftest(controls, quick=True, jobs=2, on_row=lambda row: shown.append(row.control))
+    serial = run_selftest(controls, quick=True)
+    strip = lambda rows: [dataclasses.replace(r, seconds=0.0) for r in rows]  # noqa: E731
+    assert strip(parallel) == strip(serial) and shown == [c.name for c in controls]
+    with mock.patch.object(selftest, "_row", side_effect=lambda control, **_: control.name) as serial_row:
+        targets = [dataclasses.replace(controls[0], name="distributed:control:x"), controls[1]]
+        assert run_selftest(targets, jobs=2) == ["distributed:control:x", controls[1].name] and serial_row.call_count == 2
