@@ -43,10 +43,12 @@ def test_every_control_is_named_exactly_by_the_ci_command():
     suite (it exits non-zero on one MISDIAGNOSED row) at each control's measured example count.
     Running it again here at 150 examples each cost CI a minute of its fifteen; this holds the
     command in place instead."""
+    import re
     from pathlib import Path
 
     ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
-    assert "&& .venv/bin/m2po-oracle selftest --quick &&" in ci, ".ci/run no longer names every control"
+    # --jobs spreads the controls over processes; --only would leave some out.
+    assert re.search(r"&& \.venv/bin/m2po-oracle selftest --quick( --jobs \d+)? &&", ci), ".ci/run no longer names every control"
 
 
 def test_every_knob_keys_the_judges_memo():
