@@ -100,6 +100,16 @@ class Batch:
         fill = lambda a: np.where(self.valid, a, value)  # noqa: E731
         return Batch(fill(self.logp), fill(self.behavior_logp), fill(self.advantages), self.valid.copy(), self.tau)
 
+    def padding_only_in(self, name: str) -> "Batch":
+        """The same batch keeping the padding of the one input ``name`` and setting every
+        other input's padding to 0: which input a padding leak comes through."""
+        if name not in ("logp", "behavior_logp", "advantages"):
+            raise ValueError(f"name: one of logp, behavior_logp, advantages, got {name!r}")
+        zero = self.with_padding(0.0)
+        values = {n: getattr(zero, n) for n in ("logp", "behavior_logp", "advantages")}
+        values[name] = getattr(self, name).copy()
+        return Batch(values["logp"], values["behavior_logp"], values["advantages"], self.valid.copy(), self.tau)
+
     def with_trust_region_padding(self) -> "Batch":
         """The same batch with every invalid position made a small trust-region token, as
         real padding looks (finite log-probs, the row's advantage): logp = -1 + 2**-6,

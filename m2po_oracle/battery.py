@@ -15,12 +15,14 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from m2po_oracle.batch import Batch
-from m2po_oracle.record import M2POResult
+from m2po_oracle.record import PaddingProbe
 from m2po_oracle.contract import Implementation, Measurement, measure, with_printed
 from m2po_oracle import oracle
 from m2po_oracle.equivalence import Mismatch, Tolerance, checks_run_on, compare_to_oracle, compare_values, format_mismatches, same_up_to_ties, tolerance, valid_m2
 
 PADDING_PROBES = (float("nan"), float("inf"), float("-inf"))
+#: The probe of the padding the batch was drawn with, by its label.
+DRAWN_PADDING = "the drawn padding"
 #: The finite padding probe (Batch.with_trust_region_padding), by its label.
 TRUST_REGION_PADDING = "small trust-region tokens (d = 2**-6, A = 1)"
 
@@ -37,9 +39,9 @@ class BatteryOutcome:
     #: The checks that actually ran on this example (a failed call runs nothing else;
     #: a metric the implementation does not report is not checked).
     checked: tuple[str, ...] = ("call",)
-    #: The padding probes the result changed under: (the batch as probed, the result), for the
-    #: diagnosis to tell a deviation that reads padding from a leak.
-    padding_probes: tuple[tuple[Batch, M2POResult], ...] = ()
+    #: The padding probes the result changed under, for the diagnosis to tell a deviation
+    #: that reads padding from a leak.
+    padding_probes: tuple[PaddingProbe, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -112,7 +114,7 @@ def _padding_immunity(first: Measurement, probe: Measurement, fill: str, dtype: 
     """With other padding the result is the clean run's, up to a tie choice at the cut
     (whose loss and gradient are then judged on the probe's own mask). With ``drawn``
     (the drawn padding's batch), each mismatch lists that padding's values."""
-    label = f"with padding set to {fill}" if fill != "the drawn padding" else "with the drawn padding (instead of 0)"
+    label = f"with padding set to {fill}" if fill != DRAWN_PADDING else "with the drawn padding (instead of 0)"
     found = _padding_mismatches(first, probe, label, dtype)
     if drawn is None:
         return found
@@ -174,23 +176,23 @@ def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", com
     found.extend(nondeterministic)
     probes = [again]
     probe_labels: list[tuple[str, Measurement]] = [(" on the second call", again)]
-    changed: list[tuple[Batch, M2POResult]] = []
+    changed: list[PaddingProbe] = []
     # A nondeterministic implementation would also differ under the padding probes;
     # comparing them would blame padding for what determinism already reports.
     # A result that is already NaN/inf on finite data is reported by the value checks;
     # comparing the probes with it would blame padding for it.
     if not nondeterministic and not batch.valid.all() and _finite(first.result):
         checked.append("padding_immunity")
-        variants = [("the drawn padding", drawn)] if _padding_differs(drawn, batch) else []
+        variants = [(DRAWN_PADDING, drawn)] if _padding_differs(drawn, batch) else []
         fills = [(f"{fill}", batch.with_padding(fill)) for fill in PADDING_PROBES] + [(TRUST_REGION_PADDING, batch.with_trust_region_padding())]
         for label, probed in variants + fills:
             probe = caller.measure(probed, dtype=dtype, device=device)
             probes.append(probe)
-            probe_labels.append((f" {'with the drawn padding' if label == 'the drawn padding' else f'with padding set to {label}'}", probe))
-            differs = _padding_immunity(first, probe, label, dtype, drawn=probed if label == "the drawn padding" else None)
+            probe_labels.append((f" {'with the drawn padding' if label == DRAWN_PADDING else f'with padding set to {label}'}", probe))
+            differs = _padding_immunity(first, probe, label, dtype, drawn=probed if label == DRAWN_PADDING else None)
             found.extend(differs)
             if differs and probe.result is not None:
-                changed.append((probe.batch, probe.result))
+                changed.append(PaddingProbe(label, probe.batch, probe.result))
     mutated = [(label, call.mutated_inputs) for label, call in [("", first), *probe_labels] if call.mutated_inputs]
     if mutated:
         label, names = mutated[0]

@@ -22,7 +22,7 @@ from hypothesis.errors import NoSuchExample
 
 from m2po_oracle import __version__
 from m2po_oracle.batch import Batch
-from m2po_oracle.battery import BatteryOutcome
+from m2po_oracle.battery import DRAWN_PADDING, BatteryOutcome
 from m2po_oracle.checks import ALL_CHECKS, BEHAVIOURAL_CHECKS
 from m2po_oracle.deviations import Accepted
 from m2po_oracle.contract import Implementation
@@ -331,6 +331,7 @@ class _Evidence:
     failing: list[Observation] = field(default_factory=list)
     passing: list[Observation] = field(default_factory=list)
     more_failing: list[Observation] = field(default_factory=list)  # beyond the search's sample: counted in the shares
+    more_passing: list[Observation] = field(default_factory=list)  # likewise: where a name's contradictions are counted
     call_failure_taus: list[float] = field(default_factory=list)  # the budget of each call that raised or returned no result
     per_check: dict[str, int] = field(default_factory=dict)
     step_by_check: dict[str, set[str]] = field(default_factory=dict)  # check -> step variants reproducing each of its failing steps
@@ -355,6 +356,8 @@ class _Evidence:
                 self.per_check[n] = self.per_check.get(n, 0) + 1
         elif value_failures and len(self.more_failing) < SHARE_EXAMPLES:
             self.more_failing.append(observation)
+        elif not value_failures and len(self.more_passing) < SHARE_EXAMPLES:
+            self.more_passing.append(observation)
         if not _finite_on_valid(outcome.batch, result):
             self.non_finite += 1
             self.non_finite_checks.update(n for n in outcome.failed_checks if n in ("loss", "gradient"))
@@ -520,8 +523,25 @@ def _diagnose(runner: Runner, report: CompareReport, evidence: _Evidence, suppli
                                 compute_dtype=report.compute_dtype, supplied=supplied, prefer=frozenset(a.deviation for a in report.accepted),
                                 step_explanations={c: names for c, names in evidence.step_by_check.items() if names},
                                 step_descriptions=runner.variant_descriptions, step_source=runner.variant_source, findings=evidence.findings(),
-                                more_failing=evidence.more_failing if evidence.failing else (), replay=runner.replay_command,
-                                call_failure_taus=evidence.call_failure_taus)
+                                beyond_sample=(evidence.more_failing + evidence.more_passing) if evidence.failing else (),
+                                replay=runner.replay_command,
+                                call_failure_taus=evidence.call_failure_taus, leaks_alone=_leak_probe(runner) if padding else None)
+
+
+def _leak_probe(runner: Runner) -> Callable[[Batch], bool | None] | None:
+    """Whether the runner's port, on a batch padded in one input only, makes a NaN/inf result
+    under that padding (the battery's probe of the drawn padding); None for a runner whose
+    examples are not batches."""
+    if runner.example_key() != "batch":
+        return None
+
+    def leaks(batch: Batch) -> bool | None:
+        outcome = runner.run_battery(batch)
+        if outcome.measurement.result is None:
+            return None  # the zero-padded call itself failed: nothing to attribute
+        return any(p.fill == DRAWN_PADDING and p.non_finite() is not None for p in outcome.padding_probes)
+
+    return leaks
 
 
 def _causes(report: CompareReport, value_variants: set[str]) -> list[tuple[str | None, tuple[str, ...], tuple[str, ...]]]:

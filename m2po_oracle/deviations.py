@@ -185,7 +185,9 @@ VARIANTS: tuple[Variant, ...] = (
     _variant("skyrl_fork", "SkyRL fork: strict stop, mean over remaining valid tokens", SPEC, strict_stop=True, mean_over_valid=True),
     _variant("slime_pr", "slime PR: all valid tokens, strict stop, keeps one, mask never applied", SPEC,
              candidates="all_valid", strict_stop=True, min_kept=1, apply_mask=False),
-    _variant("nan_padding_leak", "padding zeroed by multiplying with the mask: 0 * nan = nan", PLAUSIBLE, zero_padding_by_multiplying=True),
+    _variant("nan_padding_leak", "NaN/inf padding reaches the loss or the gradient: zeroed by multiplying with the mask (0 * nan = nan), "
+             "or dropped by torch.where, whose backward multiplies the untaken branch's zero gradient by its NaN/inf derivative",
+             PLAUSIBLE, zero_padding_by_multiplying=True),
     _variant("mutates_inputs", "writes into the caller's input tensors", PLAUSIBLE, sanitise_inputs_in_place=True),
     _variant("random_tie_break", "nondeterministic: ties at the cut broken at random on each call", PLAUSIBLE, random_tie_break=True),
     # Spec section 4: the clip family and the deviations real ports combine.
@@ -201,6 +203,9 @@ VARIANTS: tuple[Variant, ...] = (
              parameter="denominator_epsilon"),
     _variant("hard_clamped_log_ratio", "hard clamp of d to +-{0}: kept tokens beyond it get zero gradient", CLIP, clamp_log_ratio=20.0, hard_clamp=True,
              parameter="clamp_log_ratio"),
+    _variant("loss_hard_clamped_log_ratio", "hard clamp of d to +-{0} in the loss only: kept tokens beyond it get zero gradient (the "
+             "selection and metrics see the raw d)", f"{CLIP} (Trinity-RFT, an early head)", clamp_log_ratio=20.0, hard_clamp=True,
+             clamp_only_in_loss=True, parameter="clamp_log_ratio"),
     _variant("float32_selection", "selection arithmetic (d, d^2, prefix means) in float32", CLIP, selection_dtype="float32"),
     _variant("float32_metrics", "logged metrics computed in float32", CLIP, metrics_dtype="float32"),
     # Spec section 5: the frameworks' loss aggregations, which ports inherit from the trainer's configuration.

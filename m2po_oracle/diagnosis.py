@@ -18,17 +18,19 @@ reproduces every pair or nothing grows; deviations whose removal loses nothing a
 
 Coverage, not unanimity: real ports carry quirks on a few examples (a margin at an exact
 tie), so for every failing check the report states the share of its failing examples the
-explanation reproduces. A check is explained by the deviations without which that share
-drops, when the share is at least :data:`NAMED_SHARE`; the rest is its *residual*: how
-many, the batch features they share, and one of them as a counterexample of its own.
-Below the threshold the combination is only the check's closest. Behavioural deviations
-(input mutation, nondeterminism, padding leaks) are recognised by the check that shows
-them alone.
+explanation reproduces and the examples it contradicts. A check is named by the deviations
+without which fewer of its failing examples are reproduced, when the explanation is
+net-supported (:func:`net_supported`: a clear majority reproduced, few contradicted); the rest
+is its *residual*: how many, the batch features they share, and one of them as a
+counterexample of its own. Otherwise the check is unexplained and the combination only its
+closest lead. Behavioural deviations (input mutation, nondeterminism, padding leaks) are
+recognised by the check that shows them alone; a padding leak only where some padding made
+the loss, or the gradient at any position, NaN/inf (:func:`padding_leak`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 import math
 from dataclasses import dataclass, field, fields, replace
 import functools
@@ -42,7 +44,7 @@ from m2po_oracle.batch import Batch
 from m2po_oracle.checks import result_field
 from m2po_oracle.deviations import ALGORITHM_1, JOINT_MOVES, LOSS_EFFECTS, VARIANTS, Deviation, combine, fitted_name, loss_effects, variant
 from m2po_oracle.equivalence import check_selection, coarser, compare_fields, same_up_to_ties
-from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
+from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, PADDED_INPUTS, M2POResult, PaddingProbe
 
 #: The knobs that shape the mask; the rest shape only loss, gradient and metrics.
 SELECTION_KNOBS = ("candidates", "strict_stop", "mean_over_valid", "scope_rows", "extra_removed", "min_kept", "clamp_log_ratio",
@@ -58,11 +60,17 @@ PRECISION_OPTIONS = {"float32_selection": "--compute-dtype float32", "float32_me
 #: authors' release alone combines five: clip kind, floors, column 0's sign, epsilon, float32 bound).
 MAX_COMPONENTS = 6
 BEAM = 4
-#: A set of deviations explains a check when it reproduces at least this share of the
-#: check's failing examples (README, "Coverage"): then it is what the port does on most
-#: inputs and the rest is a residual; below it the residual is the rule, and the set is
-#: only the closest explanation.
-NAMED_SHARE = 0.5
+#: The naming rule. A set of deviations is named for a failing check only when it is
+#: net-supported: it reproduces at least NAMED_SHARE of the check's failing examples (a
+#: clear majority: then it is what the port does on most inputs and the rest is a residual)
+#: AND it contradicts few examples, at most CONTRADICTION_BOUND per example it reproduces
+#: (a contradiction: Algorithm 1 reproduces the port's field there and the deviation does
+#: not, so the port plainly does not do what the deviation predicts). A coincidence of shapes
+#: reproduces some failing examples while breaking about as many: two thirds and one in ten
+#: leave a real deviation with a few quirks named and such a coincidence unexplained. Each
+#: named component is necessary: without it fewer failing examples are reproduced.
+NAMED_SHARE = 2 / 3
+CONTRADICTION_BOUND = 0.1
 #: Residual examples described by their features, and features listed per residual.
 RESIDUAL_FEATURES_SHOWN = 4
 
@@ -79,7 +87,7 @@ class Observation:
     batch: Batch
     result: M2POResult
     failed: frozenset[str] = frozenset()
-    padding_probes: tuple[tuple[Batch, M2POResult], ...] = ()  # the probes whose result differed
+    padding_probes: tuple[PaddingProbe, ...] = ()  # the probes whose result differed
     example: Any = None  # the runner's input that produced it (its replay command), when it is not the batch
 
 
@@ -90,7 +98,18 @@ def merge(names: Iterable[str]) -> Deviation | None:
 
 @functools.lru_cache(maxsize=4096)
 def _merged(names: frozenset[str]) -> Deviation | None:
+    # Two names that set one knob (even to one value) answer the same question twice: an
+    # explanation names each knob once, so the pair is no explanation.
+    set_knobs = [_knobs_of(n) for n in names]
+    if sum(len(k) for k in set_knobs) != len(frozenset().union(*set_knobs)):
+        return None
     return combine(names)
+
+
+@functools.lru_cache(maxsize=1024)
+def _knobs_of(name: str) -> frozenset[str]:
+    dev = variant(name).deviation
+    return frozenset(f.name for f in fields(Deviation) if getattr(dev, f.name) != getattr(ALGORITHM_1, f.name))
 
 
 _ORDER = {v.name: i for i, v in enumerate(VARIANTS)}
@@ -461,22 +480,25 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
              compute_dtype: str | None = None, supplied: frozenset[str] | None = None,
              step_explanations: dict[str, set[str]] | None = None, step_descriptions: dict[str, str] | None = None, step_source: str = "",
              findings: Sequence[dict[str, Any]] = (), prefer: frozenset[str] = frozenset(),
-             more_failing: Iterable[Observation] = (), replay: Any = None, call_failure_taus: Sequence[float] = ()) -> dict[str, Any]:
+             beyond_sample: Iterable[Observation] = (), replay: Any = None, call_failure_taus: Sequence[float] = (),
+             leaks_alone: Callable[[Batch], bool | None] | None = None) -> dict[str, Any]:
     """The diagnosis section of the report (schema in ``report``).
 
-    The search runs on ``observations``; the shares count those and ``more_failing`` (the
-    failing examples beyond the search's sample). ``step_explanations`` maps a failing check
+    The search runs on ``observations``; the shares count those and ``beyond_sample`` (the
+    examples beyond the search's sample: the failing ones a name must reproduce, the passing
+    ones it must not contradict). ``step_explanations`` maps a failing check
     to the step-level variants (distributed, trainer) that reproduce every failing step of
     it; they explain it ahead of a single-batch deviation. ``replay(example)`` gives the
-    command that replays a residual's counterexample."""
+    command that replays a residual's counterexample; ``leaks_alone`` (see :func:`padding_leak`)
+    tells which input a padding leak comes through."""
     observations = list(observations)
     sample = len(observations)
-    observations += list(more_failing)
+    observations += list(beyond_sample)
     failed = list(dict.fromkeys(failed_checks))
     # examples_searched: the sample the search and the leads ran on; examples_compared: every
     # observation the shares count (the sample and the failing examples beyond it).
     empty = {"examples_compared": len(observations), "examples_searched": sample, "components": [], "by_check": {}, "shares": {}, "residuals": [], "unexplained": [],
-             "matches": [], "alternatives": [], "closest": [], "findings": list(findings), "hints": [], "summary": ""}
+             "matches": [], "alternatives": [], "closest": [], "findings": list(findings), "hints": [], "summary": "", "padding_leak": None}
     if not divergent:
         return {"status": "not_needed", **empty}
     judge = Judge(observations, dtype=dtype, compute_dtype=compute_dtype, supplied=supplied, sample=sample)
@@ -499,6 +521,7 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
     step_choice, step_alternatives = _cover(step_explanations, list(step_descriptions or {}))
     closest_by_check: dict[str, dict[str, Any]] = {}
     unexplained_sources: dict[str, dict[str, Any]] = {}
+    leak: PaddingLeak | None = None
     for check in failed:
         if check in step_choice:
             by_check[check] = [step_choice[check]]
@@ -512,13 +535,15 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
             if reading:  # the explanation reproduces the port under every padding it changed with
                 by_check[check] = reading
                 continue
-            if not _non_finite_under_padding(judge):
+            leak = padding_leak(judge.observations, leaks_alone)
+            if leak is None:
                 behavioural = []  # a NaN leak is named only where some padding made the result NaN/inf
         if behavioural:
             by_check[check] = behavioural
             continue
-        share = _share(judge, dev, name, check) if name is not None and explanation.components else None
-        if share is not None and share["explained"] and share["share"] >= NAMED_SHARE:
+        # Without an explanation every failing example is the residual (Algorithm 1 reproduces none).
+        share = _share(judge, dev, name, check) if name is not None else None
+        if share is not None and net_supported(share):
             by_check[check] = _responsible(judge, explanation.components, name, share["reproduced"])
             shares[check] = {k: v for k, v in share.items() if k not in ("reproduced", "residual")} | {"components": by_check[check]}
             if share["residual"]:
@@ -527,7 +552,7 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
             unexplained.append(check)
             if share is not None and share["explained"]:
                 closest_by_check[check] = {"components": list(explanation.components), "explained": share["explained"], "of": share["of"],
-                                           "share": share["share"]}
+                                           "share": share["share"], "failing": share["failing"], "contradicted": share["contradicted"]}
             if share is not None and share["residual"]:  # what its failing examples share, though nothing known explains them
                 unexplained_sources[check] = {"residual": share["residual"], "components": list(explanation.components)}
 
@@ -546,7 +571,7 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         if known is not None:
             counted = [shares[c] for c in explained if c in shares]
             evidence = (f"every one of the {len(call_failure_taus)} calls that raised had tau == 0" if known.behaviour_check == "call" else
-                        "NaN/inf padding made the loss or gradient NaN/inf (check padding_immunity failed)"
+                        (leak.text() if leak is not None else "NaN/inf padding made the loss or gradient NaN/inf (check padding_immunity failed)")
                         if known.behaviour_check == "padding_immunity" else
                         f"check {known.behaviour_check} failed" if known.is_behavioural else
                         "reproduces " + "; ".join(f"{field_of(c) or c} on {_share_text(shares[c])}" for c in explained if c in shares)
@@ -577,6 +602,7 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         "closest": _closest(judge, output_variants, set(components), closest_by_check) if unexplained else [],
         "hints": _hints(by_check),
         "summary": summary(status, by_check, unexplained, shares),
+        "padding_leak": leak.to_json() if leak is not None and "nan_padding_leak" in components else None,
     }
 
 
@@ -609,15 +635,23 @@ def _known(name: str):
 
 def _share(judge: Judge, dev: Deviation, field_name: str, check: str) -> dict[str, Any]:
     """How much of ``check`` the explanation reproduces: its failing examples whose field it
-    reproduces, of the failing ones plus the passing ones it gets wrong (contradicted)."""
-    failing = [i for i, o in enumerate(judge.observations) if check in o.failed and field_name in judge.fields[i]]
-    passing = [i for i, o in enumerate(judge.observations) if check not in o.failed and field_name in judge.fields[i]]
+    reproduces, and the examples it contradicts (Algorithm 1 reproduces the port's field
+    there, the explanation does not), counted against it in ``share``."""
+    judged = [i for i in range(len(judge.observations)) if field_name in judge.fields[i]]
+    failing = [i for i in judged if check in judge.observations[i].failed]
     reproduced = judge.reproduced(dev, field_name, failing)
-    contradicted = [i for i in passing if field_name in judge.differences(dev, i)]
+    contradicted = [i for i in judged if check not in judge.observations[i].failed and field_name in judge.differences(dev, i)
+                    and field_name not in judge.differences(ALGORITHM_1, i)]
     of = len(failing) + len(contradicted)
     residual = sorted(set(failing) - set(reproduced)) + contradicted
     return {"explained": len(reproduced), "failing": len(failing), "contradicted": len(contradicted), "of": of,
             "share": len(reproduced) / of if of else 0.0, "reproduced": reproduced, "residual": residual}
+
+
+def net_supported(share: dict[str, Any]) -> bool:
+    """The naming rule (:data:`NAMED_SHARE`, :data:`CONTRADICTION_BOUND`) on a check's share."""
+    explained, failing, contradicted = share["explained"], share["failing"], share["contradicted"]
+    return explained > 0 and explained >= NAMED_SHARE * failing and contradicted <= CONTRADICTION_BOUND * explained
 
 
 def _share_text(share: dict[str, Any]) -> str:
@@ -704,20 +738,64 @@ def _padding_reader(judge: Judge, components: tuple[str, ...]) -> list[str]:
     return _reads_padding(judge, (*components, "statistic_over_padding"))
 
 
-def _non_finite_under_padding(judge: Judge) -> bool:
-    """Whether some padding probe made the port's loss or gradient NaN/inf on valid tokens."""
-    for o in judge.observations:
-        for probed, result in o.padding_probes:
-            grad = result.grad[probed.valid] if result.grad is not None else np.zeros(0)
-            if not np.isfinite(result.loss) or not np.all(np.isfinite(grad)):
-                return True
-    return False
+@dataclass(frozen=True)
+class PaddingLeak:
+    """The evidence of a padding leak: padding alone made the loss, or the gradient at some
+    position (a valid token or a padding position), NaN/inf, on a batch whose zero-padded
+    result is finite. A NaN gradient at a padding position is a leak too: the log-probs are
+    gathered from the model's log-softmax at every position, so it reaches every weight."""
+
+    fill: str  # the padding probe that showed it first on the smallest such batch
+    where: str  # "loss", "valid token" or "padding position"
+    index: tuple[int, ...] | None
+    value: float
+    examples: int  # the observations on which some padding probe made the result NaN/inf
+    inputs: tuple[str, ...] | None  # the inputs whose padding alone does it (None: not probed)
+
+    def text(self) -> str:
+        what = "the loss" if self.where == "loss" else f"the gradient at {self.where} {self.index}"
+        padding = f"with {self.fill}" if " " in self.fill else f"with padding set to {self.fill}"
+        text = (f"{padding}, {what} is {self.value!r} where the zero-padded run is finite "
+                f"(on {self.examples} example(s))")
+        if self.inputs is not None:
+            text += "; " + (f"padding in {self.inputs[0]} alone does it" if len(self.inputs) == 1 else
+                            f"padding in any one of {', '.join(self.inputs)} alone does it" if self.inputs else
+                            "no one input's padding alone does it")
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fill": self.fill, "where": self.where, "index": list(self.index) if self.index is not None else None,
+                "value": repr(self.value), "examples": self.examples, "inputs": list(self.inputs) if self.inputs is not None else None,
+                "text": self.text()}
+
+
+def padding_leak(observations: Sequence[Observation], leaks_alone: Callable[[Batch], bool | None] | None = None) -> PaddingLeak | None:
+    """The padding leak the observations show, or None. ``leaks_alone(batch)`` runs the port
+    on a batch padded in one input only and says whether that padding makes its result
+    NaN/inf (None: it could not tell); it attributes the leak to the inputs it comes through."""
+    leaking: list[tuple[Observation, PaddingProbe, tuple[str, tuple[int, ...] | None, float]]] = []
+    for o in observations:
+        for probe in o.padding_probes:
+            found = probe.non_finite()
+            if found is not None:
+                leaking.append((o, probe, found))
+                break
+    if not leaking:
+        return None
+    o, probe, (where, index, value) = min(leaking, key=lambda t: (int(t[0].batch.valid.size), t[0].batch.valid.sum()))
+    inputs: tuple[str, ...] | None = None
+    if leaks_alone is not None:
+        answers = {name: leaks_alone(probe.batch.padding_only_in(name)) for name in PADDED_INPUTS
+                   if not np.array_equal(getattr(probe.batch, name)[~probe.batch.valid], np.zeros(int((~probe.batch.valid).sum())))}
+        if None not in answers.values():
+            inputs = tuple(name for name, leaks in answers.items() if leaks)
+    return PaddingLeak(probe.fill, where, index, value, len(leaking), inputs)
 
 
 def _reads_padding(judge: Judge, components: tuple[str, ...]) -> list[str]:
     """The deviations that read padding (e.g. the advantage of column 0), if together they
     reproduce every padding probe the port's result changed under; else [] (a leak)."""
-    probes = [Observation(b, r) for o in judge.observations if "padding_immunity" in o.failed for b, r in o.padding_probes]
+    probes = [Observation(p.batch, p.result) for o in judge.observations if "padding_immunity" in o.failed for p in o.padding_probes]
     if not probes:
         return []
     probe_judge = Judge(probes, dtype=judge.dtype, compute_dtype=judge.compute_dtype, supplied=judge.supplied)
@@ -728,21 +806,28 @@ def _reads_padding(judge: Judge, components: tuple[str, ...]) -> list[str]:
 
 
 def _responsible(judge: Judge, components: tuple[str, ...], field_name: str, reproduced: list[int]) -> list[str]:
-    """The deviations without which fewer of the check's reproduced failing examples are reproduced."""
-    needed = []
-    for name in components:
-        rest = merge(n for n in components if n != name) or ALGORITHM_1
-        if len(judge.reproduced(rest, field_name, reproduced)) < len(reproduced):
-            needed.append(name)
+    """The fewest of ``components`` that still reproduce the check's reproduced failing
+    examples, each of them necessary (without it fewer are reproduced)."""
+    needed = list(components)
+    changed = True
+    while changed:
+        changed = False
+        for name in sorted(needed, key=lambda n: -_order(n)):
+            rest = [n for n in needed if n != name]
+            dev = merge(rest) if rest else ALGORITHM_1
+            if dev is not None and len(judge.reproduced(dev, field_name, reproduced)) == len(reproduced):
+                needed, changed = rest, True
+                break
     return needed or list(components)
 
 
 def _closest(judge: Judge, names: Sequence[str], exclude: set[str], by_check: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Leads for what is unexplained: the explanation's share on each check below the
     threshold, then the single variants that agree on the most divergent examples."""
-    rows = [{"variant": " + ".join(c["components"]), "description": f"reproduces {check} on {c['explained']} of {c['of']} examples: "
-             f"below the {NAMED_SHARE:.0%} that names an explanation", "source": "", "agreed": c["explained"], "of": c["of"],
-             "check": check, "first_difference": ""} for check, c in by_check.items()]
+    rows = [{"variant": " + ".join(c["components"]), "description": f"reproduces {check} on {c['explained']} of {c['failing']} failing examples"
+             + (f" and contradicts {c['contradicted']}" if c["contradicted"] else "") + f": short of the naming rule (at least {NAMED_SHARE:.0%} "
+             f"of the failing examples, at most {CONTRADICTION_BOUND:g} contradicted per reproduced one)", "source": "",
+             "agreed": c["explained"], "of": c["of"], "check": check, "first_difference": ""} for check, c in by_check.items()]
     divergent = [i for i in judge.sample if judge.differences(ALGORITHM_1, i)]
     singles = []
     for name in names:

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from m2po_oracle.batch import Batch
+
 #: Scalar metrics of Algorithm 1, in the order reports show them.
 METRIC_FIELDS: tuple[str, ...] = (
     "m2_before",
@@ -59,3 +61,34 @@ class M2POResult:
         """Metrics and counts that are not ``None``."""
         names = METRIC_FIELDS + COUNT_FIELDS
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in names and getattr(self, f.name) is not None}
+
+
+#: The inputs padding is probed in, in the order reports name them.
+PADDED_INPUTS: tuple[str, ...] = ("logp", "behavior_logp", "advantages")
+
+
+@dataclass(frozen=True)
+class PaddingProbe:
+    """One padding probe whose result differed from the zero-padded run's: what filled the
+    padding (``"nan"``, ``"inf"``, ``"-inf"``, the drawn padding, small trust-region
+    tokens), the batch as probed and the implementation's result on it."""
+
+    fill: str
+    batch: Batch
+    result: M2POResult
+
+    def non_finite(self) -> tuple[str, tuple[int, ...] | None, float] | None:
+        """Where the result is NaN/inf: ("loss", None, value), ("valid token" or "padding
+        position", index, value) for the gradient, or None where all of it is finite."""
+        if not np.isfinite(self.result.loss):
+            return ("loss", None, float(self.result.loss))
+        grad = self.result.grad
+        if grad is None:
+            return None
+        bad = ~np.isfinite(grad)
+        for where, inside in (("valid token", self.batch.valid), ("padding position", ~self.batch.valid)):
+            at = np.argwhere(bad & inside)
+            if at.size:
+                index = tuple(int(i) for i in at[0])
+                return (where, index, float(grad[index]))
+        return None

@@ -299,7 +299,7 @@ def test_the_search_s_sample_and_the_examples_the_shares_count_are_told_apart():
     batches = [Batch(rng.normal(0, 0.3, (2, 6)) - 1.0, np.full((2, 6), -1.0), rng.choice([-1.0, 1.0], (2, 6)), np.ones((2, 6), bool), 0.02)
                for _ in range(7)]
     observations = [diagnosis.Observation(b, variants.m2po(b, variant("one_extra_removed").deviation)) for b in batches]
-    d = diagnosis.diagnose(observations[:4], ["selection.minimal"], dtype="float64", divergent=True, more_failing=observations[4:])
+    d = diagnosis.diagnose(observations[:4], ["selection.minimal"], dtype="float64", divergent=True, beyond_sample=observations[4:])
     assert (d["examples_searched"], d["examples_compared"]) == (4, 7)
     report = run_compare(partial(planted, deviation=variant("one_extra_removed").deviation), "extra", examples=40, shrink=False)
     report.diagnosis = {**report.diagnosis, "examples_searched": 4, "examples_compared": 7}
