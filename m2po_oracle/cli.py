@@ -296,6 +296,9 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
         task = progress.add_task(f"checking {args.impl}", total=runner.options.examples)
         report = run_compare(runner, on_example=lambda _: progress.advance(task), exploration=exploration, started=args.started)
     record = report.to_json()
+    chosen = runner.describe().get("dtype")  # a trainer computing in one dtype, run without --dtype
+    if chosen:
+        record["options"]["dtype_why"] = chosen["why"]
     if args.verbosity < 0:
         return _quiet_summary(args, report, record, console)
     if report.interrupted:
@@ -304,6 +307,8 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
         Console(stderr=True).print(f"interrupted after {report.examples} {report.example_unit} ({report.duration_s:.1f} s)"
                                    + (f"; partial report: {written}" if written else ""), highlight=False, soft_wrap=True)
         return EXIT_INTERRUPTED
+    if chosen:
+        console.print(f"dtype: {chosen['value']} ({chosen['why']})", highlight=False, markup=False, soft_wrap=True)
     if report.adapter:
         a = report.adapter
         skipped = [check for check in a.get("not_run", {}) if not check.startswith("metrics.")]

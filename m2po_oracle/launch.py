@@ -67,10 +67,6 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runn
 
             if importlib.util.find_spec(integration) is None:
                 raise LoadError(f"impl: {spec} needs the {integration} package: pip install -c constraints.txt -e '.[{integration}]'")
-            if options.dtype != "float32":
-                raise UsageError(f"dtype: {spec} runs {integration}, whose log-probs come from a chunked LM-head kernel that accumulates in "
-                                 f"float32 whatever the model's dtype; a {options.dtype} run would judge float32 log-probs at {options.dtype} "
-                                 "tolerance. Run it with --dtype float32")
             factory = load_attribute(INTEGRATED_TRAINERS[integration])
             try:
                 trainer = factory(control or None)

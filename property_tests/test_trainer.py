@@ -165,6 +165,29 @@ class DictReturningTrainer(GRPOTrainer):
         return {"loss": float(super().step(rollout, split).loss)}
 
 
+class Float32OnlyTrainer(GRPOTrainer):
+    """A stand-in port that computes in one dtype and says so, as TRL's step does."""
+
+    computes_in = "float32"
+    computes_in_why = "its log-prob kernel accumulates in float32"
+
+
+def test_a_trainer_computing_in_one_dtype_runs_in_it_without_dtype_and_refuses_another(tmp_path, capsys):
+    spec = "trainer:property_tests.test_trainer:Float32OnlyTrainer"
+    path = tmp_path / "float32.json"
+    assert main(["compare", "--impl", spec, "--examples", "2", "--skip-validation", "--json", str(path)]) == EXIT_EQUIVALENT
+    options = json.loads(path.read_text())["options"]
+    assert options["dtype"] == "float32" and options["dtype_why"] == f"the dtype {spec} computes in; --dtype not given", options
+    assert f"dtype: float32 (the dtype {spec} computes in; --dtype not given)" in capsys.readouterr().out
+    # Given explicitly, its own dtype is not a choice the runner made: the report adds nothing.
+    assert main(["compare", "--impl", spec, "--dtype", "float32", "--examples", "1", "--skip-validation", "--json", str(path)]) == EXIT_EQUIVALENT
+    assert "dtype_why" not in json.loads(path.read_text())["options"]
+    assert main(["compare", "--impl", spec, "--dtype", "float64", "--examples", "1"]) == EXIT_UNUSABLE
+    err = capsys.readouterr().err
+    assert (f"dtype: {spec} computes in float32: its log-prob kernel accumulates in float32; --dtype float64 would judge float32 values at "
+            "float64 tolerance. Leave --dtype out (the run takes float32) or give --dtype float32") in err, err
+
+
 def test_a_users_trainer_is_checked_by_spec_and_its_deviation_named():
     correct = run_compare(_open("trainer:m2po_oracle.trainer.grpo:GRPOTrainer"), examples=10, seed=0, shrink=False)
     assert correct.verdict == "equivalent"

@@ -156,9 +156,11 @@ def test_compare_trainer_trl_is_equivalent_and_every_fail_closed_probe_is_refuse
     from m2po_oracle.trainer.probes import TRAINER_PROBES
 
     path = tmp_path / "trl.json"
-    assert main(["compare", "--impl", "trainer:trl", "--dtype", "float32", "--examples", "2", "--json", str(path)]) == 0
+    # Without --dtype the run takes the one dtype TRL's step computes in, and says so.
+    assert main(["compare", "--impl", "trainer:trl", "--examples", "2", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["verdict"] == "equivalent" and data["examples"] == 2
+    assert data["options"]["dtype"] == "float32" and data["options"]["dtype_why"] == "the dtype trainer:trl computes in; --dtype not given"
     ran = {c["name"]: c["status"] for c in data["checks"]}
     assert all(ran[name] == "pass" for name in ("trainer.behavior_logp", "trainer.policy_logp", "trainer.parameter_gradient", "trainer.optimizer_step",
                                                  "selection.minimal", "loss", "gradient", "metrics.m2_before")), ran
@@ -169,7 +171,8 @@ def test_compare_trainer_trl_is_equivalent_and_every_fail_closed_probe_is_refuse
     assert probes["rollout_is_correction"]["message"].startswith("ValueError: vllm_importance_sampling_correction:")
     assert probes["stochastic_mask_prepass"]["message"].startswith("ValueError: disable_dropout:")
     assert probes["deployment_behavior_logp_missing"]["message"].startswith("ValueError: behavior_logp: the rollout_func returned no log-probs")
-    assert "verdict: equivalent" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dtype: float32 (the dtype trainer:trl computes in; --dtype not given)" in out and "verdict: equivalent" in out
 
 
 @pytest.mark.parametrize("control", ["", *sorted(TRL_CONTROLS)])
@@ -190,7 +193,10 @@ def test_each_trl_control_is_caught_by_its_check_and_named_by_the_diagnosis(cont
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["compare", "--impl", "trainer:trl", "--examples", "1"], "dtype: trainer:trl runs trl, whose log-probs come from a chunked LM-head kernel"),
+    (["compare", "--impl", "trainer:trl", "--dtype", "float64", "--examples", "1"],
+     "dtype: trainer:trl computes in float32: its log-probs come from a chunked LM-head kernel that accumulates in float32 whatever the "
+     "model's dtype; --dtype float64 would judge float32 values at float64 tolerance. Leave --dtype out (the run takes float32) or give "
+     "--dtype float32"),
     (["compare", "--impl", "trainer:trl:no_such_control", "--dtype", "float32"], "unknown TRL control 'no_such_control'"),
 ])
 def test_trainer_trl_usage_errors_name_the_problem(argv, message, capsys):

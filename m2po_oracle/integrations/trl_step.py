@@ -207,9 +207,23 @@ class _KeepGradients(TrainerCallback):
                 self.into[name] = p.grad.detach().cpu().clone()
 
 
+#: The dtype TRL's step computes its log-probs in, and why: what ``--dtype`` must be (and what
+#: a run without ``--dtype`` takes).
+TRL_COMPUTE_DTYPE = "float32"
+TRL_COMPUTE_DTYPE_WHY = "its log-probs come from a chunked LM-head kernel that accumulates in float32 whatever the model's dtype"
+
+
 def trl_trainer(control: str | None = None) -> Any:
-    """The factory ``compare --impl trainer:trl[:CONTROL]`` runs: ``(policy, config, *, behaviour, reference) -> TRLStep``."""
+    """The factory ``compare --impl trainer:trl[:CONTROL]`` runs: ``(policy, config, *, behaviour, reference) -> TRLStep``.
+
+    It declares the one dtype the step computes in (``computes_in``, ``computes_in_why``),
+    which the trainer runner takes when ``--dtype`` is not given."""
     if control is not None and control not in TRL_CONTROLS:
         raise ValueError(f"control: unknown TRL control {control!r}; known: {', '.join(TRL_CONTROLS)}")
     faults = TRLFaults(**{control: True}) if control else TRLFaults()
-    return lambda policy, config, **options: TRLStep(policy, config, faults=faults, **options)
+
+    def make(policy: Any, config: Any, **options: Any) -> TRLStep:
+        return TRLStep(policy, config, faults=faults, **options)
+
+    make.computes_in, make.computes_in_why = TRL_COMPUTE_DTYPE, TRL_COMPUTE_DTYPE_WHY  # type: ignore[attr-defined]
+    return make

@@ -80,17 +80,35 @@ class TrainerRunner:
                            "adapter": "a training step is not a loss function; adapters do not apply",
                            "topology": "the trainer runs one process", "backend": "the trainer runs one process",
                            "in_process": "the trainer always runs in this process", "show_output": "the trainer's output is not captured"})
+        self.spec = spec or (f"trainer:{control}" if control else "trainer")
+        self.dtype_chosen = self._one_dtype(trainer)
         if self.options.dtype not in TRAINER_DTYPES:
             raise UsageError(f"dtype: the trainer runs its model in one of {sorted(TRAINER_DTYPES)}, got {self.options.dtype!r}")
         self.control = CONTROLS_BY_NAME[control] if control else None
         self.make_trainer = trainer
-        self.spec = spec or (f"trainer:{control}" if control else "trainer")
         self.health = CallHealth()
         self.output = CapturedOutput()
         # Last, so that a refused run leaves no directory behind; the recorder itself is made
         # at the first step, so that opening a runner (the pytest plugin opens two) writes nothing.
         self.capture = CaptureTarget.prepare(self.options.capture) if self.options.capture else None
         self._recorder: _Recording | None = None
+
+    def _one_dtype(self, trainer: TrainerFactory | None) -> str | None:
+        """A trainer that computes in one dtype declares it (``computes_in``, with
+        ``computes_in_why``): without ``--dtype`` the run takes it (the reason, returned, goes
+        into the report); any other ``--dtype`` would judge its values at the wrong tolerance."""
+        computes_in = getattr(trainer, "computes_in", None)
+        if computes_in is None:
+            return None
+        why = getattr(trainer, "computes_in_why", "")
+        if "dtype" not in self.options.given:
+            self.options = self.options.but(dtype=computes_in)
+            return f"the dtype {self.spec} computes in; --dtype not given"
+        if self.options.dtype != computes_in:
+            raise UsageError(f"dtype: {self.spec} computes in {computes_in}{': ' + why if why else ''}; --dtype {self.options.dtype} would judge "
+                             f"{computes_in} values at {self.options.dtype} tolerance. Leave --dtype out (the run takes {computes_in}) "
+                             f"or give --dtype {computes_in}")
+        return None
 
     def _recording(self) -> _Recording | None:
         if self.capture is None:
@@ -144,7 +162,10 @@ class TrainerRunner:
         return "trainer_case"
 
     def describe(self) -> dict[str, Any]:
-        return {"capture": self.capture.to_json()} if self.capture is not None else {}
+        described: dict[str, Any] = {"capture": self.capture.to_json()} if self.capture is not None else {}
+        if self.dtype_chosen:  # the runner, not the user, picked the dtype: the report says which and why
+            described["dtype"] = {"value": self.options.dtype, "why": self.dtype_chosen}
+        return described
 
     def start(self) -> None:
         pass
