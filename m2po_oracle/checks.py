@@ -44,6 +44,8 @@ TRAINER_CHECKS: dict[str, str] = {
     "trainer.parameter_gradient": "each parameter's gradient is the analytic per-token gradient pulled back through the model (a VJP)",
     "trainer.accumulation": "with k micro-batches the mask, loss and accumulated gradient are those of the same step in one micro-batch",
     "trainer.optimizer_step": "the parameters after the step are one optimizer step from the parameters before, with the reported gradient",
+    "trainer.kl_term": "with beta != 0, loss and d loss / d logp are Algorithm 1's plus beta * KL, KL the k3 estimator "
+                       "exp(ref - logp) - (ref - logp) - 1 over the valid tokens / N against the reference model",
 }
 #: Every check of every runner, for descriptions; a runner declares the subset it runs.
 ALL_CHECKS: dict[str, str] = {**CHECKS, **DISTRIBUTED_CHECKS, **TRAINER_CHECKS}

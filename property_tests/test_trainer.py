@@ -4,6 +4,7 @@ every planted trainer bug is caught and named, and every fail-closed rule holds.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 
@@ -51,7 +52,9 @@ def test_the_correct_trainer_passes_every_check_on_steps_that_mask_and_accumulat
     report = run_compare(TrainerRunner(), "trainer", examples=40, seed=0, shrink=False, on_example=count)
     failing = {name: t.failures for name, t in report.tallies.items() if t.failures}
     assert report.verdict == "equivalent", (failing, [c.mismatches for c in report.counterexamples])
-    assert set(TRAINER_CHECKS) <= set(report.tallies), "the trainer checks did not run"
+    # trainer.kl_term judges a KL term: a run without one (beta 0) does not claim it.
+    assert set(TRAINER_CHECKS) - {"trainer.kl_term"} <= set(report.tallies), "the trainer checks did not run"
+    assert "trainer.kl_term" not in report.tallies
     assert "determinism" not in report.tallies, "checks a trainer does not run must not be reported as passed"
     # Not vacuous: the battery saw steps where Algorithm 1 masked tokens and steps split into micro-batches.
     assert seen["masked"] >= 5 and seen["accumulated"] >= 10, seen
@@ -106,7 +109,7 @@ def test_compare_trainer_cli_is_equivalent_and_reports_the_fail_closed_probes(tm
     path = tmp_path / "trainer.json"
     assert main(["compare", "--impl", "trainer", "--examples", "8", "--json", str(path)]) == EXIT_EQUIVALENT
     data = json.loads(path.read_text())
-    assert {c["name"] for c in data["checks"]} >= set(TRAINER_CHECKS)
+    assert {c["name"] for c in data["checks"]} >= set(TRAINER_CHECKS) - {"trainer.kl_term"}
     assert [p["status"] for p in data["validation"]["probes"]] == [p.expected for p in TRAINER_PROBES]
     out = capsys.readouterr().out
     assert "kl_coefficient allowed with a warning" in out and "verdict: equivalent" in out
@@ -245,6 +248,65 @@ def test_a_kl_coefficient_warns_and_adds_exactly_beta_times_kl():
     assert record.loss - 0.25 * record.kl_term == pytest.approx(oracle.evaluate_with_mask(seen, record.keep.numpy()).loss, rel=1e-10, abs=1e-15)
     with pytest.raises(ValueError, match="^reference"):
         GRPOTrainer(versions[-1], TrainerConfig(beta=0.25), behaviour=samplers).step(rollout)
+
+
+def test_k3_kl_is_the_mean_over_the_valid_tokens_of_exp_delta_minus_delta_minus_one_and_its_gradient():
+    from m2po_oracle.trainer.run import k3_kl
+
+    logp = np.array([[-1.0, -2.0, np.nan], [-0.5, -3.0, -1.0]])
+    reference = np.array([[-1.5, -1.0, np.nan], [-0.5, np.inf, -2.0]])
+    valid = np.array([[True, True, False], [True, False, True]])
+    kl, grad = k3_kl(logp, reference, valid)
+    deltas = [-0.5, 1.0, 0.0, -1.0]  # ref - logp on the four valid tokens; padding (NaN, inf) never counts
+    assert kl == pytest.approx(sum(math.exp(d) - d - 1 for d in deltas) / 4, rel=1e-15)
+    expected = np.array([[1 - math.exp(-0.5), 1 - math.e, 0.0], [0.0, 0.0, 1 - math.exp(-1.0)]]) / 4
+    np.testing.assert_allclose(grad, expected, rtol=1e-15, atol=0)
+
+
+#: Two micro-batches and an empty one between them, workers 1 and 2 steps behind the policy
+#: (the reference, the oldest version, differs from it): the KL term of each micro-batch
+#: divides by the optimizer batch's N.
+KL_CASE = TrainerCase(seed=7, prompts=2, group_size=2, prompt_len=2, max_new_tokens=4, lags=(1, 2), staleness_lr=0.02, tau=0.04,
+                      split=(2, 0, 2))
+
+
+class NegatedKLTrainer(GRPOTrainer):
+    """A stand-in port whose KL term has the wrong sign (it rewards moving away from the reference)."""
+
+    def _kl(self, *args, **kwargs):
+        return -super()._kl(*args, **kwargs)
+
+
+class KLWithoutBetaTrainer(GRPOTrainer):
+    """A stand-in port that adds KL itself, not beta * KL."""
+
+    def _kl(self, *args, **kwargs):
+        return super()._kl(*args, **kwargs) / self.config.beta
+
+
+def test_the_kl_check_passes_the_correct_trainer_and_fails_a_wrong_kl_term():
+    from m2po_oracle.trainer.checks import check_trainer_step, trainer_checks_ran
+
+    correct = run_case(KL_CASE, beta=0.1)
+    assert correct.kl[0] > 0 and "trainer.kl_term" in trainer_checks_ran(correct)
+    assert not check_trainer_step(correct), [m.summary for m in check_trainer_step(correct)]
+    assert "trainer.kl_term" not in trainer_checks_ran(run_case(KL_CASE))
+    for trainer in (NegatedKLTrainer, KLWithoutBetaTrainer, GRPOTrainer):
+        if trainer is GRPOTrainer:
+            step = run_case(KL_CASE, control=CONTROLS_BY_NAME["kl_k1_estimator"])
+        else:
+            step = run_case(KL_CASE, beta=0.1, make_trainer=trainer)
+        found = [m for m in check_trainer_step(step) if m.check == "trainer.kl_term"]
+        assert [m.field for m in found] == ["loss", "grad"], (trainer.__name__, [m.summary for m in check_trainer_step(step)])
+        assert "beta * KL" in found[0].summary and f"reported {step.record.loss!r}" in found[0].summary
+
+
+def test_the_correct_trainer_with_a_kl_term_passes_every_check():
+    from m2po_oracle.compare import Exploration
+
+    report = run_compare(TrainerRunner(beta=0.1), "trainer", examples=4, seed=0, exploration=Exploration(shrink=False, skip_validation=True))
+    assert report.verdict == "equivalent", {n: t.failures for n, t in report.tallies.items() if t.failures}
+    assert report.tallies["trainer.kl_term"].ran == 4
 
 
 def test_synchronous_hf_generation_may_recompute_behaviour_logp_in_the_trainer():

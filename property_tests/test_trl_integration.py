@@ -192,6 +192,19 @@ def test_each_trl_control_is_caught_by_its_check_and_named_by_the_diagnosis(cont
     assert outcome.evidenced == (expected["diagnosed_as"],), (control, outcome.explained_by, outcome.evidenced)
 
 
+def test_trl_with_a_kl_term_passes_the_kl_check_that_its_k1_control_fails():
+    from m2po_oracle.integrations.trl_step import trl_trainer
+    from m2po_oracle.trainer.cases import TrainerCase
+    from m2po_oracle.trainer.runner import TrainerRunner
+
+    # The control's own run (k1, caught and named) is test_each_trl_control_is_caught_...[kl_k1_estimator].
+    assert TRL_CONTROLS["kl_k1_estimator"]["beta"] == 0.1 and "trainer.kl_term" in TRL_CONTROLS["kl_k1_estimator"]["caught_by"]
+    runner = TrainerRunner(trainer=trl_trainer(), spec="trainer:trl", beta=0.1)
+    outcome = runner.run_battery(TrainerCase.from_dict(SCOPED_CASE))
+    assert runner.options.dtype == "float32" and "trainer.kl_term" in outcome.checked
+    assert not outcome.mismatches, [m.summary for m in outcome.mismatches]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["compare", "--impl", "trainer:trl", "--dtype", "float64", "--examples", "1"],
      "dtype: trainer:trl computes in float32: its log-probs come from a chunked LM-head kernel that accumulates in float32 whatever the "

@@ -51,6 +51,7 @@ class TRLFaults:
     current_policy_as_behavior: bool = False  # the prepass (current policy) used as behaviour log-probs
     optimizer_step_per_micro_batch: bool = False  # optimizer.step() after every micro-batch
     per_rank_selection: bool = False  # each data-parallel rank selects over its own window alone (the global N kept)
+    kl_k1_estimator: bool = False  # the KL term uses k1, logp - ref_logp, instead of TRL's k3
 
 
 
@@ -258,7 +259,7 @@ class M2POGRPOTrainer(GRPOTrainer):
         loss = micro_batch_share(logp, window, micro, own_denominator=self.m2po_faults.per_micro_batch_denominator)
         if self.beta != 0.0:
             reference = inputs["ref_per_token_logps"]
-            per_token_kl = torch.exp(reference - logp) - (reference - logp) - 1
+            per_token_kl = logp - reference if self.m2po_faults.kl_k1_estimator else torch.exp(reference - logp) - (reference - logp) - 1
             loss = loss + self.beta * torch.where(mask, per_token_kl, torch.zeros_like(per_token_kl)).sum() / selection.valid_count.clamp(min=1)
         recorder = self._recording()
         if recorder is not None:

@@ -48,6 +48,9 @@ TRL_CONTROLS: dict[str, dict[str, Any]] = {
                                    "caught_by": ("trainer.behavior_logp",), "diagnosed_as": "current_policy_as_behavior"},
     "optimizer_step_per_micro_batch": {"description": "the wrapped optimizer steps after every micro-batch, past accelerate's accumulation guard",
                                        "caught_by": ("trainer.optimizer_step",), "diagnosed_as": "optimizer_step_per_micro_batch"},
+    # Its steps run with a KL term (beta), without which the bug cannot show.
+    "kl_k1_estimator": {"description": "the KL term uses the k1 estimator logp - ref_logp instead of TRL's k3", "caught_by": ("trainer.kl_term",),
+                        "diagnosed_as": "kl_k1_estimator", "beta": 0.1},
 }
 
 _PAD, _BOS, _EOS = 0, 1, 2
@@ -217,7 +220,8 @@ def trl_trainer(control: str | None = None) -> Any:
     """The factory ``compare --impl trainer:trl[:CONTROL]`` runs: ``(policy, config, *, behaviour, reference) -> TRLStep``.
 
     It declares the one dtype the step computes in (``computes_in``, ``computes_in_why``),
-    which the trainer runner takes when ``--dtype`` is not given."""
+    which the trainer runner takes when ``--dtype`` is not given, and the KL coefficient the
+    control's steps run with (``kl_coefficient``)."""
     if control is not None and control not in TRL_CONTROLS:
         raise ValueError(f"control: unknown TRL control {control!r}; known: {', '.join(TRL_CONTROLS)}")
     faults = TRLFaults(**{control: True}) if control else TRLFaults()
@@ -226,4 +230,5 @@ def trl_trainer(control: str | None = None) -> Any:
         return TRLStep(policy, config, faults=faults, **options)
 
     make.computes_in, make.computes_in_why = TRL_COMPUTE_DTYPE, TRL_COMPUTE_DTYPE_WHY  # type: ignore[attr-defined]
+    make.kl_coefficient = TRL_CONTROLS[control].get("beta", 0.0) if control else 0.0  # type: ignore[attr-defined]
     return make

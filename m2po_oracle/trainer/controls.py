@@ -18,6 +18,7 @@ class TrainerControl:
     # Steps the suite gives it: a per-micro-batch mask only shows where two micro-batches
     # select differently (about 5 % of generated steps; first caught at 7-71 over seeds 0-5).
     examples: int = 60
+    beta: float = 0.0  # the KL coefficient its steps run with (a KL bug only shows with a KL term)
 
     @property
     def variant(self) -> str:
@@ -43,6 +44,10 @@ TRAINER_CONTROLS: tuple[TrainerControl, ...] = (
                    {"optimizer_step_per_micro_batch": True}, ("trainer.optimizer_step",)),
     TrainerControl("embedding_gradient_dropped", "the input embedding's gradient is zeroed before the step (a freeze wired to the wrong parameter)",
                    {"drop_gradient_of": "model.embed_tokens.weight"}, ("trainer.parameter_gradient",), diagnosed_as="parameters_without_gradient"),
+    # k1 has the right expectation under the policy, so only a per-token check sees it: every
+    # step with a stale reference has a k1 value and gradient unlike k3's.
+    TrainerControl("kl_k1_estimator", "the KL term uses the k1 estimator logp - ref_logp instead of k3, exp(ref - logp) - (ref - logp) - 1",
+                   {"kl_k1_estimator": True}, ("trainer.kl_term",), examples=6, beta=0.1),
 )
 CONTROLS_BY_NAME = {c.name: c for c in TRAINER_CONTROLS}
 #: Built-in names of whole training steps: the trainer and its planted controls.

@@ -48,7 +48,26 @@ def _test_per_micro_batch_denominator(step: TrainerStep) -> tuple[bool, bool]:
     correct = oracle.evaluate_with_mask(batch, keep).grad
     tol = tolerance(step.dtype, "gradient")
     close = lambda a, b: compare_values("diagnosis", "grad", a, b, tol, scale=float(np.abs(b).max(initial=0)) * tol.rtol) is None  # noqa: E731
-    return close(step.record.token_grad.to(torch.float64).numpy(), predicted), not close(correct, predicted)
+    return close(step.m2po_result.grad, predicted), not close(correct, predicted)
+
+
+def _test_kl_k1_estimator(step: TrainerStep) -> tuple[bool, bool]:
+    """The step's loss and gradient are Algorithm 1's plus beta times k1, mean(logp - ref)
+    over N, whose gradient is 1 / N on every valid token."""
+    if step.beta == 0:
+        return False, False
+    batch, beta, n = step.batch, step.beta, max(int(step.batch.valid.sum()), 1)
+    m2po = oracle.evaluate_with_mask(batch, step.record.keep.numpy())
+    k1 = float(np.where(batch.valid, batch.logp - step.reference_logp, 0.0).sum()) / n
+    k1_grad = np.where(batch.valid, 1.0 / n, 0.0)
+    tol = tolerance(step.dtype, "gradient")
+    close = lambda a, b: compare_values("diagnosis", "grad", a, b, tol, scale=float(np.abs(b).max(initial=0)) * tol.rtol) is None  # noqa: E731
+    token_grad = step.record.token_grad.to(torch.float64).numpy()
+    loss_tol = tolerance(step.dtype, "loss")
+    scale = float(np.abs(m2po.grad).sum()) + beta * float(np.abs(np.where(batch.valid, batch.logp - step.reference_logp, 0.0)).sum()) / n
+    same_loss = compare_values("diagnosis", "loss", step.record.loss, m2po.loss + beta * k1, loss_tol, scale=scale) is None
+    reproduces = same_loss and close(token_grad, m2po.grad + beta * k1_grad)
+    return reproduces, not close(m2po.grad + beta * step.kl[1], m2po.grad + beta * k1_grad)
 
 
 def _test_current_policy_as_behavior(step: TrainerStep) -> tuple[bool, bool]:
@@ -98,6 +117,7 @@ TRAINER_VARIANTS: tuple[TrainerVariant, ...] = (
                    _test_optimizer_step_per_micro_batch),
     TrainerVariant("parameters_without_gradient", "some parameters get no gradient (frozen or detached by mistake) while the loss depends on them",
                    _test_parameters_without_gradient),
+    TrainerVariant("kl_k1_estimator", CONTROLS_BY_NAME["kl_k1_estimator"].description, _test_kl_k1_estimator),
 )
 VARIANT_DESCRIPTIONS = {v.name: v.description for v in TRAINER_VARIANTS}
 

@@ -81,6 +81,7 @@ class TrainerFaults:
     skip_determinism_check: bool = False  # trains with whatever stochastic layers the model has
     optimizer_step_per_micro_batch: bool = False  # optimizer.step() after every micro-batch
     drop_gradient_of: str | None = None  # a parameter whose gradient is zeroed before the step (a mis-wired freeze)
+    kl_k1_estimator: bool = False  # the KL term uses k1, logp - ref_logp, instead of TRL's k3
 
 
 @dataclass(frozen=True)
@@ -446,9 +447,11 @@ class GRPOTrainer:
 
     def _kl(self, logp: torch.Tensor, rollout: Rollout, rows: slice, valid_count: torch.Tensor) -> torch.Tensor:
         """k3 estimator of KL(policy || reference) over the valid tokens, with the batch's N."""
+        if rows.stop == rows.start:  # an empty micro-batch has no tokens to compare (and a forward over no rows fails)
+            return torch.zeros((), dtype=logp.dtype, device=logp.device)
         with torch.no_grad():
             reference = token_logp(self.reference.eval(), rollout.prompt_ids[rows], rollout.completion_ids[rows])
         valid = rollout.valid[rows]
         delta = torch.where(valid, reference - logp, torch.zeros_like(logp))
-        per_token = torch.exp(delta) - delta - 1
+        per_token = -delta if self.faults.kl_k1_estimator else torch.exp(delta) - delta - 1
         return per_token.sum() / valid_count.clamp(min=1).to(per_token.dtype)

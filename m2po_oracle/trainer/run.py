@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,8 @@ class TrainerStep:
     policy_before: Any  # a copy of the policy at the step's start (eval mode)
     record: Any  # trainer.StepRecord
     single: Any | None  # the same step as one micro-batch (k > 1 only)
+    beta: float = 0.0  # the KL coefficient the step ran with
+    reference: Any = None  # a copy of the KL reference model (eval mode; beta != 0 only)
     batch: Batch = field(init=False)
 
     def __post_init__(self) -> None:
@@ -55,9 +58,51 @@ class TrainerStep:
         return _recomputed_logp(self.policy_before, self.rollout)
 
     @functools.cached_property
+    def reference_logp(self) -> np.ndarray:
+        """The rollout's tokens under the KL reference model, deterministically."""
+        return _recomputed_logp(self.reference, self.rollout)
+
+    @functools.cached_property
+    def kl(self) -> tuple[float, np.ndarray]:
+        """(KL, d KL / d logp) of the loss pass's log-probs against the reference: the k3
+        estimator, over the optimizer batch's valid tokens and N; (0, zeros) when beta == 0."""
+        if self.beta == 0:
+            return 0.0, np.zeros(self.batch.shape)
+        return k3_kl(self.batch.logp, self.reference_logp, self.batch.valid)
+
+    @functools.cached_property
+    def expected_on_mask(self) -> M2POResult:
+        """What the record must hold on its own mask: Algorithm 1's loss and gradient plus
+        ``beta`` times the KL term's (``beta * KL`` is part of the loss the step minimises)."""
+        expected = oracle.evaluate_with_mask(self.batch, self.record.keep.numpy())
+        if self.beta == 0:
+            return expected
+        value, grad = self.kl
+        return replace(expected, loss=expected.loss + self.beta * value, grad=expected.grad + self.beta * grad)
+
+    @functools.cached_property
+    def reported(self) -> M2POResult:
+        """The record as the value checks judge it against :attr:`expected_on_mask`: with a
+        KL term, its whole loss (adding the expected KL to the expectation, rather than
+        subtracting it from the record, keeps the record's own rounding out of the check)."""
+        result = _result(self.record)
+        return result if self.beta == 0 else replace(result, loss=float(self.record.loss))
+
+    @functools.cached_property
+    def m2po_result(self) -> M2POResult:
+        """The record's M2PO part, for the diagnosis: its loss and d loss / d logp less the
+        expected ``beta * KL`` and its gradient."""
+        if self.beta == 0:
+            return _result(self.record)
+        value, grad = self.kl
+        result = _result(self.record)
+        return replace(result, loss=self.record.loss - self.beta * value, grad=result.grad - self.beta * grad)
+
+    @functools.cached_property
     def pulled_back_gradient(self) -> dict[str, torch.Tensor]:
-        """Algorithm 1's per-token gradient on the trainer's mask, pulled back through the snapshot."""
-        token_grad = oracle.evaluate_with_mask(self.batch, self.record.keep.numpy()).grad
+        """Algorithm 1's per-token gradient on the trainer's mask, plus ``beta`` times the KL
+        term's, pulled back through the snapshot."""
+        token_grad = self.expected_on_mask.grad
         return _pullback(copy.deepcopy(self.policy_before), self.rollout, token_grad)
 
     @functools.cached_property
@@ -94,29 +139,45 @@ def setup_case(case: TrainerCase, *, dtype: str = "float64", dropout: float = 0.
 
 
 def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerControl | None = None, device: str = "cpu",
-             make_trainer: TrainerFactory | None = None, recorder: Any = None, step_index: int | None = None) -> TrainerStep:
-    """``case`` through the trainer (ours, with ``control``'s faults, or ``make_trainer``'s).
+             make_trainer: TrainerFactory | None = None, recorder: Any = None, step_index: int | None = None, beta: float = 0.0) -> TrainerStep:
+    """``case`` through the trainer (ours, with ``control``'s faults, or ``make_trainer``'s),
+    with KL coefficient ``beta`` (a control's own, when it has one).
 
     With ``recorder`` (an ``m2po_oracle.capture.Recorder``; the built-in trainer only) the
     step is recorded as optimizer step ``step_index`` (``GRPOTrainer.step``); the same step
     rerun as one micro-batch, the reference of ``trainer.accumulation``, is not."""
-    from m2po_oracle.trainer.grpo import TrainerConfig
+    from m2po_oracle.trainer.grpo import M2POKLWarning, TrainerConfig
 
+    beta = control.beta if control is not None and control.beta else beta
     make_trainer = make_trainer or _builtin_trainer(control.faults if control else None)
     versions, samplers, rollout = setup_case(case, dtype=dtype, dropout=control.model_dropout if control else 0.0, device=device)
     policy = versions[-1]
     policy_before = copy.deepcopy(policy).eval()
-    config = TrainerConfig(tau=case.tau if case.cut is None else tau_cutting_inside(case.cut, policy_before, rollout), lr=STEP_LR)
+    config = TrainerConfig(tau=case.tau if case.cut is None else tau_cutting_inside(case.cut, policy_before, rollout), lr=STEP_LR, beta=beta)
     single_policy = copy.deepcopy(policy) if len(case.split) > 1 else None
+    reference = copy.deepcopy(versions[0]).eval() if beta else None
     trainer = make_trainer(policy, config, behaviour=samplers, reference=versions[0])
-    with torch.random.fork_rng(devices=[]):
+    # The run asked for the KL term: trainer.kl_term judges it, the warning would only repeat per step.
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore", M2POKLWarning)
         torch.manual_seed(case.seed)
         recording = {"recorder": recorder, "step_index": step_index} if recorder is not None else {}
         record = check_record(trainer.step(rollout, case.split, **recording), rollout, policy_before)
         single = None
         if single_policy is not None:
             single = check_record(make_trainer(single_policy, config, behaviour=samplers, reference=versions[0]).step(rollout), rollout, policy_before)
-    return TrainerStep(case, dtype, trainer, rollout, samplers, policy_before, record, single)
+    return TrainerStep(case, dtype, trainer, rollout, samplers, policy_before, record, single, beta=float(beta), reference=reference)
+
+
+def k3_kl(logp: np.ndarray, reference_logp: np.ndarray, valid: np.ndarray) -> tuple[float, np.ndarray]:
+    """(KL, d KL / d logp) in float64: the k3 estimator TRL's GRPOTrainer uses,
+    ``exp(ref - logp) - (ref - logp) - 1`` per valid token, summed and divided by N (the
+    valid tokens of the optimizer batch, as M2PO's own term); its gradient is
+    ``(1 - exp(ref - logp)) / N`` on valid tokens and 0 on padding."""
+    n = max(int(valid.sum()), 1)
+    delta = np.where(valid, np.asarray(reference_logp, dtype=np.float64) - np.asarray(logp, dtype=np.float64), 0.0)
+    per_token = np.exp(delta) - delta - 1.0
+    return float(per_token.sum() / n), np.where(valid, (1.0 - np.exp(delta)) / n, 0.0)
 
 
 def tau_cutting_inside(cut: int, policy: Any, rollout: Any) -> float:

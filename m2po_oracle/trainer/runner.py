@@ -39,7 +39,7 @@ from m2po_oracle.trainer.checks import CHECK_NAMES, check_trainer_step, trainer_
 from m2po_oracle.trainer.controls import CONTROLS_BY_NAME
 from m2po_oracle.trainer.diagnosis import VARIANT_DESCRIPTIONS, explain
 from m2po_oracle.trainer.probes import TRAINER_PROBES, run_trainer_probe
-from m2po_oracle.trainer.run import TRAINER_DTYPES, TrainerFactory, TrainerStep, _result, run_case
+from m2po_oracle.trainer.run import TRAINER_DTYPES, TrainerFactory, TrainerStep, run_case
 
 
 #: Options a trainer run honours (it runs in this process: no per-call timeout).
@@ -58,9 +58,12 @@ class TrainerRunner:
     variant_source = "trainer-level deviation (the production PR's support boundary, or a plausible port bug)"
 
     def __init__(self, control: str | None = None, *, trainer: TrainerFactory | None = None, spec: str | None = None,
-                 options: RunOptions | None = None) -> None:
+                 options: RunOptions | None = None, beta: float | None = None) -> None:
         """Our trainer, one of its controls, or ``trainer``: a factory (e.g. a class) building
-        the trainer under test as ``trainer(policy, config, *, behaviour, reference)``."""
+        the trainer under test as ``trainer(policy, config, *, behaviour, reference)``.
+
+        ``beta``: the KL coefficient every step runs with (default: the control's, else the
+        factory's ``kl_coefficient``, else 0); with beta != 0 ``trainer.kl_term`` judges the term."""
         import importlib.util
 
         if importlib.util.find_spec("transformers") is None:
@@ -86,6 +89,13 @@ class TrainerRunner:
             raise UsageError(f"dtype: the trainer runs its model in one of {sorted(TRAINER_DTYPES)}, got {self.options.dtype!r}")
         self.control = CONTROLS_BY_NAME[control] if control else None
         self.make_trainer = trainer
+        if beta is None:
+            beta = self.control.beta if self.control else getattr(trainer, "kl_coefficient", 0.0)
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < float("inf"):
+            raise LoadError(f"impl: the KL coefficient (beta, or the trainer's kl_coefficient) must be a finite number >= 0, got {beta!r}")
+        self.beta = float(beta)
+        # Without a KL term there is nothing for trainer.kl_term to judge: the run does not claim it.
+        self.checks = CHECK_NAMES if self.beta else tuple(n for n in CHECK_NAMES if n != "trainer.kl_term")
         self.health = CallHealth()
         self.output = CapturedOutput()
         # Last, so that a refused run leaves no directory behind; the recorder itself is made
@@ -131,7 +141,7 @@ class TrainerRunner:
         step_index = self.capture.next_step() if self.capture is not None else None
         try:
             step = run_case(case, dtype=dtype, control=self.control, device=self.options.device, make_trainer=self.make_trainer,
-                            recorder=recorder, step_index=step_index)
+                            recorder=recorder, step_index=step_index, beta=self.beta)
         except Exception as error:  # not CaptureFailed, a BaseException: a lost record stops the run
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-4)).rstrip()
             empty = Batch(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1), dtype=bool), case.tau)
@@ -145,7 +155,7 @@ class TrainerRunner:
                                   (Mismatch("call", f"the step record could not be checked: {text.splitlines()[-1]}", details=(text,)),),
                                   case=case.to_dict())
         consistent, evidenced = explain(step) if mismatches else (None, None)
-        return BatteryOutcome(step.batch, Measurement(step.batch, dtype, _result(step.record)), mismatches, explained_by=consistent,
+        return BatteryOutcome(step.batch, Measurement(step.batch, dtype, step.m2po_result), mismatches, explained_by=consistent,
                               evidenced=evidenced, case={**case.to_dict(), "trainer": _step_summary(step)}, checked=trainer_checks_ran(step))
 
     def replay_command(self, case: TrainerCase) -> str:
