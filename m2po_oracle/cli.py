@@ -631,7 +631,10 @@ def _print_diagnosis(console: Console, diagnosis: dict) -> None:
     for residual in diagnosis.get("residuals", []):
         features = ", ".join(f"{f['feature']} {f['residual']}/{f['of']} (vs {f['explained']}/{f['explained_of']} explained)"
                              for f in residual.get("features", [])) or "no feature of the list"
-        contradicted = f", {residual['contradicted']} of them passing examples it gets wrong" if residual.get("contradicted") else ""
+        contradicted = (f", {residual['contradicted']} of them contradicted (Algorithm 1 reproduces the port there, the explanation does not)"
+                        if residual.get("contradicted") else "")
+        if residual.get("float32_fits"):
+            contradicted += f"; {residual['float32_fits']} within float32 rounding of the explanation's values"
         lead = "unexplained" if residual.get("unexplained") else "residual of"
         say(f"  {lead} {', '.join(residual['checks'])}: {residual['count']} example(s) not reproduced{contradicted}; features: {features}")
         example = residual.get("counterexample") or {}

@@ -693,8 +693,8 @@ def _residuals(judge: Judge, shares: dict[str, dict[str, Any]], compute_dtype: s
         smallest = min(indices, key=lambda i: (int(judge.observations[i].batch.valid.size), i))
         observation = judge.observations[smallest]
         example = observation.example if observation.example is not None else observation.batch
-        first = next((text for f, text in judge.differences(merge(shares[checks[0]]["components"]) or ALGORITHM_1, smallest).items()
-                      if f in field_names), "")
+        dev = merge(shares[checks[0]]["components"]) or ALGORITHM_1
+        first = next((text for f, text in judge.differences(dev, smallest).items() if f in field_names), "")
         residuals.append({
             "checks": checks,
             "unexplained": unexplained,
@@ -703,10 +703,22 @@ def _residuals(judge: Judge, shares: dict[str, dict[str, Any]], compute_dtype: s
             "features": [{"feature": n, "residual": counts[n], "of": len(indices), "explained": elsewhere[n], "explained_of": len(explained),
                           "description": coverage.FEATURES[n].when} for n in shown[:RESIDUAL_FEATURES_SHOWN]],
             "shared": [n for n in shown if counts[n] == len(indices)],
+            "float32_fits": _float32_fits(judge, dev, indices, field_names),
             "counterexample": {"batch": json.loads(observation.batch.to_json()), "difference": first,
                                "replay": replay(example) if replay is not None else None},
         })
     return residuals
+
+
+def _float32_fits(judge: Judge, dev: Deviation, indices: Sequence[int], field_names: set[str | None]) -> int:
+    """Of the residual's examples, those the explanation reproduces when judged at float32's
+    tolerance: where that is most of them, the port computes these fields in float32 (a
+    precision no knob of the vocabulary names for the loss and gradient)."""
+    if judge.compute_dtype != "float64":
+        return 0
+    observations = [judge.observations[i] for i in indices]
+    loose = Judge(observations, dtype="float32", compute_dtype="float32", supplied=judge.supplied)
+    return sum(1 for k in range(len(observations)) if not (set(loose.differences(dev, k)) & field_names))
 
 
 def _cover(explanations: dict[str, set[str]], order: list[str]) -> tuple[dict[str, str], list[tuple[str, ...]]]:

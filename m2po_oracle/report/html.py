@@ -456,6 +456,7 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
                    for check, v in ((c, _mapping(v)) for c, v in _mapping(d.get("shares")).items())],
         "residuals": [{"checks": _names(r.get("checks")), "count": _fmt(r.get("count")), "unexplained": bool(r.get("unexplained")),
                        "contradicted": _fmt(r.get("contradicted")) if r.get("contradicted") else None,
+                       "float32_fits": _fmt(r.get("float32_fits")) if r.get("float32_fits") else None,
                        "features": [{"feature": _text(f.get("feature")), "residual": _fmt(f.get("residual")), "of": _fmt(f.get("of")),
                                      "explained": _fmt(f.get("explained")), "explained_of": _fmt(f.get("explained_of")),
                                      "description": _text(f.get("description"))} for f in map(_mapping, _list(r.get("features")))],
