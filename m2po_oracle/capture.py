@@ -63,6 +63,10 @@ Measured with ``python -m m2po_oracle.capture`` (Python 3.11, torch 2.13.0 CPU, 
 - the manifest rewrite (one cached JSON line per record): 0.3 to 1.6 ms up to 100 records, 1 ms at
   1,000, 7 to 21 ms at 10,000 records per rank.
 
+**One line for a framework's own M2PO function**: ``watch(module, "compute_m2po_token_loss",
+recorder, optimizer=optimizer)`` wraps it and records every call (``capture_watch.py``, beside
+this file, which it imports on first use of ``watch``).
+
 Reading (the audit)::
 
     capture = load_capture("runs/capture")           # CaptureError on the first problem
@@ -919,6 +923,14 @@ def load_capture(directory: str | os.PathLike[str]) -> Capture:
         raise CaptureError(path, problem)
     assert capture is not None
     return capture
+
+
+def __getattr__(name: str) -> Any:
+    # watch() lives in the sibling capture_watch.py, loaded on first use, so that this file
+    # still imports nothing of the package and a vendored copy works alone.
+    if name in ("watch", "Watcher"):
+        return getattr(importlib.import_module(f"{__package__}.capture_watch" if __package__ else "capture_watch"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------
