@@ -35,7 +35,9 @@ is ``behavior_logp + log_ratio`` or ``logp - log_ratio`` (in their dtype).
 that enters the loss (``logp`` when that is the call's tensor and requires grad, else
 ``log_ratio``, whose gradient is d loss / d logp for constant behaviour log-probs) receives
 d loss / d logp, and the record is written with it (``record(..., grad=...)``, what
-``watch_gradient`` captures). The loss value recorded is the micro-batch's share of the loss
+``watch_gradient`` captures); a call whose tensor the backward never reaches (a mask computed
+on its own log-ratio, apart from the loss's) records nothing unless ``logp`` is read, e.g.
+through a callable returning the framework's tensor. The loss value recorded is the micro-batch's share of the loss
 the framework differentiates: a one-element loss is its own value; a per-token loss ``l`` is
 reduced by the framework after the call, so its share is ``sum(dL/dl * l)``, read from a hook
 on ``l`` (exact for every linear reduction: a mean, ``sum / N``, per-sequence means); without
@@ -82,7 +84,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALIASES", "INPUTS", "OUTPUTS", "Watcher", "watch"]
+__all__ = ["ALIASES", "INPUTS", "OUTPUTS", "Watcher", "watch"]  # noqa: RUF022 - constants first
 
 #: What a wrapped call is read for: the inputs of the M2PO loss and what it produced.
 INPUTS: tuple[str, ...] = ("logp", "behavior_logp", "log_ratio", "advantages", "mask", "tau")
@@ -333,11 +335,13 @@ def _per_function(option: object, names: tuple[str, ...], what: str) -> dict[str
     if option is None:
         return {name: {} for name in names}
     if not isinstance(option, Mapping):
-        raise ValueError(f"watch({what}=...) must be a mapping of our names to how to read them, got {type(option).__name__}")
+        raise ValueError(f"watch({what}=...) must be a mapping of our names to how to read them, "
+                         f"got {type(option).__name__}")
     if len(names) > 1 and option and set(option) <= set(names):
         for name, inner in option.items():
             if not isinstance(inner, Mapping):
-                raise ValueError(f"watch({what}[{name!r}]) must be a mapping of our names to how to read them, got {type(inner).__name__}")
+                raise ValueError(f"watch({what}[{name!r}]) must be a mapping of our names to how to read them, "
+                                 f"got {type(inner).__name__}")
         return {name: option.get(name, {}) for name in names}
     return {name: option for name in names}
 
@@ -354,14 +358,16 @@ def watch(target: object, name: str | Iterable[str], recorder: Any, *, optimizer
         raise ValueError(f"name lists an attribute twice: {list(names)}")
     if not callable(getattr(recorder, "record", None)) or isinstance(getattr(recorder, "every", None), bool) \
             or not isinstance(getattr(recorder, "every", None), int):
-        raise ValueError(f"recorder must be an m2po_oracle.capture.Recorder (record() and every), got {type(recorder).__name__}")
+        raise ValueError(f"recorder must be an m2po_oracle.capture.Recorder (record() and every), "
+                         f"got {type(recorder).__name__}")
     if optimizer is not None and step is not None:
         raise ValueError("pass one of optimizer= and step=, not both: the step must come from one place")
     if optimizer is not None and not callable(getattr(optimizer, "register_step_post_hook", None)):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer (its register_step_post_hook advances the step), "
                          f"got {type(optimizer).__name__}")
     if step is not None and not callable(step):
-        raise ValueError(f"step must be a callable returning the optimizer step (lambda: trainer.state.global_step), got {step!r}")
+        raise ValueError(f"step must be a callable returning the optimizer step (lambda: trainer.state.global_step), "
+                         f"got {step!r}")
     for what, option in (("inputs", inputs), ("outputs", outputs)):
         allowed = INPUTS if what == "inputs" else OUTPUTS
         flat = _per_function(option, names, what)
@@ -507,7 +513,7 @@ def _read(function: str, readers: Mapping[str, _Reader | None], signature: inspe
                 value = reader.read(bound, args, kwargs, result)
             except ValueError:
                 raise
-            except Exception as error:  # noqa: BLE001 - a caller's callable failing is named, not a bare traceback
+            except Exception as error:  # a caller's callable failing is named, not a bare traceback
                 raise ValueError(f"watch({function}): reading {ours!r} through {reader.what} failed: {error!r}") from error
         if value is _MISSING and ours in OUTPUTS:
             parsed = _parse_result(result) if parsed is None else parsed
@@ -567,7 +573,8 @@ def _hook(session: _Session, unit: _Unit, values: Mapping[str, Any]) -> None:
         def share(grad: torch.Tensor) -> None:
             # The framework reduces the per-token loss after the call; a linear reduction's value
             # is sum(dL/dl * l). Tokens without gradient may hold NaN padding: they add nothing.
-            weighted = torch.where(grad != 0, grad.double() * held.double(), torch.zeros((), dtype=torch.float64, device=grad.device))
+            zero = torch.zeros((), dtype=torch.float64, device=grad.device)
+            weighted = torch.where(grad != 0, grad.double() * held.double(), zero)
             unit.share = float(weighted.sum())
 
         unit.handles.append(loss.register_hook(share))

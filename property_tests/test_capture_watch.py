@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import m2po_oracle.capture as capture
+from m2po_oracle import capture
 from m2po_oracle.capture import Recorder, watch
 from m2po_oracle.cli import main
 
@@ -102,7 +102,7 @@ class Trainer:
                 window_keep, _ = module.compute_m2po_mask(ratio, cat["mask"], cat["advantages"], TAU)
             for mb, batch in enumerate(window):
                 self.batch = batch
-                logp = self.logp(batch)
+                logp = self.current_logp = self.logp(batch)
                 if self.bug == "fused":
                     per_token, keep, _ = out = module.compute_m2po_loss(logp - batch["old"], batch["mask"], batch["advantages"], TAU)
                     self.returned.append(out)
@@ -189,10 +189,27 @@ def test_a_loss_divided_by_the_kept_count_is_divergent_on_the_loss(tmp_path: Pat
 
 def test_a_fused_kernel_calling_the_mask_inside_is_one_record_per_call(tmp_path: Path) -> None:
     # Both functions watched in one call; the mask call inside the loss call adds to its record.
-    trainer, report, status = _run(tmp_path, "fused")
+    _, report, status = _run(tmp_path, "fused")
     assert status == 1, report   # per call is per micro-batch: two of them per optimizer step
     assert all("per_micro_batch_mask" in s["diagnosis"] for s in report["steps"] if s["verdict"] == "divergent")
     assert any(s["verdict"] == "divergent" for s in report["steps"])
+
+
+def test_a_mask_function_watched_alone_with_a_step_callable_is_audited(tmp_path: Path) -> None:
+    # No loss function watched: the record is written at the backward of logp (the mask's own
+    # log-ratio never enters this loss, so logp is read from the trainer), its loss the M2PO
+    # objective's sum(d loss / d logp); the step is the trainer's own counter.
+    trainer = Trainer("per_micro_batch_mask")
+    recorder = Recorder(tmp_path / "cap", rank=0, world_size=1, topology="dp=1")
+    with watch(FRAMEWORK, "compute_m2po_mask", recorder, step=lambda: trainer.global_step,
+               inputs={"behavior_logp": _behavior(trainer), "logp": lambda args, kwargs, result: trainer.current_logp}) as watcher:
+        trainer.train(2)
+    assert watcher.records == 2 * MICRO_BATCHES   # the no-grad window prepass is not recorded
+    status, report = _audit(tmp_path / "cap", tmp_path)
+    assert status == 1 and report["capture"]["steps"] == [0, 1]
+    for step in report["steps"]:
+        assert _checks(step)["audit.selection"] == "fail" and "per_micro_batch_mask" in step["diagnosis"], step
+        assert _checks(step)["audit.gradient"] == _checks(step)["audit.loss_sum"] == "pass"
 
 
 def test_a_fused_kernel_on_whole_optimizer_batches_is_equivalent_with_its_metrics(tmp_path: Path) -> None:
@@ -282,14 +299,13 @@ def test_bad_targets_and_recorders_are_named(tmp_path: Path) -> None:
         watch(FRAMEWORK, "compute_m2po_mask", object(), step=lambda: 0)
     with pytest.raises(ValueError, match="expected a function or method"):
         watch(FRAMEWORK, "TAU", recorder, step=lambda: 0)
-    with watch(FRAMEWORK, "compute_m2po_mask", recorder, step=lambda: 0):
-        with pytest.raises(ValueError, match="already watched"):
-            watch(FRAMEWORK, "compute_m2po_mask", recorder, step=lambda: 0)
+    with watch(FRAMEWORK, "compute_m2po_mask", recorder, step=lambda: 0), pytest.raises(ValueError, match="already watched"):
+        watch(FRAMEWORK, "compute_m2po_mask", recorder, step=lambda: 0)
 
 
 def test_a_log_ratio_without_the_log_probs_is_a_clear_error(tmp_path: Path) -> None:
     recorder = Recorder(tmp_path / "cap", rank=0, world_size=1, topology="dp=1")
     ratio = torch.zeros(2, 3, requires_grad=True)
-    with watch(FRAMEWORK, "compute_m2po_loss", recorder, step=lambda: 0):
-        with pytest.raises(ValueError, match=r"cannot read \['logp', 'behavior_logp'\].*passes a log-ratio.*inputs=\{'behavior_logp'"):
-            FRAMEWORK.compute_m2po_loss(ratio, torch.ones(2, 3), torch.ones(2, 3))
+    expected = r"cannot read \['logp', 'behavior_logp'\].*passes a log-ratio.*inputs=\{'behavior_logp'"
+    with watch(FRAMEWORK, "compute_m2po_loss", recorder, step=lambda: 0), pytest.raises(ValueError, match=expected):
+        FRAMEWORK.compute_m2po_loss(ratio, torch.ones(2, 3), torch.ones(2, 3))
