@@ -21,7 +21,7 @@ share ``-(1/N) sum keep exp(d) A``, its gradient passed to ``record(grad=...)`` 
 optimizer batch's metrics logged. The capture's files are in the page cache when the audit
 reads them (just written): the figures are the audit's compute, not a cold disk.
 
-The target of issue 15 (a 16M-token step in under 30 s and 4 GiB) is printed as an
+The audit's performance target (a 16M-token step in under 30 s and 4 GiB) is printed as an
 observation, never asserted: timings on a shared machine are not a test.
 """
 
@@ -232,7 +232,7 @@ def main_audit(args: Any, console: Any) -> int:
         ok = case["wall_s"] < TARGET_S, case["peak_rss_bytes"] < TARGET_BYTES
         console.print(f"observation ({case['case']}): {case['wall_s']:.2f} s {'<' if ok[0] else '>='} {TARGET_S:.0f} s, "
                       f"peak RSS {_gib(case['peak_rss_bytes'])} {'<' if ok[1] else '>='} {_gib(TARGET_BYTES)}: "
-                      f"{'within' if all(ok) else 'outside'} the target of issue 15"
+                      f"{'within' if all(ok) else 'outside'} the audit's target"
                       + ("" if tokens == DEFAULT_TOKENS else f" (which is set for {DEFAULT_TOKENS:,} tokens)"), highlight=False, soft_wrap=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

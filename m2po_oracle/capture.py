@@ -1,4 +1,4 @@
-"""Record what a real training run fed its M2PO loss, for an offline audit (issue 15, step 1).
+"""Record what a real training run fed its M2PO loss, for an offline audit.
 
 This module depends on torch and safetensors only and imports no other ``m2po_oracle``
 module, so that a framework can vendor this one file. Tensors are written as safetensors

@@ -20,11 +20,11 @@ from m2po_oracle.deviations import Deviation, combine, variant
 
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
-#: Thresholds of the clip family's "harmful" test (spec section 4, fact 1) and stop test (fact 2).
+#: Thresholds of the clip family's "harmful" test (algorithm.md §4, fact 1) and stop test (fact 2).
 CLIP_ADVANTAGE_EPS = 1e-12
 CLIP_RATIO_EPS = 1e-12
 CLIP_BUDGET_EPS = 1e-12
-#: The release's breakpoint below the exact cap (spec section 4, fact 3).
+#: The release's breakpoint below the exact cap (algorithm.md §4, fact 3).
 CLIP_BELOW_OFFSET = 1e-12
 #: Knobs of the mask selection that mean nothing for a clip range (selection_kind != "mask").
 _MASK_ONLY_KNOBS = ("strict_stop", "mean_over_valid", "scope_rows", "extra_removed", "min_kept", "ppo_clip", "apply_mask",
@@ -100,7 +100,7 @@ def _select_flat(m2: torch.Tensor, candidate: torch.Tensor, fixed: torch.Tensor,
 
 @dataclass(frozen=True)
 class ClipCap:
-    """The clip family's selection (spec section 4) in the selection dtype.
+    """The clip family's selection (algorithm.md §4) in the selection dtype.
 
     ``harmful``: the candidates; ``values``: their d^2 ascending; ``m2_now``: their mean;
     ``cap_squared``: c^2 (None: unconstrained); ``lo``/``hi``: the ratio range after the
@@ -120,7 +120,7 @@ class ClipCap:
 
 def cap_squared(values: torch.Tensor, tau: float, kind: str) -> torch.Tensor:
     """c^2 of the water-filling cap for candidate d^2 ``values`` sorted ascending, whose
-    mean exceeds the budget (spec section 4, fact 3), in ``values``' dtype.
+    mean exceeds the budget (algorithm.md §4, fact 3), in ``values``' dtype.
 
     g(j) = sum_{i<j} v_i + (n - j) v_j is the capped sum with the cap at v_j (non-decreasing);
     k = #{j : g(j) <= S}, S = tau n. clip_below: the breakpoint below, v_(k-1) - 1e-12
@@ -189,7 +189,7 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
     """An M2PO implementation with the given deviation (all defaults: Algorithm 1).
 
     ``selection_kind`` "clip_below"/"clip_exact" replaces the mask by the clip family's
-    ratio range (spec section 4); their candidates use the sign of the per-token advantage,
+    ratio range (algorithm.md §4); their candidates use the sign of the per-token advantage,
     or of ``advantages[:, 0]`` with ``candidates="column0_sign"`` (other candidate sets are
     read as the trust region there)."""
     dev = deviation
@@ -306,7 +306,7 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
 
 def _aggregate(term: torch.Tensor, loss_tokens: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor, dev: Deviation, total: torch.Tensor) -> torch.Tensor:
     """The loss's normaliser applied to the masked terms (``total``: their sum), as the
-    frameworks aggregate (spec section 5)."""
+    frameworks aggregate (algorithm.md §5)."""
     per_row = mask.sum(dim=1).to(total.dtype)
     non_empty = (per_row > 0).sum().to(total.dtype)
     how = dev.denominator
@@ -399,7 +399,7 @@ NEGATIVE_CONTROLS: tuple[NegativeControl, ...] = (
     _control("m2_after_over_valid", ("metrics.m2_after",)),
     _control("loss_clamped_log_ratio", ("gradient", "loss")),
     _control("random_tie_break", ("determinism",)),
-    # Spec section 5: the frameworks' aggregations; and the margins and maskless kernels of section 4.
+    # algorithm.md §5: the frameworks' aggregations; and the margins and maskless kernels of section 4.
     _control("seq_mean_token_sum", ("loss", "gradient")),
     _control("seq_mean_token_mean", ("loss", "gradient")),
     _control("seq_mean_token_sum_norm", ("loss", "gradient")),
@@ -412,7 +412,7 @@ NEGATIVE_CONTROLS: tuple[NegativeControl, ...] = (
 
 def _composite(name: str, variants: tuple[str, ...], caught_by: tuple[str, ...], adapter: str | None = None) -> NegativeControl:
     """A control planting several known deviations at once, as real ports combine them
-    (spec section 4); the diagnosis must name each of them, and nothing else."""
+    (algorithm.md §4); the diagnosis must name each of them, and nothing else."""
     deviation = combine(variants)
     if deviation is None:
         raise ValueError(f"{name}: the variants {variants} set one knob differently")
@@ -420,7 +420,7 @@ def _composite(name: str, variants: tuple[str, ...], caught_by: tuple[str, ...],
     return NegativeControl(name, bug, deviation, caught_by, variants, adapter)
 
 
-#: Real ports combine deviations (spec section 4); each composite must be named exactly.
+#: Real ports combine deviations (algorithm.md §4); each composite must be named exactly.
 COMPOSITE_CONTROLS: tuple[NegativeControl, ...] = (
     _composite("leak_clamp_float32_metrics", ("nan_padding_leak", "clamped_log_ratio", "float32_metrics"),
                ("padding_immunity", "loss", "gradient", "metrics.m2_before", "metrics.m2_after", "selection.budget", "selection.minimal",
@@ -437,7 +437,7 @@ COMPOSITE_CONTROLS: tuple[NegativeControl, ...] = (
                ("loss", "gradient", "selection.budget", "selection.minimal", "selection.largest_removed_first", "metrics.m2_after")),
     _composite("maskless_all_valid", ("all_valid_candidates", "statistic_over_padding"),
                ("selection.only_trust_region_masked", "selection.budget", "selection.minimal", "metrics.masked_fraction")),
-    # A kernel handed no mask with the spec's candidate test: finite padding competes (only
+    # A kernel handed no mask with Algorithm 1's candidate test: finite padding competes (only
     # the battery's small trust-region padding probe shows it; the judged batch pads with 0).
     _composite("maskless_trust_region", ("statistic_over_padding",), ("padding_immunity",)),
     _composite("hard_clamp_leak", ("hard_clamped_log_ratio", "nan_padding_leak"),

@@ -25,12 +25,12 @@ DENOMINATORS = ("valid", "kept", "padded", "valid_epsilon", "seq_mean_token_sum"
                 "row_mean_empty_as_one", "valid_empty_rows_as_one")
 #: The per-row aggregations among DENOMINATORS (the loss is not one sum over one count).
 ROW_AGGREGATIONS = DENOMINATORS[4:]
-#: How the budget acts: Algorithm 1's mask, or (spec section 4) a ratio clip range from a
+#: How the budget acts: Algorithm 1's mask, or (algorithm.md §4) a ratio clip range from a
 #: cap on d^2 at the breakpoint below the exact cap (the authors' release) or at the exact
 #: water-filling cap (the verl pull request).
 SELECTION_KINDS = ("mask", "clip_below", "clip_exact")
 PRECISIONS = ("float64", "float32")
-#: The epsilon verl's token-mean adds to the denominator (spec section 4, fact 6).
+#: The epsilon verl's token-mean adds to the denominator (algorithm.md §4, fact 6).
 DENOMINATOR_EPSILON = 1e-8
 
 
@@ -67,7 +67,7 @@ class Deviation:
     sanitise_inputs_in_place: bool = False  # writes 0 into the caller's padding
     m2_after_over_valid: bool = False  # metric: mean M2 over every kept valid token
     random_tie_break: bool = False  # ties at the cut broken by fresh random noise
-    fails_at_zero_budget: bool = False  # raises on tau == 0 (the release unpacks a bare float: spec section 4, fact 3)
+    fails_at_zero_budget: bool = False  # raises on tau == 0 (the release unpacks a bare float: algorithm.md §4, fact 3)
 
     def __post_init__(self) -> None:
         if self.candidates not in CANDIDATE_SETS:
@@ -151,13 +151,16 @@ def _variant(name: str, description: str, source: str, *, parameter: str | None 
     return Variant(name, description, source, deviation, behavioural[0] if behavioural else None, parameter, acts_with)
 
 
-SPEC = "spec section 3"
+#: Where a deviation was seen: a section of docs/explanation/algorithm.md, which the
+#: report's source column cites.
+DOC = "docs/explanation/algorithm.md"
+SPEC = f"{DOC} §3"
 PLAUSIBLE = "plausible port bug"
-CLIP = "spec section 4"
-AGG = "spec section 5"
+CLIP = f"{DOC} §4"
+AGG = f"{DOC} §5"
 
 VARIANTS: tuple[Variant, ...] = (
-    _variant("algorithm_1", "Algorithm 1 itself", "spec section 1"),
+    _variant("algorithm_1", "Algorithm 1 itself", f"{DOC} §1"),
     _variant("all_valid_candidates", "every valid token is a candidate", f"{SPEC} (AReaL, slime)", candidates="all_valid"),
     _variant("swapped_quadrants", "candidates are the inactive quadrants (A > 0 & d < 0, A < 0 & d > 0)", PLAUSIBLE, candidates="swapped_quadrants"),
     _variant("zero_advantage_candidate", "A == 0 with d > 0 counted as a candidate", PLAUSIBLE, candidates="zero_advantage_included"),
@@ -190,7 +193,7 @@ VARIANTS: tuple[Variant, ...] = (
              PLAUSIBLE, zero_padding_by_multiplying=True),
     _variant("mutates_inputs", "writes into the caller's input tensors", PLAUSIBLE, sanitise_inputs_in_place=True),
     _variant("random_tie_break", "nondeterministic: ties at the cut broken at random on each call", PLAUSIBLE, random_tie_break=True),
-    # Spec section 4: the clip family and the deviations real ports combine.
+    # algorithm.md §4: the clip family and the deviations real ports combine.
     _variant("authors_release_clip", "a ratio clip range instead of a mask, capped at the d^2 breakpoint below the budget (tokens beyond it keep "
              "their clipped value, zero gradient)", f"{CLIP} (authors' release)", selection_kind="clip_below"),
     _variant("water_filling_clip", "a ratio clip range instead of a mask, at the exact water-filling cap (capped mean = budget)",
@@ -208,7 +211,7 @@ VARIANTS: tuple[Variant, ...] = (
              clamp_only_in_loss=True, parameter="clamp_log_ratio"),
     _variant("float32_selection", "selection arithmetic (d, d^2, prefix means) in float32", CLIP, selection_dtype="float32"),
     _variant("float32_metrics", "logged metrics computed in float32", CLIP, metrics_dtype="float32"),
-    # Spec section 5: the frameworks' loss aggregations, which ports inherit from the trainer's configuration.
+    # algorithm.md §5: the frameworks' loss aggregations, which ports inherit from the trainer's configuration.
     _variant("seq_mean_token_sum", "loss = mean over non-empty rows of each row's masked sum (verl seq-mean-token-sum)", AGG,
              denominator="seq_mean_token_sum"),
     _variant("seq_mean_token_mean", "loss = mean over non-empty rows of each row's masked sum / (n_i + 1e-8) (verl seq-mean-token-mean)", AGG,
@@ -219,7 +222,7 @@ VARIANTS: tuple[Variant, ...] = (
              "counts as a zero)", AGG, denominator="row_mean_empty_as_one"),
     _variant("empty_rows_count_one", "loss divided by sum_i max(n_i, 1): a row without valid tokens counts as one token", AGG,
              denominator="valid_empty_rows_as_one"),
-    # Spec section 4, facts 1-2, seen in mask ports too: margins and a kernel handed no mask.
+    # algorithm.md §4, facts 1-2, seen in mask ports too: margins and a kernel handed no mask.
     _variant("candidate_margin", "candidates need |A| > {0} and |d| > {0} (a margin in the trust-region test)", f"{CLIP} (fact 1)",
              candidate_margin=1e-12, parameter="candidate_margin"),
     _variant("noop_margin", "nothing is removed while the candidates' mean M2 <= tau + {0}", f"{CLIP} (fact 2)", noop_margin=1e-12,

@@ -1,6 +1,6 @@
 """Algorithm 1 of M2PO, transcribed step by step in float64 NumPy.
 
-Spec: ``shared/spec/m2po-algorithm.md`` section 1. One function per step; no torch.
+Definition: ``docs/explanation/algorithm.md`` §1. One function per step; no torch.
 Values at invalid (padding) positions are never read: every step masks them first.
 """
 

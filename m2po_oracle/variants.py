@@ -1,6 +1,6 @@
 """Algorithm 1 with a :class:`~m2po_oracle.deviations.Deviation` applied, in float64 NumPy.
 
-Written from the spec's description of each deviation (sections 3 and 4), independently
+Written from the description of each deviation in docs/explanation/algorithm.md (§3 and §4), independently
 of the torch controls, so that diagnosing a control as its own variant is evidence, not
 an echo. With every knob at its default this is Algorithm 1 (tested against ``oracle``).
 Knobs compose: any set of them is one deviating M2PO.
@@ -18,7 +18,7 @@ from m2po_oracle.batch import Batch
 from m2po_oracle.deviations import Deviation
 from m2po_oracle.record import M2POResult
 
-#: Spec section 4: the clip family's thresholds and the bound of an unconstrained range.
+#: algorithm.md §4: the clip family's thresholds and the bound of an unconstrained range.
 HARMFUL_EPSILON = 1e-12
 
 
@@ -134,7 +134,7 @@ def _statistic_log_ratio(batch: Batch, dev: Deviation) -> np.ndarray:
     return -d if dev.ratio_inverted else d
 
 
-# --- the clip family (spec section 4) ----------------------------------------------------
+# --- the clip family (algorithm.md §4) ----------------------------------------------------
 
 def harmful(d: np.ndarray, batch: Batch, dev: Deviation) -> np.ndarray:
     """Fact 1: A > +1e-12 and r > 1 + 1e-12, or A < -1e-12 and r < 1 - 1e-12 (the sign of A

@@ -1,4 +1,4 @@
-"""The clip family (spec section 4) and the deviations real ports combine, as planted torch
+"""The clip family (algorithm.md §4) and the deviations real ports combine, as planted torch
 controls (``controls.planted``) and, where it exists, the NumPy variant (``variants.m2po``).
 
 Golden cases in fixtures/golden/clip/ (a separate folder: test_golden.py's non-recursive
@@ -287,7 +287,7 @@ def test_planted_clip_agrees_with_the_numpy_variant(knobs, batch):
     assert got["m2_after"] == pytest.approx(result.m2_after, rel=1e-10, abs=1e-300)
 
 
-# --- the other knobs of spec section 4 -------------------------------------------------------
+# --- the other knobs of algorithm.md §4 -------------------------------------------------------
 
 def _batch(d, advantages, valid, tau, behavior=None) -> Batch:
     d = np.array(d, dtype=float)

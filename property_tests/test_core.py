@@ -108,10 +108,10 @@ def test_spec_worked_example(dtype):
     result.loss.backward()
     assert result.keep.tolist() == [[True, False], [True, False]]
     if dtype == torch.float32:
-        # The spec's figures are float32 results printed to 8 decimals.
+        # The worked example's figures (algorithm.md §1) are float32 results printed to 8 decimals.
         assert np.round(logp.grad.double().numpy(), 8).tolist() == [[-0.27629274, 0.0], [-0.30535069, 0.0]]
     else:
-        # Exact: -e^0.1/4 = -0.2762927295..., 1e-8 from the spec's float32 figure.
+        # Exact: -e^0.1/4 = -0.2762927295..., 1e-8 from the worked example's float32 figure.
         assert logp.grad.tolist() == [[-math.exp(0.1) / 4, 0.0], [-math.exp(0.2) / 4, 0.0]]
     assert (result.valid_count.item(), result.trust_region_count.item(), result.kept_trust_region_count.item()) == (4, 4, 2)
     assert math.isclose(result.m2_before.item(), 0.075, rel_tol=1e-6) and math.isclose(result.m2_after.item(), 0.025, rel_tol=1e-6)

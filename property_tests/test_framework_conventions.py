@@ -1,4 +1,4 @@
-"""The frameworks' loss aggregations (spec section 5), margins, a kernel handed no mask and a
+"""The frameworks' loss aggregations (algorithm.md §5), margins, a kernel handed no mask and a
 clip bound rounded through float32: golden cases in fixtures/golden/frameworks/, derived by
 hand, that both realisations of each deviation (the torch control and the NumPy variant)
 reproduce, and that Algorithm 1 does not (each case is a planted bug's witness)."""

@@ -101,7 +101,7 @@ def test_the_counter_passes_through_results():
     assert float(value) == 6.0 and counter.total == 0 and counter.operators["aten::sum"] == 1
 
 
-#: The distributed forward's budget, as issue 22 states it: its collectives plus one. Under
+#: The distributed forward's budget, as the project sets it: its collectives plus one. Under
 #: gloo the forward reaches it with room to spare, so the test also holds what it achieves:
 #: one read, the local fail-closed verdict that goes into the agreement record (the agreed
 #: table is already on the host; from an accelerator its copy would be one more read).
@@ -124,7 +124,7 @@ def test_the_distributed_forward_synchronises_at_most_once_beyond_its_collective
                 counted = outcome.value
                 where = f"rank {outcome.rank}, {case}: {counted['by_operator']} with collectives {counted['by_collective']}"
                 assert counted["collectives"] > 0, where
-                assert counted["syncs"] <= counted["collectives"] + 1, f"{where} (issue 22's budget: collectives + 1)"
+                assert counted["syncs"] <= counted["collectives"] + 1, f"{where} (the budget: collectives + 1)"
                 assert counted["syncs"] <= DISTRIBUTED_BUDGET, f"{where} (budget {DISTRIBUTED_BUDGET})"
             # The ranks' masks together are the single-process selection over the union.
             batches = [rank_batch(payload, rank) for rank in range(2)]

@@ -239,8 +239,8 @@ def test_diagnosis_and_validation_sections_render_when_present(divergent):
 
 FAILING = ("loss", "gradient", "metrics.m2_before", "metrics.m2_after", "padding_immunity")
 COMPONENTS = {
-    "clamped_log_ratio": ("straight-through clamp of d to +-20", "spec section 3 (ms-swift, Trinity-RFT guard)"),
-    "float32_metrics": ("logged metrics computed in float32", "spec section 4"),
+    "clamped_log_ratio": ("straight-through clamp of d to +-20", "algorithm.md §3 (ms-swift, Trinity-RFT guard)"),
+    "float32_metrics": ("logged metrics computed in float32", "algorithm.md §4"),
     "nan_padding_leak": ("padding zeroed by multiplying with the mask: 0 * nan = nan", "plausible port bug"),
 }
 BY_CHECK = {"loss": ["clamped_log_ratio"], "gradient": ["clamped_log_ratio"], "metrics.m2_before": ["float32_metrics"],
@@ -267,9 +267,9 @@ def _explained(base: dict[str, Any], status: str = "partly_explained") -> dict[s
         "matches": [{"variant": name, "description": description, "source": source, "evidence": f"reproduces {name} on all 60 examples"}
                     for name, (description, source) in COMPONENTS.items()],
         "alternatives": [["slime_pr"], ["hard_clamped_log_ratio", "float32_metrics"]],
-        "closest": [{"variant": "all_valid_candidates", "description": "every valid token is a candidate", "source": "spec section 3",
+        "closest": [{"variant": "all_valid_candidates", "description": "every valid token is a candidate", "source": "algorithm.md §3",
                      "agreed": 0, "of": 60, "first_difference": "keep differs at (1, 1)"},
-                    {"variant": "hard_clamped_log_ratio", "description": "hard clamp of d to +-20", "source": "spec section 4",
+                    {"variant": "hard_clamped_log_ratio", "description": "hard clamp of d to +-20", "source": "algorithm.md §4",
                      "agreed": 12, "of": 60, "first_difference": "gradient at (0, 1): variant 0.0, implementation 1.5"}],
         "findings": [{"kind": "non_finite_result", "checks": ["loss"],
                       "summary": "the loss is NaN on 12 batches whose inputs are finite on every valid token"}],

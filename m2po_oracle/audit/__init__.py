@@ -1,4 +1,4 @@
-"""Offline audit of a recorded training run against Algorithm 1 (issue 15).
+"""Offline audit of a recorded training run against Algorithm 1.
 
 Reads a capture (:mod:`m2po_oracle.capture`) and, for every recorded optimizer step,
 reassembles the optimizer batch from every rank's micro-batches and judges it with the

@@ -136,5 +136,5 @@ def diagnose_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome],
     """The distributed variants that reproduce this step (empty if none or if a rank failed)."""
     if any(not (o.value or {}).get("result") for o in outcomes):
         return []
-    return [{"variant": name, "description": DESCRIPTIONS[name], "source": "spec section 3 / production PR (distributed scope)"}
+    return [{"variant": name, "description": DESCRIPTIONS[name], "source": "docs/explanation/algorithm.md §3 / production PR (distributed scope)"}
             for name in DESCRIPTIONS if _first_difference(name, batch, topology, outcomes, dtype) is None]

@@ -191,7 +191,7 @@ DISTRIBUTED_BUILTINS: dict[str, Any] = {
 }
 DISTRIBUTED_CONTROLS: dict[str, str] = {
     # N and the counts double on most batches; replicas diverge only when the cut falls
-    # between a token's two copies (the spec's two-rank example, tested on its own).
+    # between a token's two copies (the two-rank worked example of algorithm.md §1, tested on its own).
     "control:dp_cp_group_double_count": "distributed.metrics",
     "control:local_shard_selection": "distributed.global_selection",
     "control:local_denominator": "distributed.shard_gradient",

@@ -60,7 +60,7 @@ class DistributedRunner:
     example_unit = "batches"
     costly_examples = True
     variant_descriptions = DESCRIPTIONS
-    variant_source = "spec section 3 / production PR (distributed scope)"
+    variant_source = "docs/explanation/algorithm.md §3 / production PR (distributed scope)"
 
     def __init__(self, spec: str, topology: Topology, *, backend: str = "gloo", timeout_s: float = 60.0, options: RunOptions | None = None,
                  world: Any = None) -> None:
