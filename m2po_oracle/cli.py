@@ -634,7 +634,8 @@ def _print_diagnosis(console: Console, diagnosis: dict) -> None:
         contradicted = (f", {residual['contradicted']} of them contradicted (Algorithm 1 reproduces the port there, the explanation does not)"
                         if residual.get("contradicted") else "")
         if residual.get("float32_fits"):
-            contradicted += f"; {residual['float32_fits']} within float32 rounding of the explanation's values"
+            against = " + ".join(residual.get("explanation") or []) or "Algorithm 1"
+            contradicted += f"; {residual['float32_fits']} within float32 rounding of {against}'s values"
         lead = "unexplained" if residual.get("unexplained") else "residual of"
         say(f"  {lead} {', '.join(residual['checks'])}: {residual['count']} example(s) not reproduced{contradicted}; features: {features}")
         example = residual.get("counterexample") or {}

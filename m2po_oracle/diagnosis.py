@@ -704,6 +704,7 @@ def _residuals(judge: Judge, shares: dict[str, dict[str, Any]], compute_dtype: s
                           "description": coverage.FEATURES[n].when} for n in shown[:RESIDUAL_FEATURES_SHOWN]],
             "shared": [n for n in shown if counts[n] == len(indices)],
             "float32_fits": _float32_fits(judge, dev, indices, field_names),
+            "explanation": list(shares[checks[0]]["components"]),  # what the residual is measured against ([]: Algorithm 1)
             "counterexample": {"batch": json.loads(observation.batch.to_json()), "difference": first,
                                "replay": replay(example) if replay is not None else None},
         })

@@ -457,6 +457,7 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
         "residuals": [{"checks": _names(r.get("checks")), "count": _fmt(r.get("count")), "unexplained": bool(r.get("unexplained")),
                        "contradicted": _fmt(r.get("contradicted")) if r.get("contradicted") else None,
                        "float32_fits": _fmt(r.get("float32_fits")) if r.get("float32_fits") else None,
+                       "against": " + ".join(_names(r.get("explanation"))) or "Algorithm 1",
                        "features": [{"feature": _text(f.get("feature")), "residual": _fmt(f.get("residual")), "of": _fmt(f.get("of")),
                                      "explained": _fmt(f.get("explained")), "explained_of": _fmt(f.get("explained_of")),
                                      "description": _text(f.get("description"))} for f in map(_mapping, _list(r.get("features")))],
