@@ -226,7 +226,7 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
         clip = _clip_cap(d, sign_source, mask, tau, dev)
 
     loss_tokens = mask
-    if dev.zero_padding_by_multiplying:
+    if dev.zero_padding_by_multiplying or dev.padding_through_where:
         live_logp, live_behavior, live_advantages = logp, behavior_logp, advantages
     else:  # padding replaced before any arithmetic, so no 0 * nan reaches the backward pass
         live_logp = torch.where(mask, logp, torch.zeros_like(logp))
@@ -407,6 +407,11 @@ NEGATIVE_CONTROLS: tuple[NegativeControl, ...] = (
     _control("empty_rows_count_one", ("loss", "gradient")),
     _control("scaled_budget", ("selection.minimal", "selection.budget")),
     _control("fails_at_zero_budget", ("call",)),
+    # The leak real ports have: finite forward, a NaN gradient at padding positions only
+    # (torch.where's backward); named as the leak it is.
+    NegativeControl("where_backward_leak", "arithmetic on the raw inputs, padding dropped by torch.where at the end: its backward sends "
+                    "0 * NaN to the gradient at padding positions", Deviation(padding_through_where=True), ("padding_immunity",),
+                    variants=("nan_padding_leak",)),
 )
 
 
@@ -465,6 +470,7 @@ QUICK_EXAMPLES: dict[str, int] = {
     "ratio_inverted": 20,  # 2, 3, 4, 3, 13, 2, 2, 2, 4, 2
     "mask_not_applied": 20,  # 2, 3, 4, 8, 13, 2, 2, 2, 4, 2
     "masked_keep_value": 20,  # 2, 3, 4, 8, 13, 2, 2, 2, 4, 2
+    "where_backward_leak": 20,  # shows on the first padded batch, as nan_padding_leak does
     "nan_padding_leak": 20,  # 1, 1, 1, 1, 1, 1, 1, 1, 1, 1
     "clamped_log_ratio": 390,  # 28, 13, 79, 260, 88, 79, 120, 53, 9, 59
     "mutates_inputs": 20,  # 1, 1, 1, 1, 1, 1, 1, 1, 1, 1

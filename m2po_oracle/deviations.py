@@ -56,6 +56,7 @@ class Deviation:
     apply_mask: bool = True  # False: mask computed, then not applied to the loss
     masked_keep_value: bool = False  # masked tokens keep their loss value, zero gradient
     zero_padding_by_multiplying: bool = False  # keep * term instead of where(): 0 * nan = nan
+    padding_through_where: bool = False  # raw inputs, padding dropped by where() at the end: 0 * nan in its backward
     clamp_log_ratio: float | None = None  # clamp of d (straight-through unless hard_clamp)
     hard_clamp: bool = False  # the clamp is a real clamp: kept tokens beyond it get zero gradient
     clamp_only_in_loss: bool = False  # the clamp acts in the loss only: selection and metrics see the raw d
@@ -117,6 +118,7 @@ def loss_effects(deviation: Deviation) -> list[str]:
 #: Deviations visible only in behaviour, not in the values computed, by the check that shows them.
 BEHAVIOURAL = {
     "zero_padding_by_multiplying": "padding_immunity",
+    "padding_through_where": "padding_immunity",
     "sanitise_inputs_in_place": "inputs_not_mutated",
     "random_tie_break": "determinism",
     "fails_at_zero_budget": "call",
