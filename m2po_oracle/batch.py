@@ -27,6 +27,9 @@ def _decode(rows: list) -> np.ndarray:
     return np.array([[float(v) for v in row] for row in rows], dtype=np.float64).reshape(len(rows), -1)
 
 
+#: The float inputs padding fills, in the order reports name them.
+PADDED_INPUTS: tuple[str, ...] = ("logp", "behavior_logp", "advantages")
+
 @dataclass(frozen=True, eq=False)
 class Batch:
     """Inputs of Algorithm 1 for one optimizer batch, shape [B, T].
@@ -103,10 +106,10 @@ class Batch:
     def padding_only_in(self, name: str) -> "Batch":
         """The same batch keeping the padding of the one input ``name`` and setting every
         other input's padding to 0: which input a padding leak comes through."""
-        if name not in ("logp", "behavior_logp", "advantages"):
-            raise ValueError(f"name: one of logp, behavior_logp, advantages, got {name!r}")
+        if name not in PADDED_INPUTS:
+            raise ValueError(f"name: one of {', '.join(PADDED_INPUTS)}, got {name!r}")
         zero = self.with_padding(0.0)
-        values = {n: getattr(zero, n) for n in ("logp", "behavior_logp", "advantages")}
+        values = {n: getattr(zero, n) for n in PADDED_INPUTS}
         values[name] = getattr(self, name).copy()
         return Batch(values["logp"], values["behavior_logp"], values["advantages"], self.valid.copy(), self.tau)
 

@@ -40,11 +40,11 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle import variants
-from m2po_oracle.batch import Batch
+from m2po_oracle.batch import PADDED_INPUTS, Batch
 from m2po_oracle.checks import result_field
 from m2po_oracle.deviations import ALGORITHM_1, JOINT_MOVES, LOSS_EFFECTS, VARIANTS, Deviation, combine, fitted_name, loss_effects, variant
 from m2po_oracle.equivalence import check_selection, coarser, compare_fields, same_up_to_ties
-from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, PADDED_INPUTS, M2POResult, PaddingProbe
+from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult, PaddingProbe
 
 #: The knobs that shape the mask; the rest shape only loss, gradient and metrics.
 SELECTION_KNOBS = ("candidates", "strict_stop", "mean_over_valid", "scope_rows", "extra_removed", "min_kept", "clamp_log_ratio",
@@ -798,8 +798,9 @@ def padding_leak(observations: Sequence[Observation], leaks_alone: Callable[[Bat
     o, probe, (where, index, value) = min(leaking, key=lambda t: (int(t[0].batch.valid.size), t[0].batch.valid.sum()))
     inputs: tuple[str, ...] | None = None
     if leaks_alone is not None:
+        # Only the inputs whose padding the probe set (NaN != 0 holds, so NaN padding counts).
         answers = {name: leaks_alone(probe.batch.padding_only_in(name)) for name in PADDED_INPUTS
-                   if not np.array_equal(getattr(probe.batch, name)[~probe.batch.valid], np.zeros(int((~probe.batch.valid).sum())))}
+                   if np.any(getattr(probe.batch, name)[~probe.batch.valid] != 0)}
         if None not in answers.values():
             inputs = tuple(name for name, leaks in answers.items() if leaks)
     return PaddingLeak(probe.fill, where, index, value, len(leaking), inputs)

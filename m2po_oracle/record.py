@@ -63,9 +63,6 @@ class M2POResult:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in names and getattr(self, f.name) is not None}
 
 
-#: The inputs padding is probed in, in the order reports name them.
-PADDED_INPUTS: tuple[str, ...] = ("logp", "behavior_logp", "advantages")
-
 
 @dataclass(frozen=True)
 class PaddingProbe:

@@ -4,7 +4,6 @@ CP/TP worlds and the trainer-level checks are in test_audit_worlds.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -12,6 +11,7 @@ import torch
 from m2po_oracle.capture import Recorder
 from m2po_oracle.cli import main
 from m2po_oracle.core import loss_from_selection, select_tokens
+from audit_run import check_statuses, run_audit  # noqa: E402  (beside this file)
 
 WORLD, MICRO_BATCHES, TAU = 2, 2, 0.04
 #: What a pure-DP capture without the optional tensors and parameter norms cannot judge.
@@ -71,47 +71,37 @@ def _simulate(directory: Path, *, steps=(0, 1, 2), bug: str | None = None, bug_s
             loss.backward()
 
 
-def _audit(directory: Path, tmp_path: Path) -> tuple[int, dict]:
-    path = tmp_path / "audit.json"
-    status = main(["audit", str(directory), "--json", str(path)])
-    return status, json.loads(path.read_text())
-
-
-def _checks(step: dict) -> dict[str, str]:
-    return {c["name"]: c["status"] for c in step["checks"]}
-
-
 def test_a_correct_pure_dp_capture_is_equivalent(tmp_path: Path) -> None:
     _simulate(tmp_path / "cap")
-    status, report = _audit(tmp_path / "cap", tmp_path)
+    status, report = run_audit(tmp_path / "cap", tmp_path)
     assert status == 0 and report["schema"] == "m2po-oracle/audit/1"
     assert report["verdict"] == "equivalent" and report["worst_step"] is None
     assert report["capture"]["world_size"] == WORLD and report["capture"]["steps"] == [0, 1, 2]
     assert report["capture"]["problems"] == []
     for step in report["steps"]:
         assert step["verdict"] == "equivalent" and step["diagnosis"] == []
-        assert _checks(step) == {"audit.selection": "pass", "audit.loss_sum": "pass", "audit.gradient": "pass", "audit.metrics": "pass",
+        assert check_statuses(step) == {"audit.selection": "pass", "audit.loss_sum": "pass", "audit.gradient": "pass", "audit.metrics": "pass",
                                  **NOT_RECORDED}
         assert step["metrics"]["tau"] == TAU and step["metrics"]["masked_fraction"] > 0  # the cut is exercised
 
 
 def test_selection_per_micro_batch_is_caught_and_diagnosed(tmp_path: Path) -> None:
     _simulate(tmp_path / "cap", bug="per_micro_batch_mask")
-    status, report = _audit(tmp_path / "cap", tmp_path)
+    status, report = run_audit(tmp_path / "cap", tmp_path)
     assert status == 1 and report["verdict"] == "divergent" and report["worst_step"] == 1
     bad = report["steps"][1]
-    assert bad["verdict"] == "divergent" and _checks(bad)["audit.selection"] == "fail"
+    assert bad["verdict"] == "divergent" and check_statuses(bad)["audit.selection"] == "fail"
     assert "per_micro_batch_mask" in bad["diagnosis"] and "per_micro_batch_denominator" not in bad["diagnosis"]
-    assert _checks(bad)["audit.loss_sum"] == "pass"  # judged on the run's own mask
+    assert check_statuses(bad)["audit.loss_sum"] == "pass"  # judged on the run's own mask
     assert [s["verdict"] for s in report["steps"]] == ["equivalent", "divergent", "equivalent"]
 
 
 def test_per_micro_batch_denominator_is_caught_and_diagnosed(tmp_path: Path) -> None:
     _simulate(tmp_path / "cap", bug="per_micro_batch_denominator")
-    status, report = _audit(tmp_path / "cap", tmp_path)
+    status, report = run_audit(tmp_path / "cap", tmp_path)
     assert status == 1 and report["verdict"] == "divergent"
     bad = report["steps"][1]
-    checks = _checks(bad)
+    checks = check_statuses(bad)
     assert checks["audit.loss_sum"] == "fail" and checks["audit.gradient"] == "fail" and checks["audit.selection"] == "pass"
     assert bad["diagnosis"] == ["per_micro_batch_denominator"]
 
@@ -120,11 +110,11 @@ def test_a_corrupted_file_is_listed_and_the_other_steps_are_audited(tmp_path: Pa
     _simulate(tmp_path / "cap")
     damaged = tmp_path / "cap" / "step-000001" / "rank-001.mb-000.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:40])
-    status, report = _audit(tmp_path / "cap", tmp_path)
+    status, report = run_audit(tmp_path / "cap", tmp_path)
     assert any("rank-001.mb-000.safetensors" in p for p in report["capture"]["problems"])
     verdicts = [s["verdict"] for s in report["steps"]]
     assert verdicts == ["equivalent", "unusable", "equivalent"]
-    assert set(_checks(report["steps"][1]).values()) == {"not run"}
+    assert set(check_statuses(report["steps"][1]).values()) == {"not run"}
     assert status == 0 and report["verdict"] == "equivalent"
 
 
@@ -132,32 +122,32 @@ def test_nothing_auditable_is_unusable(tmp_path: Path) -> None:
     _simulate(tmp_path / "cap", steps=(0,))
     damaged = tmp_path / "cap" / "step-000000" / "rank-000.mb-001.safetensors"
     damaged.write_bytes(b"garbage")
-    status, report = _audit(tmp_path / "cap", tmp_path)
+    status, report = run_audit(tmp_path / "cap", tmp_path)
     assert status == 2 and report["verdict"] == "unusable" and report["capture"]["problems"]
-    status, report = _audit(tmp_path / "missing", tmp_path)
+    status, report = run_audit(tmp_path / "missing", tmp_path)
     assert status == 2 and report["verdict"] == "unusable" and report["capture"]["problems"]
 
 
 def test_own_valid_count_without_the_factor_k_is_the_local_denominator(tmp_path: Path) -> None:
     _simulate(tmp_path / "cap", steps=(0, 1), bug="local_denominator")
-    status, report = _audit(tmp_path / "cap", tmp_path)
+    status, report = run_audit(tmp_path / "cap", tmp_path)
     assert status == 1 and report["steps"][1]["diagnosis"] == ["local_denominator"]
     assert report["descriptions"]["local_denominator"].startswith("each record's loss divided by its own valid count")
 
 
 def test_uncaptured_gradient_and_metrics_are_not_run_never_pass(tmp_path: Path) -> None:
     _simulate(tmp_path / "cap", steps=(0,), watch=False, metrics=False)
-    status, report = _audit(tmp_path / "cap", tmp_path)
+    status, report = run_audit(tmp_path / "cap", tmp_path)
     assert status == 0 and report["verdict"] == "equivalent"
-    checks = _checks(report["steps"][0])
+    checks = check_statuses(report["steps"][0])
     assert checks == {"audit.selection": "pass", "audit.loss_sum": "pass", "audit.gradient": "not run", "audit.metrics": "not run", **NOT_RECORDED}
 
 
 def test_the_denominator_bug_is_caught_by_the_loss_alone_without_gradients(tmp_path: Path) -> None:
     _simulate(tmp_path / "cap", steps=(0, 1), bug="per_micro_batch_denominator", watch=False)
-    status, report = _audit(tmp_path / "cap", tmp_path)
+    status, report = run_audit(tmp_path / "cap", tmp_path)
     bad = report["steps"][1]
-    assert status == 1 and _checks(bad)["audit.loss_sum"] == "fail" and _checks(bad)["audit.gradient"] == "not run"
+    assert status == 1 and check_statuses(bad)["audit.loss_sum"] == "fail" and check_statuses(bad)["audit.gradient"] == "not run"
     assert bad["diagnosis"] == ["per_micro_batch_denominator"]
     assert "expected" in next(c["summary"] for c in bad["checks"] if c["name"] == "audit.loss_sum")
 

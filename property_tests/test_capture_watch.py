@@ -10,7 +10,6 @@ as it would wrap a framework's module.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 from m2po_oracle import capture
 from m2po_oracle.capture import Recorder, watch
-from m2po_oracle.cli import main
+from audit_run import check_statuses, run_audit  # noqa: E402  (beside this file)
 
 TAU = 0.04
 MICRO_BATCHES, ROWS, WIDTH, FEATURES = 2, 3, 6, 4
@@ -130,16 +129,6 @@ LOSS_READS = {"tau": TAU}
 NAMES = ("compute_m2po_mask", "compute_m2po_token_loss")
 
 
-def _audit(directory: Path, tmp_path: Path) -> tuple[int, dict]:
-    path = tmp_path / "audit.json"
-    status = main(["audit", str(directory), "--json", str(path)])
-    return status, json.loads(path.read_text())
-
-
-def _checks(step: dict) -> dict[str, str]:
-    return {c["name"]: c["status"] for c in step["checks"]}
-
-
 def _behavior(trainer: Trainer):
     # The fused kernel sees only the log-ratio: the behaviour log-probs come from the trainer's batch.
     return lambda args, kwargs, result: trainer.batch["old"]
@@ -155,7 +144,7 @@ def _run(tmp_path: Path, bug: str | None, steps: int = 3, micro_batches: int = M
     with watch(FRAMEWORK, names, recorder, optimizer=trainer.optimizer, inputs=inputs) as watcher:   # the one line
         trainer.train(steps)
     assert watcher.records == steps * micro_batches
-    status, report = _audit(tmp_path / "cap", tmp_path)
+    status, report = run_audit(tmp_path / "cap", tmp_path)
     return trainer, report, status
 
 
@@ -164,7 +153,7 @@ def test_a_correct_framework_watched_in_one_line_audits_equivalent(tmp_path: Pat
     assert status == 0 and report["verdict"] == "equivalent", report
     assert report["capture"]["steps"] == [0, 1, 2] and report["capture"]["problems"] == []
     for step in report["steps"]:
-        checks = _checks(step)
+        checks = check_statuses(step)
         assert checks["audit.selection"] == checks["audit.loss_sum"] == checks["audit.gradient"] == "pass", checks
         assert step["metrics"]["masked_fraction"] > 0  # the cut is exercised
 
@@ -175,15 +164,15 @@ def test_a_mask_selected_per_micro_batch_is_divergent_on_the_selection(tmp_path:
     bad = [s for s in report["steps"] if s["verdict"] == "divergent"]
     assert bad, report
     for step in bad:
-        assert _checks(step)["audit.selection"] == "fail" and "per_micro_batch_mask" in step["diagnosis"], step
-        assert _checks(step)["audit.gradient"] == "pass"  # the loss is right for the mask it has
+        assert check_statuses(step)["audit.selection"] == "fail" and "per_micro_batch_mask" in step["diagnosis"], step
+        assert check_statuses(step)["audit.gradient"] == "pass"  # the loss is right for the mask it has
 
 
 def test_a_loss_divided_by_the_kept_count_is_divergent_on_the_loss(tmp_path: Path) -> None:
     _, report, status = _run(tmp_path, "kept_count_denominator")
     assert status == 1 and report["verdict"] == "divergent"
     for step in report["steps"]:
-        checks = _checks(step)
+        checks = check_statuses(step)
         assert checks["audit.selection"] == "pass" and checks["audit.loss_sum"] == "fail" and checks["audit.gradient"] == "fail", checks
 
 
@@ -205,17 +194,17 @@ def test_a_mask_function_watched_alone_with_a_step_callable_is_audited(tmp_path:
                inputs={"behavior_logp": _behavior(trainer), "logp": lambda args, kwargs, result: trainer.current_logp}) as watcher:
         trainer.train(2)
     assert watcher.records == 2 * MICRO_BATCHES   # the no-grad window prepass is not recorded
-    status, report = _audit(tmp_path / "cap", tmp_path)
+    status, report = run_audit(tmp_path / "cap", tmp_path)
     assert status == 1 and report["capture"]["steps"] == [0, 1]
     for step in report["steps"]:
-        assert _checks(step)["audit.selection"] == "fail" and "per_micro_batch_mask" in step["diagnosis"], step
-        assert _checks(step)["audit.gradient"] == _checks(step)["audit.loss_sum"] == "pass"
+        assert check_statuses(step)["audit.selection"] == "fail" and "per_micro_batch_mask" in step["diagnosis"], step
+        assert check_statuses(step)["audit.gradient"] == check_statuses(step)["audit.loss_sum"] == "pass"
 
 
 def test_a_fused_kernel_on_whole_optimizer_batches_is_equivalent_with_its_metrics(tmp_path: Path) -> None:
     _, report, status = _run(tmp_path, "fused", micro_batches=1)
     assert status == 0 and report["verdict"] == "equivalent", report
-    assert all(_checks(s)["audit.metrics"] == "pass" for s in report["steps"])  # read from the nested mask call
+    assert all(check_statuses(s)["audit.metrics"] == "pass" for s in report["steps"])  # read from the nested mask call
 
 
 def test_the_wrapper_changes_nothing_the_framework_computes(tmp_path: Path) -> None:
