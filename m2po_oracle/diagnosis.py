@@ -711,12 +711,13 @@ def _residuals(judge: Judge, shares: dict[str, dict[str, Any]], compute_dtype: s
     return residuals
 
 
-def _float32_fits(judge: Judge, dev: Deviation, indices: Sequence[int], field_names: set[str | None]) -> int:
+def _float32_fits(judge: Judge, dev: Deviation, indices: Sequence[int], field_names: set[str | None]) -> int | None:
     """Of the residual's examples, those the explanation reproduces when judged at float32's
     tolerance: where that is most of them, the port computes these fields in float32 (a
-    precision no knob of the vocabulary names for the loss and gradient)."""
+    precision no knob of the vocabulary names for the loss and gradient). None where the run
+    already judges at float32 or coarser: nothing was measured."""
     if judge.compute_dtype != "float64":
-        return 0
+        return None
     observations = [judge.observations[i] for i in indices]
     loose = Judge(observations, dtype="float32", compute_dtype="float32", supplied=judge.supplied)
     return sum(1 for k in range(len(observations)) if not (set(loose.differences(dev, k)) & field_names))
