@@ -1,7 +1,7 @@
 """Public Hypothesis strategies for M2PO batches (reusable in users' own test suites).
 
 Positional arguments say what is drawn, keyword-only arguments shape how. Every strategy
-yields a :class:`m2po_oracle.batch.Batch` in float64; padding positions hold a drawn fill
+yields a :class:`m2po_oracle.oracle.batch.Batch` in float64; padding positions hold a drawn fill
 (0, NaN, +-inf, huge or random values) that an implementation must never read.
 """
 
@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from m2po_oracle.batch import Batch
+from m2po_oracle.oracle.batch import Batch
 
 #: Scales of |log r| from a fresh rollout to an extremely stale one.
 STALENESS = (0.02, 0.1, 0.2, 0.3, 1.0, 3.0, 8.0)

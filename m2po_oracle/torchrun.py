@@ -19,9 +19,9 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from m2po_oracle import options
+from m2po_oracle.cli import options
 from m2po_oracle.distributed.torchrun_runner import serve
-from m2po_oracle.runner import RunOptions
+from m2po_oracle.call.runner import RunOptions
 
 #: The compare options torchrun takes (the backend follows CUDA; the world is torchrun's).
 TORCHRUN_OPTIONS = ("examples", "seed", "dtype", "compute_dtype", "tau", "timeout", "topology", "strict_validation", "capture")
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     context = make_context(rank, args.topology, backend, device)
     status = 0
     if rank == 0:
-        from m2po_oracle.compare import run_compare
-        from m2po_oracle.launch import open_runner
+        from m2po_oracle.compare.search import run_compare
+        from m2po_oracle.cli.launch import open_runner
 
         values = {name: getattr(args, name) for name in TORCHRUN_OPTIONS}
         runner = open_runner(args.impl, options.run_options(values), torchrun=context)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from m2po_oracle.cli import main
+from m2po_oracle.cli.main import main
 
 
 def run_audit(directory: Path, tmp_path: Path) -> tuple[int, dict]:

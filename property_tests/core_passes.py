@@ -1,5 +1,5 @@
 """Run a test through each of the core's two ways of making its passes over the batch:
-the fused CPU passes (``m2po_oracle.fused``, the default on CPU where they apply) and the
+the fused CPU passes (``m2po_oracle.core.fused``, the default on CPU where they apply) and the
 torch operators (what every other device runs). Parametrize with ``PASSES``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from m2po_oracle import fused
+from m2po_oracle.core import fused
 
 PASSES = ["fused", "torch operators"]
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from m2po_oracle.errors import UnreadableReturn, UsageError
-from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, METRIC_SOURCES
+from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, METRIC_SOURCES
 
 #: Our metric and count names: each can be an output bound to a place in the return.
 METRIC_NAMES: tuple[str, ...] = METRIC_FIELDS + COUNT_FIELDS

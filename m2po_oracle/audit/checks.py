@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from m2po_oracle import capture as capture_module
-from m2po_oracle import equivalence
-from m2po_oracle.batch import Batch
-from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS
+from m2po_oracle.capture import recorder
+from m2po_oracle.judge import equivalence
+from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
 from m2po_oracle.audit.records import AuditCheck, ROLLOUT_LOGP_DTYPE, _Record
 from m2po_oracle.audit.reassembly import _Step, _algorithm_1, _scope_groups
 
@@ -278,7 +278,7 @@ def _logged_scopes(step: _Step) -> list[str]:
     return matching
 
 
-def always_silent_parameters(capture: capture_module.Capture) -> tuple[set[str], int]:
+def always_silent_parameters(capture: recorder.Capture) -> tuple[set[str], int]:
     """The parameters with no or an all-zero gradient at every recorded step where some parameter
     has one, and the number of such steps.
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS
+from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
 from m2po_oracle.audit.records import StepAudit, _number
 from m2po_oracle.audit.reassembly import _Step
 

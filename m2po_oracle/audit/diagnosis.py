@@ -8,8 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from m2po_oracle import equivalence, oracle
-from m2po_oracle.batch import Batch
+from m2po_oracle.judge import equivalence
+
+from m2po_oracle import oracle
+from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.audit.records import _Record
 from m2po_oracle.audit.reassembly import _Step, _scope_groups
 from m2po_oracle.audit.checks import (REGION_METRICS, LogpBounds, _grad_mismatch, _logged_globally, _logged_scopes, _logp_mismatch, _logp_pairs,

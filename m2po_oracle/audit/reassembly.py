@@ -11,8 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from m2po_oracle import equivalence, oracle
-from m2po_oracle.batch import Batch
+from m2po_oracle.judge import equivalence
+
+from m2po_oracle import oracle
+from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.distributed.topology import Topology, cp_token_indices
 from m2po_oracle.audit.records import _Record, _Unusable
 

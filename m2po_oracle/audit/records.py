@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from m2po_oracle import capture as capture_module
-from m2po_oracle.batch import Batch
+from m2po_oracle.capture import recorder
+from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.distributed.topology import RankCoords, Topology
 
 
@@ -170,14 +170,14 @@ def _rows(tensor: Any, boolean: bool = False) -> np.ndarray:
     return array.reshape(-1, array.shape[-1])
 
 
-def _record(record: dict[str, Any], info: capture_module.RecordInfo, coords: RankCoords) -> _Record:
+def _record(record: dict[str, Any], info: recorder.RecordInfo, coords: RankCoords) -> _Record:
     shape = tuple(record["logp"].shape)
     optional = {}
     for name in ("grad", "selection_logp", "rollout_logp"):
         value = record.get(name)
         if value is not None and tuple(value.shape) != shape:
             path = info.grad_path if name == "grad" and info.grad_path else info.path
-            raise capture_module.CaptureError(path, f"{name} has shape {list(value.shape)}, logp {list(shape)}")
+            raise recorder.CaptureError(path, f"{name} has shape {list(value.shape)}, logp {list(shape)}")
         optional[name] = None if value is None else _rows(value)
     dtype = str(record["logp"].dtype).removeprefix("torch.")
     return _Record(info.rank, coords, info.micro_batch, _rows(record["logp"]), _rows(record["behavior_logp"]),
@@ -190,7 +190,7 @@ class _Unusable(Exception):
     """A step whose records cannot be put together (the reason is the message)."""
 
 
-def _records_of(capture: capture_module.Capture, topology: Topology, step: int, bad_paths: set[str],
+def _records_of(capture: recorder.Capture, topology: Topology, step: int, bad_paths: set[str],
                 problems: list[str]) -> list[_Record]:
     keys = sorted(k for k in capture.keys() if k[1] == step)  # noqa: SIM118 - Capture.keys() is a method, not a dict
     ranks = {k[0] for k in keys}
@@ -207,7 +207,7 @@ def _records_of(capture: capture_module.Capture, topology: Topology, step: int, 
             raise _Unusable(f"incomplete step: the files of rank {key[0]} micro-batch {key[2]} have problems (listed in the capture's problems)")
         try:
             records.append(_record(capture.load(*key), info, topology.coords(key[0])))
-        except capture_module.CaptureError as error:
+        except recorder.CaptureError as error:
             problems.append(str(error))
             raise _Unusable(f"incomplete step: {error}") from None
     return records

@@ -17,7 +17,7 @@ diagnosis and reports apply unchanged.
 
 With ``--capture`` (the payload's ``capture``: directory and step number) every rank
 whose implementation returned also records its step through one
-:class:`m2po_oracle.capture.Recorder` per rank process: micro-batch 0, its CP shard in the
+:class:`m2po_oracle.capture.recorder.Recorder` per rank process: micro-batch 0, its CP shard in the
 Megatron layout (the CP-padded batch as the rank was fed it), its loss share, metrics and
 gradient; TP ranks each record their replica.
 """
@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.batch import Batch
-from m2po_oracle.contract import Finding, Measurement
+from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.judge.contract import Finding, Measurement
 from m2po_oracle.distributed.world import RankContext, RankOutcome
-from m2po_oracle.equivalence import Mismatch, check_selection, compare_values, same_up_to_ties, tolerance, valid_m2
-from m2po_oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
+from m2po_oracle.judge.equivalence import Mismatch, check_selection, compare_values, same_up_to_ties, tolerance, valid_m2
+from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 from m2po_oracle.distributed.topology import Topology, cp_token_indices, dp_row_slices
 
 
@@ -53,7 +53,7 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
 
     A capture that cannot be written is returned as ``capture_error`` (the parent stops the
     run), never raised: raising would read as the implementation failing."""
-    from m2po_oracle.contract import normalise_result, to_tensors
+    from m2po_oracle.judge.contract import normalise_result, to_tensors
     from m2po_oracle.distributed.implementations import ParallelState, load_distributed_implementation
 
     spec, dtype = payload["spec"], payload["dtype"]
@@ -97,7 +97,7 @@ _RANK_RECORDERS: dict[str, Any] = {}
 def _rank_recorder(ctx: RankContext, directory: str) -> Any:
     recorder = _RANK_RECORDERS.get(directory)
     if recorder is None:
-        from m2po_oracle.capture import Recorder
+        from m2po_oracle.capture.recorder import Recorder
 
         # resume=True: a world restarted after a failed step continues the manifests its ranks
         # wrote (the parent refused a directory that held a capture before the run began).
@@ -124,7 +124,7 @@ def _record_shard(recorder: Any, step: int, parallel: Any, tensors: dict[str, An
 def _as_one_rank(ctx: RankContext, fn: Any, batch: Batch, dtype: str) -> M2POResult | str:
     """``fn`` on the whole optimizer batch as a dp=1, cp=1, tp=1 world (its groups: this
     rank alone): the reference of ``distributed.split_invariance``; the error text if it raised."""
-    from m2po_oracle.contract import normalise_result, to_tensors
+    from m2po_oracle.judge.contract import normalise_result, to_tensors
     from m2po_oracle.distributed.implementations import ParallelState
     from m2po_oracle.distributed.topology import RankCoords
 
@@ -187,7 +187,7 @@ class DistributedStep:
     explained_by: list[dict[str, Any]] = field(default_factory=list)  # distributed variants reproducing it
 
     def ranks_json(self) -> list[dict[str, Any]]:
-        from m2po_oracle.report.json_record import number
+        from m2po_oracle.oracle.record import number
 
         out = []
         for o in self.outcomes:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 # The fail-closed control re-enacts the core's old order of steps, so it needs the core's private steps.
-from m2po_oracle.core import (_check_group, _select_across, _selection_inputs, _validate, loss_from_selection, select_micro_batches, select_tokens,
+from m2po_oracle.core.loss import (_check_group, _select_across, _selection_inputs, _validate, loss_from_selection, select_micro_batches, select_tokens,
                               validate_across_ranks)
 from m2po_oracle.distributed.topology import RankCoords, Topology, cp_token_indices
 
@@ -227,7 +227,7 @@ def load_distributed_implementation(spec: str, adapter: tuple[str, tuple[str, ..
         return DISTRIBUTED_BUILTINS[spec]
     import difflib
 
-    from m2po_oracle.resolve import load_attribute
+    from m2po_oracle.call.resolve import load_attribute
     from m2po_oracle.errors import LoadError
 
     if ":" not in spec or spec.startswith("control:"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from m2po_oracle.distributed.runner import DistributedRunner
-from m2po_oracle.runner import RunOptions
+from m2po_oracle.call.runner import RunOptions
 
 
 class TorchrunRunner(DistributedRunner):

@@ -1,6 +1,6 @@
 """Does a distributed implementation fail closed on EVERY rank when one rank's input is invalid?
 
-Each probe starts every rank from the same clean local batch (``m2po_oracle.validation``'s
+Each probe starts every rank from the same clean local batch (``m2po_oracle.judge.validation``'s
 ``CLEAN``) and breaks one thing on one data-parallel rank only (a NaN on a valid token, a
 missing ``behavior_logp``, a bad tau, a tau that differs between ranks). A fail-closed
 implementation makes every rank raise the same error, naming the failing rank and the
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from m2po_oracle.contract import to_tensors
+from m2po_oracle.judge.contract import to_tensors
 from m2po_oracle.distributed.checks import pad_for_cp
 from m2po_oracle.distributed.implementations import ParallelState, load_distributed_implementation
 from m2po_oracle.distributed.world import RankContext, RankOutcome, World, WorldError
-from m2po_oracle.validation import CLEAN, ProbeResult, is_rejection, probe as local_probe
+from m2po_oracle.judge.validation import CLEAN, ProbeResult, is_rejection, probe as local_probe
 
 Corrupt = Callable[[dict[str, Any]], None]  # edits the keyword arguments (with "tau") in place
 

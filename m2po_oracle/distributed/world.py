@@ -38,7 +38,7 @@ def _forkserver() -> Any:
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["torch", "torch.distributed", "numpy", "m2po_oracle.distributed.world", "m2po_oracle.core"])
+        _context.set_forkserver_preload(["torch", "torch.distributed", "numpy", "m2po_oracle.distributed.world", "m2po_oracle.core.loss"])
     return _context
 
 

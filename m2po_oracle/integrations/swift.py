@@ -19,7 +19,7 @@ no command-line channel for a plugin's own options, so they are environment vari
 
 * ``M2PO_TAU`` (default 0.04): the second-moment budget;
 * ``M2PO_CAPTURE``: a directory; every micro-batch is recorded with
-  :class:`m2po_oracle.capture.Recorder` for ``m2po-oracle audit``;
+  :class:`m2po_oracle.capture.recorder.Recorder` for ``m2po-oracle audit``;
 * ``M2PO_CAPTURE_EVERY`` (default 1);
 * ``M2PO_SWIFT_FAULT``: a planted bug (:class:`SwiftFaults`), a negative control only.
 
@@ -192,7 +192,7 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         if self._capture_directory is None:
             return None
         if self._recorder is None:
-            from m2po_oracle.capture import Recorder
+            from m2po_oracle.capture.recorder import Recorder
 
             self._recorder = Recorder(self._capture_directory, rank=0, world_size=1, topology="dp=1,cp=1,tp=1", every=self._capture_every)
         return self._recorder

@@ -22,8 +22,8 @@ from typing import Any
 
 import jinja2
 
-from m2po_oracle.coverage import percent
-from m2po_oracle.diagnosis import ALIKE
+from m2po_oracle.judge.coverage import percent
+from m2po_oracle.explain.diagnosis import ALIKE
 
 __all__ = ["render_html", "write_html"]
 

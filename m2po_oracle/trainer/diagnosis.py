@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from m2po_oracle import oracle
-from m2po_oracle.batch import Batch
-from m2po_oracle.equivalence import compare_values, same_up_to_ties, tolerance, valid_m2
+from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.judge.equivalence import compare_values, same_up_to_ties, tolerance, valid_m2
 from m2po_oracle.trainer.checks import ROLLOUT_LOGP_DTYPE, _compare_params, _logp_check
 from m2po_oracle.trainer.controls import CONTROLS_BY_NAME
 from m2po_oracle.trainer.run import TrainerStep, _optimizer_replay

@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from m2po_oracle.batch import Batch
-from m2po_oracle.battery import BatteryOutcome, replay_command
-from m2po_oracle.contract import Finding, Measurement
-from m2po_oracle.equivalence import Mismatch
+from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.judge.battery import BatteryOutcome, replay_command
+from m2po_oracle.judge.contract import Finding, Measurement
+from m2po_oracle.judge.equivalence import Mismatch
 from m2po_oracle.errors import LoadError
 from m2po_oracle.errors import UsageError
-from m2po_oracle.runner import CallHealth, CapturedOutput, CaptureFailed, CaptureTarget, RunOptions, refuse_unhonoured
+from m2po_oracle.call.runner import CallHealth, CapturedOutput, CaptureFailed, CaptureTarget, RunOptions, refuse_unhonoured
 from m2po_oracle.trainer.cases import TrainerCase, trainer_cases
 from m2po_oracle.trainer.checks import CHECK_NAMES, check_trainer_step, trainer_checks_ran
 from m2po_oracle.trainer.controls import CONTROLS_BY_NAME
@@ -79,7 +79,7 @@ class TrainerRunner:
         honours = TRAINER_HONOURS if trainer is None else TRAINER_HONOURS - {"capture"}
         refuse_unhonoured("a training step (--impl trainer)", honours, self.options,
                           {"timeout": "the trainer runs in this process; no timeout can stop a step",
-                           "capture": "a custom trainer records through m2po_oracle.capture itself",
+                           "capture": "a custom trainer records through m2po_oracle.capture.recorder itself",
                            "adapter": "a training step is not a loss function; adapters do not apply",
                            "topology": "the trainer runs one process", "backend": "the trainer runs one process",
                            "in_process": "the trainer always runs in this process", "show_output": "the trainer's output is not captured"})
@@ -124,7 +124,7 @@ class TrainerRunner:
         if self.capture is None:
             return None
         if self._recorder is None:
-            from m2po_oracle.capture import Recorder
+            from m2po_oracle.capture.recorder import Recorder
 
             try:
                 self._recorder = _Recording(Recorder(self.capture.directory, rank=0, world_size=1, topology=TRAINER_TOPOLOGY))
@@ -191,7 +191,7 @@ class TrainerRunner:
 
 
 class _Recording:
-    """The run's :class:`~m2po_oracle.capture.Recorder`, whose failures stop the run
+    """The run's :class:`~m2po_oracle.capture.recorder.Recorder`, whose failures stop the run
     (:class:`CaptureFailed`) instead of reading as the trainer's step raising."""
 
     def __init__(self, recorder: Any) -> None:

@@ -1,0 +1,34 @@
+"""Recording what a training run fed its M2PO loss, for ``m2po-oracle audit``.
+
+``recorder`` is the vendorable file (it imports nothing of the package: copy it into a
+framework); ``watching`` wraps a framework's own M2PO function in one line (``watch``).
+"""
+
+from m2po_oracle.capture.recorder import (
+    OPTIONAL_TENSOR_NAMES,
+    SCHEMA,
+    TENSOR_NAMES,
+    Capture,
+    CaptureError,
+    GradientWatch,
+    RecordInfo,
+    Recorder,
+    check_capture,
+    load_capture,
+)
+from m2po_oracle.capture.watching import Watcher, watch
+
+__all__ = [
+    "SCHEMA",
+    "OPTIONAL_TENSOR_NAMES",
+    "TENSOR_NAMES",
+    "Capture",
+    "CaptureError",
+    "GradientWatch",
+    "RecordInfo",
+    "Recorder",
+    "check_capture",
+    "load_capture",
+    "Watcher",
+    "watch",
+]

@@ -1,0 +1,641 @@
+"""Record a framework's own M2PO call(s) in one line, without editing the framework.
+
+This module imports torch and the standard library only (not even ``capture.py``: it drives
+any object with ``record(...)`` and ``every``, a :class:`m2po_oracle.capture.recorder.Recorder`), so a
+framework can vendor it beside ``capture.py``; ``from m2po_oracle.capture.recorder import watch`` reaches
+it too. ::
+
+    import m2po_oracle.capture.recorder as capture
+    recorder = capture.Recorder("runs/capture", rank=rank, world_size=world, topology="dp=1,cp=1,tp=1")
+    with capture.watch(framework_module, "compute_m2po_token_loss", recorder, optimizer=optimizer,
+                       inputs={"logp": lambda args, kwargs, result: state.logp, "behavior_logp": ...}):
+        trainer.train()                                  # the framework runs unchanged
+    # m2po-oracle audit runs/capture
+
+``watch(target, name, recorder, *, optimizer=None, step=None, inputs=None, outputs=None)``
+replaces ``target.name`` (a function of a module, or a method of a class or of one object:
+plain, static or class method) by a wrapper and puts the original back on ``close()`` or when
+the ``with`` block ends. ``name`` may be a sequence of names (a mask function and a loss
+function, with ``inputs`` / ``outputs`` then optionally keyed by function name); two
+``watch`` calls on one recorder share its step and micro-batch counters, as one does.
+
+**What is read.** Inputs: ``logp``, ``behavior_logp``, ``advantages``, ``mask`` (the valid
+tokens), ``tau``, and ``log_ratio`` where the framework passes log(pi / pi_behaviour) instead
+of the two log-probs. Outputs: ``keep`` (the tokens kept after M2PO masking), ``loss`` and
+``metrics``. Each is given as an argument name of the wrapped function (bound through its
+signature, so positional and keyword calls read alike, defaults included), as ``"return"``,
+``"return[0]"`` or ``"return['key']"`` (a part of what the call returned), as a callable
+``(args, kwargs, result) -> value``, as ``None`` (not read), or for ``tau`` as a number. By
+default an argument named like one of :data:`ALIASES` is read, and the result is parsed: a bool
+tensor is ``keep``, another tensor the ``loss``, a mapping the ``metrics`` (its numeric
+entries), within a tuple or alone. Given ``log_ratio`` and one of the two log-probs, the other
+is ``behavior_logp + log_ratio`` or ``logp - log_ratio`` (in their dtype).
+
+**When a record is written.** At the backward of the call's log-probs: a hook on the tensor
+that enters the loss (``logp`` when that is the call's tensor and requires grad, else
+``log_ratio``, whose gradient is d loss / d logp for constant behaviour log-probs) receives
+d loss / d logp, and the record is written with it (``record(..., grad=...)``, what
+``watch_gradient`` captures); a call whose tensor the backward never reaches (a mask computed
+on its own log-ratio, apart from the loss's) records nothing unless ``logp`` is read, e.g.
+through a callable returning the framework's tensor. The loss value recorded is the micro-batch's share of the loss
+the framework differentiates: a one-element loss is its own value; a per-token loss ``l`` is
+reduced by the framework after the call, so its share is ``sum(dL/dl * l)``, read from a hook
+on ``l`` (exact for every linear reduction: a mean, ``sum / N``, per-sequence means); without
+any loss (a mask function watched alone) it is ``sum(d loss / d logp)``, which is the loss of
+M2PO's objective (each token's gradient is its loss term), so ``audit.loss_sum`` then restates
+``audit.gradient``. A call made while gradients are disabled (``torch.no_grad``: an
+evaluation, a mask prepass) is not recorded. A second backward through the same tensors
+(``retain_graph``) is not added.
+
+**Mask and loss functions together.** A call that returns no loss (a mask function) holds
+its readings until the next call that returns one (the loss function, in the same optimizer
+step) takes them: the two make one record, the loss call's readings first. A mask function
+called inside the watched loss function (through its module's global name) adds to that call's
+record. Readings missing from the record are a ``ValueError`` that names them and how to supply
+them, raised in the call that completes the record.
+
+**Step and micro-batch.** ``optimizer=`` (anything with ``register_step_post_hook``, as
+``torch.optim.Optimizer``): the step starts at 0 and advances after every ``optimizer.step()``,
+the micro-batch counter restarting at 0; or ``step=`` a callable returning the optimizer step
+(``lambda: trainer.state.global_step``), the micro-batch counter restarting whenever it
+changes. One of the two is required (the audit judges each optimizer step), once per recorder.
+
+**Off the hot path.** On a step that the recorder skips (``every=k``) the wrapper reads the
+step, takes one modulo and calls the original: no argument is bound, no tensor touched, no hook
+registered. On every step the wrapper returns exactly what the original returned (the same
+object) and registers only hooks that return ``None``, so the values and the autograd graph are
+the framework's.
+
+Only attributes looked up at call time are replaced: a framework that imported the function by
+value (``from kernels import loss``) elsewhere keeps calling the original there; watch it where
+it is looked up (``watch(that_module, "loss", ...)``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+import types
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ALIASES", "INPUTS", "OUTPUTS", "Watcher", "watch"]  # noqa: RUF022 - constants first
+
+#: What a wrapped call is read for: the inputs of the M2PO loss and what it produced.
+INPUTS: tuple[str, ...] = ("logp", "behavior_logp", "log_ratio", "advantages", "mask", "tau")
+OUTPUTS: tuple[str, ...] = ("keep", "loss", "metrics")
+#: Argument names read by default, first match (whose value is not None) first.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "logp": ("logp", "log_probs", "logprobs", "per_token_logps", "per_token_logp", "policy_logp", "current_logp"),
+    # The sampler's log-probs before a recomputed "old" policy's: M2PO's behaviour policy is the sampler.
+    "behavior_logp": ("behavior_logp", "behaviour_logp", "rollout_logp", "rollout_per_token_logps", "old_per_token_logps",
+                      "old_logp", "old_log_probs"),
+    "log_ratio": ("log_ratio", "log_ratios", "logratio"),
+    "advantages": ("advantages", "advantage"),
+    "mask": ("mask", "completion_mask", "loss_mask", "response_mask", "valid_mask"),
+    "tau": ("tau", "m2_threshold", "m2po_tau", "threshold"),
+    "keep": ("keep", "m2po_mask", "keep_mask"),
+}
+_REQUIRED = ("logp", "behavior_logp", "advantages", "mask", "tau", "keep")
+_RETURN = re.compile(r"return((?:\[(?:-?[0-9]+|'[^']*'|\"[^\"]*\")\])*)")
+_INDEX = re.compile(r"\[(-?[0-9]+|'[^']*'|\"[^\"]*\")\]")
+_SPEC_FORMS = ("an argument name of the function, 'return', 'return[i]' or \"return['key']\", "
+               "a callable (args, kwargs, result) -> value, or None")
+_MISSING = object()
+
+
+# ---------------------------------------------------------------------------------------------
+# Readers: how one of our names is read from one call.
+
+
+@dataclass(frozen=True)
+class _Reader:
+    what: str                       # for messages: "argument 'log_ratio'", "return[1]", "callable"
+    read: Callable[[inspect.BoundArguments | None, tuple, dict, Any], Any]
+
+
+def _argument(names: tuple[str, ...]) -> Callable[..., Any]:
+    def read(bound, args, kwargs, result):
+        for name in names:
+            value = bound.arguments.get(name, _MISSING) if bound is not None else kwargs.get(name, _MISSING)
+            if value is _MISSING and bound is not None:
+                # A name caught by the function's **kwargs.
+                for parameter in bound.signature.parameters.values():
+                    if parameter.kind is parameter.VAR_KEYWORD:
+                        value = bound.arguments.get(parameter.name, {}).get(name, _MISSING)
+            if value is not _MISSING and value is not None:
+                return value
+        return _MISSING
+    return read
+
+
+def _path(path: tuple[int | str, ...], spec: str) -> Callable[..., Any]:
+    def read(bound, args, kwargs, result):
+        value = result
+        for key in path:
+            try:
+                value = value[key]
+            except (LookupError, TypeError):
+                raise ValueError(f"{spec}: the call returned {_kind(result)}, which has no [{key!r}]") from None
+        return value
+    return read
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}: ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+def _reader(function: str, ours: str, spec: object, parameters: Mapping[str, inspect.Parameter] | None) -> _Reader | None:
+    where = f"watch({function}): {'inputs' if ours in INPUTS else 'outputs'}[{ours!r}]"
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        match = _RETURN.fullmatch(spec)
+        if match:
+            path = tuple(int(k) if k[0] not in "'\"" else k[1:-1] for k in _INDEX.findall(match.group(1)))
+            return _Reader(spec, _path(path, f"{where} = {spec!r}"))
+        var_keyword = parameters is None or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+        if parameters is not None and spec not in parameters and not var_keyword:
+            raise ValueError(f"{where} = {spec!r} is not an argument of {function}; expected {_SPEC_FORMS} "
+                             f"(its arguments: {', '.join(parameters) or 'none'})")
+        return _Reader(f"argument {spec!r}", _argument((spec,)))
+    if callable(spec):
+        return _Reader(f"callable {getattr(spec, '__name__', type(spec).__name__)}", lambda b, a, k, r: spec(a, k, r))
+    if ours == "tau" and isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        return _Reader(f"the number {spec!r}", lambda b, a, k, r: spec)
+    raise ValueError(f"{where} must be {_SPEC_FORMS}{' or a number' if ours == 'tau' else ''}, got {spec!r}")
+
+
+def _default_readers(function: str, parameters: Mapping[str, inspect.Parameter] | None) -> dict[str, _Reader]:
+    readers = {}
+    for ours, names in ALIASES.items():
+        found = names if parameters is None else tuple(n for n in names if n in parameters)
+        if found:
+            readers[ours] = _Reader(f"argument {' or '.join(map(repr, found))}", _argument(found))
+    return readers
+
+
+def _parse_result(result: object) -> dict[str, Any]:
+    """keep, loss and metrics from an unnamed result: a bool tensor, a tensor, a mapping, alone or in a tuple."""
+    parts = result if isinstance(result, (tuple, list)) else (result,)
+    out: dict[str, Any] = {}
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            out.setdefault("keep" if part.dtype == torch.bool else "loss", part)
+        elif isinstance(part, Mapping):
+            out.setdefault("metrics", part)
+    return out
+
+
+def _numbers(metrics: Mapping[Any, Any]) -> dict[str, Any]:
+    # A framework's metrics dict also carries lists, strings or per-token tensors: only scalars are recorded.
+    return {key: value for key, value in metrics.items() if isinstance(key, str) and (
+        (isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool))}
+
+
+# ---------------------------------------------------------------------------------------------
+# The step, the micro-batch counter and the open records, shared by every watch of one recorder.
+
+
+@dataclass
+class _Unit:
+    """One micro-batch's record while it waits for its backward."""
+
+    step: int
+    micro_batch: int
+    values: dict[str, Any]
+    sources: list[str]                      # the functions it was read from, for messages
+    handles: list[Any] = field(default_factory=list)
+    share: float | None = None              # from the per-token loss's hook
+    done: bool = False
+
+
+class _Session:
+    def __init__(self, recorder: Any) -> None:
+        self.recorder = recorder
+        self.step_source: object = None
+        self.optimizer_step = 0
+        self.step_hook: Any = None
+        self.last_step: int | None = None
+        self.next_micro_batch = 0
+        self.active: dict[str, Any] | None = None    # readings of the outermost watched call in progress
+        self.open: list[_Unit] = []                   # mask-only records a loss call may still take
+        self.lock = threading.Lock()
+        self.watchers = 0
+        self.records = 0
+
+    def step(self) -> int:
+        if callable(self.step_source):
+            value = self.step_source()
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"watch(step=...): the step callable must return an integer >= 0, got {value!r}")
+            return value
+        return self.optimizer_step
+
+    def micro_batch(self, step: int) -> int:
+        if step != self.last_step:
+            self.last_step, self.next_micro_batch = step, 0
+            self.open = [unit for unit in self.open if unit.step == step]
+        self.next_micro_batch += 1
+        return self.next_micro_batch - 1
+
+    def advance(self, *_: Any) -> None:
+        self.optimizer_step += 1
+
+
+_SESSIONS: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
+_SESSIONS_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------------------------------------
+# The wrapper.
+
+
+@dataclass
+class _Wrapped:
+    target: Any
+    name: str
+    raw: Any                    # what target.__dict__ held (None: inherited or instance-bound)
+    owned: bool                 # name was in target.__dict__ (restore it) or not (delete ours)
+    wrapper: Any
+
+
+class Watcher:
+    """The watch of one or more attributes; :meth:`close` (or leaving ``with``) restores them."""
+
+    def __init__(self, session: _Session, wrapped: list[_Wrapped], owns_step_hook: bool) -> None:
+        self._session = session
+        self._wrapped = wrapped
+        self._owns_step_hook = owns_step_hook
+        self.closed = False
+
+    @property
+    def records(self) -> int:
+        """Records written through this recorder's watches (micro-batches whose backward ran)."""
+        return self._session.records
+
+    @property
+    def step(self) -> int:
+        """The optimizer step the next call would be recorded at."""
+        return self._session.step()
+
+    def close(self) -> None:
+        """Put the original attributes back; records still waiting for a backward are dropped."""
+        if self.closed:
+            return
+        self.closed = True
+        for item in reversed(self._wrapped):
+            current = item.target.__dict__.get(item.name) if _has_dict(item.target) else None
+            if item.owned:
+                setattr(item.target, item.name, item.raw)
+            elif current is not None:
+                delattr(item.target, item.name)
+        session = self._session
+        with session.lock:
+            session.watchers -= 1
+            if self._owns_step_hook and session.step_hook is not None:
+                session.step_hook.remove()
+                session.step_hook = None
+                session.step_source = None
+            if session.watchers == 0:
+                for unit in session.open:
+                    _drop(unit)
+                session.open.clear()
+                session.step_source = None
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def _has_dict(target: object) -> bool:
+    return hasattr(target, "__dict__")
+
+
+def _drop(unit: _Unit) -> None:
+    for handle in unit.handles:
+        handle.remove()
+    unit.handles.clear()
+    unit.done = True
+
+
+def _per_function(option: object, names: tuple[str, ...], what: str) -> dict[str, Mapping[str, object]]:
+    if option is None:
+        return {name: {} for name in names}
+    if not isinstance(option, Mapping):
+        raise ValueError(f"watch({what}=...) must be a mapping of our names to how to read them, "
+                         f"got {type(option).__name__}")
+    if len(names) > 1 and option and set(option) <= set(names):
+        for name, inner in option.items():
+            if not isinstance(inner, Mapping):
+                raise ValueError(f"watch({what}[{name!r}]) must be a mapping of our names to how to read them, "
+                                 f"got {type(inner).__name__}")
+        return {name: option.get(name, {}) for name in names}
+    return {name: option for name in names}
+
+
+def watch(target: object, name: str | Iterable[str], recorder: Any, *, optimizer: Any = None,
+          step: Callable[[], int] | None = None, inputs: Mapping[str, object] | None = None,
+          outputs: Mapping[str, object] | None = None) -> Watcher:
+    """Wrap ``target.name`` so that every call of it is recorded into ``recorder`` (the module
+    docstring says what is read and when); return the :class:`Watcher` that restores it."""
+    names = (name,) if isinstance(name, str) else tuple(name) if isinstance(name, Iterable) else (name,)
+    if not names or not all(isinstance(n, str) and n.isidentifier() for n in names):
+        raise ValueError(f"name must be an attribute name (a str) or a sequence of them, got {name!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"name lists an attribute twice: {list(names)}")
+    if not callable(getattr(recorder, "record", None)) or isinstance(getattr(recorder, "every", None), bool) \
+            or not isinstance(getattr(recorder, "every", None), int):
+        raise ValueError(f"recorder must be an m2po_oracle.capture.recorder.Recorder (record() and every), "
+                         f"got {type(recorder).__name__}")
+    if optimizer is not None and step is not None:
+        raise ValueError("pass one of optimizer= and step=, not both: the step must come from one place")
+    if optimizer is not None and not callable(getattr(optimizer, "register_step_post_hook", None)):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer (its register_step_post_hook advances the step), "
+                         f"got {type(optimizer).__name__}")
+    if step is not None and not callable(step):
+        raise ValueError(f"step must be a callable returning the optimizer step (lambda: trainer.state.global_step), "
+                         f"got {step!r}")
+    for what, option in (("inputs", inputs), ("outputs", outputs)):
+        allowed = INPUTS if what == "inputs" else OUTPUTS
+        flat = _per_function(option, names, what)
+        for function, mapping in flat.items():
+            unknown = [key for key in mapping if key not in allowed]
+            if unknown:
+                raise ValueError(f"watch({function}): {what} has unknown names {unknown}; expected some of {list(allowed)}")
+
+    targets = []
+    for attribute in names:
+        try:
+            inspect.getattr_static(target, attribute)
+        except AttributeError:
+            raise ValueError(f"target {_describe(target)} has no attribute {attribute!r} to watch") from None
+        current = getattr(target, attribute)
+        if not callable(current):
+            raise ValueError(f"{_describe(target)}.{attribute} is {type(current).__name__}, expected a function or method")
+        if getattr(current, "__m2po_watch__", None) is not None:
+            raise ValueError(f"{_describe(target)}.{attribute} is already watched; close that watch first")
+        targets.append(attribute)
+
+    with _SESSIONS_LOCK:
+        session = _SESSIONS.get(recorder)
+        if session is None:
+            session = _SESSIONS[recorder] = _Session(recorder)
+    owns_step_hook = False
+    with session.lock:
+        source = optimizer if optimizer is not None else step
+        if source is None and session.step_source is None:
+            raise ValueError("watch needs the optimizer step, which the audit judges each record by: pass optimizer= "
+                             "(a torch.optim.Optimizer; its steps are counted) or step= (a callable returning the step)")
+        if source is not None and session.step_source is not None and source is not session.step_source:
+            raise ValueError("this recorder is already watched with another optimizer= or step=; pass the same one or none")
+        if source is not None and session.step_source is None:
+            session.step_source = source
+            if optimizer is not None:
+                session.optimizer_step, session.last_step = 0, None
+                session.step_hook = optimizer.register_step_post_hook(session.advance)
+                owns_step_hook = True
+        session.watchers += 1
+
+    inputs_of, outputs_of = _per_function(inputs, names, "inputs"), _per_function(outputs, names, "outputs")
+    wrapped = []
+    try:
+        for attribute in targets:
+            wrapped.append(_wrap(target, attribute, session, {**inputs_of[attribute], **outputs_of[attribute]}))
+    except BaseException:
+        Watcher(session, wrapped, owns_step_hook).close()
+        raise
+    watcher = Watcher(session, wrapped, owns_step_hook)
+    for item in wrapped:
+        item.wrapper.__m2po_watch__ = weakref.ref(watcher)
+    return watcher
+
+
+def _describe(target: object) -> str:
+    if isinstance(target, types.ModuleType):
+        return f"module {target.__name__}"
+    if isinstance(target, type):
+        return f"class {target.__qualname__}"
+    return f"{type(target).__qualname__} object"
+
+
+def _wrap(target: object, attribute: str, session: _Session, specs: Mapping[str, object]) -> _Wrapped:
+    owned = _has_dict(target) and attribute in vars(target)
+    raw = vars(target)[attribute] if owned else None
+    kind = "plain"
+    if isinstance(target, type) and isinstance(raw, (staticmethod, classmethod)):
+        kind = type(raw).__name__
+        original = raw.__func__
+    elif isinstance(target, type):
+        original = getattr(target, attribute) if raw is None else raw
+    else:
+        original = getattr(target, attribute)   # a module's function, or an object's bound method
+    function = f"{getattr(original, '__qualname__', attribute)}"
+    try:
+        parameters: Mapping[str, inspect.Parameter] | None = inspect.signature(original).parameters
+        signature: inspect.Signature | None = inspect.signature(original)
+    except (TypeError, ValueError):
+        parameters = signature = None   # a builtin without a signature: read keyword arguments only
+    readers = _default_readers(function, parameters)
+    for ours, spec in specs.items():
+        reader = _reader(function, ours, spec, parameters)
+        if reader is None:
+            readers.pop(ours, None)
+            readers[ours] = None  # type: ignore[assignment]
+        else:
+            readers[ours] = reader
+    every = session.recorder.every
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        step = session.step()
+        if step % every or not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        outer = session.active is None
+        if outer:
+            session.active = {}
+        try:
+            result = original(*args, **kwargs)
+            readings = _read(function, readers, signature, args, kwargs, result)
+            if outer:
+                # The outer call's readings first; a nested mask call's fill what it lacks.
+                readings = {**session.active, **readings}
+                session.active.setdefault("sources", []).insert(0, function)
+                _finish(session, step, readings, session.active["sources"])
+            else:
+                for key, value in readings.items():
+                    session.active.setdefault(key, value)
+                session.active.setdefault("sources", []).append(function)
+        finally:
+            if outer:
+                session.active = None
+        return result
+
+    wrapper.__name__ = getattr(original, "__name__", attribute)
+    wrapper.__qualname__ = getattr(original, "__qualname__", attribute)
+    wrapper.__doc__ = getattr(original, "__doc__", None)
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    installed: Any = wrapper
+    if kind == "staticmethod":
+        installed = staticmethod(wrapper)
+    elif kind == "classmethod":
+        installed = classmethod(wrapper)
+    setattr(target, attribute, installed)
+    return _Wrapped(target, attribute, raw, owned, wrapper)
+
+
+def _read(function: str, readers: Mapping[str, _Reader | None], signature: inspect.Signature | None,
+          args: tuple, kwargs: dict, result: Any) -> dict[str, Any]:
+    bound = None
+    if signature is not None:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+    parsed = None
+    out: dict[str, Any] = {}
+    for ours in (*INPUTS, *OUTPUTS):
+        reader = readers.get(ours, _MISSING)
+        if reader is None:
+            continue
+        value = _MISSING
+        if reader is not _MISSING:
+            try:
+                value = reader.read(bound, args, kwargs, result)
+            except ValueError:
+                raise
+            except Exception as error:  # a caller's callable failing is named, not a bare traceback
+                raise ValueError(f"watch({function}): reading {ours!r} through {reader.what} failed: {error!r}") from error
+        if value is _MISSING and ours in OUTPUTS:
+            parsed = _parse_result(result) if parsed is None else parsed
+            value = parsed.get(ours, _MISSING)
+            if ours == "metrics" and value is not _MISSING:
+                value = _numbers(value)
+        if value is not _MISSING and value is not None:
+            out[ours] = value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# From readings to a record.
+
+
+def _finish(session: _Session, step: int, readings: dict[str, Any], sources: list[str]) -> None:
+    readings = {key: value for key, value in readings.items() if key != "sources"}
+    if "loss" not in readings:
+        unit = _Unit(step, session.micro_batch(step), readings, list(sources))
+        _hook(session, unit, readings)
+        session.open.append(unit)
+        return
+    taken = next((u for u in session.open if u.step == step and not u.done), None) if session.last_step == step else None
+    if taken is not None:
+        session.open.remove(taken)
+        for handle in taken.handles:
+            handle.remove()
+        taken.handles.clear()
+        unit = _Unit(step, taken.micro_batch, {**taken.values, **readings}, list(sources) + taken.sources)
+    else:
+        unit = _Unit(step, session.micro_batch(step), readings, list(sources))
+    _check(unit)
+    _hook(session, unit, unit.values)
+
+
+def _gradient_tensor(values: Mapping[str, Any]) -> torch.Tensor | None:
+    for name in ("logp", "log_ratio"):
+        tensor = values.get(name)
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            return tensor
+    return None
+
+
+def _hook(session: _Session, unit: _Unit, values: Mapping[str, Any]) -> None:
+    tensor = _gradient_tensor(values)
+    if tensor is None:
+        if "loss" in values:
+            raise ValueError(
+                f"watch({', '.join(unit.sources)}): neither logp nor log_ratio of this call requires grad, so "
+                f"d loss / d logp cannot be captured; read the tensor the loss is differentiated through "
+                f"(inputs={{'logp': ...}} or {{'log_ratio': ...}})")
+        return  # a mask computed on detached log-probs: the loss call brings the tensor
+    loss = values.get("loss")
+    if isinstance(loss, torch.Tensor) and loss.numel() > 1 and loss.requires_grad:
+        held = loss.detach()
+
+        def share(grad: torch.Tensor) -> None:
+            # The framework reduces the per-token loss after the call; a linear reduction's value
+            # is sum(dL/dl * l). Tokens without gradient may hold NaN padding: they add nothing.
+            zero = torch.zeros((), dtype=torch.float64, device=grad.device)
+            weighted = torch.where(grad != 0, grad.double() * held.double(), zero)
+            unit.share = float(weighted.sum())
+
+        unit.handles.append(loss.register_hook(share))
+    frozen = {key: value.detach() if isinstance(value, torch.Tensor) else value for key, value in values.items()}
+
+    def complete(grad: torch.Tensor) -> None:
+        if unit.done:
+            return
+        unit.done = True
+        _record(session, unit, frozen, grad)
+
+    unit.values = frozen
+    unit.handles.append(tensor.register_hook(complete))
+
+
+def _check(unit: _Unit) -> None:
+    values = unit.values
+    have = set(values)
+    if "log_ratio" in have and len({"logp", "behavior_logp"} & have) == 1:
+        have |= {"logp", "behavior_logp"}
+    missing = [name for name in _REQUIRED if name not in have]
+    if not missing:
+        return
+    hints = []
+    if "log_ratio" in values and {"logp", "behavior_logp"} & set(missing):
+        hints.append("the call passes a log-ratio, not the two log-probs: give inputs={'behavior_logp': ...} "
+                     "(or 'logp', or both) as an argument name or a callable (args, kwargs, result) -> tensor")
+    if "keep" in missing:
+        hints.append("keep is the bool mask of the tokens the M2PO selection kept: outputs={'keep': 'return[i]'} "
+                     "or an argument name, or watch the mask function too")
+    raise ValueError(
+        f"watch({', '.join(unit.sources)}): cannot read {missing} at step {unit.step}, micro-batch {unit.micro_batch}; "
+        f"expected each as {_SPEC_FORMS}{' (tau: or a number)' if 'tau' in missing else ''} in inputs=/outputs="
+        + (" (" + "; ".join(hints) + ")" if hints else ""))
+
+
+def _record(session: _Session, unit: _Unit, values: dict[str, Any], grad: torch.Tensor) -> None:
+    if "loss" not in values:
+        _check(unit)
+    logp, behavior, ratio = values.get("logp"), values.get("behavior_logp"), values.get("log_ratio")
+    if logp is None:
+        logp = behavior + ratio.to(behavior.dtype)
+    elif behavior is None:
+        behavior = logp - ratio.to(logp.dtype)
+    loss = values.get("loss")
+    if loss is None:
+        share = float(grad.double().sum())        # the M2PO objective's value: see the module docstring
+    elif loss.numel() == 1:
+        share = float(loss.double())
+    elif unit.share is not None:
+        share = unit.share
+    else:
+        raise RuntimeError(
+            f"watch({', '.join(unit.sources)}): the per-token loss of step {unit.step}, micro-batch {unit.micro_batch} "
+            f"received no gradient while its log-probs did, so its share of the loss is unknown; "
+            f"read a one-element loss instead (outputs={{'loss': ...}})")
+    advantages = values["advantages"]
+    if advantages.shape != logp.shape:
+        advantages = advantages.expand_as(logp)   # per sequence [B, 1] -> per token, as the loss broadcasts it
+    session.recorder.record(
+        step=unit.step, micro_batch=unit.micro_batch, logp=logp, behavior_logp=behavior, advantages=advantages,
+        mask=values["mask"].bool(), keep=values["keep"].bool(), loss=share, tau=values["tau"],
+        metrics=values.get("metrics"), grad=grad)
+    session.records += 1

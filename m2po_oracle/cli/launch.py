@@ -1,0 +1,93 @@
+"""``open_runner(spec, options)``: the one place that decides how an implementation runs.
+
+The CLI, the pytest plugin and torchrun all open their runner here:
+
+* ``--topology``: a :class:`~m2po_oracle.distributed.runner.DistributedRunner` (a warm world);
+* ``trainer``, ``trainer:CONTROL``, ``trainer:module:Class``: a
+  :class:`~m2po_oracle.trainer.runner.TrainerRunner` (a whole training step);
+* anything else is a loss function: called in an isolated worker, or with
+  ``--in-process`` in this process (:class:`~m2po_oracle.call.loss_function.LossFunctionRunner`).
+
+Each runner refuses the options it cannot honour (:class:`~m2po_oracle.call.runner.UsageError`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from m2po_oracle.adapters import ADAPTERS, adapt
+from m2po_oracle.call.isolation import InProcess, Isolated
+from m2po_oracle.call.loss_function import LossFunctionRunner
+from m2po_oracle.call.resolve import is_trainer_spec, load_attribute, load_implementation
+from m2po_oracle.errors import LoadError, UsageError
+from m2po_oracle.call.runner import Runner, RunOptions
+
+
+#: Production trainers behind the trainer contract, by name (``trainer:NAME[:CONTROL]``): a
+#: factory taking the control's name. Named as strings: the integrations room sits above.
+INTEGRATED_TRAINERS = {"trl": "m2po_oracle.integrations.trl_step:trl_trainer"}
+
+
+def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runner:
+    """The runner for ``spec`` under ``options`` (not started: ``start()`` or use ``with``).
+
+    Under torchrun, ``torchrun`` is this process's rank context (rank 0's): the runner
+    serves steps to torchrun's ranks instead of starting a world.
+
+    Raises :class:`~m2po_oracle.call.resolve.LoadError` when ``spec`` cannot be loaded and
+    :class:`UsageError` for an option the runner cannot honour."""
+    from m2po_oracle.call.runner import check_device
+
+    check_device(options.device)
+    if options.adapter is not None and options.adapter not in ADAPTERS:
+        import difflib
+
+        close = difflib.get_close_matches(options.adapter, ADAPTERS, n=3, cutoff=0.5)
+        hint = f"; closest matches: {', '.join(close)}" if close else ""
+        raise UsageError(f"adapter: expected one of {', '.join(ADAPTERS)} (m2po-oracle adapters lists them), got {options.adapter!r}{hint}")
+    if options.topology is not None:
+        from m2po_oracle.distributed.implementations import load_distributed_implementation
+        from m2po_oracle.distributed.runner import DistributedRunner
+
+        # A fast error with closest matches, and a wrong binding refused, before any rank starts.
+        distributed_adapter = options.adapter is not None and ADAPTERS[options.adapter].distributed
+        load_distributed_implementation(spec, (options.adapter, tuple(options.bind)) if distributed_adapter else None)
+        if torchrun is not None:
+            from m2po_oracle.distributed.torchrun_runner import TorchrunRunner
+
+            return TorchrunRunner(torchrun, spec, options)
+        return DistributedRunner(spec, options.topology, backend=options.backend, timeout_s=options.timeout, options=options)
+    if is_trainer_spec(spec):
+        from m2po_oracle.trainer.runner import TrainerRunner
+
+        rest = spec.partition(":")[2]
+        integration, _, control = rest.partition(":")
+        if integration in INTEGRATED_TRAINERS:  # trainer:trl, trainer:trl:CONTROL: a production trainer behind the contract
+            import importlib.util
+
+            if importlib.util.find_spec(integration) is None:
+                raise LoadError(f"impl: {spec} needs the {integration} package: pip install -c constraints.txt -e '.[{integration}]'")
+            factory = load_attribute(INTEGRATED_TRAINERS[integration])
+            try:
+                trainer = factory(control or None)
+            except ValueError as error:
+                raise LoadError(f"impl: {error}") from None
+            return TrainerRunner(trainer=trainer, spec=spec, options=options)
+        if ":" in rest:  # trainer:module:Class or trainer:file.py:Class
+            return TrainerRunner(trainer=load_attribute(rest), spec=spec, options=options)
+        return TrainerRunner(rest or None, spec=spec, options=options)
+    if options.adapter is not None and ADAPTERS[options.adapter].distributed:
+        raise UsageError(f"adapter {options.adapter}: adapts a distributed port (it takes group=); give --topology dp=N too")
+    rejecting = options.rejecting
+    capture = not options.show_output
+    # Here first, also for an isolated run: a fast error with closest matches, and a wrong
+    # binding refused before any worker starts (naming the port's signature).
+    from m2po_oracle.trainer.controls import TRAINER_IMPLEMENTATIONS
+
+    fn = adapt(load_implementation(spec, also_known=list(TRAINER_IMPLEMENTATIONS)), options.adapter, options.bind)
+    call = getattr(fn, "bound_call", None)
+    described = call.describe_call() if call is not None else None
+    if options.in_process:
+        return LossFunctionRunner(spec, InProcess(fn, capture=capture, rejecting=rejecting), options, call=described)
+    isolated = Isolated(spec, timeout_s=options.timeout, adapter=options.adapter, bindings=options.bind, capture=capture, rejecting=rejecting)
+    return LossFunctionRunner(spec, isolated, options, call=described)

@@ -1,0 +1,29 @@
+"""The production M2PO loss in torch: inputs, the collective fail-closed agreement, exact
+selection (a radix descent, no sort), the fused CPU passes and the loss.
+
+This face is the public API: ``m2po_loss`` for one process, ``select_tokens`` /
+``select_micro_batches`` and ``loss_from_selection`` for trainers that select once per
+optimizer batch.
+"""
+
+from m2po_oracle.core.loss import (
+    CoreResult,
+    Selection,
+    validate_across_ranks,
+    CPU_CHUNK,
+    select_tokens,
+    select_micro_batches,
+    loss_from_selection,
+    m2po_loss,
+)
+
+__all__ = [
+    "CoreResult",
+    "Selection",
+    "validate_across_ranks",
+    "CPU_CHUNK",
+    "select_tokens",
+    "select_micro_batches",
+    "loss_from_selection",
+    "m2po_loss",
+]
