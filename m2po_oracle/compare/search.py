@@ -27,7 +27,8 @@ from m2po_oracle.judge.checks import ALL_CHECKS, BEHAVIOURAL_CHECKS
 from m2po_oracle.explain.deviations import Accepted
 from m2po_oracle.judge.contract import Implementation
 from m2po_oracle.judge.coverage import CoverageTally, failure_rate_upper
-from m2po_oracle.explain.diagnosis import Observation, diagnose
+from m2po_oracle.explain.diagnosis import diagnose
+from m2po_oracle.explain.evidence import Observation
 from m2po_oracle.judge.equivalence import Mismatch
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 from m2po_oracle.compare.record import SCHEMA, counterexample_json, tolerances_json
@@ -594,7 +595,7 @@ def _counterexamples(runner: Runner, report: CompareReport, strategy: Any, shrin
 
 def _shows_alone(report: CompareReport, names: tuple[str, ...], checks: tuple[str, ...], supplied: frozenset[str] | None) -> Callable[[BatteryOutcome], bool]:
     """Whether an outcome fails one of ``checks`` and these deviations alone reproduce it."""
-    from m2po_oracle.explain.diagnosis import Judge, merge
+    from m2po_oracle.explain.evidence import Judge, merge
 
     dev = merge(names)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.explain.deviations import Deviation
+from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import M2POResult
 
 #: algorithm.md §4: the clip family's thresholds and the bound of an unconstrained range.

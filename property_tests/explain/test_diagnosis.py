@@ -11,14 +11,14 @@ import pytest
 import torch
 from hypothesis import given
 
-from m2po_oracle.explain import diagnosis, variants
+from m2po_oracle.explain import diagnosis, evidence, explanation, fitting, shares, variants
 
 from m2po_oracle import oracle, strategies
 from m2po_oracle.compare.search import run_compare
 from m2po_oracle.call.controls import COMPOSITE_CONTROLS, NEGATIVE_CONTROLS, planted
 from m2po_oracle.core.loss import m2po_loss
 from m2po_oracle.explain.deviations import ALGORITHM_1, VARIANTS, combine, variant
-from m2po_oracle.explain.diagnosis import NAMED_SHARE
+from m2po_oracle.explain.shares import NAMED_SHARE
 from m2po_oracle.cli.selftest import SelftestRow, run_selftest, select_controls
 
 #: Examples per control: enough for every control's deviation to show on seed 0.
@@ -60,7 +60,7 @@ def test_every_knob_keys_the_judges_memo():
 
     from m2po_oracle.explain.deviations import BEHAVIOURAL, Deviation
 
-    unkeyed = {f.name for f in fields(Deviation)} - set(diagnosis.SELECTION_KNOBS) - set(diagnosis.OBJECTIVE_KNOBS) - set(BEHAVIOURAL)
+    unkeyed = {f.name for f in fields(Deviation)} - set(evidence.SELECTION_KNOBS) - set(evidence.OBJECTIVE_KNOBS) - set(BEHAVIOURAL)
     assert not unkeyed, f"knobs the judge's memo ignores: {sorted(unkeyed)}"
 
 
@@ -75,7 +75,7 @@ def test_a_control_whose_check_is_only_partly_explained_is_misdiagnosed():
 def test_without_combining_deviations_a_composite_is_only_partly_explained(monkeypatch):
     """The planted bug for the search itself: one deviation at a time cannot explain a port
     that has three."""
-    monkeypatch.setattr(diagnosis, "MAX_COMPONENTS", 1)
+    monkeypatch.setattr(explanation, "MAX_COMPONENTS", 1)
     composite = next(c for c in COMPOSITE_CONTROLS if c.name == "leak_clamp_float32_metrics")
     report = run_compare(composite.fn, composite.name, examples=EXAMPLES, shrink=False)
     assert report.diagnosis["status"] == "partly_explained" and report.diagnosis["unexplained"], report.diagnosis["summary"]
@@ -202,7 +202,7 @@ def test_what_a_deviation_does_to_a_loss_the_adapter_built_is_not_claimed():
     # Every knob said to act on the loss is one the judge compares the loss by.
     from m2po_oracle.explain.deviations import LOSS_EFFECTS
 
-    assert set(LOSS_EFFECTS) <= set(diagnosis.OBJECTIVE_KNOBS), set(LOSS_EFFECTS) - set(diagnosis.OBJECTIVE_KNOBS)
+    assert set(LOSS_EFFECTS) <= set(evidence.OBJECTIVE_KNOBS), set(LOSS_EFFECTS) - set(evidence.OBJECTIVE_KNOBS)
 
 
 def test_each_counterexample_names_its_cause_and_the_checks_it_shows():
@@ -259,7 +259,7 @@ def test_a_quirk_outside_the_vocabulary_on_a_minority_leaves_a_residual_not_a_wr
 
 def test_a_check_reproduced_on_less_than_the_threshold_is_only_the_closest(monkeypatch):
     """The threshold is what names: raised above the quirky port's share, the same run names nothing for the loss."""
-    monkeypatch.setattr(diagnosis, "NAMED_SHARE", 1.0)
+    monkeypatch.setattr(shares, "NAMED_SHARE", 1.0)
     d = run_compare(_kept_count_with_empty_rows_as_one, "kept count, empty rows as one", examples=EXAMPLES, shrink=False).diagnosis
     assert "loss" in d["unexplained"] and "loss" not in d["by_check"], d["summary"]
     assert any(c.get("check") == "loss" and c["variant"] == "kept_count_denominator" for c in d["closest"]), d["closest"]
@@ -279,13 +279,13 @@ def test_components_that_only_act_together_are_found_with_the_values_the_port_pi
 
 
 def test_without_fitting_the_floors_the_port_picked_are_not_named(monkeypatch):
-    monkeypatch.setattr(diagnosis, "_DIRECT_FITTERS", {})
+    monkeypatch.setattr(fitting, "DIRECT_FITTERS", {})
     d = run_compare(partial(planted, deviation=combine(JOINT)), "clip + floors(0.2, 0.28) + float32 metrics", examples=EXAMPLES, shrink=False).diagnosis
     assert "clip_floors(0.2, 0.28)" not in d["components"] and d["status"] != "matched", d["summary"]
 
 
 def test_a_move_adds_a_variant_with_what_it_only_acts_with():
-    moves = diagnosis._moves([v.name for v in VARIANTS if v.name != "algorithm_1"])
+    moves = explanation.moves_of([v.name for v in VARIANTS if v.name != "algorithm_1"])
     assert frozenset({"clip_floors", "authors_release_clip"}) in moves and frozenset({"clip_floors", "water_filling_clip"}) in moves
     assert frozenset({"strict_stop", "keeps_smallest_candidate"}) in moves
     assert frozenset({"clip_floors"}) in moves
@@ -300,7 +300,7 @@ def test_the_search_s_sample_and_the_examples_the_shares_count_are_told_apart():
     rng = np.random.default_rng(3)
     batches = [Batch(rng.normal(0, 0.3, (2, 6)) - 1.0, np.full((2, 6), -1.0), rng.choice([-1.0, 1.0], (2, 6)), np.ones((2, 6), bool), 0.02)
                for _ in range(7)]
-    observations = [diagnosis.Observation(b, variants.m2po(b, variant("one_extra_removed").deviation)) for b in batches]
+    observations = [evidence.Observation(b, variants.m2po(b, variant("one_extra_removed").deviation)) for b in batches]
     d = diagnosis.diagnose(observations[:4], ["selection.minimal"], dtype="float64", divergent=True, beyond_sample=observations[4:])
     assert (d["examples_searched"], d["examples_compared"]) == (4, 7)
     report = run_compare(partial(planted, deviation=variant("one_extra_removed").deviation), "extra", examples=40, shrink=False)
@@ -349,8 +349,8 @@ def test_an_explanation_complete_on_the_sample_is_improved_on_the_examples_beyon
     batches = [Batch(rng.normal(0, 0.3, (2, 6)) - 1.0, np.full((2, 6), -1.0), rng.choice([-1.0, 1.0], (2, 6)), np.ones((2, 6), bool), 0.02)
                for _ in range(4)]
     batches.append(Batch(np.array([[-0.5, 11.5]]), np.array([[-1.0, -1.0]]), np.array([[1.0, 1.0]]), np.ones((1, 2), bool), 100.0))
-    observations = [diagnosis.Observation(b, variants.m2po(b, planted_dev)) for b in batches]
-    judge = diagnosis.Judge(observations, dtype="float64", compute_dtype=None, supplied=None, sample=4)
+    observations = [evidence.Observation(b, variants.m2po(b, planted_dev)) for b in batches]
+    judge = evidence.Judge(observations, dtype="float64", compute_dtype=None, supplied=None, sample=4)
     names = [v.name for v in VARIANTS if not v.is_behavioural]
-    found = diagnosis.search(judge, names)
+    found = explanation.search(judge, names)
     assert set(found.components) == {"authors_release_clip", "ratio_bound_when_unconstrained"}, found

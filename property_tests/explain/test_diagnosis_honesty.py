@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from m2po_oracle.explain import diagnosis
+from m2po_oracle.explain import diagnosis, evidence, shares
 from m2po_oracle.compare.search import run_compare
 from m2po_oracle.core.loss import m2po_loss
 from m2po_oracle.explain.deviations import VARIANTS
@@ -135,13 +135,13 @@ def test_the_naming_rule_weighs_what_a_name_contradicts():
     many = {"explained": 20, "failing": 30, "contradicted": 15}
     few = {"explained": 20, "failing": 30, "contradicted": 2}
     minority = {"explained": 15, "failing": 30, "contradicted": 0}
-    assert not diagnosis.net_supported(many) and diagnosis.net_supported(few) and not diagnosis.net_supported(minority)
+    assert not shares.net_supported(many) and shares.net_supported(few) and not shares.net_supported(minority)
 
 
 def test_no_two_named_components_set_one_knob():
-    assert diagnosis.merge({"clamped_log_ratio", "loss_clamped_log_ratio"}) is None
-    assert diagnosis.merge({"areal", "kept_count_denominator"}) is None
-    assert diagnosis.merge({"clamped_log_ratio", "float32_metrics"}) is not None
+    assert evidence.merge({"clamped_log_ratio", "loss_clamped_log_ratio"}) is None
+    assert evidence.merge({"areal", "kept_count_denominator"}) is None
+    assert evidence.merge({"clamped_log_ratio", "float32_metrics"}) is not None
 
 
 # --- padding leaks through torch.where's backward -------------------------------------------
@@ -192,7 +192,7 @@ def test_a_hard_clamp_in_the_loss_only_is_one_name():
         d[rng.random((2, 5)) < 0.2] = rng.choice([-25.0, 25.0])
         batch = Batch(d - 1.0, np.full((2, 5), -1.0), rng.choice([-1.0, 1.0], (2, 5)), np.ones((2, 5), bool), 0.04)
         outcome = run_battery(fn, batch)
-        observations.append(diagnosis.Observation(outcome.batch, outcome.measurement.result, frozenset(outcome.failed_checks)))
+        observations.append(evidence.Observation(outcome.batch, outcome.measurement.result, frozenset(outcome.failed_checks)))
     failed = sorted({c for o in observations for c in o.failed})
     assert "gradient" in failed and not any(c.startswith("metrics.") for c in failed), failed  # the metrics see the raw d
     d = diagnosis.diagnose(observations, failed, dtype="float64", divergent=True)

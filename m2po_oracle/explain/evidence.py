@@ -1,0 +1,189 @@
+"""The evidence a diagnosis weighs: each failing (or passing) example as an ``Observation``,
+and the ``Judge`` that says which fields a set of deviations reproduces on it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from m2po_oracle.explain import variants
+from m2po_oracle.explain.deviations import (
+    ALGORITHM_1,
+    VARIANTS,
+    Deviation,
+    combine,
+    variant,
+)
+from m2po_oracle.judge.checks import result_field
+from m2po_oracle.judge.equivalence import (
+    check_selection,
+    coarser,
+    compare_fields,
+    same_up_to_ties,
+)
+from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.oracle.record import (
+    COUNT_FIELDS,
+    METRIC_FIELDS,
+    M2POResult,
+    PaddingProbe,
+)
+
+#: The knobs that shape the mask; the rest shape only loss, gradient and metrics.
+SELECTION_KNOBS = ("candidates", "strict_stop", "mean_over_valid", "scope_rows", "extra_removed", "min_kept", "clamp_log_ratio",
+                   "ratio_inverted", "selection_kind", "clip_floors", "selection_dtype", "candidate_margin", "noop_margin",
+                   "statistic_over_padding", "budget_scale", "clip_bound_float32", "clamp_only_in_loss", "unconstrained_ratio_bound")
+
+
+#: The knobs that shape loss, gradient and metrics on a given mask.
+OBJECTIVE_KNOBS = ("denominator", "ppo_clip", "ratio_inverted", "apply_mask", "masked_keep_value", "clamp_log_ratio", "hard_clamp", "clamp_only_in_loss",
+                   "selection_kind", "clip_floors", "metrics_dtype", "m2_after_over_valid", "denominator_epsilon", "budget_scale",
+                   "clip_bound_float32", "unconstrained_ratio_bound")
+
+
+#: The result field a value check judges (None: a behavioural or step check).
+field_of = result_field
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One call's evidence: the batch as the implementation received it, its result, and
+    the checks that failed on it."""
+
+    batch: Batch
+    result: M2POResult
+    failed: frozenset[str] = frozenset()
+    padding_probes: tuple[PaddingProbe, ...] = ()  # the probes whose result differed
+    example: Any = None  # the runner's input that produced it (its replay command), when it is not the batch
+
+
+def merge(names: Iterable[str]) -> Deviation | None:
+    """The deviation of several variants at once (None: two set one knob differently)."""
+    return _merged(frozenset(names))
+
+
+@functools.lru_cache(maxsize=4096)
+def _merged(names: frozenset[str]) -> Deviation | None:
+    # Two names that set one knob (even to one value) answer the same question twice: an
+    # explanation names each knob once, so the pair is no explanation.
+    set_knobs = [knobs_of(n) for n in names]
+    if sum(len(k) for k in set_knobs) != len(frozenset().union(*set_knobs)):
+        return None
+    return combine(names)
+
+
+@functools.lru_cache(maxsize=1024)
+def knobs_of(name: str) -> frozenset[str]:
+    dev = variant(name).deviation
+    return frozenset(f.name for f in fields(Deviation) if getattr(dev, f.name) != getattr(ALGORITHM_1, f.name))
+
+
+_ORDER = {v.name: i for i, v in enumerate(VARIANTS)}
+
+
+def in_order(name: str) -> int:
+    return _ORDER[variant(name).base]
+
+
+class Judge:
+    """Which fields of which observation a deviation reproduces (memoised)."""
+
+    def __init__(self, observations: Sequence[Observation], *, dtype: str, compute_dtype: str | None, supplied: frozenset[str] | None,
+                 sample: int | None = None) -> None:
+        self.observations = list(observations)
+        self.dtype, self.compute_dtype, self.supplied = dtype, compute_dtype or dtype, supplied
+        self.fields = [self._fields(o.result, supplied) for o in self.observations]
+        #: The search scores the first ``sample`` observations; shares count every one.
+        self.sample = range(len(self.observations) if sample is None else min(sample, len(self.observations)))
+        self.total = sum(len(self.fields[i]) for i in self.sample)
+        self._differences: dict[tuple[Deviation, int], dict[str, str]] = {}
+        self._keeps: dict[tuple[tuple, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._values: dict[tuple[tuple, int], dict[str, str]] = {}
+
+    @staticmethod
+    def _fields(result: M2POResult, supplied: frozenset[str] | None) -> frozenset[str]:
+        present = {"keep", "loss"} | ({"grad"} if result.grad is not None else set())
+        present |= {n for n in METRIC_FIELDS + COUNT_FIELDS if getattr(result, n) is not None}
+        return frozenset(present if supplied is None else present & supplied)
+
+    def differences(self, dev: Deviation, i: int) -> dict[str, str]:
+        """Field -> what differs first, for the fields ``dev`` does not reproduce on observation ``i``."""
+        key = (dev, i)
+        if key not in self._differences:
+            self._differences[key] = self._compute(dev, i)
+        return self._differences[key]
+
+    def score(self, dev: Deviation, at_least: int | None = None) -> int | None:
+        """(observation, field) pairs of the sample that ``dev`` reproduces; None as soon as it
+        is clear that they are fewer than ``at_least`` (most moves of a search fail fast)."""
+        missing, allowed = 0, (self.total - at_least if at_least is not None else None)
+        for i in self.sample:
+            missing += len(self.differences(dev, i))
+            if allowed is not None and missing > allowed:
+                return None
+        return self.total - missing
+
+    def score_all(self, dev: Deviation, at_least: int | None = None) -> int | None:
+        """(observation, field) pairs of every observation that ``dev`` reproduces (None: fewer than ``at_least``)."""
+        every = sum(len(f) for f in self.fields)
+        missing, allowed = 0, (every - at_least if at_least is not None else None)
+        for i in range(len(self.observations)):
+            missing += len(self.differences(dev, i))
+            if allowed is not None and missing > allowed:
+                return None
+        return every - missing
+
+    def reproduces(self, dev: Deviation, field_name: str, indices: Iterable[int] | None = None) -> bool:
+        indices = range(len(self.observations)) if indices is None else indices
+        return all(field_name not in self.differences(dev, i) for i in indices if field_name in self.fields[i])
+
+    def reproduced(self, dev: Deviation, field_name: str, indices: Iterable[int]) -> list[int]:
+        """Of ``indices``, the observations whose ``field_name`` ``dev`` reproduces."""
+        return [i for i in indices if field_name in self.fields[i] and field_name not in self.differences(dev, i)]
+
+    def _compute(self, dev: Deviation, i: int) -> dict[str, str]:
+        observation, judged = self.observations[i], self.fields[i]
+        batch, actual = observation.batch, observation.result
+        found: dict[str, str] = {}
+        if "keep" in judged:
+            difference = self._keep_difference(dev, i)
+            if difference:
+                found["keep"] = difference
+        # Loss, gradient and metrics depend on the objective's knobs only: many combinations share them.
+        value_key = (tuple(getattr(dev, k) for k in OBJECTIVE_KNOBS) + ((dev.candidates,) if dev.selection_kind != "mask" else ()), i)
+        if value_key not in self._values:
+            expected = variants.evaluate_with_mask(batch, actual.keep, dev)
+            values: dict[str, str] = {}
+            for mismatch in compare_fields(batch, actual, expected, self.dtype, self.compute_dtype, metrics_dtype=dev.metrics_dtype):
+                name = field_of(mismatch.check)
+                if name in judged and name not in values:
+                    at = f" at {mismatch.index}" if mismatch.index is not None else ""
+                    values[name] = f"{name}{at}: variant {_plain(mismatch.expected)}, implementation {_plain(mismatch.actual)}"
+            self._values[value_key] = values
+        return {**self._values[value_key], **found}
+
+    def _keep_difference(self, dev: Deviation, i: int) -> str | None:
+        batch, actual = self.observations[i].batch, self.observations[i].result
+        if dev.selection_kind == "mask" and all(getattr(dev, k) == getattr(ALGORITHM_1, k) for k in SELECTION_KNOBS if k != "selection_dtype"):
+            # Algorithm 1's own selection: any admissible outcome (ties, rounding near tau) reproduces it.
+            wrong = check_selection(batch, actual.keep, coarser(self.compute_dtype, dev.selection_dtype))
+            return f"keep: {wrong[0].summary}" if wrong else None
+        selection_key = (tuple(getattr(dev, k) for k in SELECTION_KNOBS), i)
+        if selection_key not in self._keeps:  # the mask and its M2 levels depend on the selection's knobs only
+            d = variants.selection_log_ratio(variants.log_ratio(batch, dev), dev)
+            self._keeps[selection_key] = (variants.select(batch, dev), np.where(batch.valid, variants._selection_m2(d, dev), np.nan))
+        keep, levels = self._keeps[selection_key]
+        if same_up_to_ties(keep, actual.keep, levels):
+            return None
+        index = tuple(int(j) for j in np.argwhere(keep != actual.keep)[0])
+        return f"keep differs at {index}: variant {'keeps' if keep[index] else 'removes'} it, implementation {'keeps' if actual.keep[index] else 'removes'} it"
+
+
+def _plain(value: object) -> str:
+    if isinstance(value, float):
+        return repr(0.0 if value == 0 else value)  # never "-0.0"
+    return repr(value)

@@ -1,0 +1,135 @@
+"""The search for the smallest set of known deviations that reproduces the failing examples:
+a beam over the deviations' knobs, grown one component at a time, then pruned."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+from m2po_oracle.explain.deviations import (
+    ALGORITHM_1,
+    JOINT_MOVES,
+    Deviation,
+    variant,
+)
+from m2po_oracle.explain.evidence import Judge, in_order, merge
+from m2po_oracle.explain.fitting import fit_direct, refit_on_grids
+
+#: At most this many deviations in one explanation, and combinations kept per size (the
+#: authors' release alone combines five: clip kind, floors, column 0's sign, epsilon, float32 bound).
+MAX_COMPONENTS = 6
+
+
+BEAM = 4
+
+
+@dataclass
+class Explanation:
+    components: tuple[str, ...]
+    score: int
+    total: int
+    alternatives: list[tuple[str, ...]] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.score == self.total
+
+
+def _preference(names: frozenset[str] | tuple[str, ...]) -> tuple:
+    return _preference_of(frozenset(names))
+
+
+@functools.lru_cache(maxsize=4096)
+def _preference_of(names: frozenset[str]) -> tuple:
+    knob_count = sum(1 for f in fields(Deviation) if getattr(merge(names) or ALGORITHM_1, f.name) != getattr(ALGORITHM_1, f.name))
+    return (len(names), knob_count, sorted(in_order(n) for n in names))
+
+
+def moves_of(candidates: Sequence[str]) -> list[frozenset[str]]:
+    """What one search step may add: a known deviation, or a group whose members only act
+    together (a clip kind with its floors; strict stop with keep-one)."""
+    allowed = set(candidates)
+    moves = [frozenset({n}) for n in candidates]
+    for name in candidates:
+        moves += [frozenset({name, partner}) for partner in variant(name).acts_with if partner in allowed]
+    moves += [frozenset(group) for group in JOINT_MOVES if set(group) <= allowed]
+    return list(dict.fromkeys(moves))
+
+
+def search(judge: Judge, candidates: Sequence[str]) -> Explanation:
+    """The smallest combination of ``candidates`` reproducing every judged pair of the
+    sample, else the one reproducing the most (fitted values carried in the names)."""
+    base = judge.score(ALGORITHM_1)
+    if base == judge.total:
+        return Explanation((), base, judge.total)
+    frontier: list[tuple[frozenset[str], int]] = [(frozenset(), base)]
+    seen: set[frozenset[str]] = {frozenset()}
+    best: tuple[frozenset[str], int] = (frozenset(), base)
+    moves = moves_of(candidates)
+    for _ in range(MAX_COMPONENTS):
+        grown: list[tuple[frozenset[str], int]] = []
+        for state, state_score in frontier:
+            state_dev = merge(state)
+            for move in moves:
+                combined = state | move
+                if combined in seen or len(combined) > MAX_COMPONENTS:
+                    continue
+                seen.add(combined)
+                if merge(combined) is None or merge(combined) == state_dev:
+                    continue
+                combined = fit_direct(judge, combined, fitted=move - state)
+                dev = merge(combined)
+                if dev is None:
+                    continue
+                combined_score = judge.score(dev, at_least=state_score + 1)
+                if combined_score is not None:
+                    grown.append((combined, combined_score))
+        if not grown:
+            break
+        complete = sorted((s for s, sc in grown if sc == judge.total), key=_preference)
+        if complete:
+            chosen = pruned(judge, complete[0])
+            improved = _improve(judge, chosen, candidates)
+            if improved != chosen:  # complete on the sample, not beyond it: the sample's ties no longer tie
+                return Explanation(tuple(sorted(improved, key=in_order)), judge.score(merge(improved) or ALGORITHM_1), judge.total)
+            alternatives = [tuple(sorted(s, key=in_order)) for s in complete[1:4] if len(s) == len(chosen)]
+            return Explanation(tuple(sorted(chosen, key=in_order)), judge.total, judge.total, alternatives)
+        grown.sort(key=lambda t: (-t[1], _preference(t[0])))
+        frontier = grown[:BEAM]
+        if frontier[0][1] > best[1]:
+            best = frontier[0]
+    chosen = _improve(judge, refit_on_grids(judge, pruned(judge, best[0])), candidates)
+    return Explanation(tuple(sorted(chosen, key=in_order)), judge.score(merge(chosen) or ALGORITHM_1), judge.total)
+
+
+def _improve(judge: Judge, names: frozenset[str], candidates: Sequence[str]) -> frozenset[str]:
+    """An incomplete explanation, improved on every observation (not only the sample): swap a
+    component for a variant that sets the same knob (column 0's sign for the first token's),
+    add one, or drop one, while that reproduces more pairs."""
+    if len(judge.observations) == len(judge.sample):
+        return names
+    best = judge.score_all(merge(names) or ALGORITHM_1)
+    if best == sum(len(f) for f in judge.fields):
+        return names
+    for _ in range(MAX_COMPONENTS):
+        trials = [names - {n} for n in names]
+        trials += [(names - {n}) | {other} for n in names for other in candidates if other not in names and merge((names - {n}) | {other}) is not None
+                   and merge({n, other}) is None]  # conflicting: the same knob set another way
+        trials += [names | {other} for other in candidates if other not in names and len(names) < MAX_COMPONENTS]
+        scored = [(score, t) for t in trials if (dev := merge(t)) is not None and (score := judge.score_all(dev, at_least=best + 1)) is not None]
+        if not scored:
+            break
+        best, names = max(scored, key=lambda st: (st[0], -_preference(st[1])[0]))
+    return names
+
+
+def pruned(judge: Judge, names: frozenset[str]) -> frozenset[str]:
+    """Drop every deviation whose removal reproduces no fewer pairs."""
+    score = judge.score(merge(names) or ALGORITHM_1)
+    for name in sorted(names, key=lambda n: -in_order(n)):
+        smaller = names - {name}
+        dev = merge(smaller)
+        if dev is not None and judge.score(dev, at_least=score) is not None:
+            names = smaller
+    return names
