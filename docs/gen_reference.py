@@ -106,13 +106,13 @@ def cell(text: Any) -> str:
     for i in range(0, len(parts), 2):
         parts[i] = (parts[i].replace("\\", "\\\\").replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
                     .replace("<", "&lt;"))
-    for i in range(1, len(parts), 2):
-        parts[i] = parts[i].replace("|", "\\|")
+    # A pipe inside a code span does not split a table cell (Python-Markdown's tables), and
+    # escaping it would show the backslash.
     return "".join(parts)
 
 
 def code(text: Any) -> str:
-    return "`" + str(text).replace("|", "\\|") + "`"
+    return "`" + str(text) + "`"
 
 
 def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
