@@ -184,12 +184,27 @@ def _options_table(parser: argparse.ArgumentParser) -> str:
         names = ", ".join(code(o) for o in action.option_strings) if action.option_strings else code(action.dest.upper())
         if isinstance(action, argparse._AppendAction):
             names += " (repeatable)"
+        if action.required and action.option_strings:
+            names += " (required)"
         rows.append((names, _value_of(action), _default_of(action), cell(_help(action, parser.prog))))
     return table(("option", "value", "default", "meaning"), rows) if rows else "No options.\n"
 
 
 def _usage(parser: argparse.ArgumentParser) -> str:
-    return "```text\n" + parser.format_usage().strip() + "\n```\n"
+    """A synopsis from the parser's actions (argparse's own usage line wraps and differs
+    between Python versions; the table below has every option)."""
+    parts = [parser.prog]
+    if any(a.option_strings and not isinstance(a, argparse._HelpAction) for a in parser._actions):
+        parts.append("[OPTIONS]")
+    for action in parser._actions:
+        if action.option_strings:
+            continue
+        if isinstance(action, argparse._SubParsersAction):
+            parts.append("COMMAND [OPTIONS]")
+            continue
+        name = action.metavar or action.dest.upper()
+        parts.append(f"[{name}]" if action.nargs == "?" else name)
+    return "```text\n" + " ".join(parts) + "\n```\n"
 
 
 def _pytest_options() -> list[tuple[str, str, str, str]]:
@@ -432,7 +447,7 @@ PAGES: dict[str, Callable[[], str]] = {
 
 def render() -> dict[str, str]:
     """Every reference page's text, by file name (deterministic: fixed terminal width)."""
-    os.environ["COLUMNS"] = "100"  # argparse's usage lines wrap at the terminal's width
+    os.environ["COLUMNS"] = "100"  # argparse wraps what it formats at the terminal's width
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     with contextlib.redirect_stdout(io.StringIO()):
