@@ -28,34 +28,34 @@ from typing import Any, Callable
 SOURCES: dict[str, str] = {
     # the command line
     "cli.build_parser": "m2po_oracle.cli:build_parser",
-    "cli.exit_equivalent": "m2po_oracle.cli:EXIT_EQUIVALENT",
-    "cli.exit_divergent": "m2po_oracle.cli:EXIT_DIVERGENT",
-    "cli.exit_unusable": "m2po_oracle.cli:EXIT_UNUSABLE",
-    "cli.exit_interrupted": "m2po_oracle.cli:EXIT_INTERRUPTED",
-    "pytest_plugin.addoption": "m2po_oracle.pytest_plugin:pytest_addoption",
+    "cli.exit_equivalent": "m2po_oracle.cli.main:EXIT_EQUIVALENT",
+    "cli.exit_divergent": "m2po_oracle.cli.main:EXIT_DIVERGENT",
+    "cli.exit_unusable": "m2po_oracle.cli.main:EXIT_UNUSABLE",
+    "cli.exit_interrupted": "m2po_oracle.cli.main:EXIT_INTERRUPTED",
+    "pytest_plugin.addoption": "m2po_oracle.cli.pytest_plugin:pytest_addoption",
     "torchrun.main": "m2po_oracle.torchrun:main",
-    "config.section": "m2po_oracle.config:SECTION",
+    "config.section": "m2po_oracle.cli.config:SECTION",
     # the checks
-    "checks.single": "m2po_oracle.checks:CHECKS",
-    "checks.distributed": "m2po_oracle.checks:DISTRIBUTED_CHECKS",
-    "checks.trainer": "m2po_oracle.checks:TRAINER_CHECKS",
+    "checks.single": "m2po_oracle.judge.checks:CHECKS",
+    "checks.distributed": "m2po_oracle.judge.checks:DISTRIBUTED_CHECKS",
+    "checks.trainer": "m2po_oracle.judge.checks:TRAINER_CHECKS",
     "checks.audit": "m2po_oracle.audit:CHECK_NAMES",
     "checks.audit_module": "m2po_oracle.audit",  # its docstring describes each audit check
-    "coverage.exercised": "m2po_oracle.coverage:EXERCISED",
-    "coverage.features": "m2po_oracle.coverage:FEATURES",
-    "validation.probes": "m2po_oracle.validation:PROBES",
+    "coverage.exercised": "m2po_oracle.judge.coverage:EXERCISED",
+    "coverage.features": "m2po_oracle.judge.coverage:FEATURES",
+    "validation.probes": "m2po_oracle.judge.validation:PROBES",
     # the deviations the diagnosis names
-    "deviations.variants": "m2po_oracle.deviations:VARIANTS",
-    "deviations.variant": "m2po_oracle.deviations:variant",
-    "deviations.joint_moves": "m2po_oracle.deviations:JOINT_MOVES",
+    "deviations.variants": "m2po_oracle.explain.deviations:VARIANTS",
+    "deviations.variant": "m2po_oracle.explain.deviations:variant",
+    "deviations.joint_moves": "m2po_oracle.explain.deviations:JOINT_MOVES",
     "deviations.distributed": "m2po_oracle.distributed.diagnosis:DESCRIPTIONS",
     "deviations.trainer": "m2po_oracle.trainer.diagnosis:TRAINER_VARIANTS",
     "deviations.audit": "m2po_oracle.audit:DESCRIPTIONS",
-    "deviations.accepted": "m2po_oracle.config:known_deviations",
+    "deviations.accepted": "m2po_oracle.cli.config:known_deviations",
     # the negative controls
-    "controls.single": "m2po_oracle.controls:NEGATIVE_CONTROLS",
-    "controls.composite": "m2po_oracle.controls:COMPOSITE_CONTROLS",
-    "controls.quick_examples": "m2po_oracle.controls:QUICK_EXAMPLES",
+    "controls.single": "m2po_oracle.call.controls:NEGATIVE_CONTROLS",
+    "controls.composite": "m2po_oracle.call.controls:COMPOSITE_CONTROLS",
+    "controls.quick_examples": "m2po_oracle.call.controls:QUICK_EXAMPLES",
     "controls.distributed": "m2po_oracle.distributed.implementations:DISTRIBUTED_CONTROLS",
     "controls.distributed_builtins": "m2po_oracle.distributed.implementations:DISTRIBUTED_BUILTINS",
     "controls.distributed_topologies": "m2po_oracle.distributed.implementations:CONTROL_TOPOLOGIES",
@@ -63,12 +63,12 @@ SOURCES: dict[str, str] = {
     "controls.trl": "m2po_oracle.integrations.trl_step:TRL_CONTROLS",
     # the adapters, as `m2po-oracle adapters` lists them
     "adapters.all": "m2po_oracle.adapters:ADAPTERS",
-    "cli.adapters_listing": "m2po_oracle.cli:_adapters",
+    "cli.adapters_listing": "m2po_oracle.cli.main:_adapters",
     # the tolerance policy
-    "equivalence.module": "m2po_oracle.equivalence",
-    "equivalence.tolerances": "m2po_oracle.equivalence:TOLERANCES",
-    "equivalence.formats": "m2po_oracle.equivalence:FORMATS",
-    "equivalence.tolerance_class": "m2po_oracle.equivalence:Tolerance",
+    "equivalence.module": "m2po_oracle.judge.equivalence",
+    "equivalence.tolerances": "m2po_oracle.judge.equivalence:TOLERANCES",
+    "equivalence.formats": "m2po_oracle.judge.equivalence:FORMATS",
+    "equivalence.tolerance_class": "m2po_oracle.judge.equivalence:Tolerance",
 }
 
 #: The public modules whose docstrings make the API page (mkdocstrings reads them at build time).
@@ -415,7 +415,7 @@ def tolerances_page() -> str:
     if formula is None:
         raise RuntimeError("equivalence.Tolerance's docstring states no formula")
     return "".join([
-        HEADER, "# Tolerances\n\n", "The tolerance policy, as `m2po_oracle.equivalence` states it:\n\n",
+        HEADER, "# Tolerances\n\n", "The tolerance policy, as `m2po_oracle.judge.equivalence` states it:\n\n",
         "```text\n" + intro + "\n```\n\n",
         "## Values: loss, gradient, metrics\n\n",
         f"A value passes when `{formula.group(1)}`, with `rtol` and `atol` from this table, keyed by the input dtype and the "
