@@ -1,6 +1,6 @@
 """Offline audit of a recorded training run against Algorithm 1.
 
-Reads a capture (:mod:`m2po_oracle.capture.recorder`) and, for every recorded optimizer step,
+Reads a capture (:mod:`m2po_oracle.capture`) and, for every recorded optimizer step,
 reassembles the optimizer batch from every rank's micro-batches and judges it with the
 float64 oracle. The world is the manifest's ``dp x cp x tp`` in Megatron order
 (:mod:`m2po_oracle.distributed.topology`):

@@ -1,7 +1,7 @@
 """``m2po-oracle bench --audit``: how long the offline audit takes on a realistic step.
 
 Writes a synthetic capture of ONE optimizer step in a temporary directory (the way a
-pure data-parallel run records it, :class:`m2po_oracle.capture.recorder.Recorder`), then audits it
+pure data-parallel run records it, :class:`m2po_oracle.capture.Recorder`), then audits it
 in a fresh Python process, so that the peak memory measured is the audit's alone (its
 imports included), and reports the wall time of :func:`m2po_oracle.audit.audit_capture`
 (and its user and system CPU time), that process's peak RSS (``VmHWM``), the verdict and

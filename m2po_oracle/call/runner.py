@@ -45,7 +45,7 @@ class RunOptions:
     in_process: bool = False
     show_output: bool = False
     validation_errors: str | None = None  # comma-separated exception names that also count as a deliberate refusal
-    capture: str | None = None  # a directory for a capture (m2po_oracle.capture.recorder) of every step run (trainer, distributed)
+    capture: str | None = None  # a directory for a capture (m2po_oracle.capture) of every step run (trainer, distributed)
     given: frozenset[str] = field(default_factory=frozenset)
 
     @classmethod
@@ -86,7 +86,7 @@ def refuse_unhonoured(runner_name: str, honours: frozenset[str], options: RunOpt
 
 #: Why a run that calls a loss function alone refuses ``--capture``.
 CAPTURE_NEEDS_A_STEP = ("a single-process run has no training step to capture: record your own trainer with "
-                        "m2po_oracle.capture.recorder.Recorder; --capture records --impl trainer and --topology runs")
+                        "m2po_oracle.capture.Recorder; --capture records --impl trainer and --topology runs")
 
 
 class CaptureFailed(BaseException):

@@ -90,7 +90,7 @@ COMPARE_OPTIONS: tuple[Option, ...] = (
            "(ValueError and TypeError always do)", str),
     Option("in_process", "call the implementation in this process (faster; no timeout, a crash or hang takes the tool down)", bool, False, switch=True),
     Option("show_output", "let the implementation's stdout/stderr through instead of capturing it per call", bool, False, switch=True),
-    Option("capture", "write what every step fed its loss to DIR as a capture (m2po_oracle.capture.recorder) for `m2po-oracle audit DIR`; "
+    Option("capture", "write what every step fed its loss to DIR as a capture (m2po_oracle.capture) for `m2po-oracle audit DIR`; "
            "trainer and distributed runs only", str, metavar="DIR"),
 )
 

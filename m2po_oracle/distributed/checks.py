@@ -17,7 +17,7 @@ diagnosis and reports apply unchanged.
 
 With ``--capture`` (the payload's ``capture``: directory and step number) every rank
 whose implementation returned also records its step through one
-:class:`m2po_oracle.capture.recorder.Recorder` per rank process: micro-batch 0, its CP shard in the
+:class:`m2po_oracle.capture.Recorder` per rank process: micro-batch 0, its CP shard in the
 Megatron layout (the CP-padded batch as the rank was fed it), its loss share, metrics and
 gradient; TP ranks each record their replica.
 """

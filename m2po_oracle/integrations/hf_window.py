@@ -127,7 +127,7 @@ def micro_batch_share(logp: torch.Tensor, window: Window, micro: int, *, own_den
 
 def record_micro_batch(recorder: Any, window: Window, micro: int, logp: torch.Tensor, loss: torch.Tensor, tau: float,
                        rollout_logp: torch.Tensor | None) -> None:
-    """One micro-batch into a capture (``m2po_oracle.capture.recorder.Recorder``), its gradient watched."""
+    """One micro-batch into a capture (``m2po_oracle.capture.Recorder``), its gradient watched."""
     selection = window.selections[micro]
     recorder.record(step=window.index, micro_batch=micro, logp=logp, behavior_logp=window.behavior[micro], advantages=window.advantages[micro],
                     mask=window.masks[micro], keep=selection.keep, loss=float(loss.detach()), tau=tau, metrics=selection_metrics(selection),

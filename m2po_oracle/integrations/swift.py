@@ -19,7 +19,7 @@ no command-line channel for a plugin's own options, so they are environment vari
 
 * ``M2PO_TAU`` (default 0.04): the second-moment budget;
 * ``M2PO_CAPTURE``: a directory; every micro-batch is recorded with
-  :class:`m2po_oracle.capture.recorder.Recorder` for ``m2po-oracle audit``;
+  :class:`m2po_oracle.capture.Recorder` for ``m2po-oracle audit``;
 * ``M2PO_CAPTURE_EVERY`` (default 1);
 * ``M2PO_SWIFT_FAULT``: a planted bug (:class:`SwiftFaults`), a negative control only.
 

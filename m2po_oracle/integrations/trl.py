@@ -120,7 +120,7 @@ class M2POGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` with the M2PO loss (Algorithm 1), selected once per optimizer batch.
 
     ``m2po_tau``: the second-moment budget. ``capture``: a directory; every micro-batch is
-    recorded with ``m2po_oracle.capture.recorder.Recorder`` (one per rank) for ``m2po-oracle audit``.
+    recorded with ``m2po_oracle.capture.Recorder`` (one per rank) for ``m2po-oracle audit``.
     ``faults``: planted bugs for the negative controls (never in production).
     """
 

@@ -5,7 +5,7 @@ trust region cannot show a selection that removed too much (``selection.minimal`
 batch without padding cannot show padding kept. :data:`EXERCISED` is that rule for every
 check of the battery, as data: a description and a predicate on :class:`Facts` (the
 batch the implementation received and Algorithm 1's result on it, computed once per
-example with :func:`m2po_oracle.oracle.algorithm.m2po` and the selection bounds of the compute
+example with :func:`m2po_oracle.oracle.m2po` and the selection bounds of the compute
 dtype). NumPy only. The selection rules are necessary conditions: no output can fail the
 check where its rule does not hold. The others mark where the check is not trivial (a
 metric of an empty trust region is 0, a loss without a non-zero term is 0), and a port

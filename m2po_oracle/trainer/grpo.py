@@ -360,7 +360,7 @@ class GRPOTrainer:
     def step(self, rollout: Rollout, split: Sequence[int] | None = None, *, recorder: Any = None, step_index: int | None = None) -> StepRecord:
         """One optimizer step over ``rollout`` split into micro-batches of ``split`` rows.
 
-        With ``recorder`` (an ``m2po_oracle.capture.recorder.Recorder``) the step is recorded as
+        With ``recorder`` (an ``m2po_oracle.capture.Recorder``) the step is recorded as
         optimizer step ``step_index``: for micro-batch ``i``, after its backward, the loss
         pass's log-probs, the behaviour log-probs, advantages, valid mask and kept mask it was
         fed, its loss, its own selection's metrics, the mask prepass's log-probs

@@ -143,7 +143,7 @@ def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerContr
     """``case`` through the trainer (ours, with ``control``'s faults, or ``make_trainer``'s),
     with KL coefficient ``beta`` (a control's own, when it has one).
 
-    With ``recorder`` (an ``m2po_oracle.capture.recorder.Recorder``; the built-in trainer only) the
+    With ``recorder`` (an ``m2po_oracle.capture.Recorder``; the built-in trainer only) the
     step is recorded as optimizer step ``step_index`` (``GRPOTrainer.step``); the same step
     rerun as one micro-batch, the reference of ``trainer.accumulation``, is not."""
     from m2po_oracle.trainer.grpo import M2POKLWarning, TrainerConfig

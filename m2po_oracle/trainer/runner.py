@@ -79,7 +79,7 @@ class TrainerRunner:
         honours = TRAINER_HONOURS if trainer is None else TRAINER_HONOURS - {"capture"}
         refuse_unhonoured("a training step (--impl trainer)", honours, self.options,
                           {"timeout": "the trainer runs in this process; no timeout can stop a step",
-                           "capture": "a custom trainer records through m2po_oracle.capture.recorder itself",
+                           "capture": "a custom trainer records through m2po_oracle.capture itself",
                            "adapter": "a training step is not a loss function; adapters do not apply",
                            "topology": "the trainer runs one process", "backend": "the trainer runs one process",
                            "in_process": "the trainer always runs in this process", "show_output": "the trainer's output is not captured"})
@@ -191,7 +191,7 @@ class TrainerRunner:
 
 
 class _Recording:
-    """The run's :class:`~m2po_oracle.capture.recorder.Recorder`, whose failures stop the run
+    """The run's :class:`~m2po_oracle.capture.Recorder`, whose failures stop the run
     (:class:`CaptureFailed`) instead of reading as the trainer's step raising."""
 
     def __init__(self, recorder: Any) -> None:
