@@ -183,7 +183,8 @@ def accepted_from_cli(names: list[str] | tuple[str, ...] | None) -> tuple[Accept
 def exploration_from(values: dict[str, Any], project: ProjectConfig, available: tuple[str, ...] | list[str]) -> Any:
     """``compare.Exploration`` from the run settings (``options.RUN_SETTINGS``, parsed) over the
     project's configuration."""
-    from m2po_oracle.compare.search import Exploration, select_checks
+    from m2po_oracle.compare.explore import Exploration
+    from m2po_oracle.compare.search import select_checks
 
     accept = tuple(project.accept) + tuple(a for a in accepted_from_cli(values.get("accept")) if a.deviation not in {p.deviation for p in project.accept})
     return Exploration(shrink=not values.get("no_shrink"), max_failures=values.get("max_failures"),

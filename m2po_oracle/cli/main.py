@@ -272,7 +272,7 @@ def _load_failed(args: argparse.Namespace, error: Exception, run_options, consol
     """A load error: said on stderr, and written as an unusable report when asked."""
     _error(str(error))
     if args.command == "compare":
-        from m2po_oracle.compare.search import load_error_report
+        from m2po_oracle.compare.report import load_error_report
 
         _write_reports(args, load_error_report(args.impl, str(error), run_options).to_json(), console)
     return EXIT_UNUSABLE

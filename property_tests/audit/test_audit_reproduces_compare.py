@@ -111,7 +111,8 @@ ONLY_NAMED = set(DISTRIBUTED) - {"core"}
 @pytest.mark.xdist_group("distributed")
 @pytest.mark.parametrize("spec", list(DISTRIBUTED))
 def test_the_audit_of_a_distributed_capture_reproduces_compare(tmp_path: Path, spec: str) -> None:
-    from m2po_oracle.compare.search import Exploration, run_compare
+    from m2po_oracle.compare.explore import Exploration
+    from m2po_oracle.compare.search import run_compare
     from m2po_oracle.distributed.topology import Topology
 
     topology, name = DISTRIBUTED[spec]

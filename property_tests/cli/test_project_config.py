@@ -8,7 +8,8 @@ import textwrap
 import pytest
 
 from m2po_oracle.cli.main import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
-from m2po_oracle.compare.search import Exploration, run_compare
+from m2po_oracle.compare.explore import Exploration
+from m2po_oracle.compare.search import run_compare
 from m2po_oracle.cli.config import parse_section
 from m2po_oracle.call.controls import control
 from m2po_oracle.errors import UsageError
@@ -113,9 +114,9 @@ def test_exitfirst_stops_at_the_first_failing_example(tmp_path):
 
 
 def test_no_shrink_reports_the_first_failing_example_and_skip_validation_says_so(monkeypatch):
-    import m2po_oracle.compare.search as compare
+    from m2po_oracle.compare import shrink
 
-    monkeypatch.setattr(compare, "_shrink", lambda *a, **k: pytest.fail("--no-shrink must not shrink"))
+    monkeypatch.setattr(shrink, "shrink_to_minimal", lambda *a, **k: pytest.fail("--no-shrink must not shrink"))
     report = run_compare(control(DEVIATION).fn, DEVIATION, examples=20, exploration=Exploration(shrink=False, skip_validation=True))
     assert report.counterexamples and report.validation == [] and report.validation_not_run == "skipped (--skip-validation)"
 

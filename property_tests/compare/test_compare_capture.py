@@ -161,7 +161,7 @@ def test_a_failing_capture_stops_the_run_instead_of_failing_the_trainer(tmp_path
 @pytest.mark.parametrize("spec, values, reason", [
     ("core", {}, "a single-process run has no training step to capture"),
     ("core", {"in_process": True}, "a single-process run has no training step to capture"),
-    ("trainer:m2po_oracle.trainer.grpo:GRPOTrainer", {}, "a custom trainer records through m2po_oracle.capture.recorder itself"),
+    ("trainer:m2po_oracle.trainer.grpo:GRPOTrainer", {}, "a custom trainer records through m2po_oracle.capture itself"),
 ])
 def test_capture_is_refused_where_there_is_no_step_of_ours_to_record(tmp_path, spec, values, reason):
     directory = tmp_path / "capture"

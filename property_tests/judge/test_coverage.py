@@ -23,7 +23,7 @@ from m2po_oracle.judge.battery import BatteryOutcome, run_battery
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.judge.checks import CHECKS
 from m2po_oracle.cli.main import EXIT_EQUIVALENT, main
-from m2po_oracle.compare.search import _search_settings
+from m2po_oracle.compare.database import search_settings
 from m2po_oracle.judge.contract import Measurement
 from m2po_oracle.judge.coverage import EXERCISED, FEATURES, CoverageTally, Rule, failure_rate_upper, rate_text
 from m2po_oracle.report.html import render_html
@@ -186,7 +186,7 @@ def _draw(strategy, n=25):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            find(strategy, lambda b: found.append(b) and False, settings=_search_settings(n), random=random.Random(0))
+            find(strategy, lambda b: found.append(b) and False, settings=search_settings(n), random=random.Random(0))
         except NoSuchExample:
             pass
     return found
@@ -277,7 +277,7 @@ def test_a_selection_check_fails_only_where_its_rule_holds(control):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            find(strategies.batches(), look, settings=_search_settings(60), random=random.Random(0))
+            find(strategies.batches(), look, settings=search_settings(60), random=random.Random(0))
         except NoSuchExample:
             pass
     assert failed and not outside, outside[:2]

@@ -302,7 +302,7 @@ def test_the_kl_check_passes_the_correct_trainer_and_fails_a_wrong_kl_term():
 
 
 def test_the_correct_trainer_with_a_kl_term_passes_every_check():
-    from m2po_oracle.compare.search import Exploration
+    from m2po_oracle.compare.explore import Exploration
 
     report = run_compare(TrainerRunner(beta=0.1), "trainer", examples=4, seed=0, exploration=Exploration(shrink=False, skip_validation=True))
     assert report.verdict == "equivalent", {n: t.failures for n, t in report.tallies.items() if t.failures}

@@ -1,0 +1,245 @@
+"""The exploration: generated examples through the runner's battery, each check tallied, the
+evidence kept for the diagnosis, stopped early on dead or hanging calls; then the
+counterexamples shrunk and the failures diagnosed."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from hypothesis import find
+from hypothesis.errors import NoSuchExample
+
+from m2po_oracle.call.runner import Runner
+from m2po_oracle.compare.database import ExampleDatabase, search_settings
+from m2po_oracle.compare.report import CompareReport
+from m2po_oracle.compare.shrink import battery_of, counterexamples_of
+from m2po_oracle.explain.deviations import Accepted
+from m2po_oracle.explain.diagnosis import diagnose
+from m2po_oracle.explain.evidence import Observation
+from m2po_oracle.judge.battery import DRAWN_PADDING, BatteryOutcome
+from m2po_oracle.judge.checks import BEHAVIOURAL_CHECKS
+from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.oracle.record import M2POResult
+
+#: Exploration stops after this many timed-out calls.
+MAX_TIMEOUTS = 2
+
+
+#: ... and when the implementation's process died on each of this many first calls.
+MAX_DEAD_CALLS = 5
+
+
+#: Observations kept for diagnosis: half from failing examples, half from passing ones,
+#: and beyond that the first few of every failing check, so each is represented.
+DIAGNOSIS_EXAMPLES = 60
+
+
+OBSERVATIONS_PER_CHECK = 3
+
+
+#: Failing examples beyond the search's sample kept to count each check's share.
+SHARE_EXAMPLES = 2000
+
+
+class StopExploring(BaseException):  # BaseException: Hypothesis must not shrink it
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Exploration:
+    """How a compare run explores and reports, beyond what the runner is told."""
+
+    shrink: bool = True
+    max_failures: int | None = None  # stop after this many failing examples (-x: 1)
+    checks: tuple[str, ...] | None = None  # run only these checks (None: every check of the runner)
+    skip_validation: bool = False
+    database: str | None = None  # a Hypothesis example database folder: failing examples replay first
+    accept: tuple[Accepted, ...] = ()
+    strict_accept: bool = True
+
+
+@dataclass
+class Evidence:
+    """What exploration keeps for the diagnosis."""
+
+    failing: list[Observation] = field(default_factory=list)
+    passing: list[Observation] = field(default_factory=list)
+    more_failing: list[Observation] = field(default_factory=list)  # beyond the search's sample: counted in the shares
+    more_passing: list[Observation] = field(default_factory=list)  # likewise: where a name's contradictions are counted
+    call_failure_taus: list[float] = field(default_factory=list)  # the budget of each call that raised or returned no result
+    per_check: dict[str, int] = field(default_factory=dict)
+    step_by_check: dict[str, set[str]] = field(default_factory=dict)  # check -> step variants reproducing each of its failing steps
+    non_finite: int = 0  # examples whose loss or gradient is not finite on valid, finite inputs
+    non_finite_checks: set[str] = field(default_factory=set)
+
+    def keep(self, outcome: BatteryOutcome, example: Any = None) -> None:
+        result = outcome.measurement.result
+        if result is None:
+            if "call" in outcome.failed_checks and isinstance(outcome.batch, Batch):
+                self.call_failure_taus.append(float(outcome.batch.tau))
+            return
+        value_failures = frozenset(n for n in outcome.failed_checks if n not in BEHAVIOURAL_CHECKS)
+        observation = Observation(outcome.batch, result, frozenset(outcome.failed_checks), outcome.padding_probes, example)
+        # A behavioural failure (a padding probe) needs observations too: the diagnosis
+        # replays the probes to tell a deviation that reads padding from a leak.
+        underrepresented = any(self.per_check.get(n, 0) < OBSERVATIONS_PER_CHECK for n in outcome.failed_checks)
+        bucket = self.failing if value_failures else self.passing
+        if len(bucket) < DIAGNOSIS_EXAMPLES // 2 or underrepresented:
+            bucket.append(observation)
+            for n in outcome.failed_checks:
+                self.per_check[n] = self.per_check.get(n, 0) + 1
+        elif value_failures and len(self.more_failing) < SHARE_EXAMPLES:
+            self.more_failing.append(observation)
+        elif not value_failures and len(self.more_passing) < SHARE_EXAMPLES:
+            self.more_passing.append(observation)
+        if not _finite_on_valid(outcome.batch, result):
+            self.non_finite += 1
+            self.non_finite_checks.update(n for n in outcome.failed_checks if n in ("loss", "gradient"))
+
+    def keep_step(self, outcome: BatteryOutcome) -> None:
+        found = set(outcome.explained_by or ()) & set(outcome.explained_by if outcome.evidenced is None else outcome.evidenced)
+        for check in outcome.failed_checks:
+            self.step_by_check[check] = found if check not in self.step_by_check else self.step_by_check[check] & found
+
+    def findings(self) -> list[dict[str, Any]]:
+        if not self.non_finite:
+            return []
+        return [{"kind": "non_finite_result", "checks": sorted(self.non_finite_checks),
+                 "summary": f"the loss or gradient is NaN or infinite on {self.non_finite} example(s) whose inputs are finite on every valid "
+                            "token: a finding of its own (not a padding leak: padding is probed apart)"}]
+
+
+def _finite_on_valid(batch: Batch, result: M2POResult) -> bool:
+    """False where the port's loss or gradient is NaN/inf although Algorithm 1's, on the
+    port's own mask, is finite (an overflow of exp(d) is not the port's fault)."""
+    grad_finite = result.grad is None or bool(np.all(np.isfinite(result.grad[batch.valid])))
+    if np.isfinite(result.loss) and grad_finite:
+        return True
+    from m2po_oracle import oracle
+
+    expected = oracle.evaluate_with_mask(batch, result.keep)
+    if not np.isfinite(result.loss) and np.isfinite(expected.loss):
+        return False
+    return grad_finite or not bool(np.all(np.isfinite(expected.grad[batch.valid])))
+
+
+def explore_and_judge(runner: Runner, report: CompareReport, exploration: Exploration, on_example: Callable[[BatteryOutcome], None] | None,
+                       until_first_failure: bool = False) -> None:
+    options = runner.options
+    strategy = runner.strategy()
+    tallies = report.tallies
+    evidence = Evidence()
+    checks = exploration.checks
+    failing_examples = 0
+    database = ExampleDatabase(exploration.database, runner) if exploration.database else None
+
+    def explore(example: Any) -> bool:
+        nonlocal failing_examples
+        report.examples += 1
+        outcome = battery_of(runner, example, checks)
+        for name in outcome.checked:
+            if name in tallies:
+                tallies[name].ran += 1
+        for name in report.coverage.add(example, outcome, options.effective_compute_dtype):
+            if name in tallies:
+                tallies[name].exercised += 1
+        for name in outcome.failed_checks:
+            tally = tallies[name]
+            tally.failures += 1
+            if tally.first_failure is None:
+                tally.first_failure, tally.first_failure_at = example, report.examples
+        evidence.keep(outcome, example)
+        if outcome.measurement.result is not None:
+            for ours, where in outcome.measurement.result.metric_sources:
+                report.metric_sources.setdefault(ours, where)
+        if outcome.explained_by is not None:
+            evidence.keep_step(outcome)
+        if outcome.ranks and not report.collectives:
+            report.collectives.extend({"rank": r["rank"], "coords": r["coords"], "collectives": r["collectives"]} for r in outcome.ranks)
+        if on_example is not None:
+            on_example(outcome)
+        failing_examples += bool(outcome.failed_checks)
+        if until_first_failure and outcome.failed_checks:
+            raise StopExploring(f"first failure at example {report.examples} (measuring how soon it is caught)")
+        if exploration.max_failures and failing_examples >= exploration.max_failures:
+            raise StopExploring(f"stopped after {failing_examples} failing example(s) (--max-failures {exploration.max_failures})")
+        health = runner.health
+        if health.timeouts >= MAX_TIMEOUTS:
+            raise StopExploring(f"{health.timeouts} calls timed out (--timeout {options.timeout:g} s): every further call would likely wait it out too")
+        if report.examples >= MAX_DEAD_CALLS and health.crashes >= report.examples:
+            raise StopExploring(f"the implementation's process died on each of the first {health.crashes} calls")
+        return False
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            for saved in database.saved() if database else ():  # last run's failing examples first, as Hypothesis does
+                explore(saved)
+            remaining = options.examples - report.examples
+            if remaining > 0:
+                find(strategy, explore, settings=search_settings(remaining), random=random.Random(options.seed))
+        except NoSuchExample:
+            pass
+        except StopExploring as stop:
+            report.stopped_early = stop.reason
+
+    hung = runner.health.timeouts >= MAX_TIMEOUTS
+    supplied = supplied_fields(runner)
+    diagnose_failures(runner, report, evidence, supplied)
+    report.counterexamples = counterexamples_of(runner, report, strategy, exploration.shrink and not runner.health.timeouts, supplied, checks)
+    if database:
+        database.save(c.example for c in report.counterexamples)
+    if exploration.skip_validation:
+        report.validation_not_run = "skipped (--skip-validation)"
+    elif hung:  # each probe would wait out the timeout too
+        report.validation_not_run = f"the implementation hangs ({runner.health.timeouts} calls timed out)"
+    elif not report.usable:
+        report.validation_not_run = "no call returned a result, so a refusal of invalid input cannot be told from any other failure"
+    else:
+        report.validation = runner.validation()
+
+
+def supplied_fields(runner: Runner) -> frozenset[str] | None:
+    """The result fields the port itself computes (None: every field it returns)."""
+    adapter = runner.describe().get("adapter") or {}
+    return frozenset(adapter["supplies"]) if "supplies" in adapter else None
+
+
+def diagnose_failures(runner: Runner, report: CompareReport, evidence: Evidence, supplied: frozenset[str] | None) -> None:
+    if not report.usable:
+        report.diagnosis = {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
+        return
+    # A padding failure alone is diagnosed on its probes (what read the padding), which the
+    # observations carry; other behavioural failures need no observation.
+    padding = "padding_immunity" in report.failing_checks
+    observations = evidence.failing + evidence.passing if evidence.failing or padding else []
+    report.diagnosis = diagnose(observations, report.failing_checks, dtype=report.dtype, divergent=bool(report.failing_checks),
+                                compute_dtype=report.compute_dtype, supplied=supplied, prefer=frozenset(a.deviation for a in report.accepted),
+                                step_explanations={c: names for c, names in evidence.step_by_check.items() if names},
+                                step_descriptions=runner.variant_descriptions, step_source=runner.variant_source, findings=evidence.findings(),
+                                beyond_sample=(evidence.more_failing + evidence.more_passing) if evidence.failing else (),
+                                replay=runner.replay_command,
+                                call_failure_taus=evidence.call_failure_taus, leaks_alone=leak_probe(runner) if padding else None)
+
+
+def leak_probe(runner: Runner) -> Callable[[Batch], bool | None] | None:
+    """Whether the runner's port, on a batch padded in one input only, makes a NaN/inf result
+    under that padding (the battery's probe of the drawn padding); None for a runner whose
+    examples are not batches."""
+    if runner.example_key() != "batch":
+        return None
+
+    def leaks(batch: Batch) -> bool | None:
+        outcome = runner.run_battery(batch)
+        if outcome.measurement.result is None:
+            return None  # the zero-padded call itself failed: nothing to attribute
+        return any(p.fill == DRAWN_PADDING and p.non_finite() is not None for p in outcome.padding_probes)
+
+    return leaks

@@ -1,0 +1,292 @@
+"""The compare report: the run's typed record (``CompareReport``: tallies, counterexamples,
+diagnosis, validation) and the one JSON builder of schema ``m2po-oracle/compare/1``.
+
+Every value that comes from the implementation (names, exception text) is stored as plain
+data here and escaped only by a renderer. Non-finite numbers are written as the strings
+"nan", "inf" and "-inf" (:func:`m2po_oracle.oracle.record.number`) so the file stays
+standard JSON."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from m2po_oracle import __version__, oracle
+from m2po_oracle.call.runner import RunOptions
+from m2po_oracle.explain.deviations import Accepted
+from m2po_oracle.judge.checks import ALL_CHECKS
+from m2po_oracle.judge.coverage import CoverageTally, failure_rate_upper
+from m2po_oracle.judge.equivalence import TOLERANCES, Mismatch, selection_bounds
+from m2po_oracle.judge.validation import ProbeResult
+from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult, number
+
+SCHEMA = "m2po-oracle/compare/1"
+#: Counterexamples are shrunk and small; a fallback batch is cut to this many tokens.
+MAX_TOKENS = 512
+
+
+def mismatch_json(m: Mismatch) -> dict[str, Any]:
+    return {"check": m.check, "summary": m.summary, "field": m.field, "index": list(m.index) if m.index is not None else None,
+            "actual": number(m.actual), "expected": number(m.expected), "details": list(m.details)}
+
+
+def tolerances_json() -> list[dict[str, Any]]:
+    return [{"dtype": dtype, "quantity": quantity, "rtol": tol.rtol, "atol": tol.atol} for (dtype, quantity), tol in TOLERANCES.items()]
+
+
+def _fields(result: M2POResult | None) -> dict[str, Any]:
+    if result is None:
+        return {}
+    out = {"loss": number(result.loss)}
+    out.update({name: number(getattr(result, name)) for name in METRIC_FIELDS + COUNT_FIELDS if getattr(result, name) is not None})
+    return out
+
+
+def counterexample_json(check: str, batch: Batch, actual: M2POResult | None, mismatches: tuple[Mismatch, ...], replay: str, compute_dtype: str) -> dict[str, Any]:
+    """One minimal counterexample with its token table and M2 removal curve.
+
+    ``batch`` is what the implementation received. Per token: ``expected_keep`` is
+    Algorithm 1's (literal loop), ``expected_grad`` the analytic gradient on the
+    implementation's own mask (what the gradient check compares), ``actual_*`` the
+    implementation's.
+    """
+    algorithm = oracle.m2po(batch)
+    on_actual_mask = oracle.evaluate_with_mask(batch, actual.keep) if actual is not None else None
+    d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
+    m2 = oracle.second_moment(d)
+    trust = oracle.trust_region(d, batch.advantages, batch.valid)
+    tokens = []
+    for flat, index in enumerate(np.ndindex(*batch.shape)):
+        if flat >= MAX_TOKENS:
+            break
+        tokens.append({
+            "index": list(index),
+            "valid": bool(batch.valid[index]),
+            "log_ratio": number(d[index]) if batch.valid[index] else None,
+            "advantage": number(batch.advantages[index]),
+            "m2": number(m2[index]) if batch.valid[index] else None,
+            "trust_region": bool(trust[index]),
+            "expected_keep": bool(algorithm.keep[index]),
+            "actual_keep": bool(actual.keep[index]) if actual is not None else None,
+            "expected_grad": number(on_actual_mask.grad[index]) if on_actual_mask is not None else number(algorithm.grad[index]),
+            "actual_grad": number(actual.grad[index]) if actual is not None and actual.grad is not None else None,
+        })
+    bounds = selection_bounds(batch, compute_dtype)
+    implementation_kept = int((actual.keep & trust).sum()) if actual is not None else None
+    return {
+        "check": check,
+        "summary": mismatches[0].summary if mismatches else "",
+        "replay": replay,
+        "batch": batch.to_dict(),
+        "shape": list(batch.shape),
+        "tokens": tokens,
+        "tokens_truncated": batch.logp.size > MAX_TOKENS,
+        "mismatches": [mismatch_json(m) for m in mismatches],
+        "expected": _fields(algorithm),
+        "expected_on_actual_mask": _fields(on_actual_mask),
+        "actual": _fields(actual),
+        "removal_curve": {
+            "tau": batch.tau,
+            "prefix_means": [number(v) for v in bounds.prefix_means[:MAX_TOKENS]],
+            "candidates": int(bounds.order.size),
+            "oracle_kept_min": bounds.k_min,
+            "oracle_kept_max": bounds.k_max,
+            "implementation_kept": implementation_kept,
+        },
+    }
+
+
+@dataclass
+class CheckTally:
+    name: str
+    failures: int = 0
+    ran: int = 0  # examples on which the check actually ran
+    first_failure: Any = None
+    first_failure_at: int | None = None  # 1-based number of the first failing example
+    exercised: int = 0  # examples that could have failed it (m2po_oracle.judge.coverage.EXERCISED; a failing one always)
+
+    @property
+    def failure_rate_upper_95(self) -> float | None:
+        """One-sided 95% Clopper-Pearson upper bound on the failure rate over the exercised examples."""
+        return failure_rate_upper(self.failures, self.exercised)
+
+    @property
+    def status(self) -> str:
+        """fail, pass, or "not run": a check that never ran claims nothing."""
+        if self.failures:
+            return "fail"
+        return "pass" if self.ran else "not run"
+
+
+@dataclass
+class Counterexample:
+    check: str
+    batch: Batch  # as the implementation received it
+    mismatches: tuple[Mismatch, ...]
+    replay: str
+    actual: M2POResult | None = None
+    ranks: tuple[dict, ...] = ()
+    case: dict | None = None  # a trainer case: the step's input (the batch is what the trainer produced)
+    cause: str | None = None  # the explanation it demonstrates ("a + b"), None for an unexplained check
+    checks: tuple[str, ...] = ()  # every failing check it demonstrates
+    example: Any = None  # the example as generated (a batch with its drawn padding, or a trainer case)
+
+
+@dataclass
+class CompareReport:
+    impl: str
+    dtype: str
+    compute_dtype: str
+    seed: int
+    examples: int
+    tallies: dict[str, CheckTally]
+    counterexamples: list[Counterexample] = field(default_factory=list)
+    duration_s: float = 0.0
+    tau: float | None = None
+    device: str = "cpu"
+    diagnosis: dict[str, Any] = field(default_factory=dict)
+    validation: list[ProbeResult] = field(default_factory=list)
+    validation_not_run: str | None = None  # why the probes were skipped
+    strict_validation: bool = False
+    topology: dict[str, Any] | None = None  # dp, cp, tp, backend of a distributed run
+    adapter: dict[str, Any] | None = None  # name, signature and the fields the port supplies
+    collectives: list[dict[str, Any]] = field(default_factory=list)  # per rank, for one step
+    metric_sources: dict[str, str] = field(default_factory=dict)  # an adapted port's metrics: ours -> where in its return
+    example_unit: str = "batches"  # what one example is: a batch, or a training step (the trainer)
+    stopped_early: str | None = None  # why exploration ended before ``examples_requested``
+    examples_requested: int = 0
+    interrupted: bool = False
+    load_error: str | None = None  # the implementation could not be loaded at all
+    output: dict[str, Any] = field(default_factory=lambda: {"lines": 0, "first_lines": []})
+    coverage: CoverageTally = field(default_factory=CoverageTally)  # families and features of the examples tried
+    accepted: tuple[Accepted, ...] = ()  # deviations the project accepts ([tool.m2po-oracle] accept, --accept)
+    strict_accept: bool = True  # an accepted deviation that no longer shows fails the run
+    capture: dict[str, Any] | None = None  # --capture: {"directory", "steps"} the run recorded for `m2po-oracle audit`
+
+    @property
+    def validation_warnings(self) -> list[ProbeResult]:
+        return [p for p in self.validation if p.ran and not p.as_expected]
+
+    @property
+    def usable(self) -> bool:
+        """Whether any call returned a result: otherwise no check but ``call`` ran."""
+        return self.load_error is None and any(t.ran for n, t in self.tallies.items() if n != "call")
+
+    @property
+    def failing_checks(self) -> list[str]:
+        return [n for n, t in self.tallies.items() if t.failures]
+
+    @property
+    def accepted_shown(self) -> dict[str, list[str]]:
+        """Each accepted deviation -> the failing checks it explains ([]: it did not show)."""
+        by_check = self.diagnosis.get("by_check", {})
+        return {a.deviation: [c for c, names in by_check.items() if any(_accepts(a.deviation, n) for n in names)] for a in self.accepted}
+
+    @property
+    def fixed_accepted(self) -> list[str]:
+        return [name for name, checks in self.accepted_shown.items() if not checks]
+
+    def _explained_by_accepted(self, failing: list[str]) -> bool:
+        """Every failing check is explained, on every failing example (no residual), by accepted deviations only."""
+        by_check, accepted = self.diagnosis.get("by_check", {}), [a.deviation for a in self.accepted]
+        shares = self.diagnosis.get("shares", {})
+        return bool(accepted) and all(by_check.get(c) and all(any(_accepts(a, n) for a in accepted) for n in by_check[c])
+                                      and shares.get(c, {}).get("share", 1.0) == 1.0 for c in failing)
+
+    @property
+    def verdict(self) -> str:
+        if self.interrupted:
+            return "interrupted"
+        if self.load_error is not None or (self.examples and not self.usable):
+            return "unusable"
+        failing = self.failing_checks
+        if (self.strict_validation and self.validation_warnings) or (failing and not self._explained_by_accepted(failing)):
+            return "divergent"
+        if self.strict_accept and self.fixed_accepted:
+            return "accepted-deviation-fixed"
+        return "equivalent-with-accepted" if failing else "equivalent"
+
+    @property
+    def exit_status(self) -> int:
+        return {"equivalent": 0, "equivalent-with-accepted": 0, "divergent": 1, "accepted-deviation-fixed": 1, "unusable": 2,
+                "interrupted": 130}[self.verdict]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "verdict": self.verdict,
+            "implementation": self.impl,
+            "options": {"examples": self.examples_requested or self.examples, "seed": self.seed, "dtype": self.dtype, "compute_dtype": self.compute_dtype,
+                        "tau": self.tau, "device": self.device, "strict_validation": self.strict_validation},
+            "examples": self.examples,
+            "example_unit": self.example_unit,
+            "duration_s": round(self.duration_s, 3),
+            "stopped_early": self.stopped_early,
+            "load_error": self.load_error,
+            "checks": [
+                {"name": name, "description": ALL_CHECKS[name], "status": t.status, "failures": t.failures, "ran": t.ran,
+                 "first_failure_at": t.first_failure_at, "exercised": t.exercised, "failure_rate_upper_95": t.failure_rate_upper_95}
+                for name, t in self.tallies.items()
+            ],
+            "coverage": self.coverage.to_json(self.tallies),
+            "counterexamples": [
+                {**counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype), "cause": c.cause,
+                 "checks": list(c.checks or (c.check,)), **({"ranks": list(c.ranks)} if c.ranks else {}),
+                 **({"trainer_case": c.case} if c.case else {})}
+                for c in self.counterexamples
+            ],
+            "diagnosis": self.diagnosis,
+            "accepted": [{**a.to_json(), "shown": bool(self.accepted_shown[a.deviation]), "checks": self.accepted_shown[a.deviation]}
+                         for a in self.accepted],
+            "strict_accept": self.strict_accept,
+            "validation": {"strict": self.strict_validation, "not_run": self.validation_not_run, "probes": [p.to_json() for p in self.validation]},
+            "implementation_output": self.output,
+            **({"topology": self.topology, "collectives_per_step": self.collectives} if self.topology else {}),
+            **({"adapter": self._adapter_json()} if self.adapter else {}),
+            **({"capture": self.capture} if self.capture else {}),
+            "tolerances": tolerances_json(),
+            "environment": environment(),
+        }
+
+
+    def _adapter_json(self) -> dict[str, Any]:
+        """The adapter as described, with what this run observed: ``metrics_read`` (each
+        metric of ours the port returned, and where), and ``supplies`` narrowed to the
+        metrics it returned (the family may return more than this port does)."""
+        adapter = dict(self.adapter or {})
+        if "supplies" in adapter:
+            metrics = set(METRIC_FIELDS + COUNT_FIELDS)
+            adapter["supplies"] = [f for f in adapter["supplies"] if f not in metrics or f in self.metric_sources]
+        adapter["metrics_read"] = dict(sorted(self.metric_sources.items()))
+        return adapter
+
+
+def _accepts(accepted: str, name: str) -> bool:
+    """An accepted deviation covers its name; without a value, every fitted value of it too."""
+    return name == accepted or ("(" not in accepted and name.split("(", 1)[0] == accepted)
+
+
+def environment() -> dict[str, Any]:
+    import hypothesis
+    import torch
+
+    try:
+        revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        revision = None
+    return {"m2po_oracle": __version__, "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+            "hypothesis": hypothesis.__version__, "platform": platform.platform(), "git_revision": revision}
+
+
+def load_error_report(spec: str, error: str, options: RunOptions) -> CompareReport:
+    """The report of a run whose implementation could not be loaded (verdict unusable)."""
+    report = CompareReport(spec, options.dtype, options.effective_compute_dtype, options.seed, 0, {}, tau=options.tau, device=options.device,
+                           strict_validation=options.strict_validation, examples_requested=options.examples, load_error=error,
+                           validation_not_run="the implementation could not be loaded")
+    report.diagnosis = {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
+    return report
