@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from m2po_oracle.core import fused
-from m2po_oracle.core.loss import CPU_CHUNK, m2po_loss
+from m2po_oracle.core.loss import m2po_loss
+from m2po_oracle.core.scratch import CPU_CHUNK
 from m2po_oracle.core.fast_selection import BUCKETS, DIGIT_BITS, kept_candidates, kept_candidates_by_sorting
 from m2po_oracle.bench.host_syncs import count_host_syncs
 from m2po_oracle.call.runner import check_device

@@ -6,16 +6,10 @@ This face is the public API: ``m2po_loss`` for one process, ``select_tokens`` /
 optimizer batch.
 """
 
-from m2po_oracle.core.loss import (
-    CoreResult,
-    Selection,
-    validate_across_ranks,
-    CPU_CHUNK,
-    select_tokens,
-    select_micro_batches,
-    loss_from_selection,
-    m2po_loss,
-)
+from m2po_oracle.core.agreement import validate_across_ranks
+from m2po_oracle.core.loss import CoreResult, loss_from_selection, m2po_loss, select_micro_batches, select_tokens
+from m2po_oracle.core.scratch import CPU_CHUNK
+from m2po_oracle.core.selection import Selection
 
 __all__ = [
     "CoreResult",

@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
-# The fail-closed control re-enacts the core's old order of steps, so it needs the core's private steps.
-from m2po_oracle.core.loss import (_check_group, _select_across, _selection_inputs, _validate, loss_from_selection, select_micro_batches, select_tokens,
-                              validate_across_ranks)
+# The fail-closed control re-enacts the core's old order of steps, so it needs the core's own steps.
+from m2po_oracle.core.agreement import validate_across_ranks
+from m2po_oracle.core.inputs import check_group, selection_inputs, validate_inputs
+from m2po_oracle.core.loss import loss_from_selection, select_micro_batches, select_tokens
+from m2po_oracle.core.selection import select_across
 from m2po_oracle.distributed.topology import RankCoords, Topology, cp_token_indices
 
 
@@ -95,11 +97,11 @@ def local_shard_selection(logp, behavior_logp, advantages, mask, *, tau: float, 
 def locally_validated_core(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
     """Control: the core as it was before the agreement, validating on its own rank and
     then entering the collective selection (a bad rank raises, its peers wait)."""
-    _validate(logp, behavior_logp, advantages, mask, tau)
-    _check_group(parallel.dp_group)
-    d, a = _selection_inputs(logp, behavior_logp, advantages, mask)
+    validate_inputs(logp, behavior_logp, advantages, mask, tau)
+    check_group(parallel.dp_group)
+    d, a = selection_inputs(logp, behavior_logp, advantages, mask)
     with torch.no_grad():
-        selection = _select_across(d.reshape(-1), a.reshape(-1), mask.reshape(-1), float(tau), parallel.dp_group)
+        selection = select_across(d.reshape(-1), a.reshape(-1), mask.reshape(-1), float(tau), parallel.dp_group)
     keep = selection.keep.reshape(mask.shape)
     loss = loss_from_selection(logp, behavior_logp, advantages, keep, selection.valid_count)
     return {"loss": loss, "keep": keep, **{f.name: getattr(selection, f.name) for f in fields(selection) if f.name != "keep"}}

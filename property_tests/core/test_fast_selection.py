@@ -107,16 +107,17 @@ def _core_selection(batch, small, sort_at_most=None):
     them, and the crossing bucket finished by sorting up to ``sort_at_most`` values
     (default ``small``; 0: always by the remaining radix levels)."""
     from m2po_oracle.judge.contract import to_tensors
-    from m2po_oracle.core.loss import _select_local, _selection_inputs
+    from m2po_oracle.core.inputs import selection_inputs
+    from m2po_oracle.core.selection import select_local
 
     t = to_tensors(batch, "float64")
-    d, a = _selection_inputs(t["logp"], t["behavior_logp"], t["advantages"], t["mask"])
+    d, a = selection_inputs(t["logp"], t["behavior_logp"], t["advantages"], t["mask"])
     d, a, mask = d.reshape(-1), a.reshape(-1), t["mask"].reshape(-1)
     trust = ((a > 0) & (d > 0)) | ((a < 0) & (d < 0))
     m2 = d * d
     flats = [t[name].reshape(-1) for name in ("logp", "behavior_logp", "advantages", "mask")]
     with mock.patch.object(fast_selection, "SMALL", small), mock.patch.object(fast_selection, "SORT_AT_MOST", small if sort_at_most is None else sort_at_most):
-        selection = _select_local(*flats, batch.tau, _valid_batches_only)
+        selection = select_local(*flats, batch.tau, _valid_batches_only)
     return selection, m2, trust, mask
 
 
