@@ -14,8 +14,8 @@ from m2po_oracle.capture import recorder
 from m2po_oracle.judge import equivalence
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
-from m2po_oracle.audit.records import AuditCheck, ROLLOUT_LOGP_DTYPE, _Record
-from m2po_oracle.audit.reassembly import _Step, _algorithm_1, _scope_groups
+from m2po_oracle.audit.records import AuditCheck, ROLLOUT_LOGP_DTYPE, MicroBatch
+from m2po_oracle.audit.reassembly import AuditStep, algorithm_1_of, scope_groups
 
 
 def _fmt(mismatches: list[equivalence.Mismatch]) -> str:
@@ -30,7 +30,7 @@ def _fmt(mismatches: list[equivalence.Mismatch]) -> str:
     return text + (f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
 
 
-def _loss_mismatch(actual: float, expected: float, batch: Batch, grad: np.ndarray, dtype: str, check: str, name: str = "loss"
+def loss_mismatch_at(actual: float, expected: float, batch: Batch, grad: np.ndarray, dtype: str, check: str, name: str = "loss"
                    ) -> equivalence.Mismatch | None:
     allowance = equivalence.exp_rounding(batch, grad, dtype)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -39,21 +39,21 @@ def _loss_mismatch(actual: float, expected: float, batch: Batch, grad: np.ndarra
                                       scale=scale, allowance=float(np.sum(allowance)))
 
 
-def _grad_mismatch(actual: np.ndarray, expected: np.ndarray, batch: Batch, dtype: str, check: str, name: str,
+def grad_mismatch_at(actual: np.ndarray, expected: np.ndarray, batch: Batch, dtype: str, check: str, name: str,
                    largest: float) -> equivalence.Mismatch | None:
     tol = equivalence.tolerance(dtype, "gradient")
     return equivalence.compare_values(check, name, actual, expected, tol, scale=largest * tol.rtol,
                                       allowance=equivalence.exp_rounding(batch, expected, dtype))
 
 
-def _logp_mismatch(check: str, what: str, actual: np.ndarray, expected: np.ndarray, valid: np.ndarray, dtype: str
+def logp_mismatch(check: str, what: str, actual: np.ndarray, expected: np.ndarray, valid: np.ndarray, dtype: str
                    ) -> equivalence.Mismatch | None:
     # Log-probs are O(1): scale 1 keeps near-zero log-probs from demanding relative precision.
     return equivalence.compare_values(check, what, np.where(valid, actual, 0.0), np.where(valid, expected, 0.0),
                                       equivalence.tolerance(dtype, "metric"), scale=1.0)
 
 
-def _replicas_check(step: _Step) -> AuditCheck:
+def replicas_check(step: AuditStep) -> AuditCheck:
     if step.topology.tp == 1:
         return AuditCheck("audit.replicas_identical", "not run", "no TP replicas (tp = 1)")
     first = {(r.coords.dp, r.coords.cp, r.micro_batch): r for r in step.replica_set}
@@ -82,7 +82,7 @@ def _replicas_check(step: _Step) -> AuditCheck:
                       f"the {step.topology.tp} TP replicas of each of {len(step.replica_set)} records are identical")
 
 
-def _selection_check(step: _Step) -> AuditCheck:
+def selection_check(step: AuditStep) -> AuditCheck:
     batch = step.selection_batch
     found = equivalence.check_selection(batch, step.keep, step.dtype)
     if found:
@@ -103,7 +103,7 @@ class LogpBounds:
     policy: float | None = None
 
 
-def _logp_pairs(check: str, records: list[_Record], what: str, pair: Callable[[_Record], tuple[np.ndarray, np.ndarray]], dtype: str,
+def logp_pairs(check: str, records: list[MicroBatch], what: str, pair: Callable[[MicroBatch], tuple[np.ndarray, np.ndarray]], dtype: str,
                 atol: float | None, flag: str) -> tuple[dict[int, equivalence.Mismatch], str, float]:
     """Per record whose two log-prob recordings differ (by ``id``), the mismatch; the precision
     judged at; the largest difference on valid tokens."""
@@ -111,7 +111,7 @@ def _logp_pairs(check: str, records: list[_Record], what: str, pair: Callable[[_
         gaps = {id(r): float(np.max(np.abs(np.subtract(*pair(r))), where=r.mask, initial=0.0)) for r in records}
     largest = max(gaps.values(), default=0.0)
     if atol is None:
-        found = {id(r): m for r in records if (m := _logp_mismatch(check, f"{what} of {r.where}", *pair(r), r.mask, dtype))}
+        found = {id(r): m for r in records if (m := logp_mismatch(check, f"{what} of {r.where}", *pair(r), r.mask, dtype))}
         return found, f"{dtype} precision", largest
     # The user states how far they may go: kernels and precision differ between the two.
     found = {id(r): equivalence.Mismatch(check, f"{what} of {r.where} differs by up to {gaps[id(r)]!r} > {atol!r}")
@@ -119,27 +119,27 @@ def _logp_pairs(check: str, records: list[_Record], what: str, pair: Callable[[_
     return found, f"|difference| <= {flag} {atol!r}", largest
 
 
-def _logp_agreement_check(step: _Step, check: str, records: list[_Record], missing: str, what: str,
-                          pair: Callable[[_Record], tuple[np.ndarray, np.ndarray]], dtype: str, atol: float | None, flag: str,
+def _logp_agreement_check(step: AuditStep, check: str, records: list[MicroBatch], missing: str, what: str,
+                          pair: Callable[[MicroBatch], tuple[np.ndarray, np.ndarray]], dtype: str, atol: float | None, flag: str,
                           claim: tuple[str, str]) -> AuditCheck:
     """``claim`` (what passing says, what failing says) judged on every record that holds the pair."""
     if not records:
         return AuditCheck(check, "not run", missing)
-    found, precision, largest = _logp_pairs(check, records, what, pair, dtype, atol, flag)
+    found, precision, largest = logp_pairs(check, records, what, pair, dtype, atol, flag)
     judged = f"({precision}; largest |difference| {largest!r})"
     if found:
         return AuditCheck(check, "fail", f"{len(found)} of {len(records)} records: {claim[1]} {judged}: " + _fmt(list(found.values())))
     return AuditCheck(check, "pass", f"in {len(records)} records {claim[0]} {judged}")
 
 
-def _policy_logp_check(step: _Step, bounds: LogpBounds) -> AuditCheck:
+def policy_logp_check(step: AuditStep, bounds: LogpBounds) -> AuditCheck:
     return _logp_agreement_check(step, "audit.policy_logp", [r for r in step.replica_set if r.selection_logp is not None],
                                  "no selection_logp recorded: the selection is taken to have seen logp", "logp against its selection_logp",
                                  lambda r: (r.logp, r.selection_logp), step.dtype, bounds.policy, "--policy-atol",
                                  ("the loss pass's log-probs equal the selection's", "the loss pass's log-probs are not the selection's"))
 
 
-def _behavior_logp_check(step: _Step, bounds: LogpBounds) -> AuditCheck:
+def behavior_logp_check(step: AuditStep, bounds: LogpBounds) -> AuditCheck:
     return _logp_agreement_check(step, "audit.behavior_logp", [r for r in step.replica_set if r.rollout_logp is not None],
                                  "no rollout_logp recorded: nothing to check the behaviour log-probs against",
                                  "behavior_logp against the sampler's rollout_logp", lambda r: (r.behavior_logp, r.rollout_logp),
@@ -147,29 +147,29 @@ def _behavior_logp_check(step: _Step, bounds: LogpBounds) -> AuditCheck:
                                  ("the behaviour log-probs equal the sampler's", "the behaviour log-probs are not the sampler's"))
 
 
-def _loss_check(step: _Step, expected: Any) -> AuditCheck:
+def loss_check(step: AuditStep, expected: Any) -> AuditCheck:
     total = math.fsum(r.loss for r in step.replica_set)
-    found = _loss_mismatch(total, expected.loss, step.batch, expected.grad, step.dtype, "audit.loss_sum")
+    found = loss_mismatch_at(total, expected.loss, step.batch, expected.grad, step.dtype, "audit.loss_sum")
     if found:
         return AuditCheck("audit.loss_sum", "fail", _fmt([found]))
     return AuditCheck("audit.loss_sum", "pass", f"the {len(step.replica_set)} captured losses of one replica set add up to {total!r}, "
                       f"the global loss {expected.loss!r} (N = {expected.valid_count})")
 
 
-def _gradient_check(step: _Step, expected: Any) -> AuditCheck:
+def gradient_check(step: AuditStep, expected: Any) -> AuditCheck:
     with_grad = [r for r in step.replica_set if r.grad is not None]
     if not with_grad:
         return AuditCheck("audit.gradient", "not run", "no gradient was captured at this step (watch_gradient or record(grad=))")
     largest = float(np.max(np.abs(expected.grad))) if expected.grad.size else 0.0
     found = [m for r in with_grad
-             if (m := _grad_mismatch(r.grad, expected.grad[r.rows][:, r.columns], r.batch(), step.dtype, "audit.gradient", f"grad of {r.where}", largest))]
+             if (m := grad_mismatch_at(r.grad, expected.grad[r.rows][:, r.columns], r.batch(), step.dtype, "audit.gradient", f"grad of {r.where}", largest))]
     if found:
         return AuditCheck("audit.gradient", "fail", _fmt(found))
     return AuditCheck("audit.gradient", "pass", f"{len(with_grad)} of {len(step.replica_set)} record gradients captured, each equals "
                       f"-(1/N) keep exp(d) A with the global N = {expected.valid_count}")
 
 
-def _metrics_check(step: _Step, expected: Any) -> AuditCheck:
+def metrics_check(step: AuditStep, expected: Any) -> AuditCheck:
     tol = equivalence.tolerance(step.dtype, "metric")
     allowance = equivalence.m2_rounding(step.selection_batch, expected.keep, step.dtype)
     found, compared = [], set()
@@ -207,7 +207,7 @@ REGION_WORDS = {"per_cp_shard": ("each CP shard's own", "per CP shard"), "per_mi
                 "per_rank_selection_global_n": ("each DP rank's own", "per DP rank")}
 
 
-def _logged_as(step: _Step, compared: set[str]) -> list[str]:
+def _logged_as(step: AuditStep, compared: set[str]) -> list[str]:
     """What logged metrics that are not the optimizer batch's are instead, where the files show it:
     each region's own M2 (Algorithm 1 on a micro-batch, DP rank or CP shard alone) and a
     valid_count of another scope. A statement about the logs, never a diagnosis of the loss."""
@@ -221,19 +221,19 @@ def _logged_as(step: _Step, compared: set[str]) -> list[str]:
                 said.append(f"every logged valid_count is {words}, not the optimizer batch's N = {n}")
                 break
     names = [name for name in REGION_METRICS if name in compared]
-    scopes = _logged_scopes(step) if names and not _logged_globally(step, names) else []
+    scopes = logged_scopes(step) if names and not logged_globally(step, names) else []
     if scopes:
         whose, how = REGION_WORDS[scopes[0]]
         said.append(f"{', '.join(names)} are {whose} (Algorithm 1 on it alone): metrics logged {how}")
     return said
 
 
-def _count_scopes(step: _Step) -> list[tuple[str, Callable[[_Record], int]]]:
+def _count_scopes(step: AuditStep) -> list[tuple[str, Callable[[MicroBatch], int]]]:
     """The valid counts a port may log instead of N, each said as what it is, narrowest first."""
     cp = step.topology.cp
     block_n = {key: int(step.batch.valid[rows].sum()) for key, rows in step.blocks.items()}
     rank_n = {dp: sum(block_n[(dp, mb)] for mb in range(k)) for dp, k in step.micro_batches.items()}
-    out: list[tuple[str, Callable[[_Record], int]]] = [
+    out: list[tuple[str, Callable[[MicroBatch], int]]] = [
         (f"its record's own valid count (logged per micro-batch{' and CP shard' if cp > 1 else ''})", lambda r: int(r.mask.sum()))]
     if cp > 1:
         out.append(("its micro-batch's valid count over every CP shard (logged per micro-batch)", lambda r: block_n[(r.coords.dp, r.micro_batch)]))
@@ -243,33 +243,33 @@ def _count_scopes(step: _Step) -> list[tuple[str, Callable[[_Record], int]]]:
     return out
 
 
-def _close(step: _Step, logged: Any, want: Any) -> bool:
+def _close(step: AuditStep, logged: Any, want: Any) -> bool:
     return equivalence.compare_values("diagnosis", "metric", logged, want, equivalence.tolerance(step.dtype, "metric")) is None
 
 
-def _logged_globally(step: _Step, names: list[str]) -> bool:
+def logged_globally(step: AuditStep, names: list[str]) -> bool:
     selected = step.selected
     return all(_close(step, r.metrics[name], getattr(selected, name)) for r in step.records for name in names if name in r.metrics)
 
 
-def _logged_scopes(step: _Step) -> list[str]:
+def logged_scopes(step: AuditStep) -> list[str]:
     """The scopes whose regions, each run through Algorithm 1 alone, give every record's logged
     M2 and fractions (a port that selects per micro-batch logs per-micro-batch M2, also on a
     step where its masks happen to agree with the optimizer batch's). The narrowest region
     first: a CP shard's metrics can equal its DP rank's by chance (the other shard all padding),
     not the reverse."""
-    groups_by_scope = _scope_groups(step)
+    groups_by_scope = scope_groups(step)
     matching = []
     for scope in sorted(groups_by_scope, key=lambda name: name != "per_cp_shard"):
         verdicts: list[bool] = []
         for group in groups_by_scope[scope]:
             if scope == "per_cp_shard":
                 r = group[0]
-                alone = _algorithm_1(r.batch(r.logp if r.selection_logp is None else r.selection_logp))
+                alone = algorithm_1_of(r.batch(r.logp if r.selection_logp is None else r.selection_logp))
                 places = {(r.coords.dp, r.coords.cp, r.micro_batch)}
                 logged = [t for t in step.records if (t.coords.dp, t.coords.cp, t.micro_batch) in places]
             else:
-                alone = _algorithm_1(step.rows_alone(group)[0])
+                alone = algorithm_1_of(step.rows_alone(group)[0])
                 places = {(r.coords.dp, r.micro_batch) for r in group}
                 logged = [t for t in step.records if (t.coords.dp, t.micro_batch) in places]
             verdicts += [_close(step, t.metrics[name], alone[name]) for t in logged for name in REGION_METRICS if name in t.metrics]
@@ -303,7 +303,7 @@ def always_silent_parameters(capture: recorder.Capture) -> tuple[set[str], int]:
     return silent or set(), steps
 
 
-def _parameter_check(noted: dict[int, dict[str, Any]], expected: Any, silent_always: set[str], steps_with_gradient: int) -> AuditCheck:
+def parameter_check(noted: dict[int, dict[str, Any]], expected: Any, silent_always: set[str], steps_with_gradient: int) -> AuditCheck:
     if not noted:
         return AuditCheck("audit.parameter_gradient", "not run", "no rank noted its parameters' gradient norms (record_parameter_gradients)")
     names = sorted({name for norms in noted.values() for name in norms})

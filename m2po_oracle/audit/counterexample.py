@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
-from m2po_oracle.audit.records import StepAudit, _number
-from m2po_oracle.audit.reassembly import _Step
+from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, number
+from m2po_oracle.audit.records import StepAudit
+from m2po_oracle.audit.reassembly import AuditStep
 
 
 #: Which failing check the worst step's table shows: the first of these that failed.
@@ -29,7 +29,7 @@ def _largest_first(error: np.ndarray) -> np.ndarray:
     return np.stack(np.unravel_index(flat, error.shape), axis=1)
 
 
-def _counterexample(step: _Step, audit: StepAudit, directory: str, noted: dict[int, dict[str, Any]], silent_always: set[str]) -> dict[str, Any]:
+def step_counterexample(step: AuditStep, audit: StepAudit, directory: str, noted: dict[int, dict[str, Any]], silent_always: set[str]) -> dict[str, Any]:
     """What shows the worst step's failure: one row per token (``tokens``) or per logged value (``values``)."""
     check = next(name for name in TABLE_ORDER if name in audit.failing)
     batch, s = step.batch, step.selection_batch
@@ -74,7 +74,7 @@ def _counterexample(step: _Step, audit: StepAudit, directory: str, noted: dict[i
                 if name in r.metrics and isinstance(r.metrics[name], (int, float)) and not isinstance(r.metrics[name], bool):
                     want = getattr(selected, name)
                     if not math.isclose(float(r.metrics[name]), float(want), rel_tol=1e-9, abs_tol=1e-12):
-                        values.append({"where": r.where, "name": name, "captured": _number(float(r.metrics[name])), "expected": _number(float(want))})
+                        values.append({"where": r.where, "name": name, "captured": number(float(r.metrics[name])), "expected": number(float(want))})
     elif check == "audit.parameter_gradient":
         note = "the trainable parameters whose gradient norm is zero (or that have no gradient) on every rank at every recorded step with a gradient"
         for rank, norms in sorted(noted.items()):
@@ -89,17 +89,17 @@ def _counterexample(step: _Step, audit: StepAudit, directory: str, noted: dict[i
         token = {
             "row": row, "position": column,
             "rank": record.rank if record else None, "micro_batch": record.micro_batch if record else None,
-            "d": _number(float(d[row, column])), "m2": _number(float(d[row, column]) ** 2), "advantage": _number(float(batch.advantages[row, column])),
+            "d": number(float(d[row, column])), "m2": number(float(d[row, column]) ** 2), "advantage": number(float(batch.advantages[row, column])),
             "keep": bool(step.keep[row, column]), "algorithm_1_keeps": bool(expected_keep[row, column]),
-            "grad": _number(float(grad[row, column])) if np.isfinite(grad[row, column]) else None,
-            "expected_grad": _number(float(expected.grad[row, column])),
+            "grad": number(float(grad[row, column])) if np.isfinite(grad[row, column]) else None,
+            "expected_grad": number(float(expected.grad[row, column])),
         }
         if compared is not None:
-            token["compared"] = {"what": compared[0], "captured": _number(float(compared[1][row, column])),
-                                 "expected": _number(float(compared[2][row, column]))}
+            token["compared"] = {"what": compared[0], "captured": number(float(compared[1][row, column])),
+                                 "expected": number(float(compared[2][row, column]))}
         rows.append(token)
     found = len(order) if not values else len(values)
     return {"check": check, "note": note, "tokens": rows, "values": values[:COUNTEREXAMPLE_TOKENS], "shown": len(rows) or len(values[:COUNTEREXAMPLE_TOKENS]),
-            "of": int(found), "tau": _number(float(batch.tau)), "valid_count": int(batch.valid.sum()),
+            "of": int(found), "tau": number(float(batch.tau)), "valid_count": int(batch.valid.sum()),
             "replay": shlex.join(["m2po-oracle", "audit", directory, "--step", str(step.step)])}
 

@@ -12,33 +12,33 @@ from m2po_oracle.judge import equivalence
 
 from m2po_oracle import oracle
 from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.audit.records import _Record
-from m2po_oracle.audit.reassembly import _Step, _scope_groups
-from m2po_oracle.audit.checks import (REGION_METRICS, LogpBounds, _grad_mismatch, _logged_globally, _logged_scopes, _logp_mismatch, _logp_pairs,
-                                      _loss_mismatch)
+from m2po_oracle.audit.records import MicroBatch
+from m2po_oracle.audit.reassembly import AuditStep, scope_groups
+from m2po_oracle.audit.checks import (REGION_METRICS, LogpBounds, grad_mismatch_at, logged_globally, logged_scopes, logp_mismatch, logp_pairs,
+                                      loss_mismatch_at)
 
 
-def _share(record: _Record, denominator: float) -> tuple[float, np.ndarray]:
+def _share(record: MicroBatch, denominator: float) -> tuple[float, np.ndarray]:
     """The record's loss and d loss / d logp on its own keep, divided by ``denominator``."""
     own = oracle.evaluate_with_mask(record.batch(), record.keep)
     factor = own.valid_count / denominator if denominator else 0.0
     return own.loss * factor, own.grad * factor
 
 
-def _shares_match(step: _Step, denominator: Callable[[_Record], float]) -> bool:
+def _shares_match(step: AuditStep, denominator: Callable[[MicroBatch], float]) -> bool:
     """Every record's loss (and gradient, where captured) is its share with ``denominator(record)``."""
     for record in step.replica_set:
         loss, grad = _share(record, denominator(record))
-        if _loss_mismatch(record.loss, loss, record.batch(), grad, step.dtype, "diagnosis") is not None:
+        if loss_mismatch_at(record.loss, loss, record.batch(), grad, step.dtype, "diagnosis") is not None:
             return False
         if record.grad is not None:
             largest = float(np.max(np.abs(grad))) if grad.size else 0.0
-            if _grad_mismatch(record.grad, grad, record.batch(), step.dtype, "diagnosis", "grad", largest) is not None:
+            if grad_mismatch_at(record.grad, grad, record.batch(), step.dtype, "diagnosis", "grad", largest) is not None:
                 return False
     return True
 
 
-def _group_selects_alone(step: _Step, group: list[_Record]) -> bool:
+def _group_selects_alone(step: AuditStep, group: list[MicroBatch]) -> bool:
     """The records of ``group`` (one region of the optimizer batch) kept what Algorithm 1 keeps on that region alone."""
     if len(group) == 1 and step.topology.cp > 1:  # one CP shard: its own columns
         r = group[0]
@@ -49,7 +49,7 @@ def _group_selects_alone(step: _Step, group: list[_Record]) -> bool:
     return not equivalence.check_selection(alone, keep, step.dtype)
 
 
-def _denominators(step: _Step) -> dict[str, Callable[[_Record], float]]:
+def _denominators(step: AuditStep) -> dict[str, Callable[[MicroBatch], float]]:
     """The global N and each denominator deviation's divisor per record, in the order ties are resolved."""
     n = float(step.batch.valid.sum())
     kept = float((step.keep & step.batch.valid).sum())
@@ -57,7 +57,7 @@ def _denominators(step: _Step) -> dict[str, Callable[[_Record], float]]:
     cp_n = {c: float(sum(r.mask.sum() for r in step.replica_set if r.coords.cp == c)) for c in range(step.topology.cp)}
     # The global N first: a deviation whose divisor is N on every record (equal micro-batch
     # counts make k times a micro-batch's count N) is the correct denominator on this step.
-    out: dict[str, Callable[[_Record], float]] = {"global": lambda r: n}
+    out: dict[str, Callable[[MicroBatch], float]] = {"global": lambda r: n}
     if any(k > 1 for k in step.micro_batches.values()):
         out["per_micro_batch_denominator"] = lambda r: step.micro_batches[r.coords.dp] * block_n[(r.coords.dp, r.micro_batch)]
     out["local_denominator"] = lambda r: float(r.mask.sum())
@@ -68,11 +68,11 @@ def _denominators(step: _Step) -> dict[str, Callable[[_Record], float]]:
     return out
 
 
-def _distinct(step: _Step, candidates: dict[str, Callable[[_Record], float]]) -> tuple[dict[str, Callable[[_Record], float]], dict[str, list[str]]]:
+def _distinct(step: AuditStep, candidates: dict[str, Callable[[MicroBatch], float]]) -> tuple[dict[str, Callable[[MicroBatch], float]], dict[str, list[str]]]:
     """The candidates whose divisors differ from every earlier one's on some record, and for
     each the later ones the files cannot tell from it (equal divisors on every record)."""
     first_of: dict[tuple[float, ...], str] = {}
-    out: dict[str, Callable[[_Record], float]] = {}
+    out: dict[str, Callable[[MicroBatch], float]] = {}
     twins: dict[str, list[str]] = {}
     for name, fn in candidates.items():
         values = tuple(fn(r) for r in step.replica_set)
@@ -84,7 +84,7 @@ def _distinct(step: _Step, candidates: dict[str, Callable[[_Record], float]]) ->
     return out, twins
 
 
-def _logged_count(step: _Step, fn: Callable[[_Record], float]) -> bool:
+def _logged_count(step: AuditStep, fn: Callable[[MicroBatch], float]) -> bool:
     """Every logged ``valid_count`` is ``fn``'s divisor for its record, and not the batch's N:
     a denominator's evidence on a step whose loss cannot show it (nothing kept, or A = 0)."""
     n = int(step.batch.valid.sum())
@@ -93,7 +93,7 @@ def _logged_count(step: _Step, fn: Callable[[_Record], float]) -> bool:
     return bool(logged) and all(value == want for value, want in logged) and any(value != n for value, _ in logged)
 
 
-#: A selection scope's names by what the loss divides by (the keys are ``_scope_groups``'):
+#: A selection scope's names by what the loss divides by (the keys are ``scope_groups``'):
 #: the global N, the scope's own region's valid count, or another denominator named beside a
 #: name that says nothing of N. A scope's name never claims a denominator the loss contradicts.
 SCOPE_NAMES: dict[str, tuple[str, str | None, str]] = {
@@ -103,7 +103,7 @@ SCOPE_NAMES: dict[str, tuple[str, str | None, str]] = {
 }
 
 
-def _own_count(step: _Step, scope: str) -> Callable[[_Record], float] | None:
+def _own_count(step: AuditStep, scope: str) -> Callable[[MicroBatch], float] | None:
     """The divisor of a port whose scope divides by its region's own valid count (None: no such name)."""
     if scope == "per_rank_selection_global_n":
         rank_n = {dp: float(sum(r.mask.sum() for r in step.replica_set if r.coords.dp == dp)) for dp in step.micro_batches}
@@ -113,16 +113,16 @@ def _own_count(step: _Step, scope: str) -> Callable[[_Record], float] | None:
     return None
 
 
-def _metrics_show(step: _Step, scope: str) -> bool:
+def _metrics_show(step: AuditStep, scope: str) -> bool:
     """The logged M2 and fractions are the scope's regions' own, and not the optimizer batch's."""
     names = [name for name in REGION_METRICS if any(name in r.metrics for r in step.records)]
     try:
-        return bool(names) and not _logged_globally(step, names) and scope in _logged_scopes(step)
+        return bool(names) and not logged_globally(step, names) and scope in logged_scopes(step)
     except (TypeError, ValueError):  # a logged value that is not a number: audit.metrics says so
         return False
 
 
-def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], alternatives: dict[str, list[str]],
+def diagnose_audit_step(step: AuditStep, failing: set[str], noted: dict[int, dict[str, Any]], alternatives: dict[str, list[str]],
               bounds: LogpBounds = LogpBounds()) -> list[str]:
     """The deviations the files reproduce; ``alternatives`` gets, per name, the others that
     reproduce this step identically (the files cannot tell them apart)."""
@@ -145,7 +145,7 @@ def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], 
         same = twins.get(denominator, []) + matching[1:]
         if same:
             alternatives[denominator] = same
-    groups = _scope_groups(step)
+    groups = scope_groups(step)
     own = {scope: fn for scope in groups if (fn := _own_count(step, scope)) is not None}
     # Scopes whose name would also explain the loss: the loss and the gradient reproduce the
     # region's own count (one name for the mask and the denominator together beats two).
@@ -197,24 +197,24 @@ def _diagnose(step: _Step, failing: set[str], noted: dict[int, dict[str, Any]], 
     return found
 
 
-def _doubled_selection(step: _Step) -> bool:
+def _doubled_selection(step: AuditStep) -> bool:
     """The joined mask is an outcome of Algorithm 1 on the batch with every token counted cp times."""
     s, cp = step.selection_batch, step.topology.cp
     doubled = Batch(*(np.concatenate([a] * cp) for a in (s.logp, s.behavior_logp, s.advantages, s.valid)), s.tau)
     return not equivalence.check_selection(doubled, np.concatenate([step.keep] * cp), step.dtype)
 
 
-def _behaviour_is_the_policy(step: _Step) -> bool:
+def _behaviour_is_the_policy(step: AuditStep) -> bool:
     """The behaviour log-probs equal the policy's (the selection's forward) on every record, and not the sampler's."""
     with_rollout = [r for r in step.replica_set if r.rollout_logp is not None]
     return bool(with_rollout) and all(
-        _logp_mismatch("diagnosis", "behavior_logp", r.behavior_logp, r.logp if r.selection_logp is None else r.selection_logp,
+        logp_mismatch("diagnosis", "behavior_logp", r.behavior_logp, r.logp if r.selection_logp is None else r.selection_logp,
                        r.mask, step.dtype) is None for r in with_rollout)
 
 
-def _forward_deviation(step: _Step, bounds: LogpBounds) -> list[str]:
+def _forward_deviation(step: AuditStep, bounds: LogpBounds) -> list[str]:
     records = [r for r in step.replica_set if r.selection_logp is not None and r.mask.any()]
-    found, _, _ = _logp_pairs("diagnosis", records, "logp", lambda r: (r.logp, r.selection_logp), step.dtype, bounds.policy, "--policy-atol")
+    found, _, _ = logp_pairs("diagnosis", records, "logp", lambda r: (r.logp, r.selection_logp), step.dtype, bounds.policy, "--policy-atol")
     differs = {(r.coords.dp, r.coords.cp, r.micro_batch): id(r) in found for r in records}
     if not differs:
         return []

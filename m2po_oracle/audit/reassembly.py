@@ -16,15 +16,15 @@ from m2po_oracle.judge import equivalence
 from m2po_oracle import oracle
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.distributed.topology import Topology, cp_token_indices
-from m2po_oracle.audit.records import _Record, _Unusable
+from m2po_oracle.audit.records import MicroBatch, Unusable
 
 
 @dataclass
-class _Step:
+class AuditStep:
     step: int
     topology: Topology
-    records: list[_Record]  # every rank's
-    replica_set: list[_Record]  # TP rank 0's: one record per (dp, cp, micro-batch)
+    records: list[MicroBatch]  # every rank's
+    replica_set: list[MicroBatch]  # TP rank 0's: one record per (dp, cp, micro-batch)
     batch: Batch  # the loss pass's log-probs
     selection_batch: Batch  # the selection's log-probs (the loss pass's where not recorded)
     keep: np.ndarray
@@ -37,7 +37,7 @@ class _Step:
     @functools.cached_property
     def algorithm_1(self) -> dict[str, Any]:
         """Algorithm 1's keep and metrics on the log-probs the selection saw."""
-        return _algorithm_1(self.selection_batch)
+        return algorithm_1_of(self.selection_batch)
 
     @functools.cached_property
     def expected(self) -> Any:
@@ -49,14 +49,14 @@ class _Step:
         """The oracle's metrics and counts on the run's own mask, from the log-probs the selection saw."""
         return self.expected if self.selection_batch.logp is self.batch.logp else oracle.evaluate_with_mask(self.selection_batch, self.keep)
 
-    def rows_alone(self, group: list[_Record]) -> tuple[Batch, np.ndarray]:
+    def rows_alone(self, group: list[MicroBatch]) -> tuple[Batch, np.ndarray]:
         """The selection's batch and the run's keep on the whole rows of ``group`` (every CP shard of them)."""
         index = np.concatenate([np.arange(r.rows.start, r.rows.stop) for r in group if r.coords.cp == 0])
         s = self.selection_batch
         return Batch(s.logp[index], s.behavior_logp[index], s.advantages[index], s.valid[index], s.tau), self.keep[index]
 
 
-def _non_finite_on_valid(record: _Record) -> str | None:
+def _non_finite_on_valid(record: MicroBatch) -> str | None:
     for name in ("logp", "behavior_logp", "advantages", "selection_logp", "rollout_logp"):
         values = getattr(record, name)
         if values is None:
@@ -68,7 +68,7 @@ def _non_finite_on_valid(record: _Record) -> str | None:
     return None
 
 
-def _assemble(step: int, topology: Topology, records: list[_Record]) -> _Step:
+def assemble(step: int, topology: Topology, records: list[MicroBatch]) -> AuditStep:
     cp = topology.cp
     by_place = {(r.coords.dp, r.coords.cp, r.coords.tp, r.micro_batch): r for r in records}
     micro_batches: dict[int, int] = {}
@@ -77,13 +77,13 @@ def _assemble(step: int, topology: Topology, records: list[_Record]) -> _Step:
                   for c in range(cp) for t in range(topology.tp)}
         if len(set(counts.values())) > 1:
             said = ", ".join(f"rank {topology.rank(dp=dp, cp=c, tp=t)}: {k}" for (c, t), k in sorted(counts.items()))
-            raise _Unusable(f"the ranks of DP rank {dp} recorded different numbers of micro-batches ({said}); "
+            raise Unusable(f"the ranks of DP rank {dp} recorded different numbers of micro-batches ({said}); "
                             f"its CP and TP ranks must record the same micro-batches")
         micro_batches[dp] = next(iter(counts.values()))
     for record in records:
         why = _non_finite_on_valid(record)
         if why:
-            raise _Unusable(f"non-finite input: {why}")
+            raise Unusable(f"non-finite input: {why}")
 
     replica_set = [r for r in records if r.coords.tp == 0]
     blocks: dict[tuple[int, int], slice] = {}
@@ -95,11 +95,11 @@ def _assemble(step: int, topology: Topology, records: list[_Record]) -> _Step:
             shapes = {s.logp.shape for s in shards}
             if len(shapes) > 1:
                 said = ", ".join(f"rank {s.rank}: {list(s.logp.shape)}" for s in shards)
-                raise _Unusable(f"the CP shards of DP rank {dp} micro-batch {mb} disagree in shape ({said}); "
+                raise Unusable(f"the CP shards of DP rank {dp} micro-batch {mb} disagree in shape ({said}); "
                                 f"every CP rank holds the same rows and an equal share of each sequence")
             rows, width = shards[0].logp.shape
             if cp > 1 and width % 2:
-                raise _Unusable(f"DP rank {dp} micro-batch {mb}: a CP shard of width {width} cannot hold two equal chunks "
+                raise Unusable(f"DP rank {dp} micro-batch {mb}: a CP shard of width {width} cannot hold two equal chunks "
                                 f"(the Megatron layout: 2 * cp chunks per sequence)")
             blocks[(dp, mb)] = slice(start, start + rows)
             widths[(dp, mb)] = width * cp
@@ -125,16 +125,16 @@ def _assemble(step: int, topology: Topology, records: list[_Record]) -> _Step:
         record.rows, record.columns = twin.rows, twin.columns
     taus = {r.tau for r in records}
     if len(taus) > 1:
-        raise _Unusable(f"the records of this step disagree on tau: {sorted(taus)}")
+        raise Unusable(f"the records of this step disagree on tau: {sorted(taus)}")
     tau = records[0].tau
     if not math.isfinite(tau) or tau < 0:
-        raise _Unusable(f"tau {tau!r} is not a finite number >= 0")
+        raise Unusable(f"tau {tau!r} is not a finite number >= 0")
     dtype = records[0].dtype if records[0].dtype in equivalence.FORMATS else "float32"
-    return _Step(step, topology, records, replica_set, Batch(logp, behavior, advantages, valid, tau),
+    return AuditStep(step, topology, records, replica_set, Batch(logp, behavior, advantages, valid, tau),
                  Batch(selection, behavior, advantages, valid, tau), keep, blocks, micro_batches, dtype)
 
 
-def _algorithm_1(batch: Batch) -> dict[str, Any]:
+def algorithm_1_of(batch: Batch) -> dict[str, Any]:
     """Algorithm 1's keep and metrics on ``batch`` (``oracle.m2po`` without its loss and gradient,
     which cost half its time at 16M tokens and are not needed here)."""
     d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
@@ -144,14 +144,14 @@ def _algorithm_1(batch: Batch) -> dict[str, Any]:
     return {"keep": keep, **oracle.metrics(m2, trust, keep, batch.valid)}
 
 
-def _scope_groups(step: _Step) -> dict[str, list[list[_Record]]]:
+def scope_groups(step: AuditStep) -> dict[str, list[list[MicroBatch]]]:
     """The regions each scope deviation selects over, where that scope differs from the others."""
-    by_block: dict[tuple[int, int], list[_Record]] = {}
-    by_dp: dict[int, list[_Record]] = {}
+    by_block: dict[tuple[int, int], list[MicroBatch]] = {}
+    by_dp: dict[int, list[MicroBatch]] = {}
     for r in step.replica_set:
         by_block.setdefault((r.coords.dp, r.micro_batch), []).append(r)
         by_dp.setdefault(r.coords.dp, []).append(r)
-    groups: dict[str, list[list[_Record]]] = {}
+    groups: dict[str, list[list[MicroBatch]]] = {}
     if any(k > 1 for k in step.micro_batches.values()):
         groups["per_micro_batch_mask"] = list(by_block.values())
     if step.topology.dp > 1:

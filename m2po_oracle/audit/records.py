@@ -4,7 +4,6 @@ float64 rows."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +11,7 @@ import numpy as np
 
 from m2po_oracle.capture import recorder
 from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.oracle.record import number
 from m2po_oracle.distributed.topology import RankCoords, Topology
 
 
@@ -80,7 +80,7 @@ class StepAudit:
     def to_json(self) -> dict[str, Any]:
         out = {"step": self.step, "verdict": self.verdict, "checks": [c.to_json() for c in self.checks],
                "diagnosis": list(self.diagnosis), "alternatives": dict(self.alternatives),
-               "metrics": {k: _number(v) for k, v in self.metrics.items()}}
+               "metrics": {k: number(v) for k, v in self.metrics.items()}}
         if self.counterexample is not None:
             out["counterexample"] = self.counterexample
         return out
@@ -124,14 +124,8 @@ class AuditReport:
         }
 
 
-def _number(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return value
-
-
 @dataclass
-class _Record:
+class MicroBatch:
     """One micro-batch of one rank, as 2-d float64 rows, and where it sits in the optimizer batch."""
 
     rank: int
@@ -170,7 +164,7 @@ def _rows(tensor: Any, boolean: bool = False) -> np.ndarray:
     return array.reshape(-1, array.shape[-1])
 
 
-def _record(record: dict[str, Any], info: recorder.RecordInfo, coords: RankCoords) -> _Record:
+def _record(record: dict[str, Any], info: recorder.RecordInfo, coords: RankCoords) -> MicroBatch:
     shape = tuple(record["logp"].shape)
     optional = {}
     for name in ("grad", "selection_logp", "rollout_logp"):
@@ -180,35 +174,35 @@ def _record(record: dict[str, Any], info: recorder.RecordInfo, coords: RankCoord
             raise recorder.CaptureError(path, f"{name} has shape {list(value.shape)}, logp {list(shape)}")
         optional[name] = None if value is None else _rows(value)
     dtype = str(record["logp"].dtype).removeprefix("torch.")
-    return _Record(info.rank, coords, info.micro_batch, _rows(record["logp"]), _rows(record["behavior_logp"]),
+    return MicroBatch(info.rank, coords, info.micro_batch, _rows(record["logp"]), _rows(record["behavior_logp"]),
                    _rows(record["advantages"]), _rows(record["mask"], True), _rows(record["keep"], True),
                    optional["selection_logp"], optional["rollout_logp"], optional["grad"],
                    float(record["loss"]), float(record["tau"]), dict(record["metrics"]), dtype)
 
 
-class _Unusable(Exception):
+class Unusable(Exception):
     """A step whose records cannot be put together (the reason is the message)."""
 
 
-def _records_of(capture: recorder.Capture, topology: Topology, step: int, bad_paths: set[str],
-                problems: list[str]) -> list[_Record]:
+def records_of(capture: recorder.Capture, topology: Topology, step: int, bad_paths: set[str],
+                problems: list[str]) -> list[MicroBatch]:
     keys = sorted(k for k in capture.keys() if k[1] == step)  # noqa: SIM118 - Capture.keys() is a method, not a dict
     ranks = {k[0] for k in keys}
     missing = sorted(set(range(capture.world_size)) - ranks)
     if missing:
-        raise _Unusable(f"incomplete step: no records of rank(s) {missing}")
+        raise Unusable(f"incomplete step: no records of rank(s) {missing}")
     gaps = [r for r in ranks if sorted(k[2] for k in keys if k[0] == r) != list(range(1 + max(k[2] for k in keys if k[0] == r)))]
     if gaps:
-        raise _Unusable(f"incomplete step: rank(s) {sorted(gaps)} miss micro-batches")
+        raise Unusable(f"incomplete step: rank(s) {sorted(gaps)} miss micro-batches")
     records = []
     for key in keys:
         info = capture.info(*key)
         if str(info.path) in bad_paths or (info.grad_path is not None and str(info.grad_path) in bad_paths):
-            raise _Unusable(f"incomplete step: the files of rank {key[0]} micro-batch {key[2]} have problems (listed in the capture's problems)")
+            raise Unusable(f"incomplete step: the files of rank {key[0]} micro-batch {key[2]} have problems (listed in the capture's problems)")
         try:
             records.append(_record(capture.load(*key), info, topology.coords(key[0])))
         except recorder.CaptureError as error:
             problems.append(str(error))
-            raise _Unusable(f"incomplete step: {error}") from None
+            raise Unusable(f"incomplete step: {error}") from None
     return records
 

@@ -9,26 +9,26 @@ from typing import Any
 
 from m2po_oracle.capture import recorder
 from m2po_oracle.distributed.topology import Topology
-from m2po_oracle.audit.records import AuditCheck, AuditReport, CHECK_NAMES, StepAudit, _Unusable, _records_of
-from m2po_oracle.audit.reassembly import _Step, _assemble
-from m2po_oracle.audit.checks import (LogpBounds, _behavior_logp_check, _gradient_check, _loss_check, _metrics_check, _parameter_check,
-                                      _policy_logp_check, _replicas_check, _selection_check, always_silent_parameters)
-from m2po_oracle.audit.diagnosis import _diagnose
-from m2po_oracle.audit.counterexample import _counterexample
+from m2po_oracle.audit.records import AuditCheck, AuditReport, CHECK_NAMES, StepAudit, Unusable, records_of
+from m2po_oracle.audit.reassembly import AuditStep, assemble
+from m2po_oracle.audit.checks import (LogpBounds, behavior_logp_check, gradient_check, loss_check, metrics_check, parameter_check,
+                                      policy_logp_check, replicas_check, selection_check, always_silent_parameters)
+from m2po_oracle.audit.diagnosis import diagnose_audit_step
+from m2po_oracle.audit.counterexample import step_counterexample
 
 
-def _audit_step(step: _Step, noted: dict[int, dict[str, Any]], silent: tuple[set[str], int], bounds: LogpBounds = LogpBounds()) -> StepAudit:
+def _audit_step(step: AuditStep, noted: dict[int, dict[str, Any]], silent: tuple[set[str], int], bounds: LogpBounds = LogpBounds()) -> StepAudit:
     audit = StepAudit(step.step, "equivalent")
     algorithm = step.algorithm_1
     audit.metrics = {"m2_before": algorithm["m2_before"], "m2_after": algorithm["m2_after"],
                      "masked_fraction": algorithm["masked_fraction"], "tau": step.batch.tau}
     # M2 and the counts are the selection's: judged on the log-probs it saw (a prepass when recorded).
-    audit.checks = [_replicas_check(step), _selection_check(step), _policy_logp_check(step, bounds), _behavior_logp_check(step, bounds),
-                    _loss_check(step, step.expected), _gradient_check(step, step.expected), _metrics_check(step, step.selected),
-                    _parameter_check(noted, step.expected, *silent)]
+    audit.checks = [replicas_check(step), selection_check(step), policy_logp_check(step, bounds), behavior_logp_check(step, bounds),
+                    loss_check(step, step.expected), gradient_check(step, step.expected), metrics_check(step, step.selected),
+                    parameter_check(noted, step.expected, *silent)]
     if audit.failing:
         audit.verdict = "divergent"
-        audit.diagnosis = _diagnose(step, set(audit.failing), noted, audit.alternatives, bounds)
+        audit.diagnosis = diagnose_audit_step(step, set(audit.failing), noted, audit.alternatives, bounds)
     return audit
 
 
@@ -68,7 +68,7 @@ def audit_capture(directory: str | Path, *, steps: set[int] | None = None, rollo
         if steps is not None and step not in steps:
             continue
         try:
-            assembled = _assemble(step, topology, _records_of(capture, topology, step, bad_paths, problems))
+            assembled = assemble(step, topology, records_of(capture, topology, step, bad_paths, problems))
             audit = _audit_step(assembled, capture.parameter_gradients(step), silent, bounds)
             report.steps.append(audit)
             if audit.verdict == "divergent" and (worst is None or len(audit.failing) > len(worst.failing)):
@@ -76,20 +76,20 @@ def audit_capture(directory: str | Path, *, steps: set[int] | None = None, rollo
                 # worse step replaces it, at most once per number of failing checks.
                 _attach_counterexample(report, worst, audit, assembled, str(directory), capture.parameter_gradients(step), silent[0])
                 worst = audit
-        except _Unusable as why:
+        except Unusable as why:
             report.steps.append(_unusable(step, str(why)))
         except Exception as error:  # noqa: BLE001 - a capture is data: one odd step must not end the audit
             report.steps.append(_unusable(step, f"could not be audited: {type(error).__name__}: {error}"))
     return report
 
 
-def _attach_counterexample(report: AuditReport, displaced: StepAudit | None, audit: StepAudit, step: _Step, directory: str,
+def _attach_counterexample(report: AuditReport, displaced: StepAudit | None, audit: StepAudit, step: AuditStep, directory: str,
                            noted: dict[int, dict[str, Any]], silent_always: set[str]) -> None:
     """The worst step so far gets the token table; the one it displaces loses its table."""
     if displaced is not None:
         displaced.counterexample = None
     try:
-        audit.counterexample = _counterexample(step, audit, directory, noted, silent_always)
+        audit.counterexample = step_counterexample(step, audit, directory, noted, silent_always)
     except Exception as error:  # noqa: BLE001 - the table is an aid; the verdicts stand without it
         report.problems.append(f"step {step.step}: the counterexample table could not be built: {type(error).__name__}: {error}")
 

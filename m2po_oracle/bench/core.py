@@ -31,7 +31,6 @@ Performance is asserted nowhere but here: timed unit tests lie on a shared machi
 
 from __future__ import annotations
 
-import math
 import platform
 import statistics
 import time
@@ -193,59 +192,6 @@ def run_bench(sizes: list[int], *, repeats: int = 7, device: str = "cpu", tau: f
                         "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
                         "fused_passes": "built" if fused.built() else f"not used: {fused.why_not_built()}"},
     }
-
-
-_PAGE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>m2po-oracle bench</title>
-<style>
-body{font:14px/1.45 system-ui,sans-serif;margin:2rem;color:#1d2430}
-table{border-collapse:collapse;margin:1rem 0}th,td{border:1px solid #ccd3dd;padding:.3rem .6rem;text-align:right}
-th{background:#f1f4f8}.bad{background:#fde8e8}svg text{font:12px system-ui,sans-serif}
-</style></head><body>
-<h1>Selection benchmark ({{ device }}, {{ threads }} thread(s))</h1>
-<p>{{ repeats }} interleaved repeats; tau = {{ tau }}. sort: sort and prefix sums; radix: the core's exact selection without sorting; floor: one streaming pass over the values; forward: the whole core.m2po_loss forward (with the fused CPU passes where "fused" says yes); unfused: the same forward with torch operators only; passes: the passes over the batch a forward of torch operators cannot skip (d in float64, every token's M2 histogrammed, the loss's terms). Selection columns are medians; forward columns and ratios are bests.</p>
-<table><tr><th>tokens</th><th>candidates</th><th>sort ms</th><th>radix ms</th><th>floor ms</th><th>sort / radix</th><th>radix / floor</th><th>forward ms</th><th>forward / selection</th><th>sort / forward</th><th>forward / floor</th><th>fused</th><th>unfused ms</th><th>unfused / forward</th><th>passes ms</th><th>passes / selection</th><th>forward / passes</th><th>syncs / forward</th><th>syncs / unfused</th><th>identical</th></tr>
-{% for r in rows %}<tr{% if not r.identical %} class="bad"{% endif %}><td>{{ r.tokens }}</td><td>{{ r.candidates }}</td><td>{{ "%.3f"|format(r.median_ms.sort) }}</td><td>{{ "%.3f"|format(r.median_ms.radix) }}</td><td>{{ "%.3f"|format(r.median_ms.floor) }}</td><td>{{ "%.1f"|format(r.sort_over_radix) }}x</td><td>{{ "%.1f"|format(r.radix_over_floor) }}x</td><td>{{ "%.3f"|format(r.best_ms.forward) }}</td><td>{{ "%.2f"|format(r.forward_over_selection) }}x</td><td>{{ "%.1f"|format(r.sort_over_forward) }}x</td><td>{{ "%.1f"|format(r.forward_over_floor) }}x</td><td>{{ "yes" if r.fused else "no" }}</td><td>{{ "%.3f"|format(r.best_ms.unfused) }}</td><td>{{ "%.2f"|format(r.unfused_over_forward) }}x</td><td>{{ "%.3f"|format(r.best_ms.passes) }}</td><td>{{ "%.2f"|format(r.passes_over_selection) }}x</td><td>{{ "%.2f"|format(r.forward_over_passes) }}x</td><td>{{ r.syncs_per_forward }}</td><td>{{ r.syncs_per_unfused_forward }}</td><td>{{ "yes" if r.identical else "NO" }}</td></tr>
-{% endfor %}</table>
-<svg width="{{ plot.width }}" height="{{ plot.height }}" role="img" aria-label="median time against tokens, log-log">
-<rect x="{{ plot.left }}" y="{{ plot.top }}" width="{{ plot.inner_w }}" height="{{ plot.inner_h }}" fill="none" stroke="#8a94a6"/>
-{% for t in plot.xticks %}<text x="{{ t.x }}" y="{{ plot.height - 8 }}" text-anchor="middle">{{ t.label }}</text>{% endfor %}
-{% for t in plot.yticks %}<text x="{{ plot.left - 6 }}" y="{{ t.y + 4 }}" text-anchor="end">{{ t.label }}</text><line x1="{{ plot.left }}" x2="{{ plot.left + plot.inner_w }}" y1="{{ t.y }}" y2="{{ t.y }}" stroke="#e3e7ee"/>{% endfor %}
-{% for s in plot.series %}<polyline fill="none" stroke="{{ s.colour }}" stroke-width="2" points="{{ s.points }}"/><text x="{{ plot.left + plot.inner_w + 8 }}" y="{{ s.label_y }}" fill="{{ s.colour }}">{{ s.name }}</text>{% endfor %}
-<text x="{{ plot.left + plot.inner_w / 2 }}" y="{{ plot.height - 24 }}" text-anchor="middle">tokens (log)</text>
-</svg>
-<p>Environment: torch {{ torch }}, {{ platform }}{% if gpu %}, {{ gpu }}{% endif %}; fused CPU passes: {{ fused_passes }}.</p>
-</body></html>
-"""
-
-
-def _plot(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    width, height, left, top, right, bottom = 760, 380, 70, 20, 90, 50
-    inner_w, inner_h = width - left - right, height - top - bottom
-    xs = [math.log2(r["tokens"]) for r in rows]
-    ys = [math.log10(max(r["median_ms"][m], 1e-6)) for r in rows for m in METHODS]
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    y0, y1 = math.floor(min(ys)), math.ceil(max(ys)) if math.ceil(max(ys)) > math.floor(min(ys)) else math.floor(min(ys)) + 1
-    px = lambda x: left + (x - x0) / (x1 - x0) * inner_w  # noqa: E731
-    py = lambda y: top + inner_h - (y - y0) / (y1 - y0) * inner_h  # noqa: E731
-    colours = {"sort": "#c0392b", "radix": "#1f6feb", "floor": "#6b7785", "forward": "#2da44e", "unfused": "#8250df", "passes": "#9a6700"}
-    series = []
-    for m in METHODS:
-        points = [(px(math.log2(r["tokens"])), py(math.log10(max(r["median_ms"][m], 1e-6)))) for r in rows]
-        series.append({"name": m, "colour": colours[m], "points": " ".join(f"{x:.1f},{y:.1f}" for x, y in points), "label_y": points[-1][1] + 4})
-    return {"width": width, "height": height, "left": left, "top": top, "inner_w": inner_w, "inner_h": inner_h, "series": series,
-            "xticks": [{"x": px(math.log2(r["tokens"])), "label": f"2^{int(round(math.log2(r['tokens'])))}"} for r in rows],
-            "yticks": [{"y": py(v), "label": f"{10.0 ** v:g} ms"} for v in range(y0, y1 + 1)]}
-
-
-def render_bench_html(record: dict[str, Any]) -> str:
-    import jinja2
-
-    template = jinja2.Environment(autoescape=True).from_string(_PAGE)
-    env = record.get("environment", {})
-    return template.render(device=record["device"], threads=env.get("threads"), repeats=record["repeats"], tau=record["tau"], rows=record["rows"],
-                           plot=_plot(record["rows"]), torch=env.get("torch"), platform=env.get("platform"), gpu=env.get("gpu"),
-                           fused_passes=env.get("fused_passes", "not recorded"))
 
 
 def bench_across_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:

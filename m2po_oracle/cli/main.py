@@ -85,35 +85,35 @@ def build_parser() -> argparse.ArgumentParser:
     selftest.add_argument("--distributed", action="store_true", help="also the distributed controls, each on a gloo world of the topology it shows on")
     selftest.add_argument("--quick", action="store_true",
                           help="each control at the examples that catch and name it on seeds 0-9 (its own number), unshrunk: the CI run")
-    selftest.add_argument("--seeds", type=options._positive_int, default=1,
+    selftest.add_argument("--seeds", type=options.positive_int, default=1,
                           help="also run each control on this many seeds until its first failing example; shows min / median / max (default 1)")
     options.add_to_argparse(selftest, tuple(o for o in options.COMPARE_OPTIONS if o.name in ("examples", "seed")))
-    selftest.add_argument("--jobs", type=options._positive_int, default=1,
+    selftest.add_argument("--jobs", type=options.positive_int, default=1,
                           help="run the controls in this many processes at once (default %(default)s; distributed controls run one at a time)")
 
     bench = commands.add_parser("bench", help="time the exact selection and the core forward against sorting and a streaming pass, side by side")
     bench.add_argument("--sizes", default="20,22,24", help="comma-separated log2 token counts (default 20,22,24: 1M, 4M and 16M)")
     bench.add_argument("--scaling", action="store_true", help="the scaling series 2^12 .. 2^24 instead of --sizes")
-    bench.add_argument("--repeats", type=options._positive_int, default=7, help="interleaved repeats per size (medians and bests reported)")
+    bench.add_argument("--repeats", type=options.positive_int, default=7, help="interleaved repeats per size (medians and bests reported)")
     bench.add_argument("--device", default="cpu", help="cpu or cuda")
-    bench.add_argument("--threads", type=options._positive_int, default=None, help="torch CPU threads (default: torch's)")
-    bench.add_argument("--ranks", type=options._positive_int, default=None,
+    bench.add_argument("--threads", type=options.positive_int, default=None, help="torch CPU threads (default: torch's)")
+    bench.add_argument("--ranks", type=options.positive_int, default=None,
                        help="also compare distributed selection on a gloo world of this many ranks (tokens per rank: the largest --sizes)")
     bench.add_argument("--json", type=Path, default=None)
     bench.add_argument("--html", type=Path, default=None)
     bench.add_argument("--audit", action="store_true",
                        help="instead: time the offline audit (audit_capture) of one synthetic dp=4 x 2 micro-batch step, correct and with a planted bug")
-    bench.add_argument("--tokens", type=options._positive_int, default=1 << 24, help="with --audit: tokens of that step (default 16,777,216)")
+    bench.add_argument("--tokens", type=options.positive_int, default=1 << 24, help="with --audit: tokens of that step (default 16,777,216)")
 
     audit = commands.add_parser("audit", help="audit a capture of a training run (m2po_oracle.capture.recorder) against Algorithm 1, step by step")
     audit.add_argument("directory", type=Path, help="the capture directory (manifest.rank-*.json)")
     audit.add_argument("--json", type=Path, default=None, help="write the JSON report (schema m2po-oracle/audit/1) here")
     audit.add_argument("--html", type=Path, default=None, help="write the HTML report (a timeline of every step, the worst step first) here")
     audit.add_argument("--step", type=int, action="append", default=None, metavar="N", help="audit only this optimizer step (repeatable)")
-    audit.add_argument("--rollout-atol", type=options._budget, default=None, metavar="X",
+    audit.add_argument("--rollout-atol", type=options.nonnegative_seconds, default=None, metavar="X",
                        help="let the behaviour log-probs differ from the sampler's rollout_logp by up to X per token (a recomputation "
                             "under the sampler's weights with other kernels); default: equal at float32 precision")
-    audit.add_argument("--policy-atol", type=options._budget, default=None, metavar="X",
+    audit.add_argument("--policy-atol", type=options.nonnegative_seconds, default=None, metavar="X",
                        help="let the loss pass's log-probs differ from the selection's prepass (selection_logp) by up to X per token "
                             "(nondeterministic kernels); default: equal at the capture dtype's precision")
 
@@ -435,7 +435,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         return main_audit(args, console)
     import torch
 
-    from m2po_oracle.bench.core import render_bench_html, run_bench
+    from m2po_oracle.bench.core import run_bench
+    from m2po_oracle.report.bench_html import write_bench_html
 
     try:
         exponents = list(range(12, 25, 2)) if args.scaling else [int(x) for x in args.sizes.split(",")]
@@ -492,8 +493,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2))
     if args.html:
-        args.html.parent.mkdir(parents=True, exist_ok=True)
-        args.html.write_text(render_bench_html(record))
+        write_bench_html(record, args.html)
     identical = all(r["identical"] for r in record["rows"]) and record.get("across_ranks", {}).get("identical", True)
     return EXIT_EQUIVALENT if identical else EXIT_DIVERGENT
 

@@ -25,7 +25,7 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -54,7 +54,7 @@ def _topology(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _budget(text: str) -> float:
+def nonnegative_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -68,11 +68,11 @@ def _budget(text: str) -> float:
 # switch) so that a runner can tell a given option, which it must honour or refuse, from
 # one left alone.
 COMPARE_OPTIONS: tuple[Option, ...] = (
-    Option("examples", "number of generated batches (training steps for the trainer) to try (default 500)", _positive_int),
+    Option("examples", "number of generated batches (training steps for the trainer) to try (default 500)", positive_int),
     Option("seed", "seed of the batch generator: same seed, same batches (default 0)", int),
     Option("dtype", "dtype of the input tensors given to the implementation (default float64)", str, None, DTYPE_CHOICES),
     Option("compute_dtype", "dtype the implementation computes its selection in (sets the rounding band; default: --dtype)", str, None, DTYPE_CHOICES),
-    Option("tau", "use this budget for every batch instead of drawing it", _budget),
+    Option("tau", "use this budget for every batch instead of drawing it", nonnegative_seconds),
     Option("device", "torch device for the input tensors (default cpu)", str),
     Option("timeout", "per-call timeout in seconds; the implementation runs in a worker process and a call past it is a finding (default 60)",
            _positive_seconds),
@@ -102,7 +102,7 @@ RUN_SETTINGS: tuple[Option, ...] = (
            "verdict equivalent-with-accepted (exit 0); if it no longer shows, the run fails (exit 1) unless strict = false in pyproject.toml",
            str, repeat=True),
     Option("checks", "run only the checks matching these comma-separated glob patterns, e.g. 'selection.*,loss' (call always runs)", str),
-    Option("max_failures", "stop exploring after N failing examples (-x: 1); the counterexamples and diagnosis cover what was found", _positive_int),
+    Option("max_failures", "stop exploring after N failing examples (-x: 1); the counterexamples and diagnosis cover what was found", positive_int),
     Option("no_shrink", "report each check's first failing example as generated instead of shrinking it (faster)", bool, False, switch=True),
     Option("skip_validation", "do not run the invalid-input probes (reported as skipped, never as passed)", bool, False, switch=True),
     Option("hypothesis_database", "a folder for a Hypothesis example database: this run's failing examples are replayed first on the next run",

@@ -1,6 +1,6 @@
 """The core's CPU passes fused: one read of the batch where torch operators need a dozen.
 
-``m2po_oracle.core._fused`` is an optional C extension built at install (``pyproject.toml``'s
+``m2po_oracle.core.fused_c`` is an optional C extension built at install (``pyproject.toml``'s
 ``ext-modules``). The core calls it, through the checked functions below, for CPU tensors
 that are contiguous and share one dtype of float64, float32 or bfloat16; everywhere else
 (a GPU, float16, mixed dtypes, strided views, no compiler at install) it runs its torch
@@ -33,12 +33,12 @@ def _load() -> tuple[Any, str | None]:
     """The extension, or None and why: not built (no C compiler at install), built for
     other arguments, or (in a source checkout) built before its source last changed."""
     try:
-        from m2po_oracle.core import _fused as extension
+        from m2po_oracle.core import fused_c as extension
     except ImportError as error:
         return None, f"{error} (built without a C compiler? reinstall with one: pip install -e .)"
     if getattr(extension, "INTERFACE", None) != INTERFACE:
         return None, f"{extension.__file__} has interface {getattr(extension, 'INTERFACE', None)}, this module calls {INTERFACE}: rebuild (pip install -e .)"
-    source = Path(__file__).with_name("_fused.c")
+    source = Path(__file__).with_name("fused_c.c")
     if source.exists() and source.stat().st_mtime > Path(extension.__file__).stat().st_mtime:
         return None, f"{source} changed after {extension.__file__} was built: rebuild (pip install -e .)"
     return extension, None

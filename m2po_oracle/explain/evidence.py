@@ -175,7 +175,7 @@ class Judge:
         selection_key = (tuple(getattr(dev, k) for k in SELECTION_KNOBS), i)
         if selection_key not in self._keeps:  # the mask and its M2 levels depend on the selection's knobs only
             d = variants.selection_log_ratio(variants.log_ratio(batch, dev), dev)
-            self._keeps[selection_key] = (variants.select(batch, dev), np.where(batch.valid, variants._selection_m2(d, dev), np.nan))
+            self._keeps[selection_key] = (variants.select(batch, dev), np.where(batch.valid, variants.selection_m2(d, dev), np.nan))
         keep, levels = self._keeps[selection_key]
         if same_up_to_ties(keep, actual.keep, levels):
             return None

@@ -99,7 +99,7 @@ def _select_scope(m2: np.ndarray, candidate: np.ndarray, fixed: np.ndarray, tau:
     return removed.reshape(m2.shape)
 
 
-def _selection_m2(d: np.ndarray, dev: Deviation) -> np.ndarray:
+def selection_m2(d: np.ndarray, dev: Deviation) -> np.ndarray:
     if dev.selection_dtype == "float32":
         d32 = d.astype(np.float32)
         with np.errstate(over="ignore"):
@@ -112,7 +112,7 @@ def select(batch: Batch, dev: Deviation) -> np.ndarray:
     if dev.selection_kind != "mask":
         return clip_outcome(batch, dev).keep
     d = selection_log_ratio(_statistic_log_ratio(batch, dev), dev)
-    m2 = _selection_m2(d, dev)
+    m2 = selection_m2(d, dev)
     candidate = candidates(d, batch, dev)
     fixed = _statistic_positions(batch, dev) & ~candidate if dev.mean_over_valid else np.zeros_like(candidate)
     rows = batch.shape[0]

@@ -117,7 +117,7 @@ class Facts:
         if total.infinite:
             return False
         numerator, denominator = tau.as_integer_ratio()
-        return total.scaled * denominator == numerator * k * (1 << oracle.ExactSum._SCALE)
+        return total.scaled * denominator == numerator * k * (1 << oracle.ExactSum.SCALE)
 
 
 def facts(batch: Batch, compute_dtype: str = "float64", drawn: Any = None) -> Facts:

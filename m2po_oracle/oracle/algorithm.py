@@ -65,7 +65,7 @@ class ExactSum:
     """A sum of non-negative float64 values held exactly, as an integer count of 2**-1074
     (the smallest subnormal), so values can be removed without rounding error."""
 
-    _SCALE = 1074
+    SCALE = 1074
 
     def __init__(self, values: np.ndarray) -> None:
         self.infinite = int(np.isinf(values).sum())
@@ -74,7 +74,7 @@ class ExactSum:
     @classmethod
     def _scaled(cls, value: float) -> int:
         numerator, denominator = value.as_integer_ratio()  # denominator is a power of two
-        return numerator * ((1 << cls._SCALE) // denominator)
+        return numerator * ((1 << cls.SCALE) // denominator)
 
     def remove(self, value: float) -> None:
         if math.isinf(value):
@@ -87,7 +87,7 @@ class ExactSum:
         if self.infinite:
             return True
         numerator, denominator = float(tau).as_integer_ratio()
-        return self.scaled * denominator > numerator * count * (1 << self._SCALE)
+        return self.scaled * denominator > numerator * count * (1 << self.SCALE)
 
 
 # Step 4: the equivalent vectorised form.

@@ -12,6 +12,8 @@ from typing import Any
 
 import jinja2
 
+from m2po_oracle.report.environment import environment
+
 _TEMPLATE = "audit.html.j2"
 #: The timeline's plot area in SVG units.
 WIDTH, HEIGHT, MARGIN = 900, 220, 40
@@ -49,9 +51,7 @@ def _view(report: Mapping[str, Any], directory: str) -> dict[str, Any]:
 
 def render_audit_html(report: Mapping[str, Any]) -> str:
     directory = str((report.get("capture") or {}).get("directory", ""))
-    # A report from an older or partial audit may lack keys: they render empty, never raise.
-    environment = jinja2.Environment(loader=jinja2.PackageLoader("m2po_oracle.report", "templates"), autoescape=True)
-    return environment.get_template(_TEMPLATE).render(v=_view(report, directory), number=_number)
+    return environment(strict=False).get_template(_TEMPLATE).render(v=_view(report, directory), number=_number)
 
 
 def _number(value: Any) -> str:

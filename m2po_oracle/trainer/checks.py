@@ -9,7 +9,7 @@ from m2po_oracle.judge.checks import CHECKS, TRAINER_CHECKS
 from m2po_oracle import oracle
 from m2po_oracle.judge.equivalence import (Mismatch, check_selection, checks_run_on, compare_fields, compare_to_oracle, compare_values, exp_rounding,
                                      same_up_to_ties, tolerance, valid_m2)
-from m2po_oracle.trainer.run import TrainerStep, _result
+from m2po_oracle.trainer.run import TrainerStep, result_of_step
 
 #: Checks a trainer step runs: the battery's value checks on its batch, then its own (the
 #: loss-function behaviour checks, padding probes, determinism and mutation, do not apply).
@@ -21,7 +21,7 @@ CHECK_NAMES = tuple(n for n in CHECKS if n in ("call", "loss", "gradient") or n.
 ROLLOUT_LOGP_DTYPE = "float32"
 
 
-def _logp_check(check: str, what: str, reported: np.ndarray, expected: np.ndarray, valid: np.ndarray, dtype: str) -> Mismatch | None:
+def logp_check(check: str, what: str, reported: np.ndarray, expected: np.ndarray, valid: np.ndarray, dtype: str) -> Mismatch | None:
     # Log-probs are O(1) quantities: scale 1 keeps near-zero log-probs from demanding relative precision.
     mismatch = compare_values(check, what, np.where(valid, reported, 0.0), np.where(valid, expected, 0.0), tolerance(dtype, "metric"), scale=1.0)
     if mismatch is None:
@@ -31,7 +31,7 @@ def _logp_check(check: str, what: str, reported: np.ndarray, expected: np.ndarra
 
 
 
-def _compare_params(check: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], dtype: str, what: str) -> Mismatch | None:
+def compare_params(check: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], dtype: str, what: str) -> Mismatch | None:
     tol = tolerance(dtype, "gradient")
     # Entries far below the largest are judged against the largest (as for per-token gradients).
     scale = max((float(t.abs().max()) for t in expected.values() if t.numel()), default=0.0)
@@ -51,20 +51,20 @@ def check_trainer_step(step: TrainerStep, compute_dtype: str | None = None) -> l
     record, batch, dtype = step.record, step.batch, step.dtype
     valid = batch.valid
     if step.beta == 0:
-        found = compare_to_oracle(batch, _result(record), dtype, compute_dtype)
+        found = compare_to_oracle(batch, result_of_step(record), dtype, compute_dtype)
     else:  # loss and gradient judged with the KL term in both: the record's and the expectation's
         found = check_selection(batch, record.keep.numpy(), compute_dtype or dtype)
         found += compare_fields(batch, step.reported, step.expected_on_mask, dtype, compute_dtype)
-    mismatch = _logp_check("trainer.behavior_logp", "behavior_logp", batch.behavior_logp, step.sampler_logp, valid, ROLLOUT_LOGP_DTYPE)
+    mismatch = logp_check("trainer.behavior_logp", "behavior_logp", batch.behavior_logp, step.sampler_logp, valid, ROLLOUT_LOGP_DTYPE)
     found += [mismatch] if mismatch else []
-    mismatch = _logp_check("trainer.policy_logp", "logp", batch.logp, step.current_logp, valid, dtype)
+    mismatch = logp_check("trainer.policy_logp", "logp", batch.logp, step.current_logp, valid, dtype)
     found += [mismatch] if mismatch else []
-    mismatch = _compare_params("trainer.parameter_gradient", record.param_grads, step.pulled_back_gradient, dtype,
+    mismatch = compare_params("trainer.parameter_gradient", record.param_grads, step.pulled_back_gradient, dtype,
                                "the analytic gradient pulled back through the model")
     found += [mismatch] if mismatch else []
     if step.single is not None:
         found += _accumulation(step)
-    mismatch = _compare_params("trainer.optimizer_step", record.params_after, step.one_optimizer_step, dtype, "one optimizer step with the reported gradient")
+    mismatch = compare_params("trainer.optimizer_step", record.params_after, step.one_optimizer_step, dtype, "one optimizer step with the reported gradient")
     found += [mismatch] if mismatch else []
     if step.beta != 0:
         found += kl_term_mismatches(step)
@@ -124,7 +124,7 @@ def _accumulation(step: TrainerStep) -> list[Mismatch]:
     mismatch = compare_values("trainer.accumulation", "loss", record.loss, single.loss, tolerance(dtype, "loss"), scale=scale)
     if mismatch:
         found.append(Mismatch(mismatch.check, f"{label}: {mismatch.summary}", "loss", None, record.loss, single.loss, mismatch.details))
-    mismatch = _compare_params("trainer.accumulation", record.param_grads, single.param_grads, dtype, f"{label}: accumulated gradient")
+    mismatch = compare_params("trainer.accumulation", record.param_grads, single.param_grads, dtype, f"{label}: accumulated gradient")
     found += [mismatch] if mismatch else []
     return found
 

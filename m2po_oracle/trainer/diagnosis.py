@@ -11,9 +11,9 @@ import torch
 from m2po_oracle import oracle
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.judge.equivalence import compare_values, same_up_to_ties, tolerance, valid_m2
-from m2po_oracle.trainer.checks import ROLLOUT_LOGP_DTYPE, _compare_params, _logp_check
+from m2po_oracle.trainer.checks import ROLLOUT_LOGP_DTYPE, compare_params, logp_check
 from m2po_oracle.trainer.controls import CONTROLS_BY_NAME
-from m2po_oracle.trainer.run import TrainerStep, _optimizer_replay
+from m2po_oracle.trainer.run import TrainerStep, optimizer_replay
 
 
 def _micro_rows(split: tuple[int, ...]) -> list[slice]:
@@ -71,22 +71,22 @@ def _test_kl_k1_estimator(step: TrainerStep) -> tuple[bool, bool]:
 
 
 def _test_current_policy_as_behavior(step: TrainerStep) -> tuple[bool, bool]:
-    same = lambda a, b: _logp_check("diagnosis", "behavior_logp", a, b, step.batch.valid, ROLLOUT_LOGP_DTYPE) is None  # noqa: E731
+    same = lambda a, b: logp_check("diagnosis", "behavior_logp", a, b, step.batch.valid, ROLLOUT_LOGP_DTYPE) is None  # noqa: E731
     return same(step.batch.behavior_logp, step.current_logp), not same(step.sampler_logp, step.current_logp)
 
 
 def _test_stochastic_forward(step: TrainerStep) -> tuple[bool, bool]:
     from m2po_oracle.trainer.grpo import stochastic_layers
 
-    differs = _logp_check("diagnosis", "logp", step.batch.logp, step.current_logp, step.batch.valid, step.dtype) is not None
+    differs = logp_check("diagnosis", "logp", step.batch.logp, step.current_logp, step.batch.valid, step.dtype) is not None
     reproduces = differs and bool(stochastic_layers(step.policy_before))
     return reproduces, reproduces
 
 
 def _test_optimizer_step_per_micro_batch(step: TrainerStep) -> tuple[bool, bool]:
     micro = _micro_rows(step.record.split)  # an empty micro-batch still reaches optimizer.step()
-    replayed = _optimizer_replay(step, micro)
-    same = lambda a, b: _compare_params("diagnosis", a, b, step.dtype, "") is None  # noqa: E731
+    replayed = optimizer_replay(step, micro)
+    same = lambda a, b: compare_params("diagnosis", a, b, step.dtype, "") is None  # noqa: E731
     return same(step.record.params_after, replayed), not same(step.one_optimizer_step, replayed)
 
 
@@ -95,7 +95,7 @@ def _test_parameters_without_gradient(step: TrainerStep) -> tuple[bool, bool]:
     zero, and every other parameter's gradient is right."""
     expected, reported = step.pulled_back_gradient, step.record.param_grads
     silent = {n for n, g in reported.items() if not bool(g.any()) and bool(expected[n].any())}
-    rest_right = _compare_params("diagnosis", {n: g for n, g in reported.items() if n not in silent},
+    rest_right = compare_params("diagnosis", {n: g for n, g in reported.items() if n not in silent},
                                  {n: g for n, g in expected.items() if n not in silent}, step.dtype, "") is None
     return bool(silent) and rest_right, bool(silent)
 

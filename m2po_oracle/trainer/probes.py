@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from m2po_oracle.trainer.cases import TrainerCase
-from m2po_oracle.trainer.run import STEP_LR, TrainerFactory, _builtin_trainer, setup_case
+from m2po_oracle.trainer.run import STEP_LR, TrainerFactory, builtin_trainer, setup_case
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def run_trainer_probe(probe: TrainerProbe, *, dtype: str = "float64", faults: di
     versions, samplers, rollout = setup_case(PROBE_CASE, dtype=dtype, dropout=probe.model_dropout, device=device, backend=probe.backend,
                                              record_logp=probe.record_logp)
     config = TrainerConfig(**{"tau": PROBE_CASE.tau, "lr": STEP_LR, **probe.config})
-    make_trainer = make_trainer or _builtin_trainer(faults)
+    make_trainer = make_trainer or builtin_trainer(faults)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

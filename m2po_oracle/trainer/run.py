@@ -85,7 +85,7 @@ class TrainerStep:
         """The record as the value checks judge it against :attr:`expected_on_mask`: with a
         KL term, its whole loss (adding the expected KL to the expectation, rather than
         subtracting it from the record, keeps the record's own rounding out of the check)."""
-        result = _result(self.record)
+        result = result_of_step(self.record)
         return result if self.beta == 0 else replace(result, loss=float(self.record.loss))
 
     @functools.cached_property
@@ -93,9 +93,9 @@ class TrainerStep:
         """The record's M2PO part, for the diagnosis: its loss and d loss / d logp less the
         expected ``beta * KL`` and its gradient."""
         if self.beta == 0:
-            return _result(self.record)
+            return result_of_step(self.record)
         value, grad = self.kl
-        result = _result(self.record)
+        result = result_of_step(self.record)
         return replace(result, loss=self.record.loss - self.beta * value, grad=result.grad - self.beta * grad)
 
     @functools.cached_property
@@ -108,7 +108,7 @@ class TrainerStep:
     @functools.cached_property
     def one_optimizer_step(self) -> dict[str, torch.Tensor]:
         """The parameters after one step of the trainer's optimizer with the reported gradient."""
-        return _optimizer_replay(self)
+        return optimizer_replay(self)
 
 
 #: How a trainer under test is built: ``make_trainer(policy, config, *, behaviour, reference)``
@@ -117,7 +117,7 @@ class TrainerStep:
 TrainerFactory = Callable[..., Any]
 
 
-def _builtin_trainer(faults: dict[str, Any] | None) -> TrainerFactory:
+def builtin_trainer(faults: dict[str, Any] | None) -> TrainerFactory:
     from m2po_oracle.trainer.grpo import GRPOTrainer, TrainerFaults
 
     planted = TrainerFaults(**(faults or {}))
@@ -149,7 +149,7 @@ def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerContr
     from m2po_oracle.trainer.grpo import M2POKLWarning, TrainerConfig
 
     beta = control.beta if control is not None and control.beta else beta
-    make_trainer = make_trainer or _builtin_trainer(control.faults if control else None)
+    make_trainer = make_trainer or builtin_trainer(control.faults if control else None)
     versions, samplers, rollout = setup_case(case, dtype=dtype, dropout=control.model_dropout if control else 0.0, device=device)
     policy = versions[-1]
     policy_before = copy.deepcopy(policy).eval()
@@ -234,7 +234,7 @@ def check_record(record: Any, rollout: Any, policy: Any) -> Any:
     return record
 
 
-def _result(record: Any) -> M2POResult:
+def result_of_step(record: Any) -> M2POResult:
     metrics = {name: record.metrics[name] for name in METRIC_FIELDS + COUNT_FIELDS if name in record.metrics}
     return M2POResult(loss=record.loss - record.kl_term, keep=record.keep.numpy().copy(), grad=record.token_grad.to(torch.float64).numpy().copy(), **metrics)
 
@@ -262,7 +262,7 @@ def _pullback(model: Any, rollout: Any, token_grad: np.ndarray, rows: slice | No
 
 
 
-def _optimizer_replay(step: TrainerStep, micro_batches: list[slice] | None = None) -> dict[str, torch.Tensor]:
+def optimizer_replay(step: TrainerStep, micro_batches: list[slice] | None = None) -> dict[str, torch.Tensor]:
     """Parameters after the step, replayed from the snapshot with the trainer's optimizer.
 
     Without ``micro_batches``: one step with the reported gradient. With them: a step

@@ -7,7 +7,6 @@ import math
 import shlex
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import given
 

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from m2po_oracle.core import fused
-from m2po_oracle.bench.core import render_bench_html, run_bench
+from m2po_oracle.bench.core import run_bench
+from m2po_oracle.report.bench_html import render_bench_html
 from m2po_oracle.cli.main import EXIT_EQUIVALENT, EXIT_UNUSABLE, main
 
 

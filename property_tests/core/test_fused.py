@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from core_passes import core_passes  # beside this file
-from m2po_oracle import core, strategies
+from m2po_oracle import strategies
 from m2po_oracle.core import fast_selection, fused
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.judge.contract import to_tensors
@@ -35,7 +35,7 @@ def test_the_extension_is_built_wherever_a_compiler_is():
     build that failed on a machine with a compiler would pass unnoticed: not here."""
     if _compiler() is None:
         pytest.skip("no C compiler on this machine: the core runs its torch operators")
-    assert fused.built(), f"a C compiler is here ({_compiler()}) but m2po_oracle.core._fused is not built: {fused.why_not_built()}"
+    assert fused.built(), f"a C compiler is here ({_compiler()}) but m2po_oracle.core.fused_c is not built: {fused.why_not_built()}"
 
 
 def _both_ways(tensors: dict[str, torch.Tensor], tau: float) -> tuple[list, int]:
@@ -182,15 +182,15 @@ def test_every_instruction_set_s_build_gives_the_same_bits(flags, tmp_path):
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the instruction-set clones are x86-64's")
-    source = Path(fused.__file__).with_name("_fused.c")
+    source = Path(fused.__file__).with_name("fused_c.c")
     if not source.exists():
         pytest.skip("an installed wheel: the extension's source is not here")
-    target = tmp_path / f"_fused{sysconfig.get_config_var('EXT_SUFFIX')}"
+    target = tmp_path / f"fused_c{sysconfig.get_config_var('EXT_SUFFIX')}"
     compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")
     subprocess.run([*compiler, "-O3", "-ffp-contract=off", *flags, "-DM2PO_FUSED_ONE_TARGET", "-shared", "-fPIC",
                     f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(target)], check=True, capture_output=True)
-    loader = importlib.machinery.ExtensionFileLoader("m2po_oracle.core._fused", str(target))
-    built = importlib.util.module_from_spec(importlib.util.spec_from_loader("m2po_oracle.core._fused", loader))
+    loader = importlib.machinery.ExtensionFileLoader("m2po_oracle.core.fused_c", str(target))
+    built = importlib.util.module_from_spec(importlib.util.spec_from_loader("m2po_oracle.core.fused_c", loader))
     loader.exec_module(built)
     with mock.patch.object(fused, "_extension", built):
         for case in ("crossing bucket sorted", "exact ties at the cut", "NaN padding"):

@@ -21,6 +21,8 @@ from m2po_oracle.compare.search import run_compare
 from m2po_oracle.call.resolve import load_implementation
 from m2po_oracle.distributed.runner import DistributedRunner
 from m2po_oracle.report import html as html_module
+from m2po_oracle.report import values
+from m2po_oracle.report.environment import environment
 from m2po_oracle.report.html import render_html, write_html
 from m2po_oracle.distributed.topology import Topology
 
@@ -391,7 +393,7 @@ def test_nothing_to_explain_shows_one_line(divergent, status):
     html = render_html(_explained(divergent, status))  # even with content under the other keys
     assert '<section id="explanation"' not in html and '<a href="#explanation">Explanation</a>' not in html
     (note,) = re.findall(r'<p class="note [^"]*explanation-note" id="explanation" data-status="([^"]+)">([^<]*)</p>', html)
-    assert note[0] == status and note[1] == html_module._DIAGNOSIS_NOTE[status] and "\n" not in note[1]
+    assert note[0] == status and note[1] == html_module.DIAGNOSIS_NOTE[status] and "\n" not in note[1]
     for absent in ("explanation-components", "slime_pr", "the loss is NaN", "--compute-dtype float32", "hard_clamped_log_ratio"):
         assert absent not in html, absent
     assert html.index('<section id="counterexamples"') < html.index('id="cx-1"'), "the first counterexample stays in its section"
@@ -410,11 +412,11 @@ def test_closest_lists_only_variants_that_agree_somewhere(divergent):
     assert "all_valid_candidates" not in html and "agreed_" not in html
     assert re.search(r'<details class="closest" open>', html), "with nothing explained, the closest variants are the lead: open"
     # The template filters too, whatever the view model hands it.
-    view = html_module._view(report)
+    view = html_module.view(report)
     view["diagnosis"]["closest"].append({**view["diagnosis"]["closest"][0], "variant": "sneaked_in", "agreed_n": 0})
-    assert "sneaked_in" not in html_module._environment().get_template(html_module._TEMPLATE).render(r=view)
+    assert "sneaked_in" not in environment().get_template(html_module.TEMPLATE).render(r=view)
     view["diagnosis"]["closest"] = view["diagnosis"]["closest"][1:]
-    assert "No known variant agrees" in html_module._environment().get_template(html_module._TEMPLATE).render(r=view)
+    assert "No known variant agrees" in environment().get_template(html_module.TEMPLATE).render(r=view)
 
 
 def test_removed_tokens_are_labelled_removed_not_mask(divergent):
@@ -428,11 +430,11 @@ def test_removed_tokens_are_labelled_removed_not_mask(divergent):
 
 
 def test_negative_zero_is_printed_as_zero(divergent):
-    fmt, short = html_module._fmt, html_module._fmt_short
+    fmt, short = values.fmt, values.fmt_short
     assert fmt(-0.0) == fmt(0.0) == "0" and short(-0.0) == short(0.0) == "0"
-    assert fmt([-0.0, [0.0, -0.0]]) == "[0, [0, 0]]" and html_module._index([-0.0, 1]) == "(0, 1)"
-    assert html_module._duration(-0.0) == html_module._duration(-0.04) == "0.0 s" and html_module._r(-0.0) == 0.0
-    assert str(html_module._r(-0.001)) == "0.0"
+    assert fmt([-0.0, [0.0, -0.0]]) == "[0, [0, 0]]" and values.index_text([-0.0, 1]) == "(0, 1)"
+    assert values.duration_text(-0.0) == values.duration_text(-0.04) == "0.0 s" and values.rounded(-0.0) == 0.0
+    assert str(values.rounded(-0.001)) == "0.0"
     assert fmt(-1e-300) == "-1e-300" and short(-2.5e-7) == "-2.5e-07", "a small negative number keeps its sign"
     report = _explained(divergent)
     report["duration_s"] = -0.0
@@ -493,7 +495,7 @@ def test_token_table_prints_m2_values_apart_in_the_last_bits_apart(divergent):
     assert m2_texts[0] != m2_texts[1] and m2_texts[2:] == ["0.25", "\u2014"], m2_texts
     assert abs(float(m2_texts[0]) - close[0][1]) < abs(float(m2_texts[0]) - close[1][1]), "the digits shown tell which is larger"
     assert [cells[2][1] for _, cells in rows] == ["0.854081", "0.854081", "0.5", "\u2014"], "equal values keep six digits"
-    assert html_module._column_texts([1.0 + 2 ** -40, 1.0, -0.0, float("nan")]) == ["1.000000000001", "1", "0", "nan"]
+    assert values.column_texts([1.0 + 2 ** -40, 1.0, -0.0, float("nan")]) == ["1.000000000001", "1", "0", "nan"]
 
 
 @pytest.mark.parametrize("lost_m2, swapped", [(0.125, True), (0.25, False)])

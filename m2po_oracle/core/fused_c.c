@@ -421,13 +421,13 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused", "The core's CPU passes, fused (see fused.py).", -1, methods,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fused_c", "The core's CPU passes, fused (see fused.py).", -1, methods,
                                     NULL, NULL, NULL, NULL};
 
 /* fused.py refuses an extension built from another version of these functions' arguments. */
 #define INTERFACE 3
 
-PyMODINIT_FUNC PyInit__fused(void) {
+PyMODINIT_FUNC PyInit_fused_c(void) {
     PyObject *built = PyModule_Create(&module);
     if (built != NULL && PyModule_AddIntConstant(built, "INTERFACE", INTERFACE) < 0) {
         Py_DECREF(built);
