@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from m2po_oracle.capture import recorder
+from m2po_oracle.capture import reader
 from m2po_oracle.judge import equivalence
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
@@ -278,7 +278,7 @@ def logged_scopes(step: AuditStep) -> list[str]:
     return matching
 
 
-def always_silent_parameters(capture: recorder.Capture) -> tuple[set[str], int]:
+def always_silent_parameters(capture: reader.Capture) -> tuple[set[str], int]:
     """The parameters with no or an all-zero gradient at every recorded step where some parameter
     has one, and the number of such steps.
 

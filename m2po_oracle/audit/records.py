@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from m2po_oracle.capture import recorder
+from m2po_oracle.capture import reader
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import number
 from m2po_oracle.distributed.topology import RankCoords, Topology
@@ -164,14 +164,14 @@ def _rows(tensor: Any, boolean: bool = False) -> np.ndarray:
     return array.reshape(-1, array.shape[-1])
 
 
-def _record(record: dict[str, Any], info: recorder.RecordInfo, coords: RankCoords) -> MicroBatch:
+def _record(record: dict[str, Any], info: reader.RecordInfo, coords: RankCoords) -> MicroBatch:
     shape = tuple(record["logp"].shape)
     optional = {}
     for name in ("grad", "selection_logp", "rollout_logp"):
         value = record.get(name)
         if value is not None and tuple(value.shape) != shape:
             path = info.grad_path if name == "grad" and info.grad_path else info.path
-            raise recorder.CaptureError(path, f"{name} has shape {list(value.shape)}, logp {list(shape)}")
+            raise reader.CaptureError(path, f"{name} has shape {list(value.shape)}, logp {list(shape)}")
         optional[name] = None if value is None else _rows(value)
     dtype = str(record["logp"].dtype).removeprefix("torch.")
     return MicroBatch(info.rank, coords, info.micro_batch, _rows(record["logp"]), _rows(record["behavior_logp"]),
@@ -184,7 +184,7 @@ class Unusable(Exception):
     """A step whose records cannot be put together (the reason is the message)."""
 
 
-def records_of(capture: recorder.Capture, topology: Topology, step: int, bad_paths: set[str],
+def records_of(capture: reader.Capture, topology: Topology, step: int, bad_paths: set[str],
                 problems: list[str]) -> list[MicroBatch]:
     keys = sorted(k for k in capture.keys() if k[1] == step)  # noqa: SIM118 - Capture.keys() is a method, not a dict
     ranks = {k[0] for k in keys}
@@ -201,7 +201,7 @@ def records_of(capture: recorder.Capture, topology: Topology, step: int, bad_pat
             raise Unusable(f"incomplete step: the files of rank {key[0]} micro-batch {key[2]} have problems (listed in the capture's problems)")
         try:
             records.append(_record(capture.load(*key), info, topology.coords(key[0])))
-        except recorder.CaptureError as error:
+        except reader.CaptureError as error:
             problems.append(str(error))
             raise Unusable(f"incomplete step: {error}") from None
     return records

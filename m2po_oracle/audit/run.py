@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from m2po_oracle.capture import recorder
+from m2po_oracle.capture import reader
 from m2po_oracle.distributed.topology import Topology
 from m2po_oracle.audit.records import AuditCheck, AuditReport, CHECK_NAMES, StepAudit, Unusable, records_of
 from m2po_oracle.audit.reassembly import AuditStep, assemble
@@ -49,7 +49,7 @@ def audit_capture(directory: str | Path, *, steps: set[int] | None = None, rollo
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0):
             raise ValueError(f"{name} must be None or a finite number >= 0, got {value!r}")
     bounds = LogpBounds(rollout=rollout_atol, policy=policy_atol)
-    problems_found, capture = recorder.inspect_capture(directory)
+    problems_found, capture = reader.inspect_capture(directory)
     problems = [f"{path}: {problem}" for path, problem in problems_found]
     if capture is None:
         return AuditReport(str(directory), None, None, problems, [])

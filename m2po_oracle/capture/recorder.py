@@ -1,78 +1,30 @@
 """Record what a real training run fed its M2PO loss, for an offline audit.
 
 This module depends on torch and safetensors only and imports no other ``m2po_oracle``
-module, so that a framework can vendor this one file. Tensors are written as safetensors
-(never pickle); every rank writes its own files and its own manifest, so ranks never write
-the same file and no collective is needed.
+module, so that a framework can vendor this one file (``capture/reader.py`` reads what it
+writes). Tensors are written as safetensors (never pickle); every rank writes its own files
+and its own manifest, so ranks never write the same file and no collective is needed.
 
 Recording (in every rank)::
 
     recorder = Recorder("runs/capture", rank=rank, world_size=world, topology="dp=4,cp=2,tp=1", every=10)
-    ...
     loss, keep, metrics = framework_m2po_loss(logp, behavior_logp, advantages, mask, tau=tau)
     recorder.record(step=step, micro_batch=mb, logp=logp, behavior_logp=behavior_logp,
                     advantages=advantages, mask=mask, keep=keep, loss=loss, tau=tau, metrics=metrics)
     recorder.watch_gradient(logp)                                              # after record, before backward
     loss.backward()                                                            # the hook writes d loss / d logp
 
-Layout of a capture directory::
-
-    DIR/manifest.rank-003.json                       # one per rank, schema "m2po-oracle/capture/1"
-    DIR/step-000012/rank-003.mb-001.safetensors      # logp, behavior_logp, advantages, mask, keep
-    DIR/step-000012/rank-003.mb-001.grad.safetensors # grad = d loss / d logp, when watched
-
-The manifest keeps a CRC-32 of every file, which the reader checks when it loads the file: a
-flipped bit in tensor data (which no header check sees) is a named error, not a wrong audit.
-``record_parameter_gradients`` notes each parameter's gradient norm in the manifest.
-
 Every file is written to a temporary name and moved into place with ``os.replace``, and the
-manifest is rewritten after every record (and every captured gradient), so a run that dies
-leaves a capture whose manifest lists only complete files. (No fsync: this protects against
-a crashed process, not against a power cut.) Non-finite scalars (a NaN loss is exactly what
-an audit wants to see) are written as the strings "NaN", "Infinity", "-Infinity" so that the
-manifest stays strict JSON; the reader turns them back into floats.
-
-**Gradients.** ``watch_gradient(logp)`` binds to the record whose ``logp=`` was this very
-tensor object (identity, held through a weak reference so the recorder never keeps a graph
-alive): call it after ``record`` and before ``backward``. It registers a tensor hook; when
-backward computes d loss / d logp the hook copies it to CPU and writes it beside the record
-(``*.grad.safetensors``), then updates the manifest. A second backward through the same
-``logp`` (``retain_graph``) adds to the file, as ``.grad`` would accumulate. On a skipped
-step ``watch_gradient`` returns ``None`` without registering anything.
-
-**Off the hot path.** ``every=k`` records the steps with ``step % k == 0``; on any other step
-``record`` checks ``step`` and returns ``None`` without touching a tensor (no copy, no
-``.item()``, no device synchronisation), and ``watch_gradient`` registers no hook. The
-other arguments of a skipped step are therefore not validated. A recorded step copies each
-tensor with ``detach().to("cpu", non_blocking=False).contiguous()`` (a synchronous copy from
-an accelerator) and writes synchronously.
-
-Measured with ``python -m m2po_oracle.capture.recorder`` (Python 3.11, torch 2.13.0 CPU, safetensors
-0.8.0, a shared 2-core VM with an ext4 virtual disk, other jobs running; logp of shape
-[256, 4096] float32 = 1,048,576 tokens, a 14.7 MB record file; ranges over 7 runs of 20 steps):
-
-- a recorded step (validation + CPU copies + the safetensors file + its CRC-32 + the
-  manifest): median 10 to 16 ms (fastest 8.9 ms, slowest 30 ms; 4.8 to 22 ms before the
-  checksum, whose read-back from the page cache and CRC add about 5 ms): writing 14.7 MB into the page cache, so it
-  follows the disk's write-back. CPU tensors are not copied (``.to("cpu")`` is a no-op); from
-  a GPU add one synchronous device-to-host copy of the same 14.7 MB;
-- its gradient (the hook: copy + ``*.grad.safetensors`` + manifest), beyond the backward
-  itself: median 0.6 to 12 ms;
-- a skipped step (``every=2``, odd step): 0.21 to 0.26 us per ``record`` call and 0.04 to
-  0.06 us per ``watch_gradient`` call;
-- the manifest rewrite (one cached JSON line per record): 0.3 to 1.6 ms up to 100 records, 1 ms at
-  1,000, 7 to 21 ms at 10,000 records per rank.
-
-**One line for a framework's own M2PO function**: ``watch(module, "compute_m2po_token_loss",
-recorder, optimizer=optimizer)`` wraps it and records every call (``capture_watch.py``, beside
-this file, which it imports on first use of ``watch``).
-
-Reading (the audit)::
-
-    capture = load_capture("runs/capture")           # CaptureError on the first problem
-    for (rank, step, micro_batch), record in capture.records():
-        record["logp"], record["keep"], record.get("grad"), record["loss"], record["tau"], record["metrics"]
-    problems = check_capture("runs/capture")         # every problem, for a partial audit
+manifest (with a CRC-32 of every file) is rewritten after every record and every captured
+gradient, so a run that dies leaves a capture whose manifest lists only complete files.
+Non-finite scalars are written as "NaN", "Infinity", "-Infinity", so the manifest stays
+strict JSON. ``watch_gradient(logp)`` binds to the record whose ``logp=`` was this very tensor
+(held through a weak reference) and writes d loss / d logp beside it when backward reaches
+it; a second backward (``retain_graph``) adds to the file. ``every=k`` records the steps with
+``step % k == 0``; any other step returns at once without touching a tensor (no copy, no
+``.item()``, no device synchronisation). The files, and what recording costs, are described
+in the documentation (how-to "Auditing a training run", internals "Performance";
+``python -m m2po_oracle.bench.capture_overhead`` measures it).
 """
 
 from __future__ import annotations
@@ -85,32 +37,19 @@ import os
 import platform
 import re
 import threading
-import time
 import weakref
 import zlib
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import safetensors
 import torch
-from safetensors import safe_open
 from safetensors.torch import load, save_file
 
-__all__ = [
-    "SCHEMA",
-    "OPTIONAL_TENSOR_NAMES",
-    "TENSOR_NAMES",
-    "Capture",
-    "CaptureError",
-    "GradientWatch",
-    "RecordInfo",
-    "Recorder",
-    "check_capture",
-    "load_capture",
-]
+__all__ = ["SCHEMA", "OPTIONAL_TENSOR_NAMES", "TENSOR_NAMES", "CaptureError", "GradientWatch", "Recorder"]
 
 #: The manifest schema this module writes and reads; a reader refuses any other.
 SCHEMA = "m2po-oracle/capture/1"
@@ -123,16 +62,16 @@ TENSOR_NAMES: tuple[str, ...] = ("logp", "behavior_logp", "advantages", "mask", 
 OPTIONAL_TENSOR_NAMES: tuple[str, ...] = ("selection_logp", "rollout_logp")
 _FLOAT_TENSORS = ("logp", "behavior_logp", "advantages", "selection_logp", "rollout_logp")
 _BOOL_TENSORS = ("mask", "keep")
-_GRAD = "grad"
+GRAD = "grad"
 
-_MANIFEST = re.compile(r"manifest\.rank-([0-9]+)\.json")
+MANIFEST_FILE = re.compile(r"manifest\.rank-([0-9]+)\.json")
 _AXES = ("dp", "cp", "tp")
 _PART = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*([0-9]+)\s*")
 _TOPOLOGY_FORM = "'dp=N,cp=N,tp=N' (keys in any order, a missing key means 1, N an integer >= 1)"
 # Strict JSON has no NaN/inf; these spellings are JavaScript's and Python's float() reads them.
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 # torch dtype name -> safetensors header code, to compare a file's header with its manifest.
-_SAFETENSORS_DTYPE = {
+SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
 }
@@ -245,7 +184,7 @@ def _encode(value: float) -> float | str:
     return value
 
 
-def _decode(value: object) -> object:
+def decode_number(value: object) -> object:
     if isinstance(value, str) and value in _NON_FINITE:
         return _NON_FINITE[value]
     return value
@@ -315,16 +254,41 @@ def _versions() -> dict[str, str | None]:
     }
 
 
-def _line(entry: Mapping[str, Any]) -> str:
+def manifest_line(entry: Mapping[str, Any]) -> str:
     return json.dumps(entry, separators=(",", ":"), allow_nan=False)
 
 
-def _record_name(step: int, micro_batch: int, rank: int, suffix: str = "") -> str:
+def record_name(step: int, micro_batch: int, rank: int, suffix: str = "") -> str:
     return f"step-{step:06d}/rank-{rank:03d}.mb-{micro_batch:03d}{suffix}.safetensors"
 
 
-def _manifest_name(rank: int) -> str:
+def manifest_name(rank: int) -> str:
     return f"manifest.rank-{rank:03d}.json"
+
+
+class CaptureError(ValueError):
+    """A capture directory that cannot be audited as it is; the message names the file."""
+
+    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+def parse_manifest(path: Path) -> dict[str, Any]:
+    """One rank's manifest, checked field by field; :class:`CaptureError` names the first problem."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CaptureError(path, f"manifest is not readable JSON: {error}") from None
+    if not isinstance(manifest, dict):
+        raise CaptureError(path, f"manifest must be a JSON object, got {type(manifest).__name__}")
+    if manifest.get("schema") != SCHEMA:
+        raise CaptureError(path, f"manifest schema is {manifest.get('schema')!r}, expected {SCHEMA!r}")
+    for key, kind in (("rank", int), ("world_size", int), ("topology", str), ("every", int), ("records", list)):
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            raise CaptureError(path, f"manifest field {key!r} must be a {kind.__name__}, got {manifest.get(key)!r}")
+    return manifest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,7 +309,7 @@ class GradientWatch:
     @property
     def path(self) -> Path:
         """The gradient file (it exists once backward has run)."""
-        return self._recorder.directory / _record_name(self.step, self.micro_batch, self._recorder.rank, ".grad")
+        return self._recorder.directory / record_name(self.step, self.micro_batch, self._recorder.rank, ".grad")
 
     def remove(self) -> None:
         """Stop capturing (a backward that already ran stays recorded)."""
@@ -398,7 +362,7 @@ class Recorder:
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"directory {str(self.directory)!r} exists and is not a directory")
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.manifest_path = self.directory / _manifest_name(self.rank)
+        self.manifest_path = self.directory / manifest_name(self.rank)
 
         self._lock = threading.Lock()  # the CUDA backward hook runs on another thread
         self._pending: dict[int, _Pending] = {}
@@ -424,12 +388,12 @@ class Recorder:
             self._manifest["parameter_gradients"] = self._resumed_parameters
         # One compact line per record, serialised once: rewriting the manifest then costs a
         # join and a write, not a json.dumps of every record so far.
-        self._lines: dict[tuple[int, int], str] = {key: _line(entry) for key, entry in self._records.items()}
+        self._lines: dict[tuple[int, int], str] = {key: manifest_line(entry) for key, entry in self._records.items()}
         # Written now, so that a rank that records nothing still shows up in the audit.
-        self._write_manifest()
+        self.write_manifest()
 
     def _resume(self) -> None:
-        manifest = _read_manifest(self.manifest_path)
+        manifest = parse_manifest(self.manifest_path)
         for key, expected in (("world_size", self.world_size), ("topology", self.topology), ("every", self.every)):
             if manifest.get(key) != expected:
                 raise ValueError(
@@ -488,14 +452,14 @@ class Recorder:
         tensors = {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask, "keep": keep}
         tensors.update({name: value for name, value in (("selection_logp", selection_logp), ("rollout_logp", rollout_logp))
                         if value is not None})
-        _check_tensors(tensors if grad is None else {**tensors, _GRAD: grad})
+        _check_tensors(tensors if grad is None else {**tensors, GRAD: grad})
         if grad is not None and not grad.is_floating_point():
             raise ValueError(f"grad must be a floating-point tensor, got dtype {grad.dtype}")
         scalars = {"loss": _encode(float(_scalar("loss", loss))), "tau": _tau(tau)}
         metric_values = {key: _encode(value) for key, value in _metrics(metrics).items()}
 
         copies = _cpu_copies(tensors)  # type: ignore[arg-type]
-        name = _record_name(step, micro_batch, self.rank)
+        name = record_name(step, micro_batch, self.rank)
         path = self.directory / name
         path.parent.mkdir(exist_ok=True)
         crc = write_tensors(path, copies, self._file_metadata(step, micro_batch))
@@ -514,8 +478,8 @@ class Recorder:
             entry["grad"] = self._grad_file(step, micro_batch, grad.detach().to("cpu", non_blocking=False).contiguous(), 0)
         with self._lock:
             self._records[(step, micro_batch)] = entry
-            self._lines[(step, micro_batch)] = _line(entry)
-            self._write_manifest()
+            self._lines[(step, micro_batch)] = manifest_line(entry)
+            self.write_manifest()
         self._last_skipped = False
         self._remember(logp, step, micro_batch)
         return path
@@ -568,8 +532,8 @@ class Recorder:
         pending[key] = _Pending(weakref.ref(logp, forget), step, micro_batch)
 
     def _grad_file(self, step: int, micro_batch: int, grad: torch.Tensor, backward_calls: int) -> dict[str, Any]:
-        name = _record_name(step, micro_batch, self.rank, ".grad")
-        crc = write_tensors(self.directory / name, {_GRAD: grad}, self._file_metadata(step, micro_batch))
+        name = record_name(step, micro_batch, self.rank, ".grad")
+        crc = write_tensors(self.directory / name, {GRAD: grad}, self._file_metadata(step, micro_batch))
         return {"file": name, "crc32": crc, **describe_tensor(grad), "backward_calls": backward_calls}
 
     def _write_gradient(self, watch: GradientWatch, grad: torch.Tensor) -> None:
@@ -577,12 +541,12 @@ class Recorder:
         with self._lock:
             if watch.backward_calls:
                 # A second backward through the same logp: sum, as .grad accumulates.
-                copy = load(watch.path.read_bytes())[_GRAD] + copy
+                copy = load(watch.path.read_bytes())[GRAD] + copy
             watch.backward_calls += 1
             entry = self._records[(watch.step, watch.micro_batch)]
             entry["grad"] = self._grad_file(watch.step, watch.micro_batch, copy, watch.backward_calls)
-            self._lines[(watch.step, watch.micro_batch)] = _line(entry)
-            self._write_manifest()
+            self._lines[(watch.step, watch.micro_batch)] = manifest_line(entry)
+            self.write_manifest()
 
     def record_parameter_gradients(self, *, step: int, named_parameters: Any) -> dict[str, Any] | None:
         """Note each parameter's gradient norm at this step (call it right before ``optimizer.step()``).
@@ -611,14 +575,15 @@ class Recorder:
             raise ValueError("named_parameters must be model.named_parameters() or a mapping of str to tensors") from None
         with self._lock:
             self._manifest.setdefault("parameter_gradients", {})[str(step)] = norms
-            self._write_manifest()
+            self.write_manifest()
         return norms
 
     def _file_metadata(self, step: int, micro_batch: int) -> dict[str, str]:
         # Repeated in each file's header so that a file moved or renamed is caught by the reader.
         return {"schema": SCHEMA, "rank": str(self.rank), "step": str(step), "micro_batch": str(micro_batch)}
 
-    def _write_manifest(self) -> None:
+    def write_manifest(self) -> None:
+        """Rewrite this rank's manifest from the records so far (each record already does)."""
         head = json.dumps(self._manifest, indent=1, allow_nan=False)
         records = ",\n  ".join(self._lines.values())
         text = f'{head[:-2]},\n "records": [\n  {records}\n ]\n}}\n' if records else f'{head[:-2]},\n "records": []\n}}\n'
@@ -627,386 +592,3 @@ class Recorder:
             tmp.write_text(text, encoding="utf-8")
 
         _replace_atomically(self.manifest_path, write)
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading.
-
-
-class CaptureError(ValueError):
-    """A capture directory that cannot be audited as it is; the message names the file."""
-
-    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
-        self.path = str(path)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
-
-
-@dataclass(frozen=True)
-class RecordInfo:
-    """What a manifest says about one record (nothing loaded yet)."""
-
-    rank: int
-    step: int
-    micro_batch: int
-    path: Path
-    grad_path: Path | None
-    loss: float
-    tau: float
-    metrics: dict[str, float | int]
-    tensors: dict[str, dict[str, Any]]
-    device: str | None = None
-    crc32: int | None = None
-    grad_crc32: int | None = None
-
-
-@dataclass
-class Capture:
-    """A checked capture directory: every rank's manifest and its records, loaded on demand."""
-
-    directory: Path
-    world_size: int
-    topology: str
-    every: int
-    manifests: dict[int, dict[str, Any]]
-    _infos: dict[tuple[int, int, int], RecordInfo] = field(repr=False)
-
-    def keys(self) -> list[tuple[int, int, int]]:
-        """Every ``(rank, step, micro_batch)``, ordered by step, then rank, then micro-batch."""
-        return sorted(self._infos, key=lambda k: (k[1], k[0], k[2]))
-
-    def steps(self) -> list[int]:
-        """The recorded optimizer steps, ascending."""
-        return sorted({step for _, step, _ in self._infos})
-
-    def info(self, rank: int, step: int, micro_batch: int) -> RecordInfo:
-        """The manifest's entry of one record."""
-        try:
-            return self._infos[(rank, step, micro_batch)]
-        except KeyError:
-            raise KeyError(f"no record rank={rank}, step={step}, micro_batch={micro_batch} in {self.directory}") from None
-
-    def load(self, rank: int, step: int, micro_batch: int) -> dict[str, Any]:
-        """The record's tensors (``grad`` and the optional tensors when captured) and scalars,
-        as one dict; :class:`CaptureError` when a file changed after it was written (CRC-32)."""
-        info = self.info(rank, step, micro_batch)
-        out: dict[str, Any] = dict(_load_tensors(info.path, _names(info.tensors), info.crc32))
-        if info.grad_path is not None:
-            out[_GRAD] = _load_tensors(info.grad_path, (_GRAD,), info.grad_crc32)[_GRAD]
-        out.update(rank=rank, step=step, micro_batch=micro_batch, loss=info.loss, tau=info.tau, metrics=dict(info.metrics))
-        return out
-
-    def records(self, *, step: int | None = None, rank: int | None = None) -> Iterator[tuple[tuple[int, int, int], dict[str, Any]]]:
-        """``((rank, step, micro_batch), record)`` in :meth:`keys` order, optionally of one step or rank."""
-        for key in self.keys():
-            if (step is None or key[1] == step) and (rank is None or key[0] == rank):
-                yield key, self.load(*key)
-
-    def parameter_gradients(self, step: int) -> dict[int, dict[str, Any]]:
-        """``{rank: {parameter: {"numel", "norm"}}}`` of the ranks that noted this step's
-        parameter gradients (:meth:`Recorder.record_parameter_gradients`); ``{}`` when none did."""
-        out = {}
-        for rank, manifest in self.manifests.items():
-            noted = (manifest.get("parameter_gradients") or {}).get(str(step))
-            if isinstance(noted, Mapping):
-                out[rank] = {name: {"numel": entry.get("numel"), "norm": None if entry.get("norm") is None else float(_decode(entry["norm"]))}
-                             for name, entry in noted.items() if isinstance(entry, Mapping)}
-        return out
-
-    def __getitem__(self, key: tuple[int, int, int]) -> dict[str, Any]:
-        return self.load(*key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._infos
-
-    def __len__(self) -> int:
-        return len(self._infos)
-
-
-def _names(described: Mapping[str, Any]) -> tuple[str, ...]:
-    """The tensors a record file must hold: the required ones and the optional ones its entry lists."""
-    return TENSOR_NAMES + tuple(name for name in OPTIONAL_TENSOR_NAMES if name in described)
-
-
-def _load_tensors(path: Path, names: tuple[str, ...], crc32: int | None = None) -> dict[str, torch.Tensor]:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CaptureError(path, "record file is missing") from None
-    except OSError as error:
-        raise CaptureError(path, f"record file cannot be read: {error}") from None
-    if crc32 is not None and zlib.crc32(data) != crc32:
-        raise CaptureError(path, f"CRC-32 {zlib.crc32(data):#010x} differs from the manifest's {crc32:#010x}: "
-                                 "the file changed after it was written (corrupt or overwritten)")
-    try:
-        tensors = load(data)
-    except Exception as error:  # noqa: BLE001 - any failure to parse a damaged file is the capture's problem, not a crash
-        raise CaptureError(path, f"not a readable safetensors file (truncated or corrupt): {error}") from None
-    if set(tensors) != set(names):
-        raise CaptureError(path, f"holds tensors {sorted(tensors)}, expected {sorted(names)}")
-    return {name: tensors[name] for name in names}
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    problems: list[tuple[str, str]] = []
-    manifest = _parse_manifest(path, problems)
-    if problems:
-        raise CaptureError(*problems[0])
-    return manifest  # type: ignore[return-value]
-
-
-def _parse_manifest(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any] | None:
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        problems.append((str(path), f"manifest is not readable JSON: {error}"))
-        return None
-    if not isinstance(manifest, dict):
-        problems.append((str(path), f"manifest must be a JSON object, got {type(manifest).__name__}"))
-        return None
-    if manifest.get("schema") != SCHEMA:
-        problems.append((str(path), f"manifest schema is {manifest.get('schema')!r}, expected {SCHEMA!r}"))
-        return None
-    for key, kind in (("rank", int), ("world_size", int), ("topology", str), ("every", int), ("records", list)):
-        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
-            problems.append((str(path), f"manifest field {key!r} must be a {kind.__name__}, got {manifest.get(key)!r}"))
-            return None
-    return manifest
-
-
-def _check_file(path: Path, names: tuple[str, ...], described: Mapping[str, Any], header: dict[str, str], where: str) -> list[tuple[str, str]]:
-    """Problems of one tensor file, from its header alone (safe_open checks that the data covers the file)."""
-    if not path.is_file():
-        return [(str(path), f"listed in {where} but the file is missing")]
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            keys = set(handle.keys())
-            metadata = handle.metadata() or {}
-            found = {name: (handle.get_slice(name).get_dtype(), handle.get_slice(name).get_shape()) for name in keys}
-    except Exception as error:  # noqa: BLE001 - safetensors' SafetensorError, or whatever a damaged file provokes
-        return [(str(path), f"not a readable safetensors file (truncated or corrupt): {error}")]
-    problems = []
-    if keys != set(names):
-        problems.append((str(path), f"holds tensors {sorted(keys)}, expected {sorted(names)} ({where})"))
-    wrong = {key: (metadata.get(key), value) for key, value in header.items() if metadata.get(key) != value}
-    if wrong:
-        said = ", ".join(f"{key} {got!r} (expected {want!r})" for key, (got, want) in wrong.items())
-        problems.append((str(path), f"header metadata does not match {where}: {said}"))
-    for name in keys & set(names):
-        spec = described.get(name) if isinstance(described, Mapping) else None
-        if not isinstance(spec, Mapping):
-            problems.append((str(path), f"{where} does not describe tensor {name!r}"))
-            continue
-        dtype, shape = found[name]
-        code = _SAFETENSORS_DTYPE.get(str(spec.get("dtype")))
-        if list(shape) != spec.get("shape") or (code is not None and code != dtype):
-            problems.append((str(path), f"tensor {name!r} is {dtype} {list(shape)}, {where} says {spec.get('dtype')} {spec.get('shape')}"))
-    return problems
-
-
-def _checksum(value: object) -> int | None:
-    # Captures written before checksums have none; a present one must be a 32-bit integer.
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
-        raise ValueError(f"crc32 must be an integer in [0, 2**32), got {value!r}")
-    return value
-
-
-def _relative(directory: Path, name: object, manifest: Path, problems: list[tuple[str, str]]) -> Path | None:
-    # A manifest is data: a file name that leaves the capture directory is refused, not followed.
-    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
-        problems.append((str(manifest), f"record file name {name!r} must be a relative path inside the capture"))
-        return None
-    return directory / name
-
-
-def inspect_capture(directory: str | os.PathLike[str]) -> tuple[list[tuple[str, str]], Capture | None]:
-    """Every (file, problem) of a capture, and the capture of what is readable (None when
-    nothing is): what a partial audit works from."""
-    root = Path(directory)
-    problems: list[tuple[str, str]] = []
-    if not root.is_dir():
-        return [(str(root), "capture directory does not exist or is not a directory")], None
-    manifests: dict[int, dict[str, Any]] = {}
-    paths: dict[int, Path] = {}
-    for path in sorted(root.iterdir()):
-        match = _MANIFEST.fullmatch(path.name)
-        if match is None:
-            continue
-        rank = int(match.group(1))
-        paths[rank] = path
-        manifest = _parse_manifest(path, problems)
-        if manifest is None:
-            continue
-        if manifest["rank"] != rank:
-            problems.append((str(path), f"manifest says rank {manifest['rank']}, its file name says rank {rank}"))
-            continue
-        manifests[rank] = manifest
-    if not paths:
-        return [(str(root), "no manifest.rank-*.json: not a capture directory (or nothing was recorded)")], None
-    if not manifests:
-        return problems, None
-
-    first = min(manifests)
-    world_size, topology, every = (manifests[first][key] for key in ("world_size", "topology", "every"))
-    for rank, manifest in sorted(manifests.items()):
-        for key, value in (("world_size", world_size), ("topology", topology), ("every", every)):
-            if manifest[key] != value:
-                problems.append((str(paths[rank]), f"{key} is {manifest[key]!r}, rank {first}'s manifest says {value!r}"))
-        if rank >= world_size:
-            problems.append((str(paths[rank]), f"rank {rank} is outside [0, world_size) = [0, {world_size})"))
-    for rank in range(world_size):
-        if rank not in paths:
-            problems.append((str(root / _manifest_name(rank)), f"manifest is missing: world_size = {world_size} needs one manifest per rank 0..{world_size - 1}"))
-
-    infos: dict[tuple[int, int, int], RecordInfo] = {}
-    for rank, manifest in sorted(manifests.items()):
-        where_manifest = paths[rank].name
-        for index, entry in enumerate(manifest["records"]):
-            try:
-                step, micro_batch = entry["step"], entry["micro_batch"]
-                if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, micro_batch)):
-                    raise TypeError
-            except (TypeError, KeyError):
-                problems.append((str(paths[rank]), f"records[{index}] has no integer step and micro_batch >= 0"))
-                continue
-            where = f"{where_manifest} (step {step}, micro-batch {micro_batch})"
-            if (rank, step, micro_batch) in infos:
-                problems.append((str(paths[rank]), f"step {step}, micro-batch {micro_batch} is listed twice"))
-                continue
-            path = _relative(root, entry.get("file"), paths[rank], problems)
-            if path is None:
-                continue
-            header = {"schema": SCHEMA, "rank": str(rank), "step": str(step), "micro_batch": str(micro_batch)}
-            described = entry.get("tensors") if isinstance(entry.get("tensors"), Mapping) else {}
-            problems += _check_file(path, _names(described), described, header, where)
-            grad_path = None
-            grad = entry.get("grad")
-            if grad is not None:
-                grad_path = _relative(root, grad.get("file") if isinstance(grad, Mapping) else None, paths[rank], problems)
-                if grad_path is not None:
-                    problems += _check_file(grad_path, (_GRAD,), {_GRAD: grad}, header, f"{where} grad")
-            try:
-                info = RecordInfo(
-                    rank=rank, step=step, micro_batch=micro_batch, path=path, grad_path=grad_path,
-                    loss=float(_decode(entry["loss"])), tau=float(_decode(entry["tau"])),  # type: ignore[arg-type]
-                    metrics={key: _decode(value) for key, value in dict(entry.get("metrics") or {}).items()},  # type: ignore[misc]
-                    tensors=dict(described), device=entry.get("device"),
-                    crc32=_checksum(entry.get("crc32")), grad_crc32=_checksum(grad.get("crc32")) if isinstance(grad, Mapping) else None,
-                )
-            except (KeyError, TypeError, ValueError) as error:
-                problems.append((str(paths[rank]), f"{where}: loss, tau or metrics are not numbers ({error!r})"))
-                continue
-            infos[(rank, step, micro_batch)] = info
-    capture = Capture(root, world_size, topology, every, manifests, infos)
-    return problems, capture
-
-
-def check_capture(directory: str | os.PathLike[str]) -> list[str]:
-    """Every problem of a capture directory, each ``"FILE: what is wrong"``; ``[]`` when clean.
-
-    Files are checked from their safetensors headers (which safetensors validates against the
-    file's size, so a truncated file is caught) without loading tensor data.
-    """
-    problems, _ = inspect_capture(directory)
-    return [f"{path}: {problem}" for path, problem in problems]
-
-
-def load_capture(directory: str | os.PathLike[str]) -> Capture:
-    """Read a capture directory for the audit; :class:`CaptureError` on its first problem."""
-    problems, capture = inspect_capture(directory)
-    if problems:
-        path, problem = problems[0]
-        if len(problems) > 1:
-            problem += f" (and {len(problems) - 1} more problems: check_capture() lists them all)"
-        raise CaptureError(path, problem)
-    assert capture is not None
-    return capture
-
-
-def __getattr__(name: str) -> Any:
-    # watch() lives in the sibling watching.py, loaded on first use, so that this file
-    # still imports nothing of the package and a vendored copy works alone.
-    if name in ("watch", "Watcher"):
-        return getattr(importlib.import_module(f"{__package__}.watching" if __package__ else "watching"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# The overhead figures of the module docstring: python -m m2po_oracle.capture.recorder [DIR]
-
-
-def _bench(directory: str | None = None, rows: int = 256, columns: int = 4096, steps: int = 20) -> dict[str, float]:
-    import statistics
-    import sys
-    import tempfile
-
-    torch.manual_seed(0)
-    logp = torch.randn(rows, columns, requires_grad=True)
-    behavior = torch.randn(rows, columns)
-    advantages = torch.randn(rows, columns)
-    mask = torch.rand(rows, columns) < 0.9
-    keep = mask & (torch.rand(rows, columns) < 0.95)
-    metrics = {"m2_before": 0.1, "m2_after": 0.04, "masked_fraction": 0.05, "valid_count": int(mask.sum())}
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        recorder = Recorder(tmp, rank=0, world_size=1, topology="dp=1", every=2)
-        recorded, grads, plain = [], [], []
-        for _ in range(5):  # the same backward without a watch, to subtract
-            loss = (logp * advantages).mean()
-            start = time.perf_counter()
-            loss.backward()
-            plain.append(time.perf_counter() - start)
-            logp.grad = None
-        base = logp.detach()
-        for index in range(steps):
-            step = 2 * index
-            logp = base.clone().requires_grad_()  # a fresh forward's logp, as in training
-            loss = (logp * advantages).mean()
-            start = time.perf_counter()
-            recorder.record(step=step, micro_batch=0, logp=logp, behavior_logp=behavior, advantages=advantages,
-                            mask=mask, keep=keep, loss=0.5, tau=0.04, metrics=metrics)
-            recorder.watch_gradient(logp)
-            recorded.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            loss.backward()
-            grads.append(time.perf_counter() - start)
-            logp.grad = None
-        calls = 200_000
-        start = time.perf_counter()
-        for _ in range(calls):
-            recorder.record(step=1, micro_batch=0, logp=logp, behavior_logp=behavior, advantages=advantages,
-                            mask=mask, keep=keep, loss=0.5, tau=0.04, metrics=metrics)
-        skipped = (time.perf_counter() - start) / calls
-        start = time.perf_counter()
-        for _ in range(calls):
-            recorder.watch_gradient(logp)
-        skipped_watch = (time.perf_counter() - start) / calls
-        # The manifest rewrite alone, at a size a long run reaches.
-        manifest_ms = {}
-        template = next(iter(recorder._records.values()))
-        for count in (10, 100, 1000, 10_000):
-            recorder._lines = {(i, 0): _line(dict(template, step=i)) for i in range(count)}
-            start = time.perf_counter()
-            for _ in range(5):
-                recorder._write_manifest()
-            manifest_ms[count] = (time.perf_counter() - start) / 5 * 1e3
-        size = (Path(tmp) / _record_name(0, 0, 0)).stat().st_size
-    figures = {
-        "record_median_ms": statistics.median(recorded) * 1e3,
-        "record_min_ms": min(recorded) * 1e3,
-        "record_max_ms": max(recorded) * 1e3,
-        "gradient_capture_median_ms": (statistics.median(grads) - statistics.median(plain)) * 1e3,
-        "skipped_record_us": skipped * 1e6,
-        "skipped_watch_gradient_us": skipped_watch * 1e6,
-        "record_file_mb": size / 1e6,
-        **{f"manifest_rewrite_ms_at_{count}_records": ms for count, ms in manifest_ms.items()},
-    }
-    print(json.dumps({"tokens": rows * columns, "torch": torch.__version__, "python": sys.version.split()[0], **figures}, indent=1))
-    return figures
-
-
-if __name__ == "__main__":
-    import sys
-
-    _bench(sys.argv[1] if len(sys.argv) > 1 else None)

@@ -1,11 +1,11 @@
 """Record a framework's own M2PO call(s) in one line, without editing the framework.
 
-This module imports torch and the standard library only (not even ``capture.py``: it drives
+This module imports torch and the standard library only (not even ``recorder.py``: it drives
 any object with ``record(...)`` and ``every``, a :class:`m2po_oracle.capture.recorder.Recorder`), so a
-framework can vendor it beside ``capture.py``; ``from m2po_oracle.capture.recorder import watch`` reaches
+framework can vendor it beside ``recorder.py``; ``from m2po_oracle.capture import watch`` reaches
 it too. ::
 
-    import m2po_oracle.capture.recorder as capture
+    from m2po_oracle import capture
     recorder = capture.Recorder("runs/capture", rank=rank, world_size=world, topology="dp=1,cp=1,tp=1")
     with capture.watch(framework_module, "compute_m2po_token_loss", recorder, optimizer=optimizer,
                        inputs={"logp": lambda args, kwargs, result: state.logp, "behavior_logp": ...}):

@@ -134,7 +134,7 @@ class TRLStep:
     def step(self, rollout: Any, split: Any = None) -> Any:
         from datasets import Dataset
 
-        from m2po_oracle.capture.recorder import load_capture
+        from m2po_oracle.capture import load_capture
         from m2po_oracle.trainer.grpo import StepRecord
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")

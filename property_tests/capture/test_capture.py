@@ -18,14 +18,8 @@ import torch
 
 
 from m2po_oracle.capture import recorder
-from m2po_oracle.capture.recorder import (
-    SCHEMA,
-    TENSOR_NAMES,
-    CaptureError,
-    Recorder,
-    check_capture,
-    load_capture,
-)
+from m2po_oracle.capture.reader import check_capture, load_capture
+from m2po_oracle.capture.recorder import SCHEMA, TENSOR_NAMES, CaptureError, Recorder
 
 TOPOLOGY = "dp=2,cp=1,tp=1"
 
@@ -537,16 +531,17 @@ def test_module_imports_only_torch_safetensors_and_the_standard_library() -> Non
 
 
 def test_vendored_copy_works_alone(tmp_path: Path) -> None:
-    # A framework copies the one file: it must import and record without m2po_oracle.
+    # A framework copies the one file: it must import and record without m2po_oracle, and the
+    # package's reader must read what it wrote.
     shutil.copyfile(recorder.__file__, tmp_path / "vendored_capture.py")
     script = (
         "import sys, torch, vendored_capture as c\n"
         "r = c.Recorder(sys.argv[1], rank=0, world_size=1, topology='dp=1')\n"
         "b = torch.ones(2, dtype=torch.bool)\n"
         "r.record(step=0, micro_batch=0, logp=torch.zeros(2), behavior_logp=torch.zeros(2), advantages=torch.ones(2), mask=b, keep=b, loss=0.0, tau=0.04)\n"
-        "assert len(c.load_capture(sys.argv[1])) == 1\n"
         "print(sorted(m for m in sys.modules if m.startswith('m2po_oracle')))\n"
     )
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", f"the vendored copy imported {result.stdout}"
+    assert len(load_capture(tmp_path / "run")) == 1

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from m2po_oracle import capture
-from m2po_oracle.capture.recorder import Recorder, watch
+from m2po_oracle.capture import Recorder, watch
 from audit_run import check_statuses, run_audit  # noqa: E402  (beside this file)
 
 TAU = 0.04

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from m2po_oracle.capture.recorder import load_capture
+from m2po_oracle.capture import load_capture
 from m2po_oracle.cli.main import EXIT_UNUSABLE, main
 from m2po_oracle.cli.config import parse_section
 from m2po_oracle.errors import UsageError

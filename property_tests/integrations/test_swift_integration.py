@@ -29,7 +29,7 @@ else:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from m2po_oracle.audit import audit_capture  # noqa: E402
-from m2po_oracle.capture.recorder import load_capture  # noqa: E402
+from m2po_oracle.capture import load_capture  # noqa: E402
 from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX  # noqa: E402
 from m2po_oracle.integrations.swift import check_m2po_args  # noqa: E402
 from m2po_oracle.integrations.swift_demo import DemoSetup, run  # noqa: E402

@@ -22,7 +22,7 @@ pytest.importorskip("trl")
 
 from m2po_oracle import oracle  # noqa: E402
 from m2po_oracle.audit import audit_capture  # noqa: E402
-from m2po_oracle.capture.recorder import load_capture  # noqa: E402
+from m2po_oracle.capture import load_capture  # noqa: E402
 from m2po_oracle.judge.equivalence import same_up_to_ties, valid_m2  # noqa: E402
 from m2po_oracle.integrations.trl import TRLFaults  # noqa: E402
 from m2po_oracle.integrations.trl_step import TRL_CONTROLS  # noqa: E402
