@@ -28,10 +28,10 @@ from typing import Any, Callable
 SOURCES: dict[str, str] = {
     # the command line
     "cli.build_parser": "m2po_oracle.cli:build_parser",
-    "cli.exit_equivalent": "m2po_oracle.cli.main:EXIT_EQUIVALENT",
-    "cli.exit_divergent": "m2po_oracle.cli.main:EXIT_DIVERGENT",
-    "cli.exit_unusable": "m2po_oracle.cli.main:EXIT_UNUSABLE",
-    "cli.exit_interrupted": "m2po_oracle.cli.main:EXIT_INTERRUPTED",
+    "cli.exit_equivalent": "m2po_oracle.errors:EXIT_EQUIVALENT",
+    "cli.exit_divergent": "m2po_oracle.errors:EXIT_DIVERGENT",
+    "cli.exit_unusable": "m2po_oracle.errors:EXIT_UNUSABLE",
+    "cli.exit_interrupted": "m2po_oracle.errors:EXIT_INTERRUPTED",
     "pytest_plugin.addoption": "m2po_oracle.cli.pytest_plugin:pytest_addoption",
     "torchrun.main": "m2po_oracle.torchrun:main",
     "config.section": "m2po_oracle.cli.config:SECTION",
@@ -63,7 +63,7 @@ SOURCES: dict[str, str] = {
     "controls.trl": "m2po_oracle.integrations.trl_step:TRL_CONTROLS",
     # the adapters, as `m2po-oracle adapters` lists them
     "adapters.all": "m2po_oracle.adapters:ADAPTERS",
-    "cli.adapters_listing": "m2po_oracle.cli.main:_adapters",
+    "cli.adapters_listing": "m2po_oracle.cli.catalogue:list_adapters",
     # the tolerance policy
     "equivalence.module": "m2po_oracle.judge.equivalence",
     "equivalence.tolerances": "m2po_oracle.judge.equivalence:TOLERANCES",

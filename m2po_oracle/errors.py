@@ -3,7 +3,17 @@ the one way an adapter fails after the port returned: its return could not be re
 
 The first two are ValueErrors whose message names the argument (or the spec) and what was
 expected; the CLI exits 2 on either, and writes the report of a load error when asked.
+The exit statuses of every command (compare, replay, audit, bench, selftest) are here too.
 """
+
+#: No divergence found (equivalent, or every failure an accepted deviation).
+EXIT_EQUIVALENT = 0
+#: A divergence found (or an accepted deviation that no longer shows).
+EXIT_DIVERGENT = 1
+#: Unusable: the implementation could not be loaded or never returned a result, or a usage error.
+EXIT_UNUSABLE = 2
+#: Ctrl-C: the partial report is written, as the shell's convention for SIGINT.
+EXIT_INTERRUPTED = 130
 
 
 class UsageError(ValueError):

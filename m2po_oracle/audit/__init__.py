@@ -67,10 +67,10 @@ report's records, the diagnosis names, a record loaded from a capture), :mod:`.r
 
 from m2po_oracle.audit.checks import REGION_METRICS, REGION_WORDS, LogpBounds, always_silent_parameters
 from m2po_oracle.audit.counterexample import COUNTEREXAMPLE_TOKENS, TABLE_ORDER
-from m2po_oracle.audit.records import (CHECK_NAMES, DESCRIPTIONS, EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, ROLLOUT_LOGP_DTYPE, SCHEMA,
+from m2po_oracle.audit.records import (CHECK_NAMES, DESCRIPTIONS, ROLLOUT_LOGP_DTYPE, SCHEMA,
                                        AuditCheck, AuditReport, StepAudit)
 from m2po_oracle.audit.run import audit_capture
 
-__all__ = ["CHECK_NAMES", "COUNTEREXAMPLE_TOKENS", "DESCRIPTIONS", "EXIT_DIVERGENT", "EXIT_EQUIVALENT", "EXIT_UNUSABLE", "REGION_METRICS",
+__all__ = ["CHECK_NAMES", "COUNTEREXAMPLE_TOKENS", "DESCRIPTIONS", "REGION_METRICS",
            "REGION_WORDS", "ROLLOUT_LOGP_DTYPE", "SCHEMA", "TABLE_ORDER", "AuditCheck", "AuditReport", "LogpBounds", "StepAudit",
            "always_silent_parameters", "audit_capture"]

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle.capture import reader
+from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import number
 from m2po_oracle.distributed.topology import RankCoords, Topology
@@ -22,7 +23,6 @@ CHECK_NAMES = ("audit.replicas_identical", "audit.selection", "audit.policy_logp
                "audit.gradient", "audit.metrics", "audit.parameter_gradient")
 
 
-EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_UNUSABLE = 0, 1, 2
 
 
 #: Rollout engines report log-probs in float32 at best (vLLM, HF generate's float32 logits).

@@ -203,7 +203,7 @@ def main_audit(args: Any, console: Any) -> int:
     """The ``bench --audit`` command: the table, the target as an observation, ``--json``."""
     from rich.table import Table
 
-    from m2po_oracle.audit import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE  # the exit statuses of compare and audit
+    from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
 
     table = Table(title="audit_capture of one synthetic optimizer step (dp=4 x 2 micro-batches, float32), each in a fresh process")
     for column in ("case", "tokens", "on disk", "audit s", "cpu user s", "cpu sys s", "peak RSS", "RSS after imports", "verdict", "expected"):

@@ -311,10 +311,10 @@ def test_the_search_s_sample_and_the_examples_the_shares_count_are_told_apart():
 
     from rich.console import Console
 
-    from m2po_oracle.cli.main import _print_diagnosis
+    from m2po_oracle.cli.console import print_diagnosis
 
     out = io.StringIO()
-    _print_diagnosis(Console(file=out, width=300), {**report.diagnosis, "closest": [{"variant": "v", "description": "d", "check": "c"}]})
+    print_diagnosis(Console(file=out, width=300), {**report.diagnosis, "closest": [{"variant": "v", "description": "d", "check": "c"}]})
     assert "leads for the unexplained (searched on the first 4 of the 7 examples compared):" in out.getvalue()
 
 

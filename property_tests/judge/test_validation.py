@@ -83,11 +83,11 @@ def test_a_probe_on_a_batch_the_port_fails_anyway_is_not_run_not_crashed(capsys)
     report = run_compare(_fails_on_three_columns, "three", examples=10)
     assert {p.status for p in report.validation} == {"not run"} and not report.validation_warnings
     assert all("raises on the valid batch this probe starts from too (RuntimeError" in p.message for p in report.validation)
-    from m2po_oracle.cli.main import _print_validation
+    from m2po_oracle.cli.console import print_validation
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    _print_validation(console, report)
+    print_validation(console, report)
     text = console.export_text()
     assert "no invalid-input probe could run" in text and "fails closed" not in text
     assert InProcess(m2po_loss).probe("nan_tau").status == "rejected"  # a port that runs on the clean batch is judged as before

@@ -1,0 +1,227 @@
+"""``m2po-oracle compare`` and ``replay``: open the runner for ``--impl``, run, report; load
+errors and Ctrl-C still report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from m2po_oracle.cli import options
+from m2po_oracle.cli.console import (say_error, metric_sources_text, print_accepted, print_capture, print_diagnosis, print_output, print_validation,
+                                     print_verdict)
+from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_INTERRUPTED, EXIT_UNUSABLE
+
+
+def run_or_replay(args: argparse.Namespace, console: Console) -> int:
+    """compare or replay: open the runner, run, report; load errors and Ctrl-C still report."""
+    from m2po_oracle.distributed.world import WorldError
+    from m2po_oracle.cli.launch import open_runner
+    from m2po_oracle.errors import LoadError
+    from m2po_oracle.errors import UsageError
+    from m2po_oracle.call.runner import CaptureFailed
+
+    from m2po_oracle.cli.config import load_config
+
+    try:
+        project = load_config()
+        given = {o.name: getattr(args, o.name, None) for o in options.COMPARE_OPTIONS + options.RUN_SETTINGS if hasattr(args, o.name)}
+        if getattr(args, "exitfirst", False):
+            given["max_failures"] = 1
+        args.values = project.merged(given)
+        args.project = project
+        for kind, path in project.reports.items():  # --json / --html override the file's
+            if getattr(args, kind, None) is None and args.command == "compare":
+                setattr(args, kind, path)
+        args.impl = args.impl or project.impl
+        if args.impl is None:
+            raise UsageError("--impl: required (or impl = \"module:function\" under [tool.m2po-oracle] in pyproject.toml)")
+        if args.command != "compare":  # capture = DIR in pyproject.toml is for compare: a replay must not refuse or add to it
+            args.values.pop("capture", None)
+        run_options = options.run_options({k: v for k, v in args.values.items() if k in {o.name for o in options.COMPARE_OPTIONS}})
+        with console.status(f"loading {args.impl}"):  # shown from the start: imports and world start-up can take seconds
+            runner = open_runner(args.impl, run_options)
+    except UsageError as error:
+        say_error(str(error))
+        return EXIT_UNUSABLE
+    except LoadError as error:
+        return _load_failed(args, error, run_options, console)
+    except ValueError as error:  # e.g. an unusable --device
+        say_error(str(error))
+        return EXIT_UNUSABLE
+    try:
+        with runner:
+            try:
+                with console.status(f"starting {args.impl}"):
+                    runner.start()
+            except LoadError as error:  # raised where the worker loads the implementation
+                return _load_failed(args, error, run_options, console)
+            return _compare(args, runner, console) if args.command == "compare" else _replay(args, runner, console)
+    except WorldError as error:
+        say_error(f"the world of {args.topology} could not run: {error}")
+        return EXIT_UNUSABLE
+    except CaptureFailed as error:  # the run cannot go on without losing steps from the capture
+        say_error(str(error))
+        return EXIT_UNUSABLE
+    except KeyboardInterrupt:  # outside a compare (which reports its own interruption)
+        Console(stderr=True).print("interrupted", highlight=False)
+        return EXIT_INTERRUPTED
+
+
+def _load_failed(args: argparse.Namespace, error: Exception, run_options, console: Console) -> int:
+    """A load error: said on stderr, and written as an unusable report when asked."""
+    say_error(str(error))
+    if args.command == "compare":
+        from m2po_oracle.compare.report import load_error_report
+
+        _write_reports(args, load_error_report(args.impl, str(error), run_options).to_json(), console)
+    return EXIT_UNUSABLE
+
+
+def _compare(args: argparse.Namespace, runner, console: Console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from m2po_oracle.compare.search import run_compare
+
+    from m2po_oracle.cli.config import exploration_from
+
+    from m2po_oracle.errors import UsageError
+
+    try:
+        exploration = exploration_from(args.values, args.project, tuple(runner.checks))
+    except UsageError as error:
+        say_error(str(error))
+        return EXIT_UNUSABLE
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task(f"checking {args.impl}", total=runner.options.examples)
+        report = run_compare(runner, on_example=lambda _: progress.advance(task), exploration=exploration, started=args.started)
+    record = report.to_json()
+    chosen = runner.describe().get("dtype")  # a trainer computing in one dtype, run without --dtype
+    if chosen:
+        record["options"]["dtype_why"] = chosen["why"]
+    if args.verbosity < 0:
+        return _quiet_summary(args, report, record, console)
+    if report.interrupted:
+        _write_reports(args, record, console, quiet=True)
+        written = " ".join(str(p) for p in (args.json, args.html) if p is not None)
+        Console(stderr=True).print(f"interrupted after {report.examples} {report.example_unit} ({report.duration_s:.1f} s)"
+                                   + (f"; partial report: {written}" if written else ""), highlight=False, soft_wrap=True)
+        return EXIT_INTERRUPTED
+    if chosen:
+        console.print(f"dtype: {chosen['value']} ({chosen['why']})", highlight=False, markup=False, soft_wrap=True)
+    if report.adapter:
+        a = report.adapter
+        skipped = [check for check in a.get("not_run", {}) if not check.startswith("metrics.")]
+        console.print(f"adapter {a['name']} ({a['signature']}): checks {', '.join(a['checked'])}"
+                      + (f"; not run (the adapter, not the port, decides them): {', '.join(skipped)}" if skipped else "")
+                      + (f"; call: {a['call']}" if a.get("call") else ""), highlight=False, markup=False, soft_wrap=True)
+        if report.metric_sources:
+            console.print(f"metrics read from the port: {metric_sources_text(report.metric_sources)}", highlight=False, markup=False, soft_wrap=True)
+    unit = report.example_unit
+    if report.verdict == "unusable":
+        console.print(f"[bold red]unusable[/]: no call returned a usable result on {report.examples} {unit}; no check other than 'call' ran", soft_wrap=True)
+    if report.stopped_early:
+        console.print(f"stopped early after {report.examples} of {report.examples_requested} {unit}: {report.stopped_early}", highlight=False, soft_wrap=True)
+    from m2po_oracle.judge.coverage import rate_text
+
+    coverage = report.coverage
+    families = ", ".join(f"{name} {count}" for name, count in coverage.families.most_common())
+    features = ", ".join(f"{name} {count}" for name, count in coverage.features.items())
+    table = Table(title=f"{args.impl} vs Algorithm 1 ({report.examples} {unit}, {report.dtype}, seed {report.seed})",
+                  caption=(f"exercised: {unit} that could have failed the check; failure rate: observed, and its one-sided 95% "
+                           f"Clopper-Pearson upper bound\nfamilies: {families or '-'}\nfeatures (of {coverage.judged} judged): {features}"))
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column(f"failing {unit}", justify="right")
+    table.add_column(f"{unit} checked", justify="right")
+    table.add_column("exercised", justify="right")
+    table.add_column("failure rate (95%)", justify="right")
+    table.add_column("explained by")
+    labels = {"fail": "[red]FAIL[/]", "pass": "[green]pass[/]", "not run": "[yellow]not run[/]"}
+    by_check, unexplained = report.diagnosis.get("by_check", {}), set(report.diagnosis.get("unexplained", ()))
+    for name, tally in report.tallies.items():
+        explained = " + ".join(by_check.get(name, ())) or ("[yellow]unexplained[/]" if name in unexplained else "")
+        table.add_row(name, labels[tally.status], str(tally.failures), str(tally.ran), str(tally.exercised),
+                      rate_text(tally.failures, tally.exercised, tally.failure_rate_upper_95), explained)
+    console.print(table)
+    print_diagnosis(console, report.diagnosis)
+    for counterexample in report.counterexamples:
+        from m2po_oracle.judge.equivalence import format_mismatches
+
+        shows = ", ".join(counterexample.checks or (counterexample.check,))
+        cause = f"{counterexample.cause}: " if counterexample.cause else "unexplained: " if counterexample.check in unexplained else ""
+        console.print(format_mismatches(list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {cause}{shows})",
+                                        replay=counterexample.replay), highlight=False, markup=False, soft_wrap=True)
+    print_validation(console, report)
+    print_accepted(console, report)
+    print_output(console, report, every_line=args.verbosity > 0)
+    print_capture(console, report)
+    print_verdict(console, report)
+    _write_reports(args, record, console)
+    return report.exit_status
+
+
+def _quiet_summary(args: argparse.Namespace, report, record: dict, console: Console) -> int:
+    """-q: the verdict, each failing check with its explanation, the accepted deviations."""
+    by_check = report.diagnosis.get("by_check", {})
+    for name in report.failing_checks:
+        explained = " + ".join(by_check.get(name, ())) or "unexplained"
+        console.print(f"FAIL {name}: {report.tallies[name].failures} of {report.examples} ({explained})", highlight=False, markup=False, soft_wrap=True)
+    if report.verdict == "unusable":  # the one thing to read: why no call returned a result
+        why = report.load_error or next((m.summary.splitlines()[-1] for c in report.counterexamples for m in c.mismatches if m.check == "call"), "")
+        console.print(f"  {why}", highlight=False, markup=False, soft_wrap=True)
+    print_accepted(console, report)
+    print_verdict(console, report)
+    _write_reports(args, record, console, quiet=True)
+    return report.exit_status
+
+
+def _write_reports(args: argparse.Namespace, record: dict, console: Console, quiet: bool = False) -> None:
+    if getattr(args, "json", None) is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2))
+        if not quiet:
+            console.print(f"JSON report: {args.json}")
+    if getattr(args, "html", None) is not None:
+        from m2po_oracle.report.html import write_html
+
+        write_html(record, args.html)
+        if not quiet:
+            console.print(f"HTML report: {args.html}")
+
+
+def _replay(args: argparse.Namespace, runner, console: Console) -> int:
+    from m2po_oracle.judge.equivalence import format_mismatches
+
+    text = args.source if args.source is not None else args.batch
+    if text is None or (args.source is not None and args.batch is not None):
+        say_error("replay: give exactly one of SOURCE or --batch")
+        return EXIT_UNUSABLE
+    path = Path(text)
+    try:
+        if not text.lstrip().startswith("{") and path.is_file():
+            text = path.read_text()
+        data = json.loads(text)
+        # A step runner whose input is not a batch (the trainer) replays its own input records.
+        key = runner.example_key()
+        if "counterexamples" in data:  # a compare report: replay each of its counterexamples
+            examples = [runner.parse_example(c[key]) for c in data["counterexamples"]]
+        else:
+            examples = [runner.parse_example(data)]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        say_error(f"batch: expected JSON of a batch or a compare report, or a path to one: {error}")
+        return EXIT_UNUSABLE
+    status = EXIT_EQUIVALENT
+    for example in examples:
+        outcome = runner.run_battery(example)
+        if outcome.mismatches:
+            status = EXIT_DIVERGENT
+            console.print(format_mismatches(list(outcome.mismatches), batch=outcome.batch, where=f"for {args.impl!r}"), highlight=False, markup=False, soft_wrap=True)
+            if outcome.explained_by:
+                console.print(f"explained by: {', '.join(outcome.explained_by)}", highlight=False)
+        else:
+            console.print(f"all checks pass on the batch of shape {outcome.batch.shape} (tau {outcome.batch.tau})")
+    return status
