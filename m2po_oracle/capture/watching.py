@@ -17,58 +17,9 @@ replaces ``target.name`` (a function of a module, or a method of a class or of o
 plain, static or class method) by a wrapper and puts the original back on ``close()`` or when
 the ``with`` block ends. ``name`` may be a sequence of names (a mask function and a loss
 function, with ``inputs`` / ``outputs`` then optionally keyed by function name); two
-``watch`` calls on one recorder share its step and micro-batch counters, as one does.
-
-**What is read.** Inputs: ``logp``, ``behavior_logp``, ``advantages``, ``mask`` (the valid
-tokens), ``tau``, and ``log_ratio`` where the framework passes log(pi / pi_behaviour) instead
-of the two log-probs. Outputs: ``keep`` (the tokens kept after M2PO masking), ``loss`` and
-``metrics``. Each is given as an argument name of the wrapped function (bound through its
-signature, so positional and keyword calls read alike, defaults included), as ``"return"``,
-``"return[0]"`` or ``"return['key']"`` (a part of what the call returned), as a callable
-``(args, kwargs, result) -> value``, as ``None`` (not read), or for ``tau`` as a number. By
-default an argument named like one of :data:`ALIASES` is read, and the result is parsed: a bool
-tensor is ``keep``, another tensor the ``loss``, a mapping the ``metrics`` (its numeric
-entries), within a tuple or alone. Given ``log_ratio`` and one of the two log-probs, the other
-is ``behavior_logp + log_ratio`` or ``logp - log_ratio`` (in their dtype).
-
-**When a record is written.** At the backward of the call's log-probs: a hook on the tensor
-that enters the loss (``logp`` when that is the call's tensor and requires grad, else
-``log_ratio``, whose gradient is d loss / d logp for constant behaviour log-probs) receives
-d loss / d logp, and the record is written with it (``record(..., grad=...)``, what
-``watch_gradient`` captures); a call whose tensor the backward never reaches (a mask computed
-on its own log-ratio, apart from the loss's) records nothing unless ``logp`` is read, e.g.
-through a callable returning the framework's tensor. The loss value recorded is the micro-batch's share of the loss
-the framework differentiates: a one-element loss is its own value; a per-token loss ``l`` is
-reduced by the framework after the call, so its share is ``sum(dL/dl * l)``, read from a hook
-on ``l`` (exact for every linear reduction: a mean, ``sum / N``, per-sequence means); without
-any loss (a mask function watched alone) it is ``sum(d loss / d logp)``, which is the loss of
-M2PO's objective (each token's gradient is its loss term), so ``audit.loss_sum`` then restates
-``audit.gradient``. A call made while gradients are disabled (``torch.no_grad``: an
-evaluation, a mask prepass) is not recorded. A second backward through the same tensors
-(``retain_graph``) is not added.
-
-**Mask and loss functions together.** A call that returns no loss (a mask function) holds
-its readings until the next call that returns one (the loss function, in the same optimizer
-step) takes them: the two make one record, the loss call's readings first. A mask function
-called inside the watched loss function (through its module's global name) adds to that call's
-record. Readings missing from the record are a ``ValueError`` that names them and how to supply
-them, raised in the call that completes the record.
-
-**Step and micro-batch.** ``optimizer=`` (anything with ``register_step_post_hook``, as
-``torch.optim.Optimizer``): the step starts at 0 and advances after every ``optimizer.step()``,
-the micro-batch counter restarting at 0; or ``step=`` a callable returning the optimizer step
-(``lambda: trainer.state.global_step``), the micro-batch counter restarting whenever it
-changes. One of the two is required (the audit judges each optimizer step), once per recorder.
-
-**Off the hot path.** On a step that the recorder skips (``every=k``) the wrapper reads the
-step, takes one modulo and calls the original: no argument is bound, no tensor touched, no hook
-registered. On every step the wrapper returns exactly what the original returned (the same
-object) and registers only hooks that return ``None``, so the values and the autograd graph are
-the framework's.
-
-Only attributes looked up at call time are replaced: a framework that imported the function by
-value (``from kernels import loss``) elsewhere keeps calling the original there; watch it where
-it is looked up (``watch(that_module, "loss", ...)``).
+``watch`` calls on one recorder share its step and micro-batch counters, as one does. What
+is read, when a record is written, and what the wrapper leaves untouched: the how-to
+"Auditing a training run", section "What watch reads, and when it records".
 """
 
 from __future__ import annotations
@@ -87,7 +38,9 @@ import torch
 __all__ = ["ALIASES", "INPUTS", "OUTPUTS", "Watcher", "watch"]  # noqa: RUF022 - constants first
 
 #: What a wrapped call is read for: the inputs of the M2PO loss and what it produced.
-INPUTS: tuple[str, ...] = ("logp", "behavior_logp", "log_ratio", "advantages", "mask", "tau")
+#: ``selection_logp`` (the log-probs a mask prepass selected on) and ``rollout_logp`` (the sampler's,
+#: which the behaviour log-probs must equal) are read only when ``inputs=`` names them.
+INPUTS: tuple[str, ...] = ("logp", "behavior_logp", "log_ratio", "advantages", "mask", "tau", "selection_logp", "rollout_logp")
 OUTPUTS: tuple[str, ...] = ("keep", "loss", "metrics")
 #: Argument names read by default, first match (whose value is not None) first.
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -637,5 +590,5 @@ def _record(session: _Session, unit: _Unit, values: dict[str, Any], grad: torch.
     session.recorder.record(
         step=unit.step, micro_batch=unit.micro_batch, logp=logp, behavior_logp=behavior, advantages=advantages,
         mask=values["mask"].bool(), keep=values["keep"].bool(), loss=share, tau=values["tau"],
-        metrics=values.get("metrics"), grad=grad)
+        metrics=values.get("metrics"), selection_logp=values.get("selection_logp"), rollout_logp=values.get("rollout_logp"), grad=grad)
     session.records += 1

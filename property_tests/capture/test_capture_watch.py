@@ -201,6 +201,25 @@ def test_a_mask_function_watched_alone_with_a_step_callable_is_audited(tmp_path:
         assert check_statuses(step)["audit.gradient"] == check_statuses(step)["audit.loss_sum"] == "pass"
 
 
+def _run_with_rollout(tmp_path: Path, drift: float) -> dict:
+    """A correct framework whose sampler's log-probs are recorded too (``inputs={"rollout_logp": ...}``);
+    ``drift``: how far the behaviour log-probs the loss used are from the sampler's."""
+    trainer = Trainer(None)
+    recorder = Recorder(tmp_path / "cap", rank=0, world_size=1, topology="dp=1,cp=1,tp=1")
+    sampler = {"rollout_logp": lambda args, kwargs, result: trainer.batch["old"] + drift}
+    with watch(FRAMEWORK, NAMES, recorder, optimizer=trainer.optimizer, inputs={"compute_m2po_token_loss": {**LOSS_READS, **sampler}}):
+        trainer.train(2)
+    return run_audit(tmp_path / "cap", tmp_path)[1]
+
+
+def test_the_samplers_log_probs_given_to_the_watch_are_audited(tmp_path: Path) -> None:
+    same = _run_with_rollout(tmp_path / "same", 0.0)
+    assert same["verdict"] == "equivalent" and all(check_statuses(s)["audit.behavior_logp"] == "pass" for s in same["steps"]), same
+    drifted = _run_with_rollout(tmp_path / "drifted", 0.05)
+    assert drifted["verdict"] == "divergent", drifted
+    assert all(check_statuses(s)["audit.behavior_logp"] == "fail" for s in drifted["steps"]), [check_statuses(s) for s in drifted["steps"]]
+
+
 def test_a_fused_kernel_on_whole_optimizer_batches_is_equivalent_with_its_metrics(tmp_path: Path) -> None:
     _, report, status = _run(tmp_path, "fused", micro_batches=1)
     assert status == 0 and report["verdict"] == "equivalent", report
