@@ -12,6 +12,9 @@ from m2po_oracle.report.fields import Declared, Field, FromDataclass
 DISTRIBUTED = "distributed runs only (--topology)"
 ADAPTED = "with --adapter only"
 DIVERGENT = "a divergent run's diagnosis only"
+#: The diagnosis of a run whose implementation could not be loaded has only status, examples_compared,
+#: matches and closest.
+LOADED = "absent where the implementation could not be loaded"
 
 
 def _result(path: str, what: str) -> Field:
@@ -174,14 +177,14 @@ FIELDS: tuple[Declared, ...] = (
     Field("diagnosis.status", "string", "`not_needed`, `not_run`, `matched`, `mostly_explained`, `partly_explained` "
           "or `no_known_variant`"),
     Field("diagnosis.examples_compared", "integer", "the examples the shares count"),
-    Field("diagnosis.examples_searched", "integer", "the sample the search ran on"),
-    Field("diagnosis.summary", "string", "the diagnosis in one line"),
+    Field("diagnosis.examples_searched", "integer", "the sample the search ran on", when=LOADED),
+    Field("diagnosis.summary", "string", "the diagnosis in one line", when=LOADED),
     Field("diagnosis.components", "array of string", "the deviations of the best explanation, by name (a fitted value "
-          "in the name: `clip_floors(0.2, 0.28)`)"),
+          "in the name: `clip_floors(0.2, 0.28)`)", when=LOADED),
     Field("diagnosis.by_check", "map of array of string", "the deviations that explain each failing check",
-          keys="a failing check's name"),
+          keys="a failing check's name", when=LOADED),
     Field("diagnosis.shares", "map of object", "how much of each failing check the explanation reproduces",
-          keys="an explained check's name"),
+          keys="an explained check's name", when=LOADED),
     Field("diagnosis.shares{}.components", "array of string", "the deviations it is explained by"),
     Field("diagnosis.shares{}.explained", "integer", "of the check's failing examples, those reproduced"),
     Field("diagnosis.shares{}.failing", "integer", "the check's failing examples"),
@@ -189,8 +192,8 @@ FIELDS: tuple[Declared, ...] = (
     Field("diagnosis.shares{}.of", "integer", "the examples counted"),
     Field("diagnosis.shares{}.share", "number", "`explained / (failing + contradicted)`"),
     Field("diagnosis.residuals", "array of object", "what an explanation does not reproduce, grouped by the checks "
-          "that leave the same examples", when="items only where an explanation leaves some of a check's failing "
-          "examples unreproduced"),
+          "that leave the same examples", when=f"{LOADED}; items only where an explanation leaves some of a "
+          "check's failing examples unreproduced"),
     Field("diagnosis.residuals[].checks", "array of string", "the checks"),
     Field("diagnosis.residuals[].unexplained", "boolean", "whether nothing known names them"),
     Field("diagnosis.residuals[].count", "integer", "the examples left"),
@@ -214,7 +217,7 @@ FIELDS: tuple[Declared, ...] = (
     Field("diagnosis.residuals[].counterexample.difference", "string", "its first difference from the explanation"),
     Field("diagnosis.residuals[].counterexample.replay", "string or null", "the command that replays it"),
     Field("diagnosis.unexplained", "array of string", "failing checks nothing explains (or explains on less than "
-          "half)"),
+          "half)", when=LOADED),
     Field("diagnosis.matches", "array of object", "each deviation named, with its evidence"),
     Field("diagnosis.matches[].variant", "string", "its name"),
     Field("diagnosis.matches[].description", "string", "what the port does"),
@@ -223,7 +226,7 @@ FIELDS: tuple[Declared, ...] = (
     Field("diagnosis.matches[].checks", "array of string", "the failing checks it explains"),
     Field("diagnosis.matches[].unobserved", "array of string", "its effects the run could not observe (an adapter "
           "that builds the loss and gradient)", when="a deviation of one loss call (not a distributed or trainer one)"),
-    Field("diagnosis.alternatives", "array of array of string", "explanations as small as the chosen one"),
+    Field("diagnosis.alternatives", "array of array of string", "explanations as small as the chosen one", when=LOADED),
     Field("diagnosis.alternatives_reason", "string", "why they stand side by side", when=DIVERGENT),
     Field("diagnosis.closest", "array of object", "leads: the explanation below the naming threshold for a check, "
           "then single variants agreeing somewhere", when="items only where a failing check is unexplained"),
@@ -236,16 +239,16 @@ FIELDS: tuple[Declared, ...] = (
     Field("diagnosis.closest[].check", "string", "the check it falls short on",
           when="a row for one check's explanation"),
     Field("diagnosis.findings", "array of object", "findings beside the deviations",
-          when="items only where the loss or gradient is NaN/inf on inputs finite on every valid token"),
+          when=f"{LOADED}; items only where the loss or gradient is NaN/inf on inputs finite on every valid token"),
     Field("diagnosis.findings[].kind", "string", "`non_finite_result`"),
     Field("diagnosis.findings[].checks", "array of string", "the checks it concerns"),
     Field("diagnosis.findings[].summary", "string", "the finding in one line"),
-    Field("diagnosis.hints", "array of object", "options that would accept what the failures fit"),
+    Field("diagnosis.hints", "array of object", "options that would accept what the failures fit", when=LOADED),
     Field("diagnosis.hints[].checks", "array of string", "the checks"),
     Field("diagnosis.hints[].text", "string", "what their failures fit"),
     Field("diagnosis.hints[].option", "string", "the option"),
     Field("diagnosis.padding_leak", "object or null", "the evidence of a padding leak; else null",
-          when="an object only where `nan_padding_leak` is named"),
+          when=f"{LOADED}; an object only where `nan_padding_leak` is named"),
     FromDataclass("diagnosis.padding_leak", "m2po_oracle.explain.padding:PaddingLeak", {
         "fill": "the padding probe that showed it first on the smallest such batch",
         "where": "`loss`, `valid token` or `padding position`",

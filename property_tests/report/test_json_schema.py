@@ -1,11 +1,12 @@
 """The JSON records' declarations (m2po_oracle.report.schema) are what real runs write.
 
 Small real runs of the command line, in this process, write every record the toolkit has:
-compare (a correct core, negative controls that yield counterexamples and a diagnosis, an
-adapted port, a distributed step, a training step with --capture), the audit of that capture
-and of a capture with a planted bug, the capture's manifests, and both benches. Each key path
-they write must be declared with its type; each path declared must be written by one of them,
-or say in ``when`` (on itself or a parent) which records have it.
+compare (a correct core, a port that cannot be loaded, a negative control that yields
+counterexamples and a diagnosis, an adapted port, a distributed step, a training step with
+--capture), the audit of that capture and of a capture with a planted bug, the capture's
+manifests, and both benches. Each key path they write must be declared with its type; each
+path declared must be written by one of them, or say in ``when`` (on itself or a parent)
+which records have it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from m2po_oracle.cli.main import EXIT_DIVERGENT, EXIT_EQUIVALENT, main
+from m2po_oracle.cli.main import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
 from m2po_oracle.report.fields import Field, FromDataclass, Schema, parent_of
 from m2po_oracle.report.schema import SCHEMAS, schema_of
 
@@ -60,6 +61,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, list[Path]]]:
     out: dict[str, tuple[int, list[Path]]] = {}
     for name, argv in {
         "core": ("--impl", "core", "--examples", "5", "--in-process"),
+        "unusable": ("--impl", f"{tmp / 'port.py'}:no_such_function", "--examples", "2", "--in-process"),
         "control": ("--impl", "control:leak_clamp_float32_metrics", "--examples", "8", "--no-shrink", "--in-process",
                     "--accept", "float32_metrics"),
         "adapter": ("--impl", f"{tmp / 'port.py'}:mask_only", "--adapter", "mask_only", "--examples", "3",
@@ -122,10 +124,10 @@ def unwritten(schema: Schema, records: list[dict]) -> list[str]:
 
 def test_the_runs_did_what_they_are_here_for(runs, records):
     statuses = {name: status for name, (status, _) in runs.items()}
-    assert statuses == {"core": EXIT_EQUIVALENT, "control": EXIT_DIVERGENT, "adapter": EXIT_EQUIVALENT,
-                        "distributed": EXIT_DIVERGENT, "trainer": EXIT_DIVERGENT, "capture": EXIT_EQUIVALENT,
-                        "audit": EXIT_DIVERGENT, "planted_audit": EXIT_DIVERGENT, "bench": EXIT_EQUIVALENT,
-                        "bench_audit": EXIT_EQUIVALENT}
+    assert statuses == {"core": EXIT_EQUIVALENT, "unusable": EXIT_UNUSABLE, "control": EXIT_DIVERGENT,
+                        "adapter": EXIT_EQUIVALENT, "distributed": EXIT_DIVERGENT, "trainer": EXIT_DIVERGENT,
+                        "capture": EXIT_EQUIVALENT, "audit": EXIT_DIVERGENT, "planted_audit": EXIT_DIVERGENT,
+                        "bench": EXIT_EQUIVALENT, "bench_audit": EXIT_EQUIVALENT}
     assert all(records[name] for name in SCHEMAS), {name: len(found) for name, found in records.items()}
 
 
