@@ -69,6 +69,8 @@ SOURCES: dict[str, str] = {
     "equivalence.tolerances": "m2po_oracle.judge.equivalence:TOLERANCES",
     "equivalence.formats": "m2po_oracle.judge.equivalence:FORMATS",
     "equivalence.tolerance_class": "m2po_oracle.judge.equivalence:Tolerance",
+    # the JSON records, key path by key path
+    "json.schemas": "m2po_oracle.report.schema:SCHEMAS",
 }
 
 #: The public modules whose docstrings make the API page (mkdocstrings reads them at build time).
@@ -427,6 +429,32 @@ def tolerances_page() -> str:
     ])
 
 
+# --- json.md -------------------------------------------------------------------------------------
+
+def json_page() -> str:
+    """Every JSON record's key paths, one section per schema, from their declarations."""
+    out = [HEADER, "# JSON records\n\n",
+           "Every JSON file the toolkit writes, key by key, from the declarations in `m2po_oracle.report.schema` "
+           "(`property_tests/report/test_json_schema.py` holds them to what real runs write). Reading one from a "
+           "script: [the JSON report](../how-to/json-report.md).\n\n",
+           "A key is a path: `a.b` is the key `b` of the object `a`, `a[]` every item of the list `a`, and `a{}` every "
+           "value of the map `a`, an object whose keys are data (check names, deviation names, ...; the meaning says "
+           "what they are). *When* says which records have the key (on a list or a map: which have items in it); "
+           "blank, every record has it wherever its parent is. A type is `string`, `integer`, `number`, `boolean`, "
+           "`null`, `object`, `any`, `array of T` or `map of T`, alternatives joined by `or` (`array of integer or "
+           "null`: a list of integers, or null).\n\n"]
+    for schema in load("json.schemas").values():
+        fields = schema.fields()
+        rows = [(code(f.path), cell(f.type), cell(f"{f.meaning}; keys: {f.keys}" if f.keys else f.meaning),
+                 cell(f.when)) for f in fields]
+        strings = ", ".join(code(f'"{s}"') for s in schema.non_finite)
+        non_finite = f" A non-finite number is one of the strings {strings}." if strings else ""
+        out.append(f"## {schema.name}: `{schema.id}` {{#{schema.name}}}\n\n"
+                   f"{cell(schema.about)} Written by {cell(schema.writer)}.{non_finite} {len(fields)} key paths.\n\n"
+                   + table(("key", "type", "meaning", "when"), rows) + "\n")
+    return "".join(out)
+
+
 # --- api.md --------------------------------------------------------------------------------------
 
 def api_page() -> str:
@@ -441,6 +469,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "controls.md": controls_page,
     "adapters.md": adapters_page,
     "tolerances.md": tolerances_page,
+    "json.md": json_page,
     "api.md": api_page,
 }
 
