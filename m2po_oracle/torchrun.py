@@ -13,15 +13,15 @@ as the backend's collective timeout (``--timeout``), which ends the job.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from datetime import timedelta
 from pathlib import Path
 
+from m2po_oracle.call.runner import RunOptions
 from m2po_oracle.cli import options
 from m2po_oracle.distributed.torchrun_runner import serve
-from m2po_oracle.call.runner import RunOptions
+from m2po_oracle.oracle.encoding import write_json
 
 #: The compare options torchrun takes (the backend follows CUDA; the world is torchrun's).
 TORCHRUN_OPTIONS = ("examples", "seed", "dtype", "compute_dtype", "tau", "timeout", "topology", "strict_validation", "capture")
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     context = make_context(rank, args.topology, backend, device)
     status = 0
     if rank == 0:
-        from m2po_oracle.compare.search import run_compare
         from m2po_oracle.cli.launch import open_runner
+        from m2po_oracle.compare.search import run_compare
 
         values = {name: getattr(args, name) for name in TORCHRUN_OPTIONS}
         runner = open_runner(args.impl, options.run_options(values), torchrun=context)
@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             runner.world.stop()
         record = report.to_json()
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(record, indent=2))
+            write_json(record, args.json)
         if args.html:
             from m2po_oracle.report.html import write_html
 

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, number
+from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
+from m2po_oracle.oracle.encoding import number
 from m2po_oracle.audit.records import StepAudit
 from m2po_oracle.audit.reassembly import AuditStep
 

@@ -12,7 +12,7 @@ import numpy as np
 from m2po_oracle.capture import reader
 from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
 from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.oracle.record import number
+from m2po_oracle.oracle.encoding import number
 from m2po_oracle.distributed.topology import RankCoords, Topology
 
 

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from m2po_oracle.oracle.encoding import write_json
+
 SCHEMA = "m2po-oracle/bench-audit/1"
 DEFAULT_TOKENS = 1 << 24
 DP, MICRO_BATCHES, WIDTH, TAU = 4, 2, 4096, 0.04
@@ -235,6 +237,5 @@ def main_audit(args: Any, console: Any) -> int:
                       f"{'within' if all(ok) else 'outside'} the audit's target"
                       + ("" if tokens == DEFAULT_TOKENS else f" (which is set for {DEFAULT_TOKENS:,} tokens)"), highlight=False, soft_wrap=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2))
+        write_json(record, args.json)
     return EXIT_EQUIVALENT if all(c["as_expected"] for c in record["cases"]) else EXIT_DIVERGENT

@@ -39,12 +39,17 @@ from typing import Any
 
 import torch
 
-from m2po_oracle.core import fused
-from m2po_oracle.core.loss import m2po_loss
-from m2po_oracle.core.scratch import CPU_CHUNK
-from m2po_oracle.core.fast_selection import BUCKETS, DIGIT_BITS, kept_candidates, kept_candidates_by_sorting
 from m2po_oracle.bench.host_syncs import count_host_syncs
 from m2po_oracle.call.runner import check_device
+from m2po_oracle.core import fused
+from m2po_oracle.core.fast_selection import (
+    BUCKETS,
+    DIGIT_BITS,
+    kept_candidates,
+    kept_candidates_by_sorting,
+)
+from m2po_oracle.core.loss import m2po_loss
+from m2po_oracle.core.scratch import CPU_CHUNK
 
 SCHEMA = "m2po-oracle/bench/4"
 METHODS = ("sort", "radix", "floor", "forward", "unfused", "passes")
@@ -201,7 +206,10 @@ def bench_across_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     each sends, and checks that both keep the same tokens on this rank."""
     import torch.distributed as dist
 
-    from m2po_oracle.core.fast_selection import kept_candidates_across, kept_candidates_across_by_gathering
+    from m2po_oracle.core.fast_selection import (
+        kept_candidates_across,
+        kept_candidates_across_by_gathering,
+    )
 
     group = ctx.groups["dp"]
     m2 = candidate_m2(payload["tokens"], seed=payload["seed"] + ctx.rank)
@@ -226,8 +234,8 @@ def bench_across_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_bench_across(world_size: int, tokens_per_rank: int, *, repeats: int = 5, tau: float = 0.04, ties: bool = False, timeout_s: float = 600.0) -> dict[str, Any]:
-    from m2po_oracle.distributed.world import World
     from m2po_oracle.distributed.topology import Topology
+    from m2po_oracle.distributed.world import World
 
     with World(Topology(world_size, 1, 1), timeout_s=timeout_s) as world:
         outcomes = world.run(bench_across_ranks, {"tokens": tokens_per_rank, "seed": 0, "tau": tau, "repeats": repeats, "ties": ties})

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from rich.console import Console
 
 from m2po_oracle.cli.console import say_error
 from m2po_oracle.errors import EXIT_UNUSABLE
+from m2po_oracle.oracle.encoding import write_json
 
 
 def audit(args: argparse.Namespace, console: Console) -> int:
     """audit DIR: per step verdict, failing checks and diagnosis; exit 0 / 1 / 2 as compare."""
-    from m2po_oracle.audit import DESCRIPTIONS, audit_capture
-
     import shlex
+
+    from m2po_oracle.audit import DESCRIPTIONS, audit_capture
 
     report = audit_capture(args.directory, steps=set(args.step) if args.step else None, rollout_atol=args.rollout_atol,
                            policy_atol=args.policy_atol)
@@ -51,8 +51,7 @@ def audit(args: argparse.Namespace, console: Console) -> int:
     worst = f"; worst step {report.worst_step}" if report.worst_step is not None else ""
     say(f"verdict: {report.verdict} ({len(report.steps)} step(s), {len(report.problems)} problem(s){worst})")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report.to_json(), indent=2))
+        write_json(report.to_json(), args.json)
     if args.html is not None:
         from m2po_oracle.report.audit_html import write_audit_html
 

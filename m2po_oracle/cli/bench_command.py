@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from rich.console import Console
 from rich.table import Table
 
 from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
+from m2po_oracle.oracle.encoding import write_json
 
 
 def bench(args: argparse.Namespace, console: Console) -> int:
@@ -73,8 +73,7 @@ def bench(args: argparse.Namespace, console: Console) -> int:
         per_rank = ", ".join(f"rank {r['rank']}: {r['syncs']} with {r['collectives']} collectives" for r in across["forward_syncs"])
         console.print(f"distributed m2po_loss forward, would-sync operators per rank: {per_rank}", highlight=False, soft_wrap=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2))
+        write_json(record, args.json)
     if args.html:
         write_bench_html(record, args.html)
     identical = all(r["identical"] for r in record["rows"]) and record.get("across_ranks", {}).get("identical", True)

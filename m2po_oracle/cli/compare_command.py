@@ -11,20 +11,32 @@ from rich.console import Console
 from rich.table import Table
 
 from m2po_oracle.cli import options
-from m2po_oracle.cli.console import (say_error, metric_sources_text, print_accepted, print_capture, print_diagnosis, print_output, print_validation,
-                                     print_verdict)
-from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_INTERRUPTED, EXIT_UNUSABLE
+from m2po_oracle.cli.console import (
+    metric_sources_text,
+    print_accepted,
+    print_capture,
+    print_diagnosis,
+    print_output,
+    print_validation,
+    print_verdict,
+    say_error,
+)
+from m2po_oracle.errors import (
+    EXIT_DIVERGENT,
+    EXIT_EQUIVALENT,
+    EXIT_INTERRUPTED,
+    EXIT_UNUSABLE,
+)
+from m2po_oracle.oracle.encoding import write_json
 
 
 def run_or_replay(args: argparse.Namespace, console: Console) -> int:
     """compare or replay: open the runner, run, report; load errors and Ctrl-C still report."""
-    from m2po_oracle.distributed.world import WorldError
-    from m2po_oracle.cli.launch import open_runner
-    from m2po_oracle.errors import LoadError
-    from m2po_oracle.errors import UsageError
     from m2po_oracle.call.runner import CaptureFailed
-
     from m2po_oracle.cli.config import load_config
+    from m2po_oracle.cli.launch import open_runner
+    from m2po_oracle.distributed.world import WorldError
+    from m2po_oracle.errors import LoadError, UsageError
 
     try:
         project = load_config()
@@ -82,12 +94,16 @@ def _load_failed(args: argparse.Namespace, error: Exception, run_options, consol
 
 
 def _compare(args: argparse.Namespace, runner, console: Console) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from m2po_oracle.compare.search import run_compare
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from m2po_oracle.cli.config import exploration_from
-
+    from m2po_oracle.compare.search import run_compare
     from m2po_oracle.errors import UsageError
 
     try:
@@ -181,8 +197,7 @@ def _quiet_summary(args: argparse.Namespace, report, record: dict, console: Cons
 
 def _write_reports(args: argparse.Namespace, record: dict, console: Console, quiet: bool = False) -> None:
     if getattr(args, "json", None) is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2))
+        write_json(record, args.json)
         if not quiet:
             console.print(f"JSON report: {args.json}")
     if getattr(args, "html", None) is not None:

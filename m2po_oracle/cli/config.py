@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from m2po_oracle.explain.deviations import Accepted
-from m2po_oracle.errors import UsageError
 from m2po_oracle.cli.options import COMPARE_OPTIONS, RUN_SETTINGS, Option
+from m2po_oracle.errors import UsageError
+from m2po_oracle.explain.deviations import Accepted
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -164,8 +164,8 @@ def validate_deviation(where: str, name: str) -> str:
 
 
 def known_deviations() -> list[str]:
-    from m2po_oracle.explain.deviations import VARIANTS
     from m2po_oracle.distributed.diagnosis import DESCRIPTIONS
+    from m2po_oracle.explain.deviations import VARIANTS
 
     names = [v.name for v in VARIANTS if v.name != "algorithm_1"] + [n for n in DESCRIPTIONS if n not in {v.name for v in VARIANTS}]
     try:

@@ -18,10 +18,13 @@ from typing import Any
 from m2po_oracle.adapters import ADAPTERS, adapt
 from m2po_oracle.call.isolation import InProcess, Isolated
 from m2po_oracle.call.loss_function import LossFunctionRunner
-from m2po_oracle.call.resolve import is_trainer_spec, load_attribute, load_implementation
-from m2po_oracle.errors import LoadError, UsageError
+from m2po_oracle.call.resolve import (
+    is_trainer_spec,
+    load_attribute,
+    load_implementation,
+)
 from m2po_oracle.call.runner import Runner, RunOptions
-
+from m2po_oracle.errors import LoadError, UsageError
 
 #: Production trainers behind the trainer contract, by name (``trainer:NAME[:CONTROL]``): a
 #: factory taking the control's name. Named as strings: the integrations room sits above.
@@ -46,7 +49,9 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runn
         hint = f"; closest matches: {', '.join(close)}" if close else ""
         raise UsageError(f"adapter: expected one of {', '.join(ADAPTERS)} (m2po-oracle adapters lists them), got {options.adapter!r}{hint}")
     if options.topology is not None:
-        from m2po_oracle.distributed.implementations import load_distributed_implementation
+        from m2po_oracle.distributed.implementations import (
+            load_distributed_implementation,
+        )
         from m2po_oracle.distributed.runner import DistributedRunner
 
         # A fast error with closest matches, and a wrong binding refused, before any rank starts.

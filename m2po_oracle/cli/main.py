@@ -19,7 +19,12 @@ from m2po_oracle.cli.catalogue import list_adapters, list_checks
 from m2po_oracle.cli.compare_command import run_or_replay
 from m2po_oracle.cli.parser import build_parser
 from m2po_oracle.cli.selftest_command import selftest
-from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_INTERRUPTED, EXIT_UNUSABLE
+from m2po_oracle.errors import (
+    EXIT_DIVERGENT,
+    EXIT_EQUIVALENT,
+    EXIT_INTERRUPTED,
+    EXIT_UNUSABLE,
+)
 
 __all__ = ["EXIT_DIVERGENT", "EXIT_EQUIVALENT", "EXIT_INTERRUPTED", "EXIT_UNUSABLE", "build_parser", "main"]
 

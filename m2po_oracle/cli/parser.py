@@ -9,7 +9,6 @@ from pathlib import Path
 from m2po_oracle.cli import options
 from m2po_oracle.errors import EXIT_UNUSABLE
 
-
 #: The compare options replay takes: how to call, not what to explore.
 REPLAY_OPTIONS = ("dtype", "compute_dtype", "device", "timeout", "in_process", "topology", "backend", "adapter", "bind", "validation_errors", "show_output")
 

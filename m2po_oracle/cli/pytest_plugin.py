@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from m2po_oracle.cli import options
+from m2po_oracle.oracle.encoding import write_json
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -52,13 +53,11 @@ def _option_values(config: pytest.Config, project: Any) -> dict[str, Any]:
 def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, reports: dict[str, Path] | None = None) -> dict[str, Any]:
     """Run the battery once and reduce it to what each item reports: JSON-ready, so that
     xdist workers can share it. ``{"error": str}`` when the run could not start."""
-    from m2po_oracle.compare.search import run_compare
-    from m2po_oracle.cli.config import exploration_from
-    from m2po_oracle.cli.config import ProjectConfig
-    from m2po_oracle.judge.equivalence import format_mismatches
+    from m2po_oracle.cli.config import ProjectConfig, exploration_from
     from m2po_oracle.cli.launch import open_runner
-    from m2po_oracle.errors import LoadError
-    from m2po_oracle.errors import UsageError
+    from m2po_oracle.compare.search import run_compare
+    from m2po_oracle.errors import LoadError, UsageError
+    from m2po_oracle.judge.equivalence import format_mismatches
 
     project = project or ProjectConfig()
     try:
@@ -123,8 +122,7 @@ def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, report
 def _write_reports(report: Any, reports: dict[str, Path]) -> None:
     record = report.to_json()
     if "json" in reports:
-        reports["json"].parent.mkdir(parents=True, exist_ok=True)
-        reports["json"].write_text(json.dumps(record, indent=2))
+        write_json(record, reports["json"])
     if "html" in reports:
         from m2po_oracle.report.html import write_html
 
@@ -204,9 +202,9 @@ def _declared_checks(spec: str, values: dict[str, Any], project: Any) -> tuple[s
     """The checks the runner for ``spec`` declares, narrowed by --checks, and one item per
     accepted deviation (the single-process battery's if it cannot be opened: every item then
     reports why)."""
-    from m2po_oracle.judge.checks import CHECKS
-    from m2po_oracle.compare.search import select_checks
     from m2po_oracle.cli.launch import open_runner
+    from m2po_oracle.compare.search import select_checks
+    from m2po_oracle.judge.checks import CHECKS
 
     accepted = tuple(f"accept:{a.deviation}" for a in project.accept) + tuple(f"accept:{n}" for n in values.get("accept") or ()
                                                                                 if n not in {a.deviation for a in project.accept})

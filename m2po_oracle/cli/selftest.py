@@ -15,9 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from m2po_oracle.compare.search import in_process_runner, run_compare
+from m2po_oracle.call.controls import (
+    COMPOSITE_CONTROLS,
+    NEGATIVE_CONTROLS,
+    QUICK_EXAMPLES,
+)
 from m2po_oracle.call.runner import Runner
-from m2po_oracle.call.controls import COMPOSITE_CONTROLS, NEGATIVE_CONTROLS, QUICK_EXAMPLES
+from m2po_oracle.compare.search import in_process_runner, run_compare
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ diagnosis, validation) and the one JSON builder of schema ``m2po-oracle/compare/
 
 Every value that comes from the implementation (names, exception text) is stored as plain
 data here and escaped only by a renderer. Non-finite numbers are written as the strings
-"nan", "inf" and "-inf" (:func:`m2po_oracle.oracle.record.number`) so the file stays
+"nan", "inf" and "-inf" (:func:`m2po_oracle.oracle.encoding.number`) so the file stays
 standard JSON."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from m2po_oracle.judge.coverage import CoverageTally, failure_rate_upper
 from m2po_oracle.judge.equivalence import TOLERANCES, Mismatch, selection_bounds
 from m2po_oracle.judge.validation import ProbeResult
 from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult, number
+from m2po_oracle.oracle.encoding import number
+from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 
 SCHEMA = "m2po-oracle/compare/1"
 #: Counterexamples are shrunk and small; a fallback batch is cut to this many tokens.

@@ -187,7 +187,7 @@ class DistributedStep:
     explained_by: list[dict[str, Any]] = field(default_factory=list)  # distributed variants reproducing it
 
     def ranks_json(self) -> list[dict[str, Any]]:
-        from m2po_oracle.oracle.record import number
+        from m2po_oracle.oracle.encoding import number
 
         out = []
         for o in self.outcomes:

@@ -9,18 +9,12 @@ from typing import Any
 
 import numpy as np
 
+from m2po_oracle.oracle.encoding import number
+
 
 def _float_list(array: np.ndarray) -> list:
     """Nested lists with non-finite values spelled as strings, so JSON stays standard."""
-
-    def encode(value: float) -> float | str:
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return float(value)
-
-    return [[encode(v) for v in row] for row in array.tolist()]
+    return [[number(float(v)) for v in row] for row in array.tolist()]
 
 
 def _decode(rows: list) -> np.ndarray:

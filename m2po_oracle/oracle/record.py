@@ -8,7 +8,6 @@ by field.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-import math
 from typing import Any
 
 import numpy as np
@@ -90,21 +89,3 @@ class PaddingProbe:
                 index = tuple(int(i) for i in at[0])
                 return (where, index, float(grad[index]))
         return None
-
-
-def number(value: Any) -> Any:
-    """A JSON-safe scalar: non-finite floats become strings, numpy scalars plain Python."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, (np.bool_,)):
-        return bool(value)
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        value = float(value)
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return value
-    return repr(value)
