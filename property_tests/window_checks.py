@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.judge.equivalence import same_up_to_ties, valid_m2
+from m2po_oracle.oracle.batch import Batch
 
 
 def window_batch(records: Sequence[Mapping[str, Any]], logp_field: str = "selection_logp") -> Batch:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from m2po_oracle.adapters.binding import BoundCall, Config, Output, Param, map_metric_name, parse_bindings, parse_value
 from m2po_oracle.adapters.families import ADAPTERS, Adapter, check_field, policy_loss_config
-from m2po_oracle.judge.contract import Implementation
 from m2po_oracle.errors import UsageError
+from m2po_oracle.judge.contract import Implementation
 
 __all__ = ["ADAPTERS", "Adapter", "BoundCall", "Config", "Output", "Param", "adapt", "bind", "check_field", "map_metric_name",
            "parse_bindings", "parse_value", "policy_loss_config"]

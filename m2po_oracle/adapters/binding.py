@@ -445,7 +445,7 @@ class BoundCall:
                 name = map_metric_name(key)
                 if name is not None and name not in found and _is_number(value):
                     found[name] = value
-                    sources[name] = _path_text(at + (key,))
+                    sources[name] = _path_text((*at, key))
         for name in METRIC_NAMES:
             if name in self._outputs:
                 found[name] = self.read(returned, name)

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from m2po_oracle.adapters.binding import METRIC_NAMES, PORT_DEFAULT, BoundCall, Config, Output, Param, bound_metric_names
+from m2po_oracle.errors import UnreadableReturn
 from m2po_oracle.judge.checks import CHECKS, DISTRIBUTED_CHECKS, result_field
 from m2po_oracle.judge.contract import Implementation
-from m2po_oracle.errors import UnreadableReturn
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,7 @@ report's records, the diagnosis names, a record loaded from a capture), :mod:`.r
 
 from m2po_oracle.audit.checks import REGION_METRICS, REGION_WORDS, LogpBounds, always_silent_parameters
 from m2po_oracle.audit.counterexample import COUNTEREXAMPLE_TOKENS, TABLE_ORDER
-from m2po_oracle.audit.records import (CHECK_NAMES, DESCRIPTIONS, ROLLOUT_LOGP_DTYPE, SCHEMA,
-                                       AuditCheck, AuditReport, StepAudit)
+from m2po_oracle.audit.records import CHECK_NAMES, DESCRIPTIONS, ROLLOUT_LOGP_DTYPE, SCHEMA, AuditCheck, AuditReport, StepAudit
 from m2po_oracle.audit.run import audit_capture
 
 __all__ = ["CHECK_NAMES", "COUNTEREXAMPLE_TOKENS", "DESCRIPTIONS", "REGION_METRICS",

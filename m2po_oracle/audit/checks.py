@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from m2po_oracle.audit.reassembly import AuditStep, algorithm_1_of, scope_groups
+from m2po_oracle.audit.records import ROLLOUT_LOGP_DTYPE, AuditCheck, MicroBatch
 from m2po_oracle.capture import reader
 from m2po_oracle.judge import equivalence
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
-from m2po_oracle.audit.records import AuditCheck, ROLLOUT_LOGP_DTYPE, MicroBatch
-from m2po_oracle.audit.reassembly import AuditStep, algorithm_1_of, scope_groups
 
 
 def _fmt(mismatches: list[equivalence.Mismatch]) -> str:

@@ -9,11 +9,10 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
-from m2po_oracle.oracle.encoding import number
-from m2po_oracle.audit.records import StepAudit
 from m2po_oracle.audit.reassembly import AuditStep
-
+from m2po_oracle.audit.records import StepAudit
+from m2po_oracle.oracle.encoding import number
+from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
 
 #: Which failing check the worst step's table shows: the first of these that failed.
 TABLE_ORDER = ("audit.selection", "audit.behavior_logp", "audit.policy_logp", "audit.gradient", "audit.loss_sum", "audit.metrics",

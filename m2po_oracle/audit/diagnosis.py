@@ -8,14 +8,21 @@ from typing import Any
 
 import numpy as np
 
-from m2po_oracle.judge import equivalence
-
 from m2po_oracle import oracle
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.audit.records import MicroBatch
+from m2po_oracle.audit.checks import (
+    REGION_METRICS,
+    LogpBounds,
+    grad_mismatch_at,
+    logged_globally,
+    logged_scopes,
+    logp_mismatch,
+    logp_pairs,
+    loss_mismatch_at,
+)
 from m2po_oracle.audit.reassembly import AuditStep, scope_groups
-from m2po_oracle.audit.checks import (REGION_METRICS, LogpBounds, grad_mismatch_at, logged_globally, logged_scopes, logp_mismatch, logp_pairs,
-                                      loss_mismatch_at)
+from m2po_oracle.audit.records import MicroBatch
+from m2po_oracle.judge import equivalence
+from m2po_oracle.oracle.batch import Batch
 
 
 def _share(record: MicroBatch, denominator: float) -> tuple[float, np.ndarray]:

@@ -11,12 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from m2po_oracle.judge import equivalence
-
 from m2po_oracle import oracle
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.distributed.topology import Topology, cp_token_indices
 from m2po_oracle.audit.records import MicroBatch, Unusable
+from m2po_oracle.distributed.topology import Topology, cp_token_indices
+from m2po_oracle.judge import equivalence
+from m2po_oracle.oracle.batch import Batch
 
 
 @dataclass

@@ -10,11 +10,10 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle.capture import reader
+from m2po_oracle.distributed.topology import RankCoords, Topology
 from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.encoding import number
-from m2po_oracle.distributed.topology import RankCoords, Topology
-
 
 SCHEMA = "m2po-oracle/audit/1"
 

@@ -7,14 +7,24 @@ import math
 from pathlib import Path
 from typing import Any
 
+from m2po_oracle.audit.checks import (
+    LogpBounds,
+    always_silent_parameters,
+    behavior_logp_check,
+    gradient_check,
+    loss_check,
+    metrics_check,
+    parameter_check,
+    policy_logp_check,
+    replicas_check,
+    selection_check,
+)
+from m2po_oracle.audit.counterexample import step_counterexample
+from m2po_oracle.audit.diagnosis import diagnose_audit_step
+from m2po_oracle.audit.reassembly import AuditStep, assemble
+from m2po_oracle.audit.records import CHECK_NAMES, AuditCheck, AuditReport, StepAudit, Unusable, records_of
 from m2po_oracle.capture import reader
 from m2po_oracle.distributed.topology import Topology
-from m2po_oracle.audit.records import AuditCheck, AuditReport, CHECK_NAMES, StepAudit, Unusable, records_of
-from m2po_oracle.audit.reassembly import AuditStep, assemble
-from m2po_oracle.audit.checks import (LogpBounds, behavior_logp_check, gradient_check, loss_check, metrics_check, parameter_check,
-                                      policy_logp_check, replicas_check, selection_check, always_silent_parameters)
-from m2po_oracle.audit.diagnosis import diagnose_audit_step
-from m2po_oracle.audit.counterexample import step_counterexample
 
 
 def _audit_step(step: AuditStep, noted: dict[int, dict[str, Any]], silent: tuple[set[str], int], bounds: LogpBounds = LogpBounds()) -> StepAudit:
@@ -78,7 +88,7 @@ def audit_capture(directory: str | Path, *, steps: set[int] | None = None, rollo
                 worst = audit
         except Unusable as why:
             report.steps.append(_unusable(step, str(why)))
-        except Exception as error:  # noqa: BLE001 - a capture is data: one odd step must not end the audit
+        except Exception as error:
             report.steps.append(_unusable(step, f"could not be audited: {type(error).__name__}: {error}"))
     return report
 
@@ -90,6 +100,6 @@ def _attach_counterexample(report: AuditReport, displaced: StepAudit | None, aud
         displaced.counterexample = None
     try:
         audit.counterexample = step_counterexample(step, audit, directory, noted, silent_always)
-    except Exception as error:  # noqa: BLE001 - the table is an aid; the verdicts stand without it
+    except Exception as error:
         report.problems.append(f"step {step.step}: the counterexample table could not be built: {type(error).__name__}: {error}")
 

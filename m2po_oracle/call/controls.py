@@ -18,7 +18,6 @@ import torch
 
 from m2po_oracle.explain.deviations import Deviation, combine, variant
 
-
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 #: Thresholds of the clip family's "harmful" test (algorithm.md §4, fact 1) and stop test (fact 2).
 CLIP_ADVANTAGE_EPS = 1e-12

@@ -22,9 +22,9 @@ import tempfile
 import time
 from typing import Any
 
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.judge.contract import Finding, Implementation, Measurement, measure, rounded_batch, with_output
 from m2po_oracle.errors import LoadError as ImplementationLoadError  # one load error, whichever way it is called
+from m2po_oracle.judge.contract import Finding, Implementation, Measurement, measure, rounded_batch, with_output
+from m2po_oracle.oracle.batch import Batch
 
 #: Starting a worker imports torch and the implementation: allow for that separately.
 STARTUP_TIMEOUT_S = 180.0
@@ -77,7 +77,7 @@ class _NativeOutput:
     """File descriptors 1 and 2 of this process, redirected to a file read incrementally."""
 
     def __init__(self) -> None:
-        self._file = tempfile.TemporaryFile(mode="w+b")
+        self._file = tempfile.TemporaryFile(mode="w+b")  # noqa: SIM115 - open for the process's life, closed by close()
         for fd in (1, 2):
             os.dup2(self._file.fileno(), fd)
 
@@ -207,7 +207,7 @@ class Isolated:
             self._kill(self._process)
             self._process = self._connection = None
 
-    def __enter__(self) -> "Isolated":
+    def __enter__(self) -> Isolated:
         return self
 
     def __exit__(self, *exc: object) -> None:

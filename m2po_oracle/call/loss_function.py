@@ -8,17 +8,17 @@ made (:mod:`m2po_oracle.call.isolation`), and so in which options they honour.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from hypothesis import strategies as st
 
 from m2po_oracle import strategies
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.judge.battery import BatteryOutcome, replay_command, run_battery
-from m2po_oracle.judge.checks import CHECKS
 from m2po_oracle.call.isolation import InProcess, Isolated
 from m2po_oracle.call.runner import CAPTURE_NEEDS_A_STEP, CallHealth, CapturedOutput, RunOptions, refuse_unhonoured
+from m2po_oracle.judge.battery import BatteryOutcome, replay_command, run_battery
+from m2po_oracle.judge.checks import CHECKS
 from m2po_oracle.judge.validation import PROBES, ProbeResult
+from m2po_oracle.oracle.batch import Batch
 
 #: What both ways honour; the worker adds the per-call timeout and output pass-through.
 _HONOURED = frozenset({"dtype", "compute_dtype", "device", "adapter", "bind", "validation_errors"})
@@ -40,7 +40,7 @@ class LossFunctionRunner:
     checks = tuple(CHECKS)
     example_unit = "batches"
     costly_examples = False
-    variant_descriptions: dict[str, str] = {}
+    variant_descriptions: ClassVar[dict[str, str]] = {}
     variant_source = ""
 
     def __init__(self, spec: str, caller: InProcess | Isolated, options: RunOptions, *, call: str | None = None) -> None:
@@ -118,7 +118,7 @@ class LossFunctionRunner:
         if self.isolated:
             self.caller.close()
 
-    def __enter__(self) -> "LossFunctionRunner":
+    def __enter__(self) -> LossFunctionRunner:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -16,16 +16,16 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
-import sys
 import os
+import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from collections.abc import Sequence
 from typing import Any
 
-from m2po_oracle.judge.contract import Implementation
 from m2po_oracle.errors import LoadError
+from m2po_oracle.judge.contract import Implementation
 
 ENTRY_POINT_GROUP = "m2po_oracle.implementations"
 #: Set to 1 to ignore implementations registered by other installed packages.

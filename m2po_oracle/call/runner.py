@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from m2po_oracle.judge.contract import OUTPUT_LINES_KEPT
 from m2po_oracle.errors import UsageError
+from m2po_oracle.judge.contract import OUTPUT_LINES_KEPT
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
@@ -49,7 +49,7 @@ class RunOptions:
     given: frozenset[str] = field(default_factory=frozenset)
 
     @classmethod
-    def from_values(cls, values: dict[str, Any]) -> "RunOptions":
+    def from_values(cls, values: dict[str, Any]) -> RunOptions:
         """Options from parsed flags where ``None`` (or ``False`` for a switch) means "not
         given": those take the defaults above and are not in ``given``."""
         names = {f.name for f in fields(cls)} - {"given"}
@@ -67,7 +67,7 @@ class RunOptions:
     def rejecting(self) -> tuple[str, ...]:
         return tuple(n.strip() for n in (self.validation_errors or "").split(",") if n.strip())
 
-    def but(self, **changes: Any) -> "RunOptions":
+    def but(self, **changes: Any) -> RunOptions:
         return replace(self, **changes)
 
 
@@ -107,7 +107,7 @@ class CaptureTarget:
     steps: int = 0
 
     @classmethod
-    def prepare(cls, directory: str) -> "CaptureTarget":
+    def prepare(cls, directory: str) -> CaptureTarget:
         """Create ``directory`` if needed; a :class:`UsageError` if it already holds a capture
         (the recorder never mixes two runs) or cannot be a directory."""
         path = Path(directory)
@@ -177,13 +177,13 @@ class Runner(Protocol):
     variant_descriptions: dict[str, str]
     variant_source: str
 
-    def strategy(self) -> "SearchStrategy[Any]":
+    def strategy(self) -> SearchStrategy[Any]:
         """What the run explores (batches, or training-step cases)."""
 
-    def run_battery(self, example: Any) -> "BatteryOutcome":
+    def run_battery(self, example: Any) -> BatteryOutcome:
         """Every check on one example; never raises because of the implementation."""
 
-    def validation(self) -> "list[ProbeResult]":
+    def validation(self) -> list[ProbeResult]:
         """The invalid-input (fail-closed) probes of this way of running."""
 
     def replay_command(self, example: Any) -> str:

@@ -9,16 +9,16 @@ from m2po_oracle.capture.recorder import OPTIONAL_TENSOR_NAMES, SCHEMA, TENSOR_N
 from m2po_oracle.capture.watching import Watcher, watch
 
 __all__ = [
-    "SCHEMA",
     "OPTIONAL_TENSOR_NAMES",
+    "SCHEMA",
     "TENSOR_NAMES",
     "Capture",
     "CaptureError",
     "GradientWatch",
     "RecordInfo",
     "Recorder",
+    "Watcher",
     "check_capture",
     "load_capture",
-    "Watcher",
     "watch",
 ]

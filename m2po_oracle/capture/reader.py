@@ -24,8 +24,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load
 
-from m2po_oracle.capture.recorder import (GRAD, MANIFEST_FILE, OPTIONAL_TENSOR_NAMES, SAFETENSORS_DTYPES, SCHEMA, TENSOR_NAMES, CaptureError,
-                                          decode_number, manifest_name, parse_manifest)
+from m2po_oracle.capture.recorder import (
+    GRAD,
+    MANIFEST_FILE,
+    OPTIONAL_TENSOR_NAMES,
+    SAFETENSORS_DTYPES,
+    SCHEMA,
+    TENSOR_NAMES,
+    CaptureError,
+    decode_number,
+    manifest_name,
+    parse_manifest,
+)
 
 __all__ = ["Capture", "CaptureError", "RecordInfo", "check_capture", "inspect_capture", "load_capture"]
 
@@ -128,7 +138,7 @@ def _load_tensors(path: Path, names: tuple[str, ...], crc32: int | None = None) 
                                  "the file changed after it was written (corrupt or overwritten)")
     try:
         tensors = load(data)
-    except Exception as error:  # noqa: BLE001 - any failure to parse a damaged file is the capture's problem, not a crash
+    except Exception as error:
         raise CaptureError(path, f"not a readable safetensors file (truncated or corrupt): {error}") from None
     if set(tensors) != set(names):
         raise CaptureError(path, f"holds tensors {sorted(tensors)}, expected {sorted(names)}")
@@ -152,7 +162,7 @@ def _check_file(path: Path, names: tuple[str, ...], described: Mapping[str, Any]
             keys = set(handle.keys())
             metadata = handle.metadata() or {}
             found = {name: (handle.get_slice(name).get_dtype(), handle.get_slice(name).get_shape()) for name in keys}
-    except Exception as error:  # noqa: BLE001 - safetensors' SafetensorError, or whatever a damaged file provokes
+    except Exception as error:
         return [(str(path), f"not a readable safetensors file (truncated or corrupt): {error}")]
     problems = []
     if keys != set(names):

@@ -41,7 +41,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ import safetensors
 import torch
 from safetensors.torch import load, save_file
 
-__all__ = ["SCHEMA", "OPTIONAL_TENSOR_NAMES", "TENSOR_NAMES", "CaptureError", "GradientWatch", "Recorder"]
+__all__ = ["OPTIONAL_TENSOR_NAMES", "SCHEMA", "TENSOR_NAMES", "CaptureError", "GradientWatch", "Recorder"]
 
 #: The manifest schema this module writes and reads; a reader refuses any other.
 SCHEMA = "m2po-oracle/capture/1"
@@ -382,7 +382,7 @@ class Recorder:
             "topology": self.topology,
             "every": self.every,
             "versions": _versions(),
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
         }
         if getattr(self, "_resumed_parameters", None):
             self._manifest["parameter_gradients"] = self._resumed_parameters

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALIASES", "INPUTS", "OUTPUTS", "Watcher", "watch"]  # noqa: RUF022 - constants first
+__all__ = ["ALIASES", "INPUTS", "OUTPUTS", "Watcher", "watch"]
 
 #: What a wrapped call is read for: the inputs of the M2PO loss and what it produced.
 #: ``selection_logp`` (the log-probs a mask prepass selected on) and ``rollout_logp`` (the sampler's,

@@ -125,7 +125,7 @@ def _option_value(where: str, key: str, option: Option, value: Any) -> Any:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return tuple(value)
         raise UsageError(f"{where}: {key}: expected a list of \"KEY=VALUE\" strings or a table, got {value!r}")
-    if isinstance(value, bool) or isinstance(value, (list, dict)):
+    if isinstance(value, (bool, list, dict)):
         raise UsageError(f"{where}: {key}: expected {option.help.split(';')[0]!r} as a value, got {value!r}")
     if option.name == "validation_errors" and isinstance(value, list):
         value = ",".join(value)

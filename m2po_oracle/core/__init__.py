@@ -12,12 +12,12 @@ from m2po_oracle.core.scratch import CPU_CHUNK
 from m2po_oracle.core.selection import Selection
 
 __all__ = [
+    "CPU_CHUNK",
     "CoreResult",
     "Selection",
-    "validate_across_ranks",
-    "CPU_CHUNK",
-    "select_tokens",
-    "select_micro_batches",
     "loss_from_selection",
     "m2po_loss",
+    "select_micro_batches",
+    "select_tokens",
+    "validate_across_ranks",
 ]

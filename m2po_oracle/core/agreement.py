@@ -12,7 +12,6 @@ import torch
 
 from m2po_oracle.core.inputs import MISSING_BEHAVIOR_LOGP, check_group, validate_inputs
 
-
 #: The arguments a rank's local checks name, in the order of the agreement record's code
 #: (0 = this rank's input is valid).
 _ARGUMENTS = ("logp", "behavior_logp", "advantages", "mask", "tau", "micro_batches")

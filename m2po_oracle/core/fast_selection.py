@@ -141,7 +141,7 @@ def kept_candidates_across(m2: torch.Tensor, tau: float, group: object, candidat
     mine = torch.count_nonzero(tied).reshape(1)
     by_rank = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(by_rank, mine, group=group)
-    lower = torch.cat(by_rank[: dist.get_rank(group)] + [torch.zeros_like(mine)]).sum()
+    lower = torch.cat([*by_rank[:dist.get_rank(group)], torch.zeros_like(mine)]).sum()
     kept = (keys < torch.where(state.refining, state.prefix, state.threshold)) | (tied & (torch.cumsum(tied, 0) <= fits - lower))
     return kept if candidates is None else kept & candidates
 
@@ -161,7 +161,7 @@ def kept_candidates_across_by_gathering(m2: torch.Tensor, tau: float, group: obj
     dist.all_gather(counts, count, group=group)
     sizes = [int(c.item()) for c in counts]
     # gloo's all_gather needs equal sizes: pad with +inf to the largest rank's count.
-    padded = torch.full((max(sizes + [1]),), math.inf, dtype=torch.float64, device=m2.device)
+    padded = torch.full((max([*sizes, 1]),), math.inf, dtype=torch.float64, device=m2.device)
     padded[: m2.numel()] = local_sorted
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded, group=group)
@@ -212,14 +212,14 @@ class Descent:
     tied_count: torch.Tensor
 
     @classmethod
-    def start(cls, device: torch.device) -> "Descent":
+    def start(cls, device: torch.device) -> Descent:
         zero = torch.zeros((), dtype=torch.float64, device=device)
         return cls(torch.zeros((), dtype=torch.int64, device=device), zero, zero,
                    torch.full((), _INT64_MAX, dtype=torch.int64, device=device), torch.ones((), dtype=torch.bool, device=device), zero)
 
     @classmethod
     def after_first_level(cls, crossing: int, kept_sum: float, kept_count: float, tied_count: float,
-                          device: torch.device | str = "cpu") -> "Descent":
+                          device: torch.device | str = "cpu") -> Descent:
         """The state ``Descent.start(device).step(...)`` reaches at level 0, from its numbers
         found elsewhere (the fused CPU pass): the crossing bucket (BUCKETS: nothing
         crosses), the sum and count of the values below it (all of them when nothing
@@ -231,7 +231,7 @@ class Descent:
                    torch.tensor(crosses, device=device), torch.tensor(tied_count, **f64))
 
     def step(self, sums: torch.Tensor, counts: torch.Tensor, tau: float, level: int, *, bits: int = DIGIT_BITS,
-             fixed_bits: int | None = None) -> tuple["Descent", torch.Tensor]:
+             fixed_bits: int | None = None) -> tuple[Descent, torch.Tensor]:
         """One level from its histogram (``1 << bits`` sums and counts of the alive values,
         whose top ``fixed_bits`` key bits, default ``DIGIT_BITS * level``, are ``prefix``);
         also returns the level's crossing bucket (``1 << bits`` when nothing crosses)."""

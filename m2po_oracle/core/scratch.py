@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 #: Tokens per pass of the single-process first level and the loss on CPU. Chunk by chunk,
 #: a dozen passes run over data in cache, and their scratch is reused from one forward to
 #: the next, where token-sized float64 buffers from 4M tokens up were fresh memory from
@@ -31,7 +30,7 @@ class Scratch:
     bits: torch.Tensor
 
     @classmethod
-    def for_device(cls, device: torch.device, n: int) -> "Scratch":
+    def for_device(cls, device: torch.device, n: int) -> Scratch:
         if device.type != "cpu":
             return cls._allocate(device, max(n, 1))
         chunk = max(1, min(n, CPU_CHUNK))  # an empty batch still has a (unused) chunk of 1
@@ -41,7 +40,7 @@ class Scratch:
         return cls(chunk, kept.d[:chunk], kept.other[:chunk], kept.bits[:chunk])
 
     @classmethod
-    def _allocate(cls, device: torch.device, chunk: int) -> "Scratch":
+    def _allocate(cls, device: torch.device, chunk: int) -> Scratch:
         d, other = (torch.empty(chunk, dtype=torch.float64, device=device) for _ in range(2))
         return cls(chunk, d, other, torch.empty(chunk, dtype=torch.int64, device=device))
 

@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.judge.contract import Finding, Measurement
-from m2po_oracle.distributed.world import RankContext, RankOutcome
-from m2po_oracle.judge.equivalence import Mismatch, check_selection, compare_values, same_up_to_ties, tolerance, valid_m2
-from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 from m2po_oracle.distributed.topology import Topology, cp_token_indices, dp_row_slices
+from m2po_oracle.distributed.world import RankContext, RankOutcome
+from m2po_oracle.judge.contract import Finding, Measurement
+from m2po_oracle.judge.equivalence import Mismatch, check_selection, compare_values, same_up_to_ties, tolerance, valid_m2
+from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 
 
 def pad_for_cp(batch: Batch, cp: int) -> Batch:
@@ -53,8 +53,8 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
 
     A capture that cannot be written is returned as ``capture_error`` (the parent stops the
     run), never raised: raising would read as the implementation failing."""
-    from m2po_oracle.judge.contract import normalise_result, to_tensors
     from m2po_oracle.distributed.implementations import ParallelState, load_distributed_implementation
+    from m2po_oracle.judge.contract import normalise_result, to_tensors
 
     spec, dtype = payload["spec"], payload["dtype"]
     batch = Batch.from_dict(payload["batch"])
@@ -65,7 +65,7 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
         # Before the implementation: every rank's manifest exists, also one whose implementation raises.
         try:
             recorder = _rank_recorder(ctx, capture["directory"])
-        except Exception as error:  # noqa: BLE001 - any failure to record is the capture's, reported to the parent
+        except Exception as error:
             capture_error = f"rank {ctx.rank}: cannot start recording in {capture['directory']}: {type(error).__name__}: {error}"
     try:
         fn = load_distributed_implementation(spec, payload.get("adapter"))
@@ -80,7 +80,7 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
     if recorder is not None:
         try:
             _record_shard(recorder, capture["step"], ParallelState.of_rank(ctx), tensors, result, batch.tau)
-        except Exception as error:  # noqa: BLE001 - as above
+        except Exception as error:
             capture_error = f"rank {ctx.rank}: recording step {capture['step']} failed: {type(error).__name__}: {error}"
     if capture_error is not None:
         value["capture_error"] = capture_error
@@ -124,9 +124,9 @@ def _record_shard(recorder: Any, step: int, parallel: Any, tensors: dict[str, An
 def _as_one_rank(ctx: RankContext, fn: Any, batch: Batch, dtype: str) -> M2POResult | str:
     """``fn`` on the whole optimizer batch as a dp=1, cp=1, tp=1 world (its groups: this
     rank alone): the reference of ``distributed.split_invariance``; the error text if it raised."""
-    from m2po_oracle.judge.contract import normalise_result, to_tensors
     from m2po_oracle.distributed.implementations import ParallelState
     from m2po_oracle.distributed.topology import RankCoords
+    from m2po_oracle.judge.contract import normalise_result, to_tensors
 
     alone = ctx.groups["self"]
     try:

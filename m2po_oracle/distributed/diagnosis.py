@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.distributed.topology import Topology, cp_token_indices
 from m2po_oracle.distributed.world import RankOutcome
 from m2po_oracle.judge.equivalence import compare_values, same_up_to_ties, tolerance, valid_m2
-from m2po_oracle.distributed.topology import Topology, cp_token_indices
+from m2po_oracle.oracle.batch import Batch
 
 DESCRIPTIONS = {
     "local_shard_selection": "each rank selects over its own CP shard only, without communication",

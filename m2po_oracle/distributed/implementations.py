@@ -38,7 +38,7 @@ class ParallelState:
     tp_group: Any
 
     @classmethod
-    def of_rank(cls, ctx: Any) -> "ParallelState":
+    def of_rank(cls, ctx: Any) -> ParallelState:
         """The state a world's rank hands the implementation (``ctx``: its ``RankContext``)."""
         g = ctx.groups
         return cls(ctx.topology, ctx.coords, g["dp"], g["dp_cp"], g["cp"], g["tp"])
@@ -214,7 +214,7 @@ CONTROL_TOPOLOGIES: dict[str, str] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_distributed_implementation(spec: str, adapter: tuple[str, tuple[str, ...]] | None = None) -> Any:
     """A built-in distributed implementation by name, or a user's ``module:function``
     (loaded once per process: a rank serves every step with the same function).

@@ -12,19 +12,19 @@ from typing import Any
 from hypothesis import strategies as st
 
 from m2po_oracle import strategies
-from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.call.loss_function import batch_strategy
+from m2po_oracle.call.runner import CallHealth, CapturedOutput, CaptureFailed, CaptureTarget, RunOptions, refuse_unhonoured
+from m2po_oracle.distributed.checks import DistributedStep, as_measurement, check_step, pad_for_cp, rank_step
+from m2po_oracle.distributed.diagnosis import DESCRIPTIONS
+from m2po_oracle.distributed.topology import Topology
+from m2po_oracle.distributed.world import RankOutcome, World, WorldError
+from m2po_oracle.errors import UsageError
 from m2po_oracle.judge.battery import BatteryOutcome, replay_command
 from m2po_oracle.judge.checks import DISTRIBUTED_CHECKS
 from m2po_oracle.judge.contract import rounded_batch
-from m2po_oracle.distributed.diagnosis import DESCRIPTIONS
-from m2po_oracle.distributed.checks import DistributedStep, as_measurement, check_step, pad_for_cp, rank_step
-from m2po_oracle.distributed.topology import Topology
-from m2po_oracle.distributed.world import RankOutcome, World, WorldError
 from m2po_oracle.judge.equivalence import Mismatch
-from m2po_oracle.call.loss_function import batch_strategy
-from m2po_oracle.errors import UsageError
-from m2po_oracle.call.runner import CallHealth, CapturedOutput, CaptureFailed, CaptureTarget, RunOptions, refuse_unhonoured
 from m2po_oracle.judge.validation import ProbeResult
+from m2po_oracle.oracle.batch import Batch
 
 #: The device each backend places its ranks on.
 BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
@@ -158,7 +158,7 @@ class DistributedRunner:
     def close(self) -> None:
         self.world.close()
 
-    def __enter__(self) -> "DistributedRunner":
+    def __enter__(self) -> DistributedRunner:
         return self
 
     def __exit__(self, *exc: object) -> None:

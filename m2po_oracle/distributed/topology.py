@@ -203,7 +203,7 @@ def cp_reconstruct(shards: Sequence[np.ndarray], cp_size: int) -> np.ndarray:
     if cp_size > 1 and shape[-1] % 2:
         raise ValueError(f"each shard holds two equal chunks, so its length must be even; got {shape[-1]}")
     seq_len = shape[-1] * cp_size
-    out = np.empty(shape[:-1] + (seq_len,), dtype=np.result_type(*arrays))
+    out = np.empty((*shape[:-1], seq_len), dtype=np.result_type(*arrays))
     for cp_rank, array in enumerate(arrays):
         out[..., cp_token_indices(seq_len, cp_size, cp_rank)] = array
     return out

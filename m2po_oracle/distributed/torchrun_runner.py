@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from m2po_oracle.distributed.runner import DistributedRunner
 from m2po_oracle.call.runner import RunOptions
+from m2po_oracle.distributed.runner import DistributedRunner
 
 
 class TorchrunRunner(DistributedRunner):

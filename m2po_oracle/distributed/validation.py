@@ -21,12 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-
-from m2po_oracle.judge.contract import to_tensors
 from m2po_oracle.distributed.checks import pad_for_cp
 from m2po_oracle.distributed.implementations import ParallelState, load_distributed_implementation
 from m2po_oracle.distributed.world import RankContext, RankOutcome, World, WorldError
-from m2po_oracle.judge.validation import CLEAN, ProbeResult, is_rejection, probe as local_probe
+from m2po_oracle.judge.contract import to_tensors
+from m2po_oracle.judge.validation import CLEAN, ProbeResult, is_rejection
+from m2po_oracle.judge.validation import probe as local_probe
 
 Corrupt = Callable[[dict[str, Any]], None]  # edits the keyword arguments (with "tau") in place
 

@@ -305,7 +305,7 @@ class World:
             shutil.rmtree(self._directory, ignore_errors=True)
             self._directory = None
 
-    def __enter__(self) -> "World":
+    def __enter__(self) -> World:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -90,7 +90,7 @@ class Deviation:
             raise ValueError(f"budget_scale: expected a number > 0, got {self.budget_scale!r}")
         if not (isinstance(self.unconstrained_ratio_bound, (int, float)) and self.unconstrained_ratio_bound > 1):
             raise ValueError(f"unconstrained_ratio_bound: expected a number > 1 (inf: none), got {self.unconstrained_ratio_bound!r}")
-        if self.clip_floors is not None and not (len(self.clip_floors) == 2 and all(0 <= f for f in self.clip_floors)):
+        if self.clip_floors is not None and not (len(self.clip_floors) == 2 and all(f >= 0 for f in self.clip_floors)):
             raise ValueError(f"clip_floors: expected None or a pair (low, high) of numbers >= 0, got {self.clip_floors!r}")
 
 

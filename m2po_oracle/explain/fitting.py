@@ -117,7 +117,7 @@ def _fit_floors(judge: Judge, dev: Deviation) -> tuple[float, float] | None:
     for side in (0, 1):
         candidates = _round_values_in(*bounds[("low", "high")[side]], default=dev.clip_floors[side])
         if len(candidates) > 1:
-            pair = lambda v: (v, high) if side == 0 else (low, v)  # noqa: E731
+            pair = lambda v: (v, high) if side == 0 else (low, v)  # noqa: E731, B023 - called within this iteration
             scored = [(judge.score(replace(dev, clip_floors=pair(v))), -k, v) for k, v in enumerate(candidates)]
             chosen = max(scored)[2]
             low, high = pair(chosen)
@@ -131,7 +131,7 @@ def _round_values_in(lower: float, upper: float, default: float, most: int = 12)
         scale = 10 ** decimals
         start = math.ceil(lower * scale - 1e-9)
         stop = upper * scale if math.isfinite(upper) else start + most
-        found += [round(k / scale, decimals) for k in range(start, int(math.ceil(stop - 1e-9))) if round(k / scale, decimals) not in found]
+        found += [round(k / scale, decimals) for k in range(start, math.ceil(stop - 1e-9)) if round(k / scale, decimals) not in found]
         if len(found) >= most:
             break
     return found[:most]

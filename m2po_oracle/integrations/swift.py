@@ -47,8 +47,17 @@ from typing import Any
 import torch
 from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
 
-from m2po_oracle.integrations.hf_window import (NoteParameterGradients, Window, buffered_window, check_window_fits_the_generation_batch,
-                                                micro_batch_share, open_window, option, record_micro_batch, token_advantages)
+from m2po_oracle.integrations.hf_window import (
+    NoteParameterGradients,
+    Window,
+    buffered_window,
+    check_window_fits_the_generation_batch,
+    micro_batch_share,
+    open_window,
+    option,
+    record_micro_batch,
+    token_advantages,
+)
 from m2po_oracle.trainer.grpo import M2POKLWarning
 
 #: The metrics M2POSwiftGRPOTrainer adds to ms-swift's logs, once per optimizer batch (as the TRL integration's).

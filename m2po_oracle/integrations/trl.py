@@ -35,8 +35,17 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from m2po_oracle.integrations.hf_window import (NoteParameterGradients, Window, buffered_window, check_window_fits_the_generation_batch,
-                                                micro_batch_share, open_window, option, record_micro_batch, token_advantages)
+from m2po_oracle.integrations.hf_window import (
+    NoteParameterGradients,
+    Window,
+    buffered_window,
+    check_window_fits_the_generation_batch,
+    micro_batch_share,
+    open_window,
+    option,
+    record_micro_batch,
+    token_advantages,
+)
 from m2po_oracle.trainer.grpo import M2POKLWarning
 
 #: The metrics M2POGRPOTrainer adds to TRL's logs, once per optimizer batch.
@@ -66,10 +75,9 @@ def check_m2po_args(args: Any) -> None:
     if option(args, "importance_sampling_level", "token") != "token":
         raise ValueError(f"importance_sampling_level: M2PO is defined on token-level ratios; got "
                          f"{option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)")
-    if option(args, "use_vllm", False):
-        if option(args, "vllm_importance_sampling_correction", False):
-            raise ValueError("vllm_importance_sampling_correction: an extra rollout importance-sampling correction on top of M2PO corrects the "
-                             "same ratio twice; M2PO's ratio is already taken against the engine's log-probs (set it to False)")
+    if option(args, "use_vllm", False) and option(args, "vllm_importance_sampling_correction", False):
+        raise ValueError("vllm_importance_sampling_correction: an extra rollout importance-sampling correction on top of M2PO corrects the "
+                         "same ratio twice; M2PO's ratio is already taken against the engine's log-probs (set it to False)")
     if option(args, "use_transformers_continuous_batching", False):
         raise ValueError("use_transformers_continuous_batching: this generation path returns no log-probs of the sampled tokens and casts the "
                          "model it samples with; M2PO fails closed rather than trust log-probs it cannot check (use regular generation)")

@@ -14,11 +14,21 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from m2po_oracle import oracle
+from m2po_oracle.judge.contract import Implementation, Measurement, measure, with_printed
+from m2po_oracle.judge.equivalence import (
+    Mismatch,
+    Tolerance,
+    checks_run_on,
+    compare_to_oracle,
+    compare_values,
+    format_mismatches,
+    same_up_to_ties,
+    tolerance,
+    valid_m2,
+)
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import PaddingProbe
-from m2po_oracle.judge.contract import Implementation, Measurement, measure, with_printed
-from m2po_oracle import oracle
-from m2po_oracle.judge.equivalence import Mismatch, Tolerance, checks_run_on, compare_to_oracle, compare_values, format_mismatches, same_up_to_ties, tolerance, valid_m2
 
 PADDING_PROBES = (float("nan"), float("inf"), float("-inf"))
 #: The probe of the padding the batch was drawn with, by its label.

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.judge.equivalence import selection_bounds
+from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import M2POResult
 
 #: The confidence of the reported bound.
@@ -256,7 +256,7 @@ def _family(example: Any) -> str:
     to_dict = getattr(example, "to_dict", None)  # a trainer case names its kind
     try:
         kind = to_dict().get("kind") if callable(to_dict) else None
-    except Exception:  # noqa: BLE001 - counting must never fail a run
+    except Exception:
         kind = None
     return str(kind) if kind else type(example).__name__
 
@@ -284,7 +284,7 @@ class CoverageTally:
         if judged and isinstance(batch, Batch):
             try:
                 found = facts(batch, compute_dtype, example)
-            except Exception:  # noqa: BLE001 - a run never dies of its bookkeeping
+            except Exception:
                 found = None
         if judged:
             self.judged += 1

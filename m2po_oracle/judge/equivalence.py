@@ -14,8 +14,8 @@ implementation chose, under one tolerance table keyed by (dtype, quantity).
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property

@@ -12,16 +12,16 @@ import linecache
 import math
 import re
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.judge.contract import Implementation, captured_output, to_tensors
 from m2po_oracle.errors import UnreadableReturn
+from m2po_oracle.judge.contract import Implementation, captured_output, to_tensors
+from m2po_oracle.oracle.batch import Batch
 
 #: The clean batch every probe starts from: two rows, one padded.
 CLEAN = Batch(
@@ -116,7 +116,7 @@ def is_rejection(error: BaseException, also: tuple[str, ...] = ()) -> bool:
     return _named(error, REJECTING_EXCEPTIONS) and accidental_origin(error) is None
 
 
-def classify(p: Probe | str, error: BaseException | None, also: tuple[str, ...] = ()) -> "ProbeResult":
+def classify(p: Probe | str, error: BaseException | None, also: tuple[str, ...] = ()) -> ProbeResult:
     """The probe's result for ``error`` (None: the call returned a result)."""
     p = probe(p) if isinstance(p, str) else p
     if error is None:

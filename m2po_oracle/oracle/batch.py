@@ -72,7 +72,7 @@ class Batch:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Batch":
+    def from_dict(cls, data: dict[str, Any]) -> Batch:
         missing = {"logp", "behavior_logp", "advantages", "valid"} - set(data)
         if missing:
             raise ValueError(f"batch: missing field(s) {sorted(missing)}")
@@ -89,15 +89,15 @@ class Batch:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> "Batch":
+    def from_json(cls, text: str) -> Batch:
         return cls.from_dict(json.loads(text))
 
-    def with_padding(self, value: float) -> "Batch":
+    def with_padding(self, value: float) -> Batch:
         """The same batch with every invalid position of every float input set to ``value``."""
         fill = lambda a: np.where(self.valid, a, value)  # noqa: E731
         return Batch(fill(self.logp), fill(self.behavior_logp), fill(self.advantages), self.valid.copy(), self.tau)
 
-    def padding_only_in(self, name: str) -> "Batch":
+    def padding_only_in(self, name: str) -> Batch:
         """The same batch keeping the padding of the one input ``name`` and setting every
         other input's padding to 0: which input a padding leak comes through."""
         if name not in PADDED_INPUTS:
@@ -107,7 +107,7 @@ class Batch:
         values[name] = getattr(self, name).copy()
         return Batch(values["logp"], values["behavior_logp"], values["advantages"], self.valid.copy(), self.tau)
 
-    def with_trust_region_padding(self) -> "Batch":
+    def with_trust_region_padding(self) -> Batch:
         """The same batch with every invalid position made a small trust-region token, as
         real padding looks (finite log-probs, the row's advantage): logp = -1 + 2**-6,
         behavior_logp = -1, A = 1, so d = 2**-6 and M2 = 2**-12 (exact down to bfloat16).
@@ -118,7 +118,7 @@ class Batch:
 
         return Batch(fill(self.logp, -1.0 + 2.0 ** -6), fill(self.behavior_logp, -1.0), fill(self.advantages, 1.0), self.valid.copy(), self.tau)
 
-    def with_finite_padding(self, value: float = 0.0) -> "Batch":
+    def with_finite_padding(self, value: float = 0.0) -> Batch:
         """The same batch with every NaN/inf at an invalid position set to ``value`` (finite
         padding is kept): the values a port is judged on, apart from the padding probes."""
         fill = lambda a: np.where(self.valid | np.isfinite(a), a, value)  # noqa: E731

@@ -9,9 +9,19 @@ from typing import Any
 
 from m2po_oracle.report.curve_view import removal_curve
 from m2po_oracle.report.ranks_view import padding_cells, ranks_view
-from m2po_oracle.report.values import (as_list, as_mapping, as_names, as_text, column_texts, fmt, index_text, keep_differs, keep_label,
-                                       no_negative_zero, numbers_differ)
-
+from m2po_oracle.report.values import (
+    as_list,
+    as_mapping,
+    as_names,
+    as_text,
+    column_texts,
+    fmt,
+    index_text,
+    keep_differs,
+    keep_label,
+    no_negative_zero,
+    numbers_differ,
+)
 
 # The order a reader expects; unknown extra metrics follow in report order.
 _METRIC_ORDER = ("loss", "m2_before", "m2_after", "masked_fraction", "trust_region_fraction", "valid_count", "trust_region_count", "kept_trust_region_count")

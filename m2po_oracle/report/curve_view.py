@@ -7,7 +7,6 @@ from typing import Any
 
 from m2po_oracle.report.values import as_float, as_int, as_list, as_mapping, clamped, fmt, fmt_short, rounded
 
-
 # Removal-curve geometry in SVG user units; the SVG scales with its container.
 _W, _H = 680, 300
 

@@ -28,7 +28,7 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 SCALARS = ("string", "integer", "number", "boolean", "null", "object", "any")
 
@@ -136,7 +136,7 @@ class FromDataclass:
                            self.meanings[name], self.when.get(name, ""), self.keys.get(name, "")) for name in names)
 
 
-Declared = Union[Field, FromDataclass]
+Declared = Field | FromDataclass
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from typing import Any
 
 from m2po_oracle.report.values import as_int, as_list, as_mapping, as_text, fmt, last_line
 
-
 # Per-rank keep masks are drawn cell by cell; past this they are cut (with a note).
 _MASK_ROWS, _MASK_COLS = 12, 16
 
@@ -169,7 +168,7 @@ def ranks_view(raw: Any, number: int, padding: set[tuple[int, int]] = frozenset(
         if len(variants) < 2:
             continue
         ordered = sorted(variants.items(), key=lambda item: -len(item[1]))  # stable: first seen wins a tie
-        for n, (mask, holders) in enumerate(ordered):
+        for n, (_, holders) in enumerate(ordered):
             letter = _letter(n)
             for i in holders:
                 label[i], reference[i] = letter, ordered[0][0]
@@ -218,6 +217,6 @@ def _letter(i: int) -> str:
     return chr(ord("A") + i) if i < 26 else f"#{i + 1}"
 
 
-def _cell(mask: tuple[tuple[int | None, ...], ...], r: int, c: int) -> int | None | str:
+def _cell(mask: tuple[tuple[int | None, ...], ...], r: int, c: int) -> int | str | None:
     # "absent" (not None, which is an unreadable cell) where the mask has no such position.
     return mask[r][c] if r < len(mask) and c < len(mask[r]) else "absent"

@@ -11,7 +11,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-
 # Token-table highlighting is a visual cue only; the checks themselves use the tolerance
 # table. 1e-9 relative is far above float64 rounding yet flags any real difference.
 GRAD_RTOL = 1e-9

@@ -49,7 +49,7 @@ class TrainerCase:
         return {"kind": "trainer_case", **asdict(self), "lags": list(self.lags), "split": list(self.split)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainerCase":
+    def from_dict(cls, data: dict[str, Any]) -> TrainerCase:
         if not isinstance(data, dict) or data.get("kind") != "trainer_case":
             raise ValueError(f"trainer case: expected a JSON object with \"kind\": \"trainer_case\", got {str(data)[:80]!r}")
         fields_ = {k: v for k, v in data.items() if k != "kind"}

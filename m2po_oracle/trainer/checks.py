@@ -5,10 +5,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from m2po_oracle.judge.checks import CHECKS, TRAINER_CHECKS
 from m2po_oracle import oracle
-from m2po_oracle.judge.equivalence import (Mismatch, check_selection, checks_run_on, compare_fields, compare_to_oracle, compare_values, exp_rounding,
-                                     same_up_to_ties, tolerance, valid_m2)
+from m2po_oracle.judge.checks import CHECKS, TRAINER_CHECKS
+from m2po_oracle.judge.equivalence import (
+    Mismatch,
+    check_selection,
+    checks_run_on,
+    compare_fields,
+    compare_to_oracle,
+    compare_values,
+    exp_rounding,
+    same_up_to_ties,
+    tolerance,
+    valid_m2,
+)
 from m2po_oracle.trainer.run import TrainerStep, result_of_step
 
 #: Checks a trainer step runs: the battery's value checks on its batch, then its own (the

@@ -51,4 +51,4 @@ TRAINER_CONTROLS: tuple[TrainerControl, ...] = (
 )
 CONTROLS_BY_NAME = {c.name: c for c in TRAINER_CONTROLS}
 #: Built-in names of whole training steps: the trainer and its planted controls.
-TRAINER_IMPLEMENTATIONS: tuple[str, ...] = ("trainer",) + tuple(f"trainer:{c.name}" for c in TRAINER_CONTROLS)
+TRAINER_IMPLEMENTATIONS: tuple[str, ...] = ("trainer", *tuple(f"trainer:{c.name}" for c in TRAINER_CONTROLS))

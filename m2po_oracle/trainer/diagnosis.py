@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -9,8 +10,8 @@ import numpy as np
 import torch
 
 from m2po_oracle import oracle
-from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.judge.equivalence import compare_values, same_up_to_ties, tolerance, valid_m2
+from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.trainer.checks import ROLLOUT_LOGP_DTYPE, compare_params, logp_check
 from m2po_oracle.trainer.controls import CONTROLS_BY_NAME
 from m2po_oracle.trainer.run import TrainerStep, optimizer_replay
@@ -18,7 +19,7 @@ from m2po_oracle.trainer.run import TrainerStep, optimizer_replay
 
 def _micro_rows(split: tuple[int, ...]) -> list[slice]:
     bounds = np.cumsum((0, *split))
-    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
 
 
 def _sub(batch: Batch, rows: slice) -> Batch:

@@ -21,6 +21,7 @@ every knob off the trainer is the correct one.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import warnings
 from collections.abc import Sequence
@@ -381,7 +382,7 @@ class GRPOTrainer:
         bounds = [0]
         for n in parts:
             bounds.append(bounds[-1] + n)
-        rows = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        rows = [slice(a, b) for a, b in itertools.pairwise(bounds)]
         params_before = {n: p.detach().clone() for n, p in policy.named_parameters()}
         # Before policy.train(): recomputing under a behaviour model sets it to eval mode.
         sampler_logp = self._sampler_logp(rollout) if recorder is not None else None

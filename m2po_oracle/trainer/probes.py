@@ -43,8 +43,8 @@ def run_trainer_probe(probe: TrainerProbe, *, dtype: str = "float64", faults: di
     """One step of the trainer under ``probe``'s setup; never raises because of the trainer."""
     import warnings
 
-    from m2po_oracle.trainer.grpo import M2POKLWarning, TrainerConfig
     from m2po_oracle.judge.validation import ProbeResult, is_rejection
+    from m2po_oracle.trainer.grpo import M2POKLWarning, TrainerConfig
 
     versions, samplers, rollout = setup_case(PROBE_CASE, dtype=dtype, dropout=probe.model_dropout, device=device, backend=probe.backend,
                                              record_logp=probe.record_logp)

@@ -203,7 +203,7 @@ def check_record(record: Any, rollout: Any, policy: Any) -> Any:
     """``record`` if it is a complete step record for ``rollout``; TypeError/ValueError naming
     the field otherwise (a trainer under test may return anything)."""
     shape = tuple(rollout.completion_ids.shape)
-    for name in _RECORD_TENSORS + ("loss", "metrics", "param_grads", "params_after", "split", "tau", "kl_term"):
+    for name in (*_RECORD_TENSORS, "loss", "metrics", "param_grads", "params_after", "split", "tau", "kl_term"):
         if not hasattr(record, name):
             raise TypeError(f"step record: expected a trainer.StepRecord (or an object with its fields); {type(record).__name__} has no {name!r}")
     for name in _RECORD_TENSORS:

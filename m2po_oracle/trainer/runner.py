@@ -27,20 +27,18 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.call.runner import CallHealth, CapturedOutput, CaptureFailed, CaptureTarget, RunOptions, refuse_unhonoured
+from m2po_oracle.errors import LoadError, UsageError
 from m2po_oracle.judge.battery import BatteryOutcome, replay_command
 from m2po_oracle.judge.contract import Finding, Measurement
 from m2po_oracle.judge.equivalence import Mismatch
-from m2po_oracle.errors import LoadError
-from m2po_oracle.errors import UsageError
-from m2po_oracle.call.runner import CallHealth, CapturedOutput, CaptureFailed, CaptureTarget, RunOptions, refuse_unhonoured
+from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.trainer.cases import TrainerCase, trainer_cases
 from m2po_oracle.trainer.checks import CHECK_NAMES, check_trainer_step, trainer_checks_ran
 from m2po_oracle.trainer.controls import CONTROLS_BY_NAME
 from m2po_oracle.trainer.diagnosis import VARIANT_DESCRIPTIONS, explain
 from m2po_oracle.trainer.probes import TRAINER_PROBES, run_trainer_probe
 from m2po_oracle.trainer.run import TRAINER_DTYPES, TrainerFactory, TrainerStep, run_case
-
 
 #: Options a trainer run honours (it runs in this process: no per-call timeout).
 TRAINER_HONOURS = frozenset({"dtype", "compute_dtype", "device", "capture"})
@@ -183,7 +181,7 @@ class TrainerRunner:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "TrainerRunner":
+    def __enter__(self) -> TrainerRunner:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -206,7 +204,7 @@ class _Recording:
     def _call(self, write: Any, arguments: dict[str, Any]) -> Any:
         try:
             return write(**arguments)
-        except Exception as error:  # noqa: BLE001 - whatever stops a record (a full disk, a refused tensor) stops the run
+        except Exception as error:
             where = f"step {arguments.get('step')}" + (f", micro-batch {arguments['micro_batch']}" if "micro_batch" in arguments else "")
             raise CaptureFailed(f"capture: recording {where} in {self.recorder.directory} failed: {type(error).__name__}: {error}") from error
 

@@ -135,7 +135,7 @@ def _clip_kernel_reading_the_shape(ppo_kl, advantages, budget, response_mask):
     """A self-written clip kernel that, like many ports, reads ppo_kl's shape before anything."""
     import torch
 
-    rows, _ = ppo_kl.shape
+    _rows, _ = ppo_kl.shape
     ratio = torch.exp(-ppo_kl)
     loss = -(ratio * advantages * response_mask).sum() / response_mask.sum().clamp(min=1)
     return loss, torch.zeros(())

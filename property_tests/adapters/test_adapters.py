@@ -12,10 +12,9 @@ from hypothesis import given
 
 from m2po_oracle import strategies
 from m2po_oracle.adapters import ADAPTERS, adapt
-from m2po_oracle.judge.battery import assert_battery_passes, run_battery
 from m2po_oracle.cli.main import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
 from m2po_oracle.core.loss import loss_from_selection, select_tokens
-
+from m2po_oracle.judge.battery import assert_battery_passes, run_battery
 
 # --- stand-ins, one per signature family ------------------------------------------------
 

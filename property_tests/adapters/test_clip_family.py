@@ -24,13 +24,12 @@ import torch
 from hypothesis import HealthCheck, Phase, assume, find, given, settings
 from hypothesis.errors import NoSuchExample
 
-from m2po_oracle.call import controls
-
 from m2po_oracle import strategies
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.judge.contract import to_tensors
+from m2po_oracle.call import controls
 from m2po_oracle.call.controls import planted
 from m2po_oracle.explain.deviations import DENOMINATOR_EPSILON, Deviation
+from m2po_oracle.judge.contract import to_tensors
+from m2po_oracle.oracle.batch import Batch
 
 CLIP_GOLDEN = sorted((Path(__file__).parents[2] / "fixtures" / "golden" / "clip").glob("*.json"))
 RTOL, ATOL = 1e-12, 1e-15

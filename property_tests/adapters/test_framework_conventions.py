@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_clip_family import deviation_of, golden_mismatches, load, run_planted
 
 from m2po_oracle.explain import variants
-from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.explain.deviations import ALGORITHM_1
-from test_clip_family import deviation_of, golden_mismatches, load, run_planted
+from m2po_oracle.oracle.batch import Batch
 
 CASES = sorted((Path(__file__).parents[2] / "fixtures" / "golden" / "frameworks").glob("*.json"))
 

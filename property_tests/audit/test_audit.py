@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from audit_run import check_statuses, run_audit
 
 from m2po_oracle.capture.recorder import Recorder
 from m2po_oracle.cli.main import main
 from m2po_oracle.core.loss import loss_from_selection, select_tokens
-from audit_run import check_statuses, run_audit  # noqa: E402  (beside this file)
 
 WORLD, MICRO_BATCHES, TAU = 2, 2, 0.04
 #: What a pure-DP capture without the optional tensors and parameter norms cannot judge.

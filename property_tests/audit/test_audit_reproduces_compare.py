@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from m2po_oracle.audit import audit_capture
-from m2po_oracle.cli.launch import open_runner
 from m2po_oracle.call.runner import RunOptions
+from m2po_oracle.cli.launch import open_runner
 
 #: Steps that show each trainer control: two prompts (a fresh and a stale worker) in two
 #: micro-batches with the cut inside the step, the same with an empty micro-batch, and one

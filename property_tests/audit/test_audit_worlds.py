@@ -115,7 +115,7 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
             coords = topology.coords(rank)
             for mb in range(k):
                 index, cols = blocks[(coords.dp, mb)], shard(coords.cp)
-                cut = lambda x: x[index][:, cols].clone()  # noqa: E731
+                cut = lambda x: x[index][:, cols].clone()  # noqa: E731, B023 - called within this iteration
                 sel_logp, beh, adv, msk, kp = cut(logp), cut(behavior), cut(advantages), cut(mask), cut(keep)
                 loss_logp = sel_logp.clone()
                 if planted == "stochastic_forward":

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from m2po_oracle.core import fused
 from m2po_oracle.bench.core import run_bench
-from m2po_oracle.report.bench_html import render_bench_html
 from m2po_oracle.cli.main import EXIT_EQUIVALENT, EXIT_UNUSABLE, main
+from m2po_oracle.core import fused
+from m2po_oracle.report.bench_html import render_bench_html
 
 
 def test_bench_reports_medians_ratios_and_identical_results(tmp_path):

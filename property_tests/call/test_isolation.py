@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import textwrap
 import time
 
-import multiprocessing
 import numpy as np
 import pytest
 
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.judge.battery import run_battery
-from m2po_oracle.cli.main import EXIT_UNUSABLE, main
 from m2po_oracle.call.isolation import ImplementationLoadError, Isolated
+from m2po_oracle.cli.main import EXIT_UNUSABLE, main
+from m2po_oracle.judge.battery import run_battery
+from m2po_oracle.oracle.batch import Batch
 
 BATCH = Batch(np.array([[0.1, 0.3], [0.2, 0.4]]), np.zeros((2, 2)), np.ones((2, 2)), np.ones((2, 2), bool), 0.04)
 

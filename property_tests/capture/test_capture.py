@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 from m2po_oracle.capture import recorder
 from m2po_oracle.capture.reader import check_capture, load_capture
 from m2po_oracle.capture.recorder import SCHEMA, TENSOR_NAMES, CaptureError, Recorder

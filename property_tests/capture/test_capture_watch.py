@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from audit_run import check_statuses, run_audit
 
 from m2po_oracle import capture
 from m2po_oracle.capture import Recorder, watch
-from audit_run import check_statuses, run_audit  # noqa: E402  (beside this file)
 
 TAU = 0.04
 MICRO_BATCHES, ROWS, WIDTH, FEATURES = 2, 3, 6, 4

@@ -7,11 +7,11 @@ import textwrap
 
 import pytest
 
+from m2po_oracle.call.controls import control
+from m2po_oracle.cli.config import parse_section
 from m2po_oracle.cli.main import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
 from m2po_oracle.compare.explore import Exploration
 from m2po_oracle.compare.search import run_compare
-from m2po_oracle.cli.config import parse_section
-from m2po_oracle.call.controls import control
 from m2po_oracle.errors import UsageError
 
 #: Caught on the first examples of seed 0 (loss and gradient), diagnosed exactly.

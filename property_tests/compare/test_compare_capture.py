@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from m2po_oracle.capture import load_capture
-from m2po_oracle.cli.main import EXIT_UNUSABLE, main
-from m2po_oracle.cli.config import parse_section
-from m2po_oracle.errors import UsageError
-from m2po_oracle.cli.launch import open_runner
 from m2po_oracle.call.runner import RunOptions
+from m2po_oracle.capture import load_capture
+from m2po_oracle.cli.config import parse_section
+from m2po_oracle.cli.launch import open_runner
+from m2po_oracle.cli.main import EXIT_UNUSABLE, main
+from m2po_oracle.errors import UsageError
 
 #: A step of two prompts (a fresh worker and a stale one) in three micro-batches, one empty.
 SPLIT_CASE = {"seed": 3, "prompts": 2, "group_size": 3, "prompt_len": 2, "max_new_tokens": 5, "lags": (0, 2), "staleness_lr": 0.02, "tau": 0.04,
@@ -49,7 +49,7 @@ def test_a_trainer_compare_captures_one_step_per_battery_call_replays_included(t
     assert capture.world_size == 1 and capture.topology == "dp=1,cp=1,tp=1"
     assert capture.steps() == list(range(len(calls))), "the validation probes or the one-micro-batch rerun were recorded"
     for step, case in enumerate(calls):
-        micro_batches = sorted(k[2] for k in capture.keys() if k[1] == step)
+        micro_batches = sorted(k[2] for k in capture if k[1] == step)
         assert micro_batches == list(range(len(case.split))), (step, case.split)
         assert capture.parameter_gradients(step)[0], f"step {step}: no parameter gradients noted"
     for (_, step, micro_batch), record in capture.records():
@@ -216,7 +216,7 @@ def test_a_distributed_compare_captures_every_ranks_cp_shard(tmp_path):
     for step, outcome in enumerate(outcomes):
         batch = outcome.batch  # as the ranks were fed it: rounded and padded to a multiple of 2 * cp
         records = {topology.coords(rank): capture.load(rank, step, 0) for rank in range(topology.world_size)}
-        assert {key[2] for key in capture.keys() if key[1] == step} == {0}
+        assert {key[2] for key in capture if key[1] == step} == {0}
         for dp_rank, rows in enumerate(dp_row_slices(batch.shape[0], topology.dp)):
             shards = [records[c] for c in sorted(records, key=lambda c: c.cp) if c.dp == dp_rank]
             assert all(s["logp"].shape == (rows.stop - rows.start, batch.shape[1] // 2) for s in shards)

@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from m2po_oracle.cli.main import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_INTERRUPTED, EXIT_UNUSABLE, main
-from m2po_oracle.cli.launch import open_runner
-from m2po_oracle.report.html import render_html
-from m2po_oracle.errors import UsageError
 from m2po_oracle.call.runner import RunOptions
+from m2po_oracle.cli.launch import open_runner
+from m2po_oracle.cli.main import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_INTERRUPTED, EXIT_UNUSABLE, main
+from m2po_oracle.errors import UsageError
+from m2po_oracle.report.html import render_html
 
 STAND_INS = textwrap.dedent("""
     import os, sys

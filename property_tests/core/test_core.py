@@ -8,17 +8,17 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from core_passes import PASSES, core_passes  # beside this file
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from m2po_oracle import oracle, strategies
-from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.core.loss import m2po_loss
 from m2po_oracle.judge.battery import assert_battery_passes
 from m2po_oracle.judge.contract import rounded_batch, to_tensors
-from m2po_oracle.core.loss import m2po_loss
 from m2po_oracle.judge.equivalence import selection_bounds
-from core_passes import PASSES, core_passes  # beside this file
+from m2po_oracle.oracle.batch import Batch
 
 FAMILIES = {
     "grpo": strategies.grpo_batches(),
@@ -279,8 +279,8 @@ def test_a_crossing_bucket_shared_with_non_candidates_gathers_candidates_only(ta
     float64 inputs), only candidates may be gathered from it or kept below it. 6,000
     candidates (above SMALL) interleaved with 6,000 non-candidates of the same |d| and the
     wrong sign."""
-    from m2po_oracle.core.loss import select_tokens
     from m2po_oracle.core.fast_selection import kept_candidates_by_sorting
+    from m2po_oracle.core.loss import select_tokens
 
     n = 12000
     d = torch.where(torch.arange(n) % 2 == 0, torch.tensor(1e-160, dtype=torch.float64), torch.tensor(-1e-160, dtype=torch.float64))

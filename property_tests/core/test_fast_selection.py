@@ -15,9 +15,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from m2po_oracle.core import fast_selection
-
 from m2po_oracle import oracle, strategies
+from m2po_oracle.core import fast_selection
 from m2po_oracle.core.fast_selection import cut_without_sync, kept_candidates, kept_candidates_by_sorting, kept_candidates_without_sync
 
 SMALLS = [0, 1, 7, 4096]
@@ -106,9 +105,9 @@ def _core_selection(batch, small, sort_at_most=None):
     """The core's single-process selection with every candidate sorted up to ``small`` of
     them, and the crossing bucket finished by sorting up to ``sort_at_most`` values
     (default ``small``; 0: always by the remaining radix levels)."""
-    from m2po_oracle.judge.contract import to_tensors
     from m2po_oracle.core.inputs import selection_inputs
     from m2po_oracle.core.selection import select_local
+    from m2po_oracle.judge.contract import to_tensors
 
     t = to_tensors(batch, "float64")
     d, a = selection_inputs(t["logp"], t["behavior_logp"], t["advantages"], t["mask"])

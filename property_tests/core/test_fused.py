@@ -12,15 +12,15 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from core_passes import core_passes  # beside this file
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core_passes import core_passes  # beside this file
 from m2po_oracle import strategies
 from m2po_oracle.core import fast_selection, fused
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.judge.contract import to_tensors
 from m2po_oracle.core.loss import CoreResult, m2po_loss
+from m2po_oracle.judge.contract import to_tensors
+from m2po_oracle.oracle.batch import Batch
 
 FIELDS = [name for name in CoreResult.__dataclass_fields__ if name != "loss"]
 
@@ -57,7 +57,7 @@ def _assert_identical(results: list, where: str) -> None:
     (fused_result, fused_grad), (torch_result, torch_grad) = results
     for name in ["loss", *FIELDS]:
         ours, theirs = getattr(fused_result, name).detach(), getattr(torch_result, name).detach()
-        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs) or (
+        assert (ours.dtype == theirs.dtype and torch.equal(ours, theirs)) or (
             name == "loss" and bool(torch.isnan(ours)) and bool(torch.isnan(theirs))), \
             f"{where}: {name} fused {ours if ours.numel() == 1 else ours.nonzero()[:5].tolist()}, " \
             f"torch operators {theirs if theirs.numel() == 1 else theirs.nonzero()[:5].tolist()}"

@@ -11,11 +11,11 @@ from unittest import mock
 
 import pytest
 import torch
+from core_passes import PASSES, core_passes  # beside this file
 
+from m2po_oracle.bench.host_syncs import HostSyncCounter, count_host_syncs
 from m2po_oracle.core import fast_selection
 from m2po_oracle.core.loss import m2po_loss, select_micro_batches, select_tokens
-from m2po_oracle.bench.host_syncs import HostSyncCounter, count_host_syncs
-from core_passes import PASSES, core_passes  # beside this file
 
 #: The single-process forward's budget: the verdict that must reach the host to raise.
 SINGLE_RANK_BUDGET = 1

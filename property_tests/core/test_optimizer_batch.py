@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -9,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from m2po_oracle import oracle, strategies
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.judge.contract import to_tensors
 from m2po_oracle.core.loss import loss_from_selection, m2po_loss, select_micro_batches
+from m2po_oracle.judge.contract import to_tensors
 from m2po_oracle.judge.equivalence import check_selection, compare_values, tolerance
+from m2po_oracle.oracle.batch import Batch
 
 
 @st.composite
@@ -29,13 +31,13 @@ def test_selection_and_loss_do_not_depend_on_the_split(data):
     trim = data.draw(st.booleans(), label="trim each micro-batch to its longest row")
     tensors = to_tensors(batch, "float64")
     micro = []
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         rows = slice(start, end)
         width = int(batch.valid[rows].any(axis=0).nonzero()[0].max()) + 1 if trim and batch.valid[rows].any() else batch.shape[1]
         micro.append(tuple(t[rows, :width] for t in (tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"])))
     selections = select_micro_batches(micro, tau=batch.tau)
     keep = np.zeros(batch.shape, dtype=bool)
-    for (start, end), part, selection in zip(zip(bounds, bounds[1:]), micro, selections):
+    for (start, end), part, selection in zip(itertools.pairwise(bounds), micro, selections):
         keep[start:end, : part[0].shape[1]] = selection.keep.numpy()
         assert int(selection.valid_count) == int(batch.valid.sum()), "each micro-batch must carry the optimizer batch's N"
     # The same admissible outcome as one whole-batch selection (trimming may change the tie order).
@@ -74,8 +76,8 @@ def test_the_first_failing_micro_batch_is_reported_first():
     """A non-finite value in micro-batch 0 is reported before micro-batch 1's wrong shape
     (validation reads no value until the structure is checked, but keeps the order)."""
     good = (torch.tensor([[-0.5, -1.0]]), torch.tensor([[-0.6, -1.0]]), torch.tensor([[1.0, -1.0]]), torch.tensor([[True, True]]))
-    non_finite = (torch.tensor([[float("nan"), -1.0]]),) + good[1:]
-    wrong_shape = good[:2] + (torch.ones(1, 3), good[3])
+    non_finite = (torch.tensor([[float("nan"), -1.0]]), *good[1:])
+    wrong_shape = (*good[:2], torch.ones(1, 3), good[3])
     with pytest.raises(ValueError, match="logp: expected finite values on valid tokens"):
         select_micro_batches([non_finite, wrong_shape], tau=0.04)
     with pytest.raises(ValueError, match=r"advantages: expected shape \(1, 2\)"):

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 import multiprocessing
+import time
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from m2po_oracle import strategies
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.distributed.world import World, WorldError, fail_on, smoke
+from m2po_oracle.distributed.implementations import CONTROL_TOPOLOGIES as CONTROL_TOPOLOGY_TEXT
+from m2po_oracle.distributed.implementations import DISTRIBUTED_CONTROLS
 from m2po_oracle.distributed.runner import DistributedRunner
-from m2po_oracle.distributed.implementations import CONTROL_TOPOLOGIES as CONTROL_TOPOLOGY_TEXT, DISTRIBUTED_CONTROLS
 from m2po_oracle.distributed.topology import Topology
+from m2po_oracle.distributed.world import World, WorldError, fail_on, smoke
+from m2po_oracle.oracle.batch import Batch
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
@@ -46,9 +47,8 @@ def test_groups_follow_megatron_order(topology):
 
 
 def test_a_raising_and_a_hanging_rank_tear_the_world_down_with_every_rank_reported():
-    with pytest.raises(WorldError) as info:
-        with World(Topology(2, 1, 2), timeout_s=5) as world:
-            world.run(fail_on, {"raise": [1], "hang": [3]})
+    with pytest.raises(WorldError) as info, World(Topology(2, 1, 2), timeout_s=5) as world:
+        world.run(fail_on, {"raise": [1], "hang": [3]})
     text = str(info.value)
     assert "rank 1 (dp=0, cp=0, tp=1) raised" in text and "planted failure on rank 1" in text
     assert "rank 3 (dp=1, cp=0, tp=1) did not finish in time; its stack" in text and "fail_on" in text

@@ -4,6 +4,7 @@ over every small world, and (when megatron-core is installed) Megatron itself.""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import multiprocessing
 import os
@@ -13,7 +14,8 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from m2po_oracle.distributed.topology import (
     GROUP_KINDS,
@@ -198,7 +200,7 @@ def test_dp_row_slices_cover_rows_contiguously(rows, dp_size):
     slices = dp_row_slices(rows, dp_size)
     assert len(slices) == dp_size
     assert slices[0].start == 0 and slices[-1].stop == rows
-    assert all(a.stop == b.start for a, b in zip(slices, slices[1:]))
+    assert all(a.stop == b.start for a, b in itertools.pairwise(slices))
     sizes = [s.stop - s.start for s in slices]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
     assert sizes == [len(part) for part in np.array_split(np.arange(rows), dp_size)]

@@ -11,15 +11,14 @@ import pytest
 import torch
 from hypothesis import given
 
-from m2po_oracle.explain import diagnosis, evidence, explanation, fitting, shares, variants
-
 from m2po_oracle import oracle, strategies
-from m2po_oracle.compare.search import run_compare
 from m2po_oracle.call.controls import COMPOSITE_CONTROLS, NEGATIVE_CONTROLS, planted
+from m2po_oracle.cli.selftest import SelftestRow, run_selftest, select_controls
+from m2po_oracle.compare.search import run_compare
 from m2po_oracle.core.loss import m2po_loss
+from m2po_oracle.explain import diagnosis, evidence, explanation, fitting, shares, variants
 from m2po_oracle.explain.deviations import ALGORITHM_1, VARIANTS, combine, variant
 from m2po_oracle.explain.shares import NAMED_SHARE
-from m2po_oracle.cli.selftest import SelftestRow, run_selftest, select_controls
 
 #: Examples per control: enough for every control's deviation to show on seed 0.
 EXAMPLES = 150
@@ -152,8 +151,8 @@ def _exp_in_bfloat16(logp, behavior_logp, advantages, mask, *, tau):
 
 
 def test_the_error_bfloat16_puts_into_exp_at_large_log_ratios_is_tolerated():
-    from m2po_oracle.oracle.batch import Batch
     from m2po_oracle.judge.battery import run_battery
+    from m2po_oracle.oracle.batch import Batch
 
     # d near 50: exp(d) computed in bfloat16 is off by about 10 % (the dtype's own error).
     batch = Batch(np.array([[-1.0, 49.75]]), np.array([[-1.0, -0.25]]), np.array([[1.0, -1.0]]), np.ones((1, 2), bool), 10_000.0)
@@ -341,8 +340,8 @@ def test_a_crash_is_the_release_s_zero_budget_bug_only_when_every_crash_had_tau_
 def test_an_explanation_complete_on_the_sample_is_improved_on_the_examples_beyond_it():
     """The search runs on a sample; a deviation that shows only beyond it (the clip's 'no clip'
     range on one extreme token) must still be named where every observation shows it."""
-    from m2po_oracle.oracle.batch import Batch
     from m2po_oracle.explain.deviations import Deviation
+    from m2po_oracle.oracle.batch import Batch
 
     planted_dev = Deviation(selection_kind="clip_below", unconstrained_ratio_bound=1e5)
     rng = np.random.default_rng(0)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from m2po_oracle.explain import diagnosis, evidence, shares
 from m2po_oracle.compare.search import run_compare
 from m2po_oracle.core.loss import m2po_loss
+from m2po_oracle.explain import diagnosis, evidence, shares
 from m2po_oracle.explain.deviations import VARIANTS
 
 EXAMPLES = 150
@@ -179,10 +179,10 @@ def test_a_hard_clamp_in_the_loss_only_is_one_name():
     one deviation: named as one, never as a clamp plus a clamp."""
     from functools import partial
 
-    from m2po_oracle.oracle.batch import Batch
-    from m2po_oracle.judge.battery import run_battery
     from m2po_oracle.call.controls import planted
     from m2po_oracle.explain.deviations import variant
+    from m2po_oracle.judge.battery import run_battery
+    from m2po_oracle.oracle.batch import Batch
 
     fn = partial(planted, deviation=variant("loss_hard_clamped_log_ratio").deviation)
     rng = np.random.default_rng(5)

@@ -28,13 +28,14 @@ else:
                                                        "tox -e swift run these tests")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from window_checks import assert_one_selection_per_window  # noqa: E402  (beside this file)
+
 from m2po_oracle.audit import audit_capture  # noqa: E402
 from m2po_oracle.capture import load_capture  # noqa: E402
 from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX  # noqa: E402
 from m2po_oracle.integrations.swift import check_m2po_args  # noqa: E402
 from m2po_oracle.integrations.swift_demo import DemoSetup, run  # noqa: E402
 from m2po_oracle.trainer.grpo import M2POKLWarning  # noqa: E402
-from window_checks import assert_one_selection_per_window  # noqa: E402  (beside this file)
 
 #: Stale rollouts under accumulation: each generation batch serves two optimizer batches of two
 #: micro-batches, each iterated twice (steps_per_generation 4, GA 2, num_iterations 2).

@@ -20,15 +20,16 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("trl")
 
-from m2po_oracle import oracle  # noqa: E402
-from m2po_oracle.audit import audit_capture  # noqa: E402
-from m2po_oracle.capture import load_capture  # noqa: E402
-from m2po_oracle.judge.equivalence import same_up_to_ties, valid_m2  # noqa: E402
-from m2po_oracle.integrations.trl import TRLFaults  # noqa: E402
-from m2po_oracle.integrations.trl_step import TRL_CONTROLS  # noqa: E402
-from m2po_oracle.integrations.trl_demo import DemoSetup, build_trainer, tiny_llama, train  # noqa: E402
-from window_checks import assert_one_selection_per_window, window_batch  # noqa: E402  (beside this file)
-from m2po_oracle.trainer.grpo import M2POKLWarning  # noqa: E402
+from window_checks import assert_one_selection_per_window, window_batch
+
+from m2po_oracle import oracle
+from m2po_oracle.audit import audit_capture
+from m2po_oracle.capture import load_capture
+from m2po_oracle.integrations.trl import TRLFaults
+from m2po_oracle.integrations.trl_demo import DemoSetup, build_trainer, tiny_llama, train
+from m2po_oracle.integrations.trl_step import TRL_CONTROLS
+from m2po_oracle.judge.equivalence import same_up_to_ties, valid_m2
+from m2po_oracle.trainer.grpo import M2POKLWarning
 
 pytestmark = pytest.mark.xdist_group("trl")
 
@@ -177,8 +178,8 @@ def test_compare_trainer_trl_is_equivalent_and_every_fail_closed_probe_is_refuse
 
 @pytest.mark.parametrize("control", ["", *sorted(TRL_CONTROLS)])
 def test_each_trl_control_is_caught_by_its_check_and_named_by_the_diagnosis(control):
-    from m2po_oracle.cli.launch import open_runner
     from m2po_oracle.call.runner import RunOptions
+    from m2po_oracle.cli.launch import open_runner
     from m2po_oracle.trainer.cases import TrainerCase
 
     runner = open_runner("trainer:trl" + (f":{control}" if control else ""), RunOptions(dtype="float32"))
@@ -259,7 +260,7 @@ def test_two_gloo_ranks_select_once_over_the_dp_group_and_the_audit_reassembles_
     report = audit_capture(tmp_path / "dp2")
     assert report.verdict == "equivalent", [(s.step, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
     capture = load_capture(tmp_path / "dp2")
-    assert capture.world_size == 2 and {rank for rank, _, _ in capture.keys()} == {0, 1}
+    assert capture.world_size == 2 and {rank for rank, _, _ in capture} == {0, 1}
     for step in capture.steps():
         records = [record for _, record in capture.records(step=step)]
         assert len(records) == 4  # two ranks x two micro-batches, one selection over all four

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.judge.battery import run_battery
-from m2po_oracle.judge.contract import measure
 from m2po_oracle.call.resolve import load_implementation
 from m2po_oracle.core.loss import m2po_loss
+from m2po_oracle.judge.battery import run_battery
+from m2po_oracle.judge.contract import measure
+from m2po_oracle.oracle.batch import Batch
 
 BATCH = Batch(np.array([[0.1, 0.3, np.nan], [0.2, 0.4, 0.0]]), np.zeros((2, 3)), np.ones((2, 3)),
               np.array([[True, True, False], [True, True, True]]), 0.04)

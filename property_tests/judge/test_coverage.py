@@ -16,18 +16,17 @@ from hypothesis import find
 from hypothesis.errors import NoSuchExample
 from scipy.stats import beta
 
-from m2po_oracle.judge import coverage
-
 from m2po_oracle import strategies
-from m2po_oracle.judge.battery import BatteryOutcome, run_battery
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.judge.checks import CHECKS
+from m2po_oracle.call.resolve import load_implementation
 from m2po_oracle.cli.main import EXIT_EQUIVALENT, main
 from m2po_oracle.compare.database import search_settings
+from m2po_oracle.judge import coverage
+from m2po_oracle.judge.battery import BatteryOutcome, run_battery
+from m2po_oracle.judge.checks import CHECKS
 from m2po_oracle.judge.contract import Measurement
 from m2po_oracle.judge.coverage import EXERCISED, FEATURES, CoverageTally, Rule, failure_rate_upper, rate_text
+from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.report.html import render_html
-from m2po_oracle.call.resolve import load_implementation
 
 
 def make(d, advantages=None, valid=None, tau=0.04, padding=0.0) -> Batch:

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from m2po_oracle.oracle.batch import Batch
+from m2po_oracle import oracle
 from m2po_oracle.judge.equivalence import (
     FORMATS,
     Mismatch,
@@ -22,7 +22,7 @@ from m2po_oracle.judge.equivalence import (
     selection_bounds,
     tolerance,
 )
-from m2po_oracle import oracle
+from m2po_oracle.oracle.batch import Batch
 
 
 def _batch(d, advantages=None, tau=0.04, valid=None, behavior=-1.0):
@@ -160,8 +160,8 @@ def test_a_drawn_padding_failure_lists_the_padding_it_ran_with():
     """The battery judges with zero padding and prints that batch; a failure "with the
     drawn padding (instead of 0)" must show the padding values its probe ran with, or the
     message holds no trace of the NaN/inf that broke the port."""
-    from m2po_oracle.judge.battery import run_battery
     from m2po_oracle.call.controls import control
+    from m2po_oracle.judge.battery import run_battery
     from m2po_oracle.judge.equivalence import format_mismatches
 
     nan, inf = float("nan"), float("inf")

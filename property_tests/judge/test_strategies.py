@@ -89,8 +89,8 @@ def test_strategy_arguments_are_checked(call, message):
 
 def _selects_differently_when_split(batch, parts):
     """Whether Algorithm 1 on each part alone keeps another mask than on the whole batch."""
-    from m2po_oracle.oracle.batch import Batch
     from m2po_oracle.judge.equivalence import same_up_to_ties, valid_m2
+    from m2po_oracle.oracle.batch import Batch
 
     keep = np.zeros(batch.shape, dtype=bool)
     for rows in parts:

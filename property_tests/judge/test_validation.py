@@ -7,13 +7,12 @@ import textwrap
 import pytest
 import torch
 
+from m2po_oracle.call.controls import planted
+from m2po_oracle.call.isolation import InProcess, Isolated
 from m2po_oracle.cli.main import EXIT_DIVERGENT, EXIT_EQUIVALENT, main
 from m2po_oracle.compare.search import run_compare
-from m2po_oracle.call.isolation import InProcess
-from m2po_oracle.call.controls import planted
 from m2po_oracle.core.loss import m2po_loss
 from m2po_oracle.explain.deviations import Deviation
-from m2po_oracle.call.isolation import Isolated
 from m2po_oracle.judge.validation import PROBES
 
 
@@ -83,8 +82,9 @@ def test_a_probe_on_a_batch_the_port_fails_anyway_is_not_run_not_crashed(capsys)
     report = run_compare(_fails_on_three_columns, "three", examples=10)
     assert {p.status for p in report.validation} == {"not run"} and not report.validation_warnings
     assert all("raises on the valid batch this probe starts from too (RuntimeError" in p.message for p in report.validation)
-    from m2po_oracle.cli.console import print_validation
     from rich.console import Console
+
+    from m2po_oracle.cli.console import print_validation
 
     console = Console(record=True, width=200)
     print_validation(console, report)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from m2po_oracle import oracle
-from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.judge.contract import measure
 from m2po_oracle.core.loss import m2po_loss
+from m2po_oracle.judge.contract import measure
+from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
 
 GOLDEN = sorted((Path(__file__).parents[2] / "fixtures" / "golden").glob("*.json"))

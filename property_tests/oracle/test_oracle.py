@@ -10,8 +10,8 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from m2po_oracle import oracle, strategies
-from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.judge.equivalence import check_selection
+from m2po_oracle.oracle.batch import Batch
 
 
 def _parts(batch: Batch):

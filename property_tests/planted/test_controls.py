@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis.errors import Flaky, NoSuchExample
 
 from m2po_oracle import strategies
-from m2po_oracle.judge.checks import CHECKS
-from m2po_oracle.judge.battery import assert_battery_passes, run_battery
 from m2po_oracle.call.controls import NEGATIVE_CONTROLS, planted
 from m2po_oracle.explain.deviations import Deviation
+from m2po_oracle.judge.battery import assert_battery_passes, run_battery
+from m2po_oracle.judge.checks import CHECKS
 
 # Detection only: shrinking is what `m2po-oracle compare` does for reports, not needed here.
 SEARCH = settings(max_examples=2000, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))

@@ -17,14 +17,14 @@ from typing import Any
 import markupsafe
 import pytest
 
-from m2po_oracle.compare.search import run_compare
 from m2po_oracle.call.resolve import load_implementation
+from m2po_oracle.compare.search import run_compare
 from m2po_oracle.distributed.runner import DistributedRunner
+from m2po_oracle.distributed.topology import Topology
 from m2po_oracle.report import html as html_module
 from m2po_oracle.report import values
 from m2po_oracle.report.environment import environment
 from m2po_oracle.report.html import render_html, write_html
-from m2po_oracle.distributed.topology import Topology
 
 SCRIPT = "<script>alert(1)</script>"
 BREAKOUT = '"><img src=x onerror=alert(1)>'
@@ -1009,7 +1009,7 @@ def test_browser_shows_the_divergent_report_offline(browser, divergent, tmp_path
         curve = page.locator("svg.removal-curve").first
         assert curve.is_visible() and curve.bounding_box()["width"] > 300
         box = verdict.bounding_box()
-        assert box and box["width"] > 200 and box["height"] > 20 and 0 <= box["y"] and box["y"] + box["height"] <= 900
+        assert box and box["width"] > 200 and box["height"] > 20 and box["y"] >= 0 and box["y"] + box["height"] <= 900
         shot = tmp_path / "report.png"
         page.screenshot(path=str(shot), full_page=True)
     finally:
@@ -1141,7 +1141,7 @@ def test_an_adapter_run_shows_its_call_bindings_and_why_each_check_did_not_run(d
                          "call": "port(ppo_kl=<ppo_kl>, ...) -> loss at [0]; m2_before at [2]",
                          "not_run": {"metrics.m2_after": "the port returns no m2_after here (bind it: --bind m2_after=INDEX)"}}
     html = render_html(report)
-    summary = _tables(html)["summary"] if "summary" in _tables(html) else None
+    summary = _tables(html).get("summary")
     assert "clip_kernel: port(ppo_kl=&lt;ppo_kl&gt;, ...) -&gt; loss at [0]; m2_before at [2]" in html, summary
     assert "m2_before=2" in html
     assert '<div class="full"><dt>adapter</dt>' in html, "the call is a line of its own, not a narrow grid cell"

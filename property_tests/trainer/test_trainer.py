@@ -13,23 +13,31 @@ import pytest
 import torch
 
 from m2po_oracle import oracle
-from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.cli.main import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
 from m2po_oracle.compare.search import run_compare
+from m2po_oracle.judge.checks import TRAINER_CHECKS
+from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.report.html import render_html
-from m2po_oracle.trainer.grpo import (GRPOTrainer, M2POKLWarning, TrainerConfig, TrainerFaults, group_advantages, make_policy_versions,
-                                 stochastic_layers, valid_until_eos)
 from m2po_oracle.trainer.cases import TrainerCase
 from m2po_oracle.trainer.controls import CONTROLS_BY_NAME, TRAINER_CONTROLS, TRAINER_IMPLEMENTATIONS
+from m2po_oracle.trainer.grpo import (
+    GRPOTrainer,
+    M2POKLWarning,
+    TrainerConfig,
+    TrainerFaults,
+    group_advantages,
+    make_policy_versions,
+    stochastic_layers,
+    valid_until_eos,
+)
 from m2po_oracle.trainer.probes import PROBE_CASE, TRAINER_PROBES, run_trainer_probe
 from m2po_oracle.trainer.run import run_case, setup_case
 from m2po_oracle.trainer.runner import TrainerRunner
-from m2po_oracle.judge.checks import TRAINER_CHECKS
 
 
 def _open(spec, **values):
-    from m2po_oracle.cli.launch import open_runner
     from m2po_oracle.call.runner import RunOptions
+    from m2po_oracle.cli.launch import open_runner
 
     return open_runner(spec, RunOptions.from_values(values))
 
