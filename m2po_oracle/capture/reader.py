@@ -114,6 +114,10 @@ class Capture:
     def __getitem__(self, key: tuple[int, int, int]) -> dict[str, Any]:
         return self.load(*key)
 
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        """The ``(rank, step, micro_batch)`` keys, in :meth:`keys` order (as a mapping iterates)."""
+        return iter(self.keys())
+
     def __contains__(self, key: object) -> bool:
         return key in self._infos
 
