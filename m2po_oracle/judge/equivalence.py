@@ -309,7 +309,7 @@ def compare_values(check: str, name: str, actual: np.ndarray | float, expected: 
     index = tuple(int(i) for i in np.unravel_index(worst, actual_array.shape)) if actual_array.ndim else None
     at = f" at index {index}" if index is not None else ""
     act, exp = float(actual_array.ravel()[worst]) + 0.0, float(expected_array.ravel()[worst]) + 0.0  # + 0.0: never "-0.0"
-    rel = float(difference.ravel()[worst] / abs(exp)) if exp else math.inf
+    rel = float(difference.ravel()[worst]) / abs(exp) if exp else math.inf  # Python floats: an overflow is inf, not a warning
     return Mismatch(check, f"{name} is not close: mismatched elements {int(bad.sum())} / {total}", field=name, index=index, actual=act, expected=exp,
                     details=(f"greatest absolute difference {float(difference.ravel()[worst])!r}{at} (allowed {float(allowed.ravel()[worst])!r})",
                              f"greatest relative difference {rel!r}{at} (rtol {tol.rtol}, atol {tol.atol}, scale {scale!r}"

@@ -248,7 +248,7 @@ def _pulled_back_norms(capture, inputs, step=0):
         logits = model(input_ids=ids, attention_mask=torch.cat([x["prompt_mask"], x["completion_mask"]], 1)).logits[:, -width - 1:-1]
         logp = torch.log_softmax(logits, -1).gather(-1, x["completion_ids"][..., None])[..., 0]
         valid = record["mask"]
-        assert float((torch.where(valid, logp, 0) - torch.where(valid, record["logp"], 0)).abs().max()) < 1e-5
+        assert float((torch.where(valid, logp.detach(), 0) - torch.where(valid, record["logp"], 0)).abs().max()) < 1e-5
         total = total + (torch.where(valid, record["grad"], 0) * torch.where(valid, logp, 0)).sum()
     total.backward()
     return {name: float(p.grad.double().norm()) for name, p in model.named_parameters()}
