@@ -30,7 +30,8 @@ log-probs; at another temperature they are not the sampler's, and none are recor
 
 Behaviour log-probs: with ms-swift's own (transformers) engine they are
 ``grpo_batch.old_per_token_logps``, which ``_prepare_batch_inputs`` computes with the weights
-that sampled the generation batch; with vLLM they must be the engine's
+that sampled the generation batch; with vLLM, or another engine outside the trainer (a
+subclass that says so with ``rollouts_from_outside``), they must be the engine's
 (``rollout_per_token_logps``). Settings under which the step would not compute Algorithm 1
 are refused with a ``ValueError`` naming the ms-swift option (:func:`check_m2po_args`).
 """
@@ -66,6 +67,8 @@ class SwiftFaults:
     per_micro_batch_mask: bool = False  # select within each micro-batch ms-swift hands the loss (the naive hook)
     per_micro_batch_denominator: bool = False  # each micro-batch divides by its own N, then by the accumulation steps
     current_policy_as_behavior: bool = False  # the prepass (current policy) used as behaviour log-probs
+    optimizer_step_per_micro_batch: bool = False  # optimizer.step() after every micro-batch
+    kl_k1_estimator: bool = False  # the KL term uses k1, logp - ref_logp, instead of ms-swift's k3
 
 
 def faults_from_environment(environ: Any = None) -> SwiftFaults:
@@ -156,6 +159,12 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
     through ``--external_plugins`` alone.
     """
 
+    #: Whether the completions come from an engine outside the trainer (whose weights need not
+    #: be the trainer's) besides vLLM: then, as with vLLM, only the engine's own log-probs
+    #: (``rollout_per_token_logps``) are the behaviour policy's. A subclass whose engine is
+    #: such an engine says so here.
+    rollouts_from_outside: bool = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.m2po_tau = tau_from_environment()
         self.m2po_faults = faults_from_environment()
@@ -204,11 +213,12 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
     def _behaviour(self, grpo_batch: Any, prepass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.m2po_faults.current_policy_as_behavior:
             return prepass
-        if self.args.use_vllm:
+        if self.args.use_vllm or self.rollouts_from_outside:
             # An engine outside the trainer sampled: only its own log-probs are the behaviour policy's.
             sampled = grpo_batch.rollout_per_token_logps
             if sampled is None or bool(torch.isnan(sampled[mask]).any()):
-                raise ValueError("behavior_logp: the vLLM engine returned no log-probs (or NaN) for some sampled tokens; M2PO fails closed "
+                engine = "vLLM engine" if self.args.use_vllm else "rollout engine outside the trainer"
+                raise ValueError(f"behavior_logp: the {engine} returned no log-probs (or NaN) for some sampled tokens; M2PO fails closed "
                                  "rather than fall back to log-probs recomputed by the trainer")
             return sampled
         old = grpo_batch.old_per_token_logps
@@ -254,7 +264,7 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         if self.beta != 0.0:
             # ms-swift's own k3 estimator, over the valid tokens, divided by the window's N.
             safe = torch.clamp(grpo_batch.ref_per_token_logps - logp, min=-20, max=20)
-            per_token_kl = torch.clamp(torch.exp(safe) - safe - 1, min=-10, max=10)
+            per_token_kl = -safe if self.m2po_faults.kl_k1_estimator else torch.clamp(torch.exp(safe) - safe - 1, min=-10, max=10)
             share = share + self.beta * torch.where(mask, per_token_kl, torch.zeros_like(per_token_kl)).sum() / selection.valid_count.clamp(min=1)
         recorder = self._recording()
         if recorder is not None:
@@ -266,6 +276,14 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         loss = share.to(logp.dtype) * self.current_gradient_accumulation_steps
         metrics_data = {"mode": "train", "entropy": {}, "completion_mask": mask, "completion_token_count": mask.sum().clamp(min=1)}
         return loss, metrics_data
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        output = super().training_step(model, inputs, num_items_in_batch)
+        if self.m2po_faults.optimizer_step_per_micro_batch and self._step % self.current_gradient_accumulation_steps:
+            # The planted bug: a step inside the window (the Trainer still steps at its end). The
+            # accelerate wrapper skips steps while it accumulates, so the bug reaches past it.
+            getattr(self.optimizer, "optimizer", self.optimizer).step()
+        return output
 
     def _compute_loss_chunked(self, *args: Any, **kwargs: Any) -> Any:
         raise ValueError("dynamic_num_samples: ms-swift computes this batch in chunks of a varying number of samples (multi-turn "

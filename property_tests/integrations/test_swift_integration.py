@@ -1,6 +1,8 @@
 """M2PO in ms-swift 4.6's real GRPO trainer, loaded by ``swift rlhf --external_plugins``: one
 selection per optimizer batch under gradient accumulation with stale rollouts, the audit's
-verdict on a real run, planted bugs caught and named, fail-closed options.
+verdict on a real run, planted bugs caught and named, fail-closed options; and the trainer
+battery on ms-swift's real step (``compare --impl trainer:swift``), each of its controls
+caught and named.
 
 ms-swift needs trl<1 and transformers<5.20, so these tests run only in its own environment
 (.venv-swift, constraints-swift.txt): ``.ci/run``'s swift stage and ``tox -e swift`` run them.
@@ -33,6 +35,7 @@ from m2po_oracle.capture.recorder import load_capture  # noqa: E402
 from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX  # noqa: E402
 from m2po_oracle.integrations.swift import check_m2po_args  # noqa: E402
 from m2po_oracle.integrations.swift_demo import DemoSetup, run  # noqa: E402
+from m2po_oracle.integrations.swift_step import SWIFT_CONTROLS  # noqa: E402
 from m2po_oracle.trainer.grpo import M2POKLWarning  # noqa: E402
 from window_checks import assert_one_selection_per_window  # noqa: E402  (beside this file)
 
@@ -145,3 +148,88 @@ def test_data_and_sequence_parallelism_are_refused_and_beta_warns():
         warnings.simplefilter("always")
         check_m2po_args(SimpleNamespace(**{**NEUTRAL, "beta": 0.04}))
     assert any(issubclass(w.category, M2POKLWarning) for w in seen)
+
+
+# --- compare --impl trainer:swift: the trainer battery on ms-swift's real step ------------------
+
+#: A scoped step (one micro-batch per prompt, workers 1 and 3 steps behind, tau cutting three
+#: trust-region tokens, uneven lengths) on which every ms-swift control differs from Algorithm 1
+#: (TRL's scoped case: the same step through the other framework).
+SCOPED_CASE = dict(kind="trainer_case", seed=5, prompts=2, group_size=2, prompt_len=2, max_new_tokens=6, lags=[1, 3], staleness_lr=0.02,
+                   tau=0.04, split=[2, 2], cut=3)
+
+
+def test_compare_trainer_swift_is_equivalent_and_every_fail_closed_probe_is_refused_by_the_integration(tmp_path, capsys):
+    from m2po_oracle.cli.main import main
+    from m2po_oracle.trainer.probes import TRAINER_PROBES
+
+    path = tmp_path / "swift.json"
+    # Without --dtype the run takes the one dtype ms-swift's step computes in, and says so.
+    assert main(["compare", "--impl", "trainer:swift", "--examples", "2", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["verdict"] == "equivalent" and data["examples"] == 2, data["verdict"]
+    assert data["options"]["dtype"] == "float32" and data["options"]["dtype_why"] == "the dtype trainer:swift computes in; --dtype not given"
+    ran = {c["name"]: c["status"] for c in data["checks"]}
+    assert all(ran[name] == "pass" for name in ("trainer.behavior_logp", "trainer.policy_logp", "trainer.parameter_gradient", "trainer.optimizer_step",
+                                                 "selection.minimal", "loss", "gradient", "metrics.m2_before")), ran
+    probes = {p["probe"]: p for p in data["validation"]["probes"]}
+    assert [probes[p.name]["status"] for p in TRAINER_PROBES] == [p.expected for p in TRAINER_PROBES], probes
+    # The refusals are the integration's, in ms-swift's option names (the adapter refuses only the one setting ms-swift lacks).
+    assert probes["sequence_level_is"]["message"].startswith("ValueError: importance_sampling_level:")
+    assert probes["rollout_is_correction"]["message"].startswith("ValueError: rollout_importance_sampling_mode:")
+    assert probes["stochastic_mask_prepass"]["message"].startswith("ValueError: disable_dropout:")
+    assert probes["deployment_behavior_logp_missing"]["message"].startswith(
+        "ValueError: behavior_logp: the rollout engine outside the trainer returned no log-probs")
+    assert probes["deployment_behavior_logp_from_trainer"]["message"].startswith("ValueError: behavior_logp_source:")
+    assert probes["kl_coefficient"]["message"].startswith("M2POKLWarning: beta=0.01")
+    out = capsys.readouterr().out
+    assert "dtype: float32 (the dtype trainer:swift computes in; --dtype not given)" in out and "verdict: equivalent" in out
+
+
+def _scoped_outcome(spec: str):
+    from m2po_oracle.call.runner import RunOptions
+    from m2po_oracle.cli.launch import open_runner
+    from m2po_oracle.trainer.cases import TrainerCase
+
+    runner = open_runner(spec, RunOptions(dtype="float32"))
+    return runner.run_battery(TrainerCase.from_dict(SCOPED_CASE))
+
+
+@pytest.mark.parametrize("control", ["", *sorted(SWIFT_CONTROLS)])
+def test_each_swift_control_is_caught_by_its_check_and_named_by_the_diagnosis(control):
+    outcome = _scoped_outcome("trainer:swift" + (f":{control}" if control else ""))
+    failed = {m.check for m in outcome.mismatches}
+    if not control:
+        assert not failed, [m.summary for m in outcome.mismatches]
+        # The scoped step has two micro-batches: the accumulation check ran and passed.
+        assert "trainer.accumulation" in outcome.checked and outcome.case["trainer"]["split"] == [2, 2], outcome.case["trainer"]
+        return
+    expected = SWIFT_CONTROLS[control]
+    assert set(expected["caught_by"]) <= failed, f"{control}: expected {expected['caught_by']} to fail, failed: {sorted(failed)}"
+    assert outcome.evidenced == (expected["diagnosed_as"],), (f"{control}: expected the diagnosis to name {expected['diagnosed_as']!r} "
+                                                             f"alone; consistent: {outcome.explained_by}, evidenced: {outcome.evidenced}")
+
+
+def test_swift_with_a_kl_term_passes_the_kl_check_that_its_k1_control_fails():
+    from m2po_oracle.integrations.swift_step import swift_trainer
+    from m2po_oracle.trainer.cases import TrainerCase
+    from m2po_oracle.trainer.runner import TrainerRunner
+
+    # The control's own run (k1, caught and named) is test_each_swift_control_is_caught_...[kl_k1_estimator].
+    assert SWIFT_CONTROLS["kl_k1_estimator"]["beta"] == 0.1 and "trainer.kl_term" in SWIFT_CONTROLS["kl_k1_estimator"]["caught_by"]
+    runner = TrainerRunner(trainer=swift_trainer(), spec="trainer:swift", beta=0.1)
+    outcome = runner.run_battery(TrainerCase.from_dict(SCOPED_CASE))
+    assert runner.options.dtype == "float32" and "trainer.kl_term" in outcome.checked
+    assert not outcome.mismatches, [m.summary for m in outcome.mismatches]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["compare", "--impl", "trainer:swift", "--dtype", "float64", "--examples", "1"],
+     "dtype: trainer:swift computes in float32: ms-swift collates the engine's log-probs into float32"),
+    (["compare", "--impl", "trainer:swift:no_such_control"], "unknown ms-swift control 'no_such_control'; known: per_micro_batch_mask"),
+])
+def test_trainer_swift_usage_errors_name_the_problem(argv, message, capsys):
+    from m2po_oracle.cli.main import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
