@@ -9,8 +9,9 @@ Selecting inside ``_compute_loss_and_metrics`` alone would select per micro-batc
 whole window is buffered when its first micro-batch arrives, so
 :class:`M2POSwiftGRPOTrainer` runs, on that first micro-batch, a no-grad **prepass** over
 every micro-batch of the window (ms-swift's own ``_get_per_token_logps_and_entropies``),
-selects once with ``core.select_micro_batches``, and then builds each micro-batch's loss
-from its part of that selection with the window's N. ms-swift's generation, scoring,
+selects once with ``core.select_micro_batches`` (across the data-parallel group when there is
+one: every rank's window, one N), and then builds each micro-batch's loss from its part of
+that selection with the window's N. ms-swift's generation, scoring,
 buffering, splitting, the HF Trainer's accumulation and optimizer step run unchanged.
 
 Loaded with ``swift rlhf --rlhf_type grpo --external_plugins PLUGIN`` where PLUGIN is
@@ -48,8 +49,8 @@ from typing import Any
 import torch
 from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
 
-from m2po_oracle.integrations.hf_window import (NoteParameterGradients, Window, buffered_window, check_window_fits_the_generation_batch,
-                                                micro_batch_share, open_window, option, record_micro_batch, token_advantages)
+from m2po_oracle.integrations.hf_window import (NoteParameterGradients, Window, buffered_window, check_window_fits_the_generation_batch, dp_group,
+                                                micro_batch_share, open_window, option, record_micro_batch, summed_over_ranks, token_advantages)
 from m2po_oracle.trainer.grpo import M2POKLWarning
 
 #: The metrics M2POSwiftGRPOTrainer adds to ms-swift's logs, once per optimizer batch (as the TRL integration's).
@@ -69,6 +70,7 @@ class SwiftFaults:
     current_policy_as_behavior: bool = False  # the prepass (current policy) used as behaviour log-probs
     optimizer_step_per_micro_batch: bool = False  # optimizer.step() after every micro-batch
     kl_k1_estimator: bool = False  # the KL term uses k1, logp - ref_logp, instead of ms-swift's k3
+    per_rank_selection: bool = False  # each data-parallel rank selects over its own window alone (the global N kept)
 
 
 def faults_from_environment(environ: Any = None) -> SwiftFaults:
@@ -94,9 +96,11 @@ def tau_from_environment(environ: Any = None) -> float:
 
 
 
-def check_m2po_args(args: Any, *, world_size: int = 1, sequence_parallel_size: int = 1) -> None:
+def check_m2po_args(args: Any, *, world_size: int = 1, sequence_parallel_size: int = 1, collective: bool = False) -> None:
     """Refuse, naming the ms-swift option, every setting under which the step would not compute
-    Algorithm 1's objective; warn for ``beta != 0``."""
+    Algorithm 1's objective; warn for ``beta != 0``. ``collective``: the trainer selects once
+    across the data-parallel group (:class:`M2POSwiftGRPOTrainer` does), without which more
+    than one process is refused."""
     check_window_fits_the_generation_batch(args)
     loss_type = option(args, "loss_type", "dapo")
     if loss_type != "dapo":
@@ -138,9 +142,9 @@ def check_m2po_args(args: Any, *, world_size: int = 1, sequence_parallel_size: i
     if top_k not in (None, -1, 0):
         raise ValueError(f"top_k: the sampler must draw from the full distribution (got top_k={top_k!r}); ms-swift's recomputed behaviour "
                          "log-probs apply only the temperature, so they would not be the sampler's (set it to -1)")
-    if world_size > 1:
-        raise ValueError(f"nproc_per_node: this integration selects within one process; with {world_size} data-parallel processes each "
-                         "would select over its own window only (run one process)")
+    if world_size > 1 and not collective:
+        raise ValueError(f"nproc_per_node: without a selection across the data-parallel group, each of the {world_size} processes would "
+                         "select over its own window only (run one process, or select with core.select_micro_batches(..., group=))")
     if sequence_parallel_size > 1:
         raise ValueError(f"sequence_parallel_size: the window's micro-batches are sequence shards here (got {sequence_parallel_size}); "
                          "this integration selects over whole sequences of one process (set it to 1)")
@@ -171,8 +175,9 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         training_args = kwargs.get("args")
         if training_args is None:
             raise ValueError("args: M2POSwiftGRPOTrainer needs ms-swift's GRPOConfig (its options decide whether M2PO can run)")
+        # One selection across the data-parallel group (_start_window): more than one process is allowed.
         check_m2po_args(training_args, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                        sequence_parallel_size=int(option(training_args, "sequence_parallel_size", 1) or 1))
+                        sequence_parallel_size=int(option(training_args, "sequence_parallel_size", 1) or 1), collective=True)
         if kwargs.get("chord_sft_dataset") is not None:
             raise ValueError("chord_sft_dataset: CHORD adds a supervised term to the loss; Algorithm 1 has none (leave it unset)")
         self._capture_directory = os.environ.get("M2PO_CAPTURE") or None
@@ -203,7 +208,9 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         if self._recorder is None:
             from m2po_oracle.capture.recorder import Recorder
 
-            self._recorder = Recorder(self._capture_directory, rank=0, world_size=1, topology="dp=1,cp=1,tp=1", every=self._capture_every)
+            world = self.accelerator.num_processes
+            self._recorder = Recorder(self._capture_directory, rank=self.accelerator.process_index, world_size=world,
+                                      topology=f"dp={world},cp=1,tp=1", every=self._capture_every)
         return self._recorder
 
     def _logps(self, model: Any, micro: dict[str, Any]) -> torch.Tensor:
@@ -243,7 +250,8 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
                 advantages.append(token_advantages(grpo_batch.advantages, logps))
                 masks.append(mask)
                 sampler.append(grpo_batch.rollout_per_token_logps)
-        return open_window(self, size, prepass, behavior, advantages, masks, sampler)
+        return open_window(self, size, prepass, behavior, advantages, masks, sampler, group=dp_group(self.accelerator),
+                           per_rank=self.m2po_faults.per_rank_selection)
 
     def _compute_loss_and_metrics(self, model: Any, model_inputs: dict[str, Any], grpo_batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         if not self.model.training:
@@ -258,7 +266,9 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         if micro == 0 or self._window is None:
             self._window = self._start_window(model, position)
         window = self._window
-        logp, _ = self._get_per_token_logps_and_entropies(model, model_inputs, grpo_batch, compute_entropy=False)
+        logps, _ = self._get_per_token_logps_and_entropies(model, model_inputs, grpo_batch, compute_entropy=False)
+        # DDP averages the ranks' gradients; each rank's share is over the global N, so the sum is wanted.
+        logp = summed_over_ranks(logps, self.accelerator.num_processes)
         selection, mask = window.selections[micro], window.masks[micro]
         share = micro_batch_share(logp, window, micro, own_denominator=self.m2po_faults.per_micro_batch_denominator)
         if self.beta != 0.0:

@@ -14,11 +14,13 @@ process (``rlhf_main``) on a random-weight Llama built in code; nothing is downl
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.swift
@@ -30,14 +32,16 @@ else:
                                                        "tox -e swift run these tests")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from m2po_oracle import oracle  # noqa: E402
 from m2po_oracle.audit import audit_capture  # noqa: E402
 from m2po_oracle.capture.recorder import load_capture  # noqa: E402
 from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX  # noqa: E402
 from m2po_oracle.integrations.swift import check_m2po_args  # noqa: E402
 from m2po_oracle.integrations.swift_demo import DemoSetup, run  # noqa: E402
 from m2po_oracle.integrations.swift_step import SWIFT_CONTROLS  # noqa: E402
+from m2po_oracle.judge.equivalence import same_up_to_ties, valid_m2  # noqa: E402
 from m2po_oracle.trainer.grpo import M2POKLWarning  # noqa: E402
-from window_checks import assert_one_selection_per_window  # noqa: E402  (beside this file)
+from window_checks import assert_one_selection_per_window, window_batch  # noqa: E402  (beside this file)
 
 #: Stale rollouts under accumulation: each generation batch serves two optimizer batches of two
 #: micro-batches, each iterated twice (steps_per_generation 4, GA 2, num_iterations 2).
@@ -80,6 +84,7 @@ CONTROLS = {
     "per_micro_batch_mask": (4, "audit.selection", "per_micro_batch_mask"),
     "per_micro_batch_denominator": (1, "audit.gradient", "per_micro_batch_denominator"),
     "current_policy_as_behavior": (2, "audit.behavior_logp", "current_policy_as_behavior"),
+    "optimizer_step_per_micro_batch": (1, "audit.policy_logp", "optimizer_step_per_micro_batch"),
 }
 
 
@@ -140,8 +145,9 @@ def test_each_option_that_changes_the_objective_is_refused_naming_it(options, na
 
 
 def test_data_and_sequence_parallelism_are_refused_and_beta_warns():
-    with pytest.raises(ValueError, match=r"^nproc_per_node:"):
+    with pytest.raises(ValueError, match=r"^nproc_per_node: without a selection across the data-parallel group"):
         check_m2po_args(SimpleNamespace(**NEUTRAL), world_size=2)
+    check_m2po_args(SimpleNamespace(**NEUTRAL), world_size=2, collective=True)  # the trainer's: one selection across the group
     with pytest.raises(ValueError, match=r"^sequence_parallel_size:"):
         check_m2po_args(SimpleNamespace(**NEUTRAL), sequence_parallel_size=2)
     with warnings.catch_warnings(record=True) as seen:
@@ -233,3 +239,83 @@ def test_trainer_swift_usage_errors_name_the_problem(argv, message, capsys):
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+# --- data parallel: two ms-swift processes on gloo under torchrun, one selection across both -----
+
+def _torchrun_demo(directory, *extra):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "m2po_oracle.integrations.swift_demo",
+               "--capture", str(directory), *extra]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _pulled_back_norms(capture, inputs, step=0):
+    """Each parameter's gradient norm recomputed from the capture: every rank's and micro-batch's
+    captured d loss / d logp pulled back through the demo's initial model (step 0)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from m2po_oracle.integrations.swift_demo import demo_model
+
+    model = demo_model(SETUP.seed)
+    total = 0
+    for (rank, _, micro), record in capture.records(step=step):
+        x = load_file(str(inputs / f"rank{rank}-step{step}-mb{micro}.safetensors"))
+        keep = int(x["logits_to_keep"])
+        forward = {name: x[name] for name in ("input_ids", "attention_mask", "position_ids") if name in x}
+        logits = model(**forward).logits[:, -keep - 1:-1]
+        logp = torch.log_softmax(logits, -1).gather(-1, x["input_ids"][:, -keep:, None])[..., 0]
+        valid = record["mask"]
+        assert torch.equal(valid, x["completion_mask"].bool()), (rank, micro)
+        assert float((torch.where(valid, logp, 0) - torch.where(valid, record["logp"], 0)).detach().abs().max()) < 1e-5, (rank, micro)
+        total = total + (torch.where(valid, record["grad"], 0) * torch.where(valid, logp, 0)).sum()
+    total.backward()
+    return {name: float(p.grad.double().norm()) for name, p in model.named_parameters()}
+
+
+def test_two_gloo_ranks_select_once_over_the_dp_group_and_the_audit_reassembles_both(tmp_path):
+    out = _torchrun_demo(tmp_path / "dp2", "--steps", "3", "--swift-option", "max_grad_norm", "0", "--save-inputs", str(tmp_path / "inputs"))
+    assert out.count("of 2 process(es) on gloo: captured in") == 2, out[-2000:]
+    report = audit_capture(tmp_path / "dp2")
+    assert report.verdict == "equivalent", [(s.step, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
+    capture = load_capture(tmp_path / "dp2")
+    assert capture.world_size == 2 and {rank for rank, _, _ in capture.keys()} == {0, 1}
+    per_rank_differs = 0
+    for step in capture.steps():
+        by_rank = {rank: [record for _, record in capture.records(step=step, rank=rank)] for rank in (0, 1)}
+        records = by_rank[0] + by_rank[1]
+        assert len(records) == 4  # two ranks x two micro-batches, one selection over all four
+        batch = window_batch(records)
+        keep = np.concatenate([r["keep"].numpy() for r in records])
+        assert same_up_to_ties(keep, oracle.m2po(batch).keep, valid_m2(batch)), f"step {step}: the mask is not Algorithm 1 over both ranks"
+        alone = np.concatenate([oracle.m2po(window_batch(by_rank[rank])).keep for rank in (0, 1)])
+        per_rank_differs += not same_up_to_ties(alone, oracle.m2po(batch).keep, valid_m2(batch))
+    assert per_rank_differs >= 1, "no step where each rank selecting alone would have kept another mask: the run shows nothing"
+    # DDP averages the ranks' gradients; the objective wants their sum. The gradient each rank
+    # noted before the first optimizer step (no clipping) is the sum over both ranks' records.
+    expected = _pulled_back_norms(capture, tmp_path / "inputs")
+    noted = capture.parameter_gradients(0)
+    for rank in (0, 1):
+        for name, norm in expected.items():
+            assert math.isclose(noted[rank][name]["norm"], norm, rel_tol=1e-5), (rank, name, noted[rank][name]["norm"], norm)
+
+
+def test_a_rank_selecting_alone_is_caught_and_named_by_the_audit(tmp_path):
+    # Six steps: the demo's step 5 is one where only a rank's own selection reproduces the mask.
+    _torchrun_demo(tmp_path / "alone", "--steps", "6", "--fault", "per_rank_selection")
+    report = audit_capture(tmp_path / "alone")
+    assert report.verdict == "divergent"
+    shown = [s for s in report.steps if any(c.name == "audit.selection" and c.status == "fail" for c in s.checks)]
+    # A scope is named where the mask shows it; where a micro-batch selecting alone gives the same
+    # mask the files cannot tell the two apart and say so (an alternative); no other name is given.
+    assert any(s.diagnosis == ["per_rank_selection_global_n"] for s in shown), [(s.step, s.diagnosis) for s in report.steps]
+    assert all("per_rank_selection_global_n" in [*s.diagnosis, *(x for v in s.alternatives.values() for x in v)] for s in shown), \
+        [(s.step, s.diagnosis, s.alternatives) for s in shown]
+    assert all(set(s.diagnosis) <= {"per_rank_selection_global_n", "per_micro_batch_mask"} for s in report.steps), \
+        [(s.step, s.diagnosis) for s in report.steps]
