@@ -243,16 +243,21 @@ def test_trainer_swift_usage_errors_name_the_problem(argv, message, capsys):
 
 # --- data parallel: two ms-swift processes on gloo under torchrun, one selection across both -----
 
-def _torchrun_demo(directory, *extra):
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    """Both data-parallel demo runs (swift_dp_runs.py, beside this file), in one torchrun world."""
     import subprocess
     import sys
+    from pathlib import Path
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "m2po_oracle.integrations.swift_demo",
-               "--capture", str(directory), *extra]
+    out = tmp_path_factory.mktemp("dp")
+    script = Path(__file__).with_name("swift_dp_runs.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(out)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    assert done.stdout.count("of 2 process(es) on gloo: ran both") == 2, done.stdout[-2000:]
+    return out
 
 
 def _pulled_back_norms(capture, inputs, step=0):
@@ -279,12 +284,10 @@ def _pulled_back_norms(capture, inputs, step=0):
     return {name: float(p.grad.double().norm()) for name, p in model.named_parameters()}
 
 
-def test_two_gloo_ranks_select_once_over_the_dp_group_and_the_audit_reassembles_both(tmp_path):
-    out = _torchrun_demo(tmp_path / "dp2", "--steps", "3", "--swift-option", "max_grad_norm", "0", "--save-inputs", str(tmp_path / "inputs"))
-    assert out.count("of 2 process(es) on gloo: captured in") == 2, out[-2000:]
-    report = audit_capture(tmp_path / "dp2")
+def test_two_gloo_ranks_select_once_over_the_dp_group_and_the_audit_reassembles_both(dp_runs):
+    report = audit_capture(dp_runs / "dp2")
     assert report.verdict == "equivalent", [(s.step, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
-    capture = load_capture(tmp_path / "dp2")
+    capture = load_capture(dp_runs / "dp2")
     assert capture.world_size == 2 and {rank for rank, _, _ in capture.keys()} == {0, 1}
     per_rank_differs = 0
     for step in capture.steps():
@@ -299,17 +302,16 @@ def test_two_gloo_ranks_select_once_over_the_dp_group_and_the_audit_reassembles_
     assert per_rank_differs >= 1, "no step where each rank selecting alone would have kept another mask: the run shows nothing"
     # DDP averages the ranks' gradients; the objective wants their sum. The gradient each rank
     # noted before the first optimizer step (no clipping) is the sum over both ranks' records.
-    expected = _pulled_back_norms(capture, tmp_path / "inputs")
+    expected = _pulled_back_norms(capture, dp_runs / "inputs")
     noted = capture.parameter_gradients(0)
     for rank in (0, 1):
         for name, norm in expected.items():
             assert math.isclose(noted[rank][name]["norm"], norm, rel_tol=1e-5), (rank, name, noted[rank][name]["norm"], norm)
 
 
-def test_a_rank_selecting_alone_is_caught_and_named_by_the_audit(tmp_path):
+def test_a_rank_selecting_alone_is_caught_and_named_by_the_audit(dp_runs):
     # Six steps: the demo's step 5 is one where only a rank's own selection reproduces the mask.
-    _torchrun_demo(tmp_path / "alone", "--steps", "6", "--fault", "per_rank_selection")
-    report = audit_capture(tmp_path / "alone")
+    report = audit_capture(dp_runs / "alone")
     assert report.verdict == "divergent"
     shown = [s for s in report.steps if any(c.name == "audit.selection" and c.status == "fail" for c in s.checks)]
     # A scope is named where the mask shows it; where a micro-batch selecting alone gives the same
