@@ -62,6 +62,7 @@ SOURCES: dict[str, str] = {
     "controls.distributed_topologies": "m2po_oracle.distributed.implementations:CONTROL_TOPOLOGIES",
     "controls.trainer": "m2po_oracle.trainer.controls:TRAINER_CONTROLS",
     "controls.trl": "m2po_oracle.integrations.trl_step:TRL_CONTROLS",
+    "controls.swift": "m2po_oracle.integrations.swift_step:SWIFT_CONTROLS",
     # the adapters, as `m2po-oracle adapters` lists them
     "adapters.all": "m2po_oracle.adapters:ADAPTERS",
     "cli.adapters_listing": "m2po_oracle.cli.catalogue:list_adapters",
@@ -349,6 +350,8 @@ def controls_page() -> str:
                for c in load("controls.trainer")]
     trl = [(code(f"trainer:trl:{n}"), cell(c["description"]), code(c["diagnosed_as"]), ", ".join(code(k) for k in c["caught_by"]))
            for n, c in load("controls.trl").items()]
+    swift = [(code(f"trainer:swift:{n}"), cell(c["description"]), code(c["diagnosed_as"]), ", ".join(code(k) for k in c["caught_by"]))
+             for n, c in load("controls.swift").items()]
     header = ("control", "planted bug", "diagnosed as", "caught by", "`--quick` examples")
     return "".join([
         HEADER, "# Negative controls\n\n",
@@ -364,7 +367,10 @@ def controls_page() -> str:
         f"## Trainer ({len(trainer)})\n\n`m2po-oracle compare --impl NAME`; `selftest --trainer` runs them.\n\n",
         table(("control", "planted bug", "diagnosed as", "caught by", "examples"), trainer), "\n",
         f"## TRL's step ({len(trl)})\n\n`m2po-oracle compare --impl NAME` (the `trl` extra).\n\n",
-        table(("control", "planted bug", "diagnosed as", "caught by"), trl),
+        table(("control", "planted bug", "diagnosed as", "caught by"), trl), "\n",
+        f"## ms-swift's step ({len(swift)})\n\n`m2po-oracle compare --impl NAME` (the `swift` extra, in its own environment: "
+        "[ms-swift](../how-to/swift.md)).\n\n",
+        table(("control", "planted bug", "diagnosed as", "caught by"), swift),
     ])
 
 

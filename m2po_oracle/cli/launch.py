@@ -28,7 +28,24 @@ from m2po_oracle.errors import LoadError, UsageError
 
 #: Production trainers behind the trainer contract, by name (``trainer:NAME[:CONTROL]``): a
 #: factory taking the control's name. Named as strings: the integrations room sits above.
-INTEGRATED_TRAINERS = {"trl": "m2po_oracle.integrations.trl_step:trl_trainer"}
+INTEGRATED_TRAINERS = {"trl": "m2po_oracle.integrations.trl_step:trl_trainer",
+                       "swift": "m2po_oracle.integrations.swift_step:swift_trainer"}
+#: What each needs installed: (the distribution, what it is, how to install it).
+INTEGRATED_REQUIRES = {
+    "trl": ("trl", "the trl package", "pip install -c constraints.txt -e '.[trl]'"),
+    "swift": ("ms-swift", "ms-swift 4.6, which is not installed in this environment (it needs trl<1 and transformers<5.20, so it lives "
+              "in an environment of its own)", "python3 -m venv .venv-swift && .venv-swift/bin/pip install -e '.[swift]' -c constraints-swift.txt"),
+}
+
+
+def is_installed(distribution: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(distribution)
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runner:
@@ -68,10 +85,9 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runn
         rest = spec.partition(":")[2]
         integration, _, control = rest.partition(":")
         if integration in INTEGRATED_TRAINERS:  # trainer:trl, trainer:trl:CONTROL: a production trainer behind the contract
-            import importlib.util
-
-            if importlib.util.find_spec(integration) is None:
-                raise LoadError(f"impl: {spec} needs the {integration} package: pip install -c constraints.txt -e '.[{integration}]'")
+            distribution, what, install = INTEGRATED_REQUIRES[integration]
+            if not is_installed(distribution):
+                raise LoadError(f"impl: {spec} needs {what}: {install}")
             factory = load_attribute(INTEGRATED_TRAINERS[integration])
             try:
                 trainer = factory(control or None)

@@ -10,5 +10,9 @@
   with the same M2PO, loaded by ``swift rlhf --external_plugins`` from ``swift_plugin/`` (its own
   environment: ``constraints-swift.txt``);
 * :mod:`m2po_oracle.integrations.swift_demo`: a short real ``swift rlhf`` training on a
-  random-weight Llama, recorded for ``m2po-oracle audit``.
+  random-weight Llama, recorded for ``m2po-oracle audit``;
+* :mod:`m2po_oracle.integrations.swift_step`: the same trainer behind the trainer contract,
+  for ``m2po-oracle compare --impl trainer:swift``;
+* :mod:`m2po_oracle.integrations.hf_window` and :mod:`m2po_oracle.integrations.hf_step`: what
+  the TRL and ms-swift integrations, and their steps, share.
 """

@@ -14,6 +14,35 @@ from m2po_oracle.core.loss import loss_from_selection, select_micro_batches
 from m2po_oracle.trainer.grpo import selection_metrics, stochastic_layers
 
 
+class GradScale(torch.autograd.Function):
+    """Identity forward, gradient times ``factor`` backward: DDP averages gradients over the
+    data-parallel group, and the global objective wants their sum. The factor sits between
+    the model and the recorded log-probs, so a capture holds d loss / d logp without it."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.factor, None
+
+
+def summed_over_ranks(logp: torch.Tensor, world: int) -> torch.Tensor:
+    """``logp`` whose gradient DDP's average over ``world`` ranks turns into the sum."""
+    return GradScale.apply(logp, float(world)) if world > 1 else logp
+
+
+def dp_group(accelerator: Any) -> Any:
+    """The data-parallel group one selection spans (None in one process)."""
+    if accelerator.num_processes > 1:
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+    return None
+
+
 def option(args: Any, name: str, default: Any = None) -> Any:
     """A trainer option by name, ``default`` where this framework version has none."""
     return getattr(args, name, default)

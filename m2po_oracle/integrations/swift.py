@@ -9,8 +9,9 @@ Selecting inside ``_compute_loss_and_metrics`` alone would select per micro-batc
 whole window is buffered when its first micro-batch arrives, so
 :class:`M2POSwiftGRPOTrainer` runs, on that first micro-batch, a no-grad **prepass** over
 every micro-batch of the window (ms-swift's own ``_get_per_token_logps_and_entropies``),
-selects once with ``core.select_micro_batches``, and then builds each micro-batch's loss
-from its part of that selection with the window's N. ms-swift's generation, scoring,
+selects once with ``core.select_micro_batches`` (across the data-parallel group when there is
+one: every rank's window, one N), and then builds each micro-batch's loss from its part of
+that selection with the window's N. ms-swift's generation, scoring,
 buffering, splitting, the HF Trainer's accumulation and optimizer step run unchanged.
 
 Loaded with ``swift rlhf --rlhf_type grpo --external_plugins PLUGIN`` where PLUGIN is
@@ -30,7 +31,8 @@ log-probs; at another temperature they are not the sampler's, and none are recor
 
 Behaviour log-probs: with ms-swift's own (transformers) engine they are
 ``grpo_batch.old_per_token_logps``, which ``_prepare_batch_inputs`` computes with the weights
-that sampled the generation batch; with vLLM they must be the engine's
+that sampled the generation batch; with vLLM, or another engine outside the trainer (a
+subclass that says so with ``rollouts_from_outside``), they must be the engine's
 (``rollout_per_token_logps``). Settings under which the step would not compute Algorithm 1
 are refused with a ``ValueError`` naming the ms-swift option (:func:`check_m2po_args`).
 """
@@ -52,10 +54,12 @@ from m2po_oracle.integrations.hf_window import (
     Window,
     buffered_window,
     check_window_fits_the_generation_batch,
+    dp_group,
     micro_batch_share,
     open_window,
     option,
     record_micro_batch,
+    summed_over_ranks,
     token_advantages,
 )
 from m2po_oracle.trainer.grpo import M2POKLWarning
@@ -75,6 +79,9 @@ class SwiftFaults:
     per_micro_batch_mask: bool = False  # select within each micro-batch ms-swift hands the loss (the naive hook)
     per_micro_batch_denominator: bool = False  # each micro-batch divides by its own N, then by the accumulation steps
     current_policy_as_behavior: bool = False  # the prepass (current policy) used as behaviour log-probs
+    optimizer_step_per_micro_batch: bool = False  # optimizer.step() after every micro-batch
+    kl_k1_estimator: bool = False  # the KL term uses k1, logp - ref_logp, instead of ms-swift's k3
+    per_rank_selection: bool = False  # each data-parallel rank selects over its own window alone (the global N kept)
 
 
 def faults_from_environment(environ: Any = None) -> SwiftFaults:
@@ -100,9 +107,11 @@ def tau_from_environment(environ: Any = None) -> float:
 
 
 
-def check_m2po_args(args: Any, *, world_size: int = 1, sequence_parallel_size: int = 1) -> None:
+def check_m2po_args(args: Any, *, world_size: int = 1, sequence_parallel_size: int = 1, collective: bool = False) -> None:
     """Refuse, naming the ms-swift option, every setting under which the step would not compute
-    Algorithm 1's objective; warn for ``beta != 0``."""
+    Algorithm 1's objective; warn for ``beta != 0``. ``collective``: the trainer selects once
+    across the data-parallel group (:class:`M2POSwiftGRPOTrainer` does), without which more
+    than one process is refused."""
     check_window_fits_the_generation_batch(args)
     loss_type = option(args, "loss_type", "dapo")
     if loss_type != "dapo":
@@ -144,9 +153,9 @@ def check_m2po_args(args: Any, *, world_size: int = 1, sequence_parallel_size: i
     if top_k not in (None, -1, 0):
         raise ValueError(f"top_k: the sampler must draw from the full distribution (got top_k={top_k!r}); ms-swift's recomputed behaviour "
                          "log-probs apply only the temperature, so they would not be the sampler's (set it to -1)")
-    if world_size > 1:
-        raise ValueError(f"nproc_per_node: this integration selects within one process; with {world_size} data-parallel processes each "
-                         "would select over its own window only (run one process)")
+    if world_size > 1 and not collective:
+        raise ValueError(f"nproc_per_node: without a selection across the data-parallel group, each of the {world_size} processes would "
+                         "select over its own window only (run one process, or select with core.select_micro_batches(..., group=))")
     if sequence_parallel_size > 1:
         raise ValueError(f"sequence_parallel_size: the window's micro-batches are sequence shards here (got {sequence_parallel_size}); "
                          "this integration selects over whole sequences of one process (set it to 1)")
@@ -165,14 +174,21 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
     through ``--external_plugins`` alone.
     """
 
+    #: Whether the completions come from an engine outside the trainer (whose weights need not
+    #: be the trainer's) besides vLLM: then, as with vLLM, only the engine's own log-probs
+    #: (``rollout_per_token_logps``) are the behaviour policy's. A subclass whose engine is
+    #: such an engine says so here.
+    rollouts_from_outside: bool = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.m2po_tau = tau_from_environment()
         self.m2po_faults = faults_from_environment()
         training_args = kwargs.get("args")
         if training_args is None:
             raise ValueError("args: M2POSwiftGRPOTrainer needs ms-swift's GRPOConfig (its options decide whether M2PO can run)")
+        # One selection across the data-parallel group (_start_window): more than one process is allowed.
         check_m2po_args(training_args, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                        sequence_parallel_size=int(option(training_args, "sequence_parallel_size", 1) or 1))
+                        sequence_parallel_size=int(option(training_args, "sequence_parallel_size", 1) or 1), collective=True)
         if kwargs.get("chord_sft_dataset") is not None:
             raise ValueError("chord_sft_dataset: CHORD adds a supervised term to the loss; Algorithm 1 has none (leave it unset)")
         self._capture_directory = os.environ.get("M2PO_CAPTURE") or None
@@ -203,7 +219,9 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         if self._recorder is None:
             from m2po_oracle.capture.recorder import Recorder
 
-            self._recorder = Recorder(self._capture_directory, rank=0, world_size=1, topology="dp=1,cp=1,tp=1", every=self._capture_every)
+            world = self.accelerator.num_processes
+            self._recorder = Recorder(self._capture_directory, rank=self.accelerator.process_index, world_size=world,
+                                      topology=f"dp={world},cp=1,tp=1", every=self._capture_every)
         return self._recorder
 
     def _logps(self, model: Any, micro: dict[str, Any]) -> torch.Tensor:
@@ -213,11 +231,12 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
     def _behaviour(self, grpo_batch: Any, prepass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.m2po_faults.current_policy_as_behavior:
             return prepass
-        if self.args.use_vllm:
+        if self.args.use_vllm or self.rollouts_from_outside:
             # An engine outside the trainer sampled: only its own log-probs are the behaviour policy's.
             sampled = grpo_batch.rollout_per_token_logps
             if sampled is None or bool(torch.isnan(sampled[mask]).any()):
-                raise ValueError("behavior_logp: the vLLM engine returned no log-probs (or NaN) for some sampled tokens; M2PO fails closed "
+                engine = "vLLM engine" if self.args.use_vllm else "rollout engine outside the trainer"
+                raise ValueError(f"behavior_logp: the {engine} returned no log-probs (or NaN) for some sampled tokens; M2PO fails closed "
                                  "rather than fall back to log-probs recomputed by the trainer")
             return sampled
         old = grpo_batch.old_per_token_logps
@@ -242,7 +261,8 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
                 advantages.append(token_advantages(grpo_batch.advantages, logps))
                 masks.append(mask)
                 sampler.append(grpo_batch.rollout_per_token_logps)
-        return open_window(self, size, prepass, behavior, advantages, masks, sampler)
+        return open_window(self, size, prepass, behavior, advantages, masks, sampler, group=dp_group(self.accelerator),
+                           per_rank=self.m2po_faults.per_rank_selection)
 
     def _compute_loss_and_metrics(self, model: Any, model_inputs: dict[str, Any], grpo_batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         if not self.model.training:
@@ -257,13 +277,15 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         if micro == 0 or self._window is None:
             self._window = self._start_window(model, position)
         window = self._window
-        logp, _ = self._get_per_token_logps_and_entropies(model, model_inputs, grpo_batch, compute_entropy=False)
+        logps, _ = self._get_per_token_logps_and_entropies(model, model_inputs, grpo_batch, compute_entropy=False)
+        # DDP averages the ranks' gradients; each rank's share is over the global N, so the sum is wanted.
+        logp = summed_over_ranks(logps, self.accelerator.num_processes)
         selection, mask = window.selections[micro], window.masks[micro]
         share = micro_batch_share(logp, window, micro, own_denominator=self.m2po_faults.per_micro_batch_denominator)
         if self.beta != 0.0:
             # ms-swift's own k3 estimator, over the valid tokens, divided by the window's N.
             safe = torch.clamp(grpo_batch.ref_per_token_logps - logp, min=-20, max=20)
-            per_token_kl = torch.clamp(torch.exp(safe) - safe - 1, min=-10, max=10)
+            per_token_kl = -safe if self.m2po_faults.kl_k1_estimator else torch.clamp(torch.exp(safe) - safe - 1, min=-10, max=10)
             share = share + self.beta * torch.where(mask, per_token_kl, torch.zeros_like(per_token_kl)).sum() / selection.valid_count.clamp(min=1)
         recorder = self._recording()
         if recorder is not None:
@@ -275,6 +297,14 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         loss = share.to(logp.dtype) * self.current_gradient_accumulation_steps
         metrics_data = {"mode": "train", "entropy": {}, "completion_mask": mask, "completion_token_count": mask.sum().clamp(min=1)}
         return loss, metrics_data
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        output = super().training_step(model, inputs, num_items_in_batch)
+        if self.m2po_faults.optimizer_step_per_micro_batch and self._step % self.current_gradient_accumulation_steps:
+            # The planted bug: a step inside the window (the Trainer still steps at its end). The
+            # accelerate wrapper skips steps while it accumulates, so the bug reaches past it.
+            getattr(self.optimizer, "optimizer", self.optimizer).step()
+        return output
 
     def _compute_loss_chunked(self, *args: Any, **kwargs: Any) -> Any:
         raise ValueError("dynamic_num_samples: ms-swift computes this batch in chunks of a varying number of samples (multi-turn "

@@ -13,6 +13,11 @@ older policy sampled.
     python -m m2po_oracle.integrations.swift_demo --capture runs/swift
     m2po-oracle audit runs/swift
 
+Data parallel, two processes on gloo (ms-swift reads torchrun's environment and starts gloo on
+the CPU), one selection across both per optimizer batch:
+
+    HF_HUB_OFFLINE=1 torchrun --standalone --nproc-per-node 2 -m m2po_oracle.integrations.swift_demo --capture runs/swift-dp2
+
 ``--fault NAME`` plants one of the integration's bugs (``SwiftFaults``), for the audit to
 catch; ``--prepare DIR`` only writes the model and data to DIR and prints the plain ``swift rlhf``
 command (with the plugin's environment variables) that trains on them.
@@ -62,6 +67,13 @@ def tokenizer() -> Any:
 
 def write_model(directory: Path, seed: int) -> Path:
     """A random-weight two-layer Llama and its tokenizer, saved where ``--model`` can load them."""
+    demo_model(seed).save_pretrained(directory)
+    tokenizer().save_pretrained(directory)
+    return directory
+
+
+def demo_model(seed: int) -> Any:
+    """The demo's random-weight two-layer Llama, deterministic in ``seed``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -78,9 +90,7 @@ def write_model(directory: Path, seed: int) -> Path:
             # tokens, which hides a per-micro-batch denominator. A long random EOS row makes
             # the EOS logit vary widely with the context: completions end at varied lengths.
             model.lm_head.weight[tok.eos_token_id] = torch.randn(config.hidden_size) * EOS_ROW_SCALE
-    model.save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return directory
+    return model
 
 
 def write_dataset(path: Path, count: int, seed: int) -> Path:
@@ -115,7 +125,45 @@ def swift_arguments(setup: DemoSetup, model: Path, dataset: Path, output_dir: Pa
     return argv
 
 
-def run(setup: DemoSetup, capture: str | None, fault: str | None = None, scratch: str | None = None, **overrides: Any) -> list[str]:
+def _save_inputs(trainer: Any, directory: str) -> None:
+    """Write the model inputs (token ids, masks, the completion frame) of every micro-batch
+    the loss receives, as ``rank{R}-step{S}-mb{M}.safetensors``."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    compute = trainer._compute_loss_and_metrics
+
+    def saving(model: Any, model_inputs: dict[str, Any], grpo_batch: Any) -> Any:
+        micro = trainer._step % trainer.current_gradient_accumulation_steps
+        tensors = {name: value.detach().cpu().contiguous() for name, value in model_inputs.items() if isinstance(value, torch.Tensor)}
+        tensors["completion_mask"] = grpo_batch.completion_mask.detach().cpu().contiguous()
+        tensors["logits_to_keep"] = torch.tensor(int(grpo_batch.logits_to_keep))
+        save_file(tensors, os.path.join(directory, f"rank{trainer.accelerator.process_index}-step{trainer.state.global_step}-mb{micro}.safetensors"))
+        return compute(model, model_inputs, grpo_batch)
+
+    trainer._compute_loss_and_metrics = saving
+
+
+def _rlhf(argv: list[str], save_inputs: str | None) -> Any:
+    """``swift rlhf`` in this process (``rlhf_main``); with ``save_inputs``, ms-swift's own
+    pipeline with the trainer it builds writing its inputs there first."""
+    from swift.pipelines import rlhf_main
+
+    if save_inputs is None:
+        return rlhf_main(argv)
+    from swift.pipelines.train.rlhf import SwiftRLHF
+
+    class SavingInputs(SwiftRLHF):
+        def train(self, trainer: Any) -> Any:
+            _save_inputs(trainer, save_inputs)
+            return super().train(trainer)
+
+    return SavingInputs(argv).main()
+
+
+def run(setup: DemoSetup, capture: str | None, fault: str | None = None, scratch: str | None = None, save_inputs: str | None = None,
+        **overrides: Any) -> list[str]:
     """Build the model and data in ``scratch`` and run ``swift rlhf`` in this process; returns its arguments."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("MODELSCOPE_OFFLINE", "1")
@@ -133,9 +181,7 @@ def run(setup: DemoSetup, capture: str | None, fault: str | None = None, scratch
         model = write_model(root / "model", setup.seed)
         dataset = write_dataset(root / "prompts.jsonl", 64, setup.seed)
         argv = swift_arguments(setup, model, dataset, root / "output", **overrides)
-        from swift.pipelines import rlhf_main
-
-        rlhf_main(argv)
+        _rlhf(argv, save_inputs)
     return argv
 
 
@@ -150,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault", choices=[f.name for f in fields(SwiftFaults)], help="plant one of the integration's bugs (a negative control)")
     parser.add_argument("--swift-option", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                         help="override one swift rlhf option (e.g. --swift-option loss_type grpo, which M2PO refuses)")
+    parser.add_argument("--save-inputs", metavar="DIR", help="also write every micro-batch's model inputs to DIR (to recompute gradients)")
     parser.add_argument("--prepare", metavar="DIR",
                         help="only write the model, tokenizer and prompts to DIR and print the swift rlhf command that trains on them")
     args = parser.parse_args(argv)
@@ -167,8 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.capture:
         parser.error("--capture: required unless --prepare")
-    run(setup, args.capture, args.fault, **overrides)
-    print(f"captured in {args.capture}; audit: m2po-oracle audit {args.capture}")
+    run(setup, args.capture, args.fault, save_inputs=args.save_inputs, **overrides)
+    import torch.distributed as dist
+
+    world = f"rank {dist.get_rank()} of {dist.get_world_size()} process(es) on {dist.get_backend()}: " if dist.is_initialized() else ""
+    print(f"{world}captured in {args.capture}; audit: m2po-oracle audit {args.capture}")
     return 0
 
 

@@ -40,10 +40,12 @@ from m2po_oracle.integrations.hf_window import (
     Window,
     buffered_window,
     check_window_fits_the_generation_batch,
+    dp_group,
     micro_batch_share,
     open_window,
     option,
     record_micro_batch,
+    summed_over_ranks,
     token_advantages,
 )
 from m2po_oracle.trainer.grpo import M2POKLWarning
@@ -105,23 +107,6 @@ def check_m2po_args(args: Any) -> None:
     if beta != 0:
         warnings.warn(f"beta={beta}: a non-zero KL coefficient adds beta * KL to the M2PO objective (the reference experiments use beta=0)",
                       M2POKLWarning, stacklevel=3)
-
-
-class _GradScale(torch.autograd.Function):
-    """Identity forward, gradient times ``factor`` backward: DDP averages gradients over the
-    data-parallel group, and the global objective wants their sum. The factor sits between
-    the model and the recorded log-probs, so a capture holds d loss / d logp without it."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.factor = factor
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad * ctx.factor, None
-
-
 
 
 class M2POGRPOTrainer(GRPOTrainer):
@@ -187,11 +172,7 @@ class M2POGRPOTrainer(GRPOTrainer):
     # --- the loss --------------------------------------------------------------------------
 
     def _dp_group(self) -> Any:
-        if self.accelerator.num_processes > 1:
-            import torch.distributed as dist
-
-            return dist.group.WORLD
-        return None
+        return dp_group(self.accelerator)
 
     def _recording(self) -> Any:
         if self._capture_directory is None:
@@ -262,7 +243,7 @@ class M2POGRPOTrainer(GRPOTrainer):
         window = self._window
         logps = self._logps(model, inputs)
         world = self.accelerator.num_processes
-        logp = _GradScale.apply(logps, float(world)) if world > 1 else logps
+        logp = summed_over_ranks(logps, world)
         selection, mask = window.selections[micro], window.masks[micro]
         loss = micro_batch_share(logp, window, micro, own_denominator=self.m2po_faults.per_micro_batch_denominator)
         if self.beta != 0.0:

@@ -35,7 +35,16 @@ from typing import Any
 
 import torch
 
-from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX
+from m2po_oracle.integrations.hf_step import (
+    KeepGradients,
+    adamw,
+    case_tokenizer,
+    equal_split,
+    quiet,
+    share_of_multiples_of_three,
+    step_record,
+)
+from m2po_oracle.integrations.hf_window import METRIC_PREFIX
 from m2po_oracle.integrations.trl import M2POGRPOTrainer, TRLFaults
 
 #: The planted bugs ``trainer:trl:NAME`` runs, with what must catch them and name them.
@@ -53,26 +62,9 @@ TRL_CONTROLS: dict[str, dict[str, Any]] = {
                         "diagnosed_as": "kl_k1_estimator", "beta": 0.1},
 }
 
-_PAD, _BOS, _EOS = 0, 1, 2
-
-
-def _tokenizer(vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": _PAD, "<bos>": _BOS, "<eos>": _EOS, **{f"t{i}": i for i in range(3, vocab_size)}}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
-
-
-def _equal_split(rows: int, wanted: int) -> int:
-    return max(k for k in range(1, max(wanted, 1) + 1) if rows % k == 0)
-
-
-def _share_of_multiples_of_three(completions: list[Any], completion_ids: list[list[int]], **_: Any) -> list[float]:
-    """The seed trainer's reward: the share of a completion's tokens whose id is a multiple of 3."""
-    return [sum(1 for t in ids if t % 3 == 0) / max(len(ids), 1) for ids in completion_ids]
+def _reward(completions: list[Any], completion_ids: list[list[int]], **_: Any) -> list[float]:
+    """The case's reward in TRL's reward-function signature."""
+    return share_of_multiples_of_three(completion_ids)
 
 
 @contextlib.contextmanager
@@ -96,7 +88,7 @@ class TRLStep:
 
     def make_optimizer(self, parameters: Any) -> torch.optim.Optimizer:
         # The HF Trainer's "adamw_torch" with its defaults (betas 0.9/0.999, eps 1e-8, no weight decay).
-        return torch.optim.AdamW(parameters, lr=self.config.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        return adamw(parameters, self.config.lr)
 
     def _options(self, rollout: Any, k: int, output_dir: str) -> dict[str, Any]:
         config = self.config
@@ -135,7 +127,6 @@ class TRLStep:
         from datasets import Dataset
 
         from m2po_oracle.capture import load_capture
-        from m2po_oracle.trainer.grpo import StepRecord
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -146,7 +137,7 @@ class TRLStep:
                              "trainer's weights is not a TRL option (this adapter refuses it rather than ignore it)")
         rows = rollout.rows
         parts = tuple(split) if split is not None else (rows,)
-        k = _equal_split(rows, len(parts))
+        k = equal_split(rows, len(parts))
         b = rows // k
         policy = self.policy
         params_before = {n: p.detach().cpu().clone() for n, p in policy.named_parameters()}
@@ -171,43 +162,18 @@ class TRLStep:
 
             from trl import GRPOConfig
 
-            trainer = M2POGRPOTrainer(model=policy, reward_funcs=_share_of_multiples_of_three, args=GRPOConfig(**self._options(rollout, k, scratch)),
-                                      train_dataset=dataset, processing_class=_tokenizer(policy.config.vocab_size), rollout_func=rows_of_group,
+            trainer = M2POGRPOTrainer(model=policy, reward_funcs=_reward, args=GRPOConfig(**self._options(rollout, k, scratch)),
+                                      train_dataset=dataset, processing_class=case_tokenizer(policy.config.vocab_size), rollout_func=rows_of_group,
                                       m2po_tau=self.config.tau, capture=capture, faults=self.faults)
             grads: dict[str, torch.Tensor] = {}
-            trainer.add_callback(_KeepGradients(trainer, grads))
-            for printer in (ProgressCallback, PrinterCallback):  # one step per example: no progress bar or log line each
-                trainer.remove_callback(printer)
+            trainer.add_callback(KeepGradients(trainer, grads))
+            quiet(trainer)
             with _rows_in_order(), torch.random.fork_rng(devices=[]):
                 trainer.train()
             records = [record for _, record in load_capture(capture).records(step=0)]
         logged = next((entry for entry in trainer.state.log_history if f"{METRIC_PREFIX}masked_fraction" in entry), {})
-        width = int(rollout.completion_ids.shape[1])
-        pad = lambda t, fill: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)  # noqa: E731  # TRL pads to the longest row
-        cat = lambda name, fill: torch.cat([pad(r[name], fill) for r in records])  # noqa: E731
-        params = dict(policy.named_parameters())
-        return StepRecord(
-            logp=cat("logp", 0.0), behavior_logp=cat("behavior_logp", float("nan")), advantages=cat("advantages", 0.0), valid=cat("mask", False),
-            keep=cat("keep", False), loss=float(sum(r["loss"] for r in records)),
-            metrics={name: float(logged[METRIC_PREFIX + name]) for name in LOGGED_METRICS if METRIC_PREFIX + name in logged},
-            token_grad=cat("grad", 0.0), param_grads={n: grads.get(n, torch.zeros_like(p)).detach().cpu() for n, p in params.items()},
-            params_before=params_before, params_after={n: p.detach().cpu().clone() for n, p in params.items()}, split=(b,) * k,
-            tau=float(self.config.tau), kl_term=0.0)
-
-
-from transformers import PrinterCallback, ProgressCallback, TrainerCallback  # noqa: E402
-
-
-class _KeepGradients(TrainerCallback):
-    """Copies every parameter's gradient right before the optimizer step."""
-
-    def __init__(self, trainer: Any, into: dict[str, torch.Tensor]) -> None:
-        self.trainer, self.into = trainer, into
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        for name, p in self.trainer.model.named_parameters():
-            if p.grad is not None:
-                self.into[name] = p.grad.detach().cpu().clone()
+        return step_record(records, rollout, logged=logged, grads=grads, policy=policy, params_before=params_before, split=(b,) * k,
+                           tau=self.config.tau)
 
 
 #: The dtype TRL's step computes its log-probs in, and why: what ``--dtype`` must be (and what
