@@ -39,15 +39,11 @@ from typing import Any
 
 import torch
 
+from m2po_oracle.bench.baselines import kept_candidates_by_sorting
 from m2po_oracle.bench.host_syncs import count_host_syncs
 from m2po_oracle.call.runner import check_device
 from m2po_oracle.core import fused
-from m2po_oracle.core.fast_selection import (
-    BUCKETS,
-    DIGIT_BITS,
-    kept_candidates,
-    kept_candidates_by_sorting,
-)
+from m2po_oracle.core.fast_selection import BUCKETS, DIGIT_BITS, kept_candidates
 from m2po_oracle.core.loss import m2po_loss
 from m2po_oracle.core.scratch import CPU_CHUNK
 
@@ -206,10 +202,8 @@ def bench_across_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     each sends, and checks that both keep the same tokens on this rank."""
     import torch.distributed as dist
 
-    from m2po_oracle.core.fast_selection import (
-        kept_candidates_across,
-        kept_candidates_across_by_gathering,
-    )
+    from m2po_oracle.bench.baselines import kept_candidates_across_by_gathering
+    from m2po_oracle.core.fast_selection import kept_candidates_across
 
     group = ctx.groups["dp"]
     m2 = candidate_m2(payload["tokens"], seed=payload["seed"] + ctx.rank)

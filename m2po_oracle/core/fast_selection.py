@@ -83,16 +83,6 @@ def _below(keys: torch.Tensor, prefix: int, fixed_bits: int) -> torch.Tensor:
     return keys < threshold
 
 
-def kept_candidates_by_sorting(m2: torch.Tensor, tau: float) -> torch.Tensor:
-    """The sort-and-prefix-sum baseline every public port uses (for tests and the benchmark)."""
-    values, order = torch.sort(m2, stable=True)
-    prefix = torch.cumsum(values, 0) / torch.arange(1, values.numel() + 1, device=m2.device, dtype=values.dtype)
-    kept_count = int((prefix <= tau).sum())
-    kept = torch.zeros(m2.shape, dtype=torch.bool, device=m2.device)
-    kept[order[:kept_count]] = True
-    return kept
-
-
 #: Distributed rounds use narrower digits: each round all-reduces 2 x 2**12 float64 (64 KiB).
 GROUP_DIGIT_BITS = 12
 
@@ -144,36 +134,6 @@ def kept_candidates_across(m2: torch.Tensor, tau: float, group: object, candidat
     lower = torch.cat([*by_rank[:dist.get_rank(group)], torch.zeros_like(mine)]).sum()
     kept = (keys < torch.where(state.refining, state.prefix, state.threshold)) | (tied & (torch.cumsum(tied, 0) <= fits - lower))
     return kept if candidates is None else kept & candidates
-
-
-def kept_candidates_across_by_gathering(m2: torch.Tensor, tau: float, group: object) -> torch.Tensor:
-    """The all-gather baseline public ports use: every rank receives every candidate's M2
-    (bytes grow with the token count), sorts them all, and keeps its share of the cut
-    (ties by rank, then index). For the benchmark and cross-checks."""
-    import math
-
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    local_sorted, local_order = torch.sort(m2, stable=True)
-    count = torch.tensor([m2.numel()], dtype=torch.int64, device=m2.device)
-    counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    sizes = [int(c.item()) for c in counts]
-    # gloo's all_gather needs equal sizes: pad with +inf to the largest rank's count.
-    padded = torch.full((max([*sizes, 1]),), math.inf, dtype=torch.float64, device=m2.device)
-    padded[: m2.numel()] = local_sorted
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
-    values = torch.cat([g[:n] for g, n in zip(gathered, sizes)])
-    owners = torch.cat([torch.full((n,), r, dtype=torch.int64, device=m2.device) for r, n in enumerate(sizes)])
-    global_sorted, global_order = torch.sort(values, stable=True)
-    position = torch.arange(1, global_sorted.numel() + 1, device=m2.device, dtype=torch.float64)
-    kept_count = int((torch.cumsum(global_sorted, 0) / position <= tau).sum())
-    mine = int((owners[global_order[:kept_count]] == dist.get_rank(group)).sum())
-    kept = torch.zeros(m2.shape, dtype=torch.bool, device=m2.device)
-    kept[local_order[:mine]] = True
-    return kept
 
 
 #: Points of the grid that locates how many tied values fit, per round (rounds: log_G(n)).
@@ -379,11 +339,3 @@ def _tied_fits(kept_sum: torch.Tensor, kept_count: torch.Tensor, value: torch.Te
     return lo
 
 
-def kept_candidates_without_sync(m2: torch.Tensor, tau: float, candidates: torch.Tensor | None = None) -> torch.Tensor:
-    """The kept set of :func:`kept_candidates` with no host synchronisation (any device).
-
-    With ``candidates`` (a bool mask over ``m2``) only those compete and only they can be
-    kept, so callers need no ``nonzero`` either.
-    """
-    values = m2 if candidates is None else m2.masked_fill(~candidates, math.inf)
-    return cut_without_sync(values, tau).kept

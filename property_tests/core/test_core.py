@@ -172,9 +172,9 @@ def test_a_large_batch_fails_closed_too(argument, value, dtype):
               "advantages": torch.where(torch.rand(shape, generator=generator) < 0.5, 1.0, -1.0).to(dtype),
               "mask": torch.ones(shape, dtype=torch.bool)}
     inputs["mask"][-1, -1] = False
-    from m2po_oracle import core
+    from m2po_oracle.core import scratch
 
-    with mock.patch.object(core, "CPU_CHUNK", 4096):
+    with mock.patch.object(scratch, "CPU_CHUNK", 4096):
         padded = dict(inputs, **{argument: inputs[argument].clone()})
         padded[argument][-1, -1] = value
         assert torch.isfinite(m2po_loss(**padded, tau=0.04).loss)
@@ -223,17 +223,15 @@ def _forward_and_gradient(batch: Batch, dtype: str):
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @given(batch=strategies.batches())
 def test_chunk_by_chunk_the_forward_is_the_one_pass_forward(chunk, dtype, passes, batch):
-    """On CPU the first level and the loss run chunk by chunk (core.CPU_CHUNK tokens):
+    """On CPU the first level and the loss run chunk by chunk (core.scratch.CPU_CHUNK tokens):
     whatever the chunk, the selection and its metrics are the one-pass ones bit for bit,
     the gradient too; the loss adds the chunks' sums, so it may round differently."""
-    from m2po_oracle import core
-
-    # Every batch through the first level.
-    from m2po_oracle.core import fast_selection
+    # Every batch through the first level; the chunk is read where the scratch buffers are sized.
+    from m2po_oracle.core import fast_selection, scratch
     with mock.patch.object(fast_selection, "SMALL", 0), core_passes(passes):
-        with mock.patch.object(core, "CPU_CHUNK", 1 << 30):
+        with mock.patch.object(scratch, "CPU_CHUNK", 1 << 30):
             whole, whole_grad = _forward_and_gradient(batch, dtype)
-        with mock.patch.object(core, "CPU_CHUNK", chunk):
+        with mock.patch.object(scratch, "CPU_CHUNK", chunk):
             chunked, chunked_grad = _forward_and_gradient(batch, dtype)
     for name in ("keep", "valid_count", "trust_region_count", "kept_trust_region_count", "m2_before", "m2_after", "masked_fraction",
                  "trust_region_fraction"):
@@ -279,7 +277,7 @@ def test_a_crossing_bucket_shared_with_non_candidates_gathers_candidates_only(ta
     float64 inputs), only candidates may be gathered from it or kept below it. 6,000
     candidates (above SMALL) interleaved with 6,000 non-candidates of the same |d| and the
     wrong sign."""
-    from m2po_oracle.core.fast_selection import kept_candidates_by_sorting
+    from m2po_oracle.bench.baselines import kept_candidates_by_sorting
     from m2po_oracle.core.loss import select_tokens
 
     n = 12000

@@ -16,10 +16,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from m2po_oracle import oracle, strategies
+from m2po_oracle.bench.baselines import kept_candidates_by_sorting
 from m2po_oracle.core import fast_selection
-from m2po_oracle.core.fast_selection import cut_without_sync, kept_candidates, kept_candidates_by_sorting, kept_candidates_without_sync
+from m2po_oracle.core.fast_selection import cut_without_sync, kept_candidates
 
 SMALLS = [0, 1, 7, 4096]
+
+
+def kept_candidates_without_sync(m2: torch.Tensor, tau: float, candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """The kept set of :func:`kept_candidates` with no host synchronisation (any device), from the
+    core's device-side cut: what the core runs on an accelerator, reduced to the kept set.
+
+    With ``candidates`` (a bool mask over ``m2``) only those compete and only they can be
+    kept, so callers need no ``nonzero`` either.
+    """
+    values = m2 if candidates is None else m2.masked_fill(~candidates, math.inf)
+    return cut_without_sync(values, tau).kept
 
 
 def _candidates(batch) -> torch.Tensor:
