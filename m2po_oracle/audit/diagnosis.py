@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ from m2po_oracle.audit.checks import (
     loss_mismatch_at,
 )
 from m2po_oracle.audit.reassembly import AuditStep, scope_groups
-from m2po_oracle.audit.records import MicroBatch
+from m2po_oracle.audit.records import MicroBatch, StepAudit
 from m2po_oracle.judge import equivalence
 from m2po_oracle.oracle.batch import Batch
 
@@ -233,3 +234,37 @@ def _forward_deviation(step: AuditStep, bounds: LogpBounds) -> list[str]:
         return ["stochastic_forward"]
     return []
 
+
+def implied_divisors(step: AuditStep) -> tuple[float | None, list[float | None]]:
+    """The divisor the recorded losses imply, for the step and for each micro-batch of one
+    replica set: Algorithm 1's terms on the run's own mask summed (N times the oracle's loss,
+    or a micro-batch's share of it, each token's gradient being its term over N) over the
+    recorded loss. None where the recorded loss is 0 or either is not finite."""
+    expected, n = step.expected, step.expected.valid_count
+
+    def divisor(terms: float, recorded: float) -> float | None:
+        value = terms / recorded if recorded and math.isfinite(recorded) and math.isfinite(terms) else None
+        return value if value is None or math.isfinite(value) else None
+
+    total = math.fsum(r.loss for r in step.replica_set)
+    shares = [divisor(n * math.fsum(expected.grad[r.rows][:, r.columns][r.mask].tolist()), r.loss) for r in step.replica_set]
+    return divisor(n * expected.loss, total), shares
+
+
+def observations(step: AuditStep, audit: StepAudit) -> list[str]:
+    """What a divergent step's files show beyond the names: that no known deviation explains
+    it, and, when the loss sum fails, the divisor the recorded losses imply against N."""
+    out = []
+    if not audit.diagnosis:
+        out.append(f"no known deviation explains it (failing: {', '.join(audit.failing)})")
+    if "audit.loss_sum" in audit.failing:
+        whole, shares = implied_divisors(step)
+        n = step.expected.valid_count
+        if whole is not None:
+            known = [d for d in shares if d is not None]
+            alike = len(known) == len(shares) > 1 and all(math.isclose(d, known[0], rel_tol=1e-6) for d in known)
+            parts = f"; every micro-batch implies {known[0]:.6g}" if alike else (
+                f"; per micro-batch: {', '.join('-' if d is None else f'{d:.6g}' for d in shares)}" if len(shares) > 1 else "")
+            out.append(f"the recorded losses imply a divisor of {whole:.6g} ({whole / n:.6g} x N) where Algorithm 1 divides by "
+                       f"N = {n}, the step's valid tokens{parts}")
+    return out

@@ -71,6 +71,7 @@ class StepAudit:
     metrics: dict[str, Any] = field(default_factory=dict)
     counterexample: dict[str, Any] | None = None
     alternatives: dict[str, list[str]] = field(default_factory=dict)  # diagnosis name -> names identical on this step
+    observations: list[str] = field(default_factory=list)  # what the files show that no deviation name says
 
     @property
     def failing(self) -> list[str]:
@@ -78,7 +79,7 @@ class StepAudit:
 
     def to_json(self) -> dict[str, Any]:
         out = {"step": self.step, "verdict": self.verdict, "checks": [c.to_json() for c in self.checks],
-               "diagnosis": list(self.diagnosis), "alternatives": dict(self.alternatives),
+               "diagnosis": list(self.diagnosis), "alternatives": dict(self.alternatives), "observations": list(self.observations),
                "metrics": {k: number(v) for k, v in self.metrics.items()}}
         if self.counterexample is not None:
             out["counterexample"] = self.counterexample

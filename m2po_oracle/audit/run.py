@@ -20,7 +20,7 @@ from m2po_oracle.audit.checks import (
     selection_check,
 )
 from m2po_oracle.audit.counterexample import step_counterexample
-from m2po_oracle.audit.diagnosis import diagnose_audit_step
+from m2po_oracle.audit.diagnosis import diagnose_audit_step, observations
 from m2po_oracle.audit.reassembly import AuditStep, assemble
 from m2po_oracle.audit.records import CHECK_NAMES, AuditCheck, AuditReport, StepAudit, Unusable, records_of
 from m2po_oracle.capture import reader
@@ -39,6 +39,7 @@ def _audit_step(step: AuditStep, noted: dict[int, dict[str, Any]], silent: tuple
     if audit.failing:
         audit.verdict = "divergent"
         audit.diagnosis = diagnose_audit_step(step, set(audit.failing), noted, audit.alternatives, bounds)
+        audit.observations = observations(step, audit)
     return audit
 
 

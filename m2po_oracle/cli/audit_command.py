@@ -44,6 +44,8 @@ def audit(args: argparse.Namespace, console: Console) -> int:
         for name in step.diagnosis:
             same = step.alternatives.get(name)
             say(f"  {name}: {DESCRIPTIONS.get(name, '')}" + (f" (identical on this step: {', '.join(same)})" if same else ""))
+        for observation in step.observations:
+            say(f"  {observation}")
         if step.counterexample:
             _print_audit_table(say, step.counterexample)
         if step.verdict == "divergent":

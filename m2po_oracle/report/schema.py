@@ -43,8 +43,10 @@ AUDIT: tuple[Declared, ...] = (
         "metrics": "the optimizer batch's, as Algorithm 1 computes them",
         "counterexample": "what shows the step's first failing check (by `TABLE_ORDER` of `m2po_oracle.audit`)",
         "alternatives": "per deviation named, the others that reproduce this step identically",
+        "observations": "what the files show beyond the names (a divergent step): that no known deviation explains it, the divisor "
+                        "the recorded losses imply against N",
     }, types={"checks": "array of object", "metrics": "object", "counterexample": "object",
-              "alternatives": "map of array of string"},
+              "alternatives": "map of array of string", "observations": "array of string"},
        when={"counterexample": "the worst step only (most failing checks, the earliest among equals)"},
        keys={"alternatives": "a deviation in `diagnosis`"}),
     FromDataclass("steps[].checks[]", "m2po_oracle.audit.records:AuditCheck", {

@@ -75,7 +75,8 @@ class Trainer:
     """Gradient accumulation over MICRO_BATCHES per optimizer step. ``bug``: None (the mask
     selected once per optimizer batch in a no-grad prepass), "per_micro_batch_mask" (the mask
     function called on each micro-batch), "kept_count_denominator" (the loss divided by the
-    kept count), "fused" (compute_m2po_loss on each micro-batch: selects per micro-batch)."""
+    kept count), "twice_n" (divided by 2 N, as a trainer dividing by N and then by the
+    accumulation steps again), "fused" (compute_m2po_loss on each micro-batch: selects per micro-batch)."""
 
     def __init__(self, bug: str | None = None, micro_batches: int = MICRO_BATCHES) -> None:
         self.micro_batches = micro_batches
@@ -112,7 +113,7 @@ class Trainer:
                         keep, _ = module.compute_m2po_mask(logp - batch["old"], batch["mask"], batch["advantages"], m2_threshold=TAU)
                     per_token = module.compute_m2po_token_loss(logp, batch["old"], batch["advantages"], batch["mask"], keep)
                     self.returned.append(per_token)
-                    loss = per_token.sum() / (keep.sum() if self.bug == "kept_count_denominator" else n)
+                    loss = per_token.sum() / (keep.sum() if self.bug == "kept_count_denominator" else 2 * n if self.bug == "twice_n" else n)
                 self.losses.append(loss.detach())
                 loss.backward()
             self.optimizer.step()
@@ -174,6 +175,22 @@ def test_a_loss_divided_by_the_kept_count_is_divergent_on_the_loss(tmp_path: Pat
     for step in report["steps"]:
         checks = check_statuses(step)
         assert checks["audit.selection"] == "pass" and checks["audit.loss_sum"] == "fail" and checks["audit.gradient"] == "fail", checks
+
+
+def test_a_loss_divided_twice_says_the_divisor_the_recorded_losses_imply(tmp_path: Path) -> None:
+    _, report, status = _run(tmp_path, "twice_n")
+    assert status == 1 and report["verdict"] == "divergent", report
+    for step in report["steps"]:
+        assert check_statuses(step)["audit.loss_sum"] == "fail", check_statuses(step)
+        implied = [o for o in step["observations"] if "imply a divisor" in o]
+        assert len(implied) == 1 and "(2 x N)" in implied[0] and "every micro-batch implies" in implied[0], step["observations"]
+        if not step["diagnosis"]:
+            assert any(o.startswith("no known deviation explains it") for o in step["observations"]), step["observations"]
+
+
+def test_an_equivalent_step_has_no_observation(tmp_path: Path) -> None:
+    _, report, _ = _run(tmp_path, None)
+    assert all(step["observations"] == [] for step in report["steps"]), [s["observations"] for s in report["steps"]]
 
 
 def test_a_fused_kernel_calling_the_mask_inside_is_one_record_per_call(tmp_path: Path) -> None:
