@@ -431,7 +431,7 @@ def compare_to_oracle(batch: Batch, actual: M2POResult, dtype: str, compute_dtyp
 def format_mismatches(mismatches: list[Mismatch], *, batch: Batch | None = None, where: str = "", replay: str = "") -> str:
     """The failure message: what differed, where, both values, the batch, how to replay."""
     checks = len(dict.fromkeys(m.check for m in mismatches))
-    counted = f"{checks} check(s) failed" + (f" ({len(mismatches)} mismatches)" if len(mismatches) > checks else "")
+    counted = f"this batch fails {checks} check(s)" + (f" ({len(mismatches)} mismatches)" if len(mismatches) > checks else "")
     lines = [f"{counted}{(' ' + where) if where else ''}:"]
     for m in mismatches:
         lines.append(f"- [{m.check}] {m.summary}")

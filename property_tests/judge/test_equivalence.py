@@ -135,8 +135,8 @@ def test_the_failure_message_is_self_sufficient():
 
 def test_the_failure_message_counts_checks_not_mismatch_lines():
     first, second = Mismatch("loss", "loss differs"), Mismatch("loss", "loss differs again")
-    assert format_mismatches([first, second]).startswith("1 check(s) failed (2 mismatches):")
-    assert format_mismatches([first, Mismatch("gradient", "gradient differs")]).startswith("2 check(s) failed:")
+    assert format_mismatches([first, second]).startswith("this batch fails 1 check(s) (2 mismatches):")
+    assert format_mismatches([first, Mismatch("gradient", "gradient differs")]).startswith("this batch fails 2 check(s):")
 
 
 def test_tolerance_lookup_names_what_is_known():
