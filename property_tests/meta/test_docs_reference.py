@@ -52,6 +52,20 @@ def test_a_stale_page_is_named(gen, generated, tmp_path):
                                                "old.md (not generated: remove it)"]
 
 
+def test_a_check_added_without_regenerating_makes_its_page_stale(gen, generated, tmp_path, monkeypatch):
+    """The planted change the generator exists for: a check registered in the code, the
+    committed page not rewritten."""
+    from m2po_oracle.judge import checks
+
+    monkeypatch.setitem(checks.CHECKS, "selection.planted", "a check added without regenerating the reference")
+    monkeypatch.setitem(checks.ALL_CHECKS, "selection.planted", "a check added without regenerating the reference")
+    fresh = tmp_path / "fresh"
+    gen.write(fresh)
+    assert "selection.planted" in (fresh / "checks.md").read_text()
+    stale = gen.stale(fresh, generated)
+    assert "checks.md (differs from what the code gives)" in stale, stale  # the adapters page lists the checks too
+
+
 def test_every_page_the_generator_writes_is_in_the_site_nav(gen):
     nav = (ROOT / "mkdocs.yml").read_text()
     missing = [name for name in gen.PAGES if f"reference/{name}" not in nav]
