@@ -33,6 +33,7 @@ class _TorchrunWorld:
 
     def run(self, handler: Any, payload: Any) -> list[Any]:
         outcomes = serve(self.context, (handler, payload))
+        assert outcomes is not None  # None answers the stop request only
         failed = sorted((o for o in outcomes if o.error), key=lambda o: o.rank)
         if failed:
             from m2po_oracle.distributed.world import WorldError
@@ -76,4 +77,5 @@ def serve(context: Any, request: Any) -> list[Any] | None:
     dist.gather_object((value, collectives, error), gathered, dst=0)
     if context.rank != 0:
         return []
+    assert gathered is not None  # rank 0 gathers
     return [RankOutcome(r, context.topology.coords(r), v, c, error=e) for r, (v, c, e) in enumerate(gathered)]
