@@ -19,6 +19,8 @@ class TorchrunRunner(DistributedRunner):
     The same checks, validation and replay as a :class:`DistributedRunner`; the ranks are
     torchrun's processes instead of a world this tool starts."""
 
+    world: _TorchrunWorld  # always: the world given to DistributedRunner
+
     def __init__(self, context: Any, spec: str, options: RunOptions) -> None:
         self.context = context
         super().__init__(spec, context.topology, backend=context.backend, timeout_s=options.timeout, options=options, world=_TorchrunWorld(context))
