@@ -439,7 +439,7 @@ def _wrap(target: object, attribute: str, session: _Session, specs: Mapping[str,
     wrapper.__name__ = getattr(original, "__name__", attribute)
     wrapper.__qualname__ = getattr(original, "__qualname__", attribute)
     wrapper.__doc__ = getattr(original, "__doc__", None)
-    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]  # mypy: a function takes no new attributes (inspect.unwrap reads it)
     installed: Any = wrapper
     if kind == "staticmethod":
         installed = staticmethod(wrapper)

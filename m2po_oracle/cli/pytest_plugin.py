@@ -151,7 +151,7 @@ class _SharedRun:
         return self._outcomes
 
     def _shared(self) -> dict[str, Any]:
-        run_id = self.config.workerinput.get("testrunuid", "run")  # type: ignore[attr-defined]
+        run_id = self.config.workerinput.get("testrunuid", "run")  # type: ignore[attr-defined]  # pytest-xdist sets it on a worker's config; pytest's Config does not declare it
         accept = [a.to_json() for a in self.project.accept] + [self.project.strict]
         key = hashlib.sha256(json.dumps([self.spec, {k: str(v) for k, v in self.values.items()}, accept], sort_keys=True).encode()).hexdigest()[:16]
         path = Path(tempfile.gettempdir()) / f"m2po-oracle-{run_id}-{key}.json"
