@@ -75,6 +75,7 @@ def _fill_padding(draw, values: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 @st.composite
 def _log_ratios(draw, shape: tuple[int, int], staleness: float | None) -> np.ndarray:
+    scale: float | np.ndarray  # one staleness for the batch, or a column of one per sequence
     if staleness is not None:
         scale = staleness
     elif draw(st.booleans(), label="staleness per sequence"):
@@ -322,7 +323,9 @@ def _cut_inside(draw, d: np.ndarray, advantages: np.ndarray, valid: np.ndarray, 
         boundaries = [k for k in range(1, m2.size) if Fraction(_mean_after(m2, k)) == Fraction(float(m2[k:].sum())) / (m2.size - k)]
         if boundaries:
             return _mean_after(m2, draw(st.sampled_from(boundaries), label="tokens removed at an exact boundary"))
-    return cut_budget(d, advantages, valid, draw(st.integers(1, m2.size - 1), label="tokens removed at the cut"))
+    tau = cut_budget(d, advantages, valid, draw(st.integers(1, m2.size - 1), label="tokens removed at the cut"))
+    assert tau is not None  # m2.size >= 2 here, so cut_budget finds a tau
+    return tau
 
 
 def batches() -> st.SearchStrategy[Batch]:

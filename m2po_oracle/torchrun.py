@@ -20,7 +20,7 @@ from pathlib import Path
 
 from m2po_oracle.call.runner import RunOptions
 from m2po_oracle.cli import options
-from m2po_oracle.distributed.torchrun_runner import serve
+from m2po_oracle.distributed.torchrun_runner import TorchrunRunner, serve
 from m2po_oracle.oracle.encoding import write_json
 
 #: The compare options torchrun takes (the backend follows CUDA; the world is torchrun's).
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
         values = {name: getattr(args, name) for name in TORCHRUN_OPTIONS}
         runner = open_runner(args.impl, options.run_options(values), torchrun=context)
+        assert isinstance(runner, TorchrunRunner)  # torchrun= with the required --topology
         try:
             report = run_compare(runner)
         finally:

@@ -35,6 +35,6 @@ def adapt(fn: Implementation, kind: str | None, bindings: tuple[str, ...] | list
         return fn
     call = bind(fn, kind, bindings)
     wrapped = ADAPTERS[kind].wrap(call)
-    wrapped.adapter = kind  # type: ignore[attr-defined]  # read back by replay commands
-    wrapped.bound_call = call  # type: ignore[attr-defined]  # the call the port receives, for reports
+    wrapped.adapter = kind  # type: ignore[attr-defined]  # mypy: a function takes no new attributes; read back by replay commands
+    wrapped.bound_call = call  # type: ignore[attr-defined]  # as above; the call the port receives, for reports
     return wrapped

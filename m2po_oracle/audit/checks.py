@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -135,14 +135,14 @@ def _logp_agreement_check(step: AuditStep, check: str, records: list[MicroBatch]
 def policy_logp_check(step: AuditStep, bounds: LogpBounds) -> AuditCheck:
     return _logp_agreement_check(step, "audit.policy_logp", [r for r in step.replica_set if r.selection_logp is not None],
                                  "no selection_logp recorded: the selection is taken to have seen logp", "logp against its selection_logp",
-                                 lambda r: (r.logp, r.selection_logp), step.dtype, bounds.policy, "--policy-atol",
+                                 lambda r: (r.logp, cast(np.ndarray, r.selection_logp)), step.dtype, bounds.policy, "--policy-atol",  # records with one
                                  ("the loss pass's log-probs equal the selection's", "the loss pass's log-probs are not the selection's"))
 
 
 def behavior_logp_check(step: AuditStep, bounds: LogpBounds) -> AuditCheck:
     return _logp_agreement_check(step, "audit.behavior_logp", [r for r in step.replica_set if r.rollout_logp is not None],
                                  "no rollout_logp recorded: nothing to check the behaviour log-probs against",
-                                 "behavior_logp against the sampler's rollout_logp", lambda r: (r.behavior_logp, r.rollout_logp),
+                                 "behavior_logp against the sampler's rollout_logp", lambda r: (r.behavior_logp, cast(np.ndarray, r.rollout_logp)),  # records with one
                                  equivalence.coarser(step.dtype, ROLLOUT_LOGP_DTYPE), bounds.rollout, "--rollout-atol",
                                  ("the behaviour log-probs equal the sampler's", "the behaviour log-probs are not the sampler's"))
 
@@ -162,7 +162,7 @@ def gradient_check(step: AuditStep, expected: Any) -> AuditCheck:
         return AuditCheck("audit.gradient", "not run", "no gradient was captured at this step (watch_gradient or record(grad=))")
     largest = float(np.max(np.abs(expected.grad))) if expected.grad.size else 0.0
     found = [m for r in with_grad
-             if (m := grad_mismatch_at(r.grad, expected.grad[r.rows][:, r.columns], r.batch(), step.dtype, "audit.gradient", f"grad of {r.where}", largest))]
+             if (m := grad_mismatch_at(cast(np.ndarray, r.grad), expected.grad[r.rows][:, r.columns], r.batch(), step.dtype, "audit.gradient", f"grad of {r.where}", largest))]
     if found:
         return AuditCheck("audit.gradient", "fail", _fmt(found))
     return AuditCheck("audit.gradient", "pass", f"{len(with_grad)} of {len(step.replica_set)} record gradients captured, each equals "
@@ -262,6 +262,7 @@ def logged_scopes(step: AuditStep) -> list[str]:
     matching = []
     for scope in sorted(groups_by_scope, key=lambda name: name != "per_cp_shard"):
         verdicts: list[bool] = []
+        places: set[tuple[int, ...]]  # (dp, cp, micro-batch) of a CP shard, else (dp, micro-batch)
         for group in groups_by_scope[scope]:
             if scope == "per_cp_shard":
                 r = group[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from m2po_oracle.oracle.batch import Batch
 def _share(record: MicroBatch, denominator: float) -> tuple[float, np.ndarray]:
     """The record's loss and d loss / d logp on its own keep, divided by ``denominator``."""
     own = oracle.evaluate_with_mask(record.batch(), record.keep)
+    assert own.valid_count is not None and own.grad is not None  # the oracle's result has every field
     factor = own.valid_count / denominator if denominator else 0.0
     return own.loss * factor, own.grad * factor
 
@@ -167,14 +168,15 @@ def diagnose_audit_step(step: AuditStep, failing: set[str], noted: dict[int, dic
         if scopes:
             scope, form = next(((s, 1) for s in scopes if s in own_n), (scopes[0], 0 if global_n else 2))
             name = SCOPE_NAMES[scope][form]
+            assert name is not None  # form 1 is taken for a scope in own_n only: one with its own count, and a name for it
             found.append(name)
             if form == 1:
-                alternatives.pop(denominator, None)  # the scope's own count: in its name
+                alternatives.pop(cast(str, denominator), None)  # the scope's own count: in its name (None is no key: nothing popped)
                 denominator = None
             # The other scopes that reproduce the mask, in the same form (with the loss's own count only where it is theirs).
             others = [SCOPE_NAMES[s][form] for s in scopes if s != scope and SCOPE_NAMES[s][form] and (form != 1 or s in own_n)]
             if others:
-                alternatives.setdefault(name, []).extend(others)
+                alternatives.setdefault(name, []).extend(cast("list[str]", others))  # the names are filtered on being set
     elif own_n:
         # The mask is a global outcome and each region's own: the global selection with the
         # region's count, and the scope dividing by its own count, reproduce the step alike. The
@@ -184,16 +186,17 @@ def diagnose_audit_step(step: AuditStep, failing: set[str], noted: dict[int, dic
         tied.sort(key=lambda scope: not _metrics_show(step, scope))
         if tied:
             scope_name = SCOPE_NAMES[tied[0]][1]
+            assert scope_name is not None  # tied is of own_n: scopes with their own count, each named
             if denominator is None or _metrics_show(step, tied[0]):
                 found.append(scope_name)
-                same = [SCOPE_NAMES[scope][1] for scope in tied[1:]]
+                same = cast("list[str]", [SCOPE_NAMES[scope][1] for scope in tied[1:]])  # as above: each named
                 if denominator is not None:
                     same = [denominator, *alternatives.pop(denominator, []), *same]
                 if same:
                     alternatives[scope_name] = same
                 denominator = None
             else:
-                alternatives.setdefault(denominator, []).extend(SCOPE_NAMES[scope][1] for scope in tied)
+                alternatives.setdefault(denominator, []).extend(cast(str, SCOPE_NAMES[scope][1]) for scope in tied)  # as above: each named
     if denominator is not None:
         found.append(denominator)
     if "audit.behavior_logp" in failing and _behaviour_is_the_policy(step):
@@ -208,7 +211,7 @@ def diagnose_audit_step(step: AuditStep, failing: set[str], noted: dict[int, dic
 def _doubled_selection(step: AuditStep) -> bool:
     """The joined mask is an outcome of Algorithm 1 on the batch with every token counted cp times."""
     s, cp = step.selection_batch, step.topology.cp
-    doubled = Batch(*(np.concatenate([a] * cp) for a in (s.logp, s.behavior_logp, s.advantages, s.valid)), s.tau)
+    doubled = Batch(*(np.concatenate([a] * cp) for a in (s.logp, s.behavior_logp, s.advantages, s.valid)), s.tau)  # type: ignore[call-arg, arg-type]  # mypy: an unpacked iterable of unknown length may fill every parameter (it holds four here)
     return not equivalence.check_selection(doubled, np.concatenate([step.keep] * cp), step.dtype)
 
 
@@ -222,7 +225,7 @@ def _behaviour_is_the_policy(step: AuditStep) -> bool:
 
 def _forward_deviation(step: AuditStep, bounds: LogpBounds) -> list[str]:
     records = [r for r in step.replica_set if r.selection_logp is not None and r.mask.any()]
-    found, _, _ = logp_pairs("diagnosis", records, "logp", lambda r: (r.logp, r.selection_logp), step.dtype, bounds.policy, "--policy-atol")
+    found, _, _ = logp_pairs("diagnosis", records, "logp", lambda r: (r.logp, cast(np.ndarray, r.selection_logp)), step.dtype, bounds.policy, "--policy-atol")  # records with one
     differs = {(r.coords.dp, r.coords.cp, r.micro_batch): id(r) in found for r in records}
     if not differs:
         return []

@@ -5,8 +5,12 @@ ranks, all-gathering every candidate's M2 first. The core never runs them."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def kept_candidates_by_sorting(m2: torch.Tensor, tau: float) -> torch.Tensor:
@@ -19,7 +23,7 @@ def kept_candidates_by_sorting(m2: torch.Tensor, tau: float) -> torch.Tensor:
     return kept
 
 
-def kept_candidates_across_by_gathering(m2: torch.Tensor, tau: float, group: object) -> torch.Tensor:
+def kept_candidates_across_by_gathering(m2: torch.Tensor, tau: float, group: ProcessGroup | None) -> torch.Tensor:
     """The all-gather baseline public ports use: every rank receives every candidate's M2
     (bytes grow with the token count), sorts them all, and keeps its share of the cut
     (ties by rank, then index). For the benchmark and cross-checks."""

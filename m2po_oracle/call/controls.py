@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -244,6 +244,7 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
         # port's range for "no clip".
         unclipped = -live_advantages * ratio
         if clip.lo is not None:
+            assert clip.hi is not None  # lo and hi are set together
             lo, hi = clip.lo.to(ratio.dtype), clip.hi.to(ratio.dtype)
             clipped = -live_advantages * ratio.clamp(lo, hi)
             term = torch.maximum(unclipped, clipped)
@@ -286,7 +287,7 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
     else:
         harmful_m2 = m2_metrics[clip.harmful]
         m2_before = _mean(harmful_m2)
-        m2_after = m2_before if not clip.constrained else _mean(torch.minimum(harmful_m2, clip.cap_squared.to(metrics_dtype)))
+        m2_after = m2_before if not clip.constrained else _mean(torch.minimum(harmful_m2, cast(torch.Tensor, clip.cap_squared).to(metrics_dtype)))  # constrained: cap_squared is set
     result = {
         "loss": loss,
         "keep": keep,
@@ -299,7 +300,7 @@ def planted(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
         "kept_trust_region_count": int(kept_trust.sum()),
     }
     if clip is not None:
-        result["cap_squared"] = float(clip.cap_squared) if clip.constrained else None
+        result["cap_squared"] = float(cast(torch.Tensor, clip.cap_squared)) if clip.constrained else None  # constrained: cap_squared is set
     return result
 
 

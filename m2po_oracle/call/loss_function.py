@@ -112,10 +112,12 @@ class LossFunctionRunner:
 
     def start(self) -> None:
         if self.isolated:
+            assert isinstance(self.caller, Isolated)  # what self.isolated records
             self.caller.start()
 
     def close(self) -> None:
         if self.isolated:
+            assert isinstance(self.caller, Isolated)  # what self.isolated records
             self.caller.close()
 
     def __enter__(self) -> LossFunctionRunner:

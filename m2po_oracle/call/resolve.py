@@ -102,9 +102,10 @@ def load_module(target: str) -> ModuleType:
         if folder not in sys.path:
             sys.path.append(folder)
         module_spec = importlib.util.spec_from_file_location(f"m2po_impl_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+        assert module_spec is not None and module_spec.loader is not None  # a .py file: a spec with its source loader
+        module = importlib.util.module_from_spec(module_spec)
         try:
-            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+            module_spec.loader.exec_module(module)
         except BaseException as error:
             if isinstance(error, KeyboardInterrupt):
                 raise

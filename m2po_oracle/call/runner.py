@@ -168,13 +168,18 @@ class Runner(Protocol):
     #: What one example is: "batches", or "steps" for a training step.
     example_unit: str
     options: RunOptions
-    health: CallHealth
+
+    @property
+    def health(self) -> CallHealth: ...  # read only: an attribute or a property
+
     output: CapturedOutput
     #: Whether one example costs a model or a world (a minimal example then serves every
     #: check it fails instead of a new search per check).
     costly_examples: bool
     #: Step-level deviations the runner's outcomes name (``explained_by``), with descriptions.
-    variant_descriptions: dict[str, str]
+    @property
+    def variant_descriptions(self) -> dict[str, str]: ...  # read only: a class or an instance attribute
+
     variant_source: str
 
     def strategy(self) -> SearchStrategy[Any]:

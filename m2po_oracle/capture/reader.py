@@ -213,6 +213,7 @@ def inspect_capture(directory: str | os.PathLike[str]) -> tuple[list[tuple[str, 
         return [(str(root), "capture directory does not exist or is not a directory")], None
     manifests: dict[int, dict[str, Any]] = {}
     paths: dict[int, Path] = {}
+    path: Path | None  # each manifest's path here, then each record's file (None: a name refused)
     for path in sorted(root.iterdir()):
         match = MANIFEST_FILE.fullmatch(path.name)
         if match is None:
@@ -273,8 +274,8 @@ def inspect_capture(directory: str | os.PathLike[str]) -> tuple[list[tuple[str, 
             try:
                 info = RecordInfo(
                     rank=rank, step=step, micro_batch=micro_batch, path=path, grad_path=grad_path,
-                    loss=float(decode_number(entry["loss"])), tau=float(decode_number(entry["tau"])),  # type: ignore[arg-type]
-                    metrics={key: decode_number(value) for key, value in dict(entry.get("metrics") or {}).items()},  # type: ignore[misc]
+                    loss=float(decode_number(entry["loss"])), tau=float(decode_number(entry["tau"])),
+                    metrics={key: decode_number(value) for key, value in dict(entry.get("metrics") or {}).items()},
                     tensors=dict(described), device=entry.get("device"),
                     crc32=_checksum(entry.get("crc32")), grad_crc32=_checksum(grad.get("crc32")) if isinstance(grad, Mapping) else None,
                 )

@@ -41,9 +41,9 @@ import weakref
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime  # type: ignore[attr-defined]  # UTC is 3.11+: this import fails under 3.10 (reported, not fixed)
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex, TypeVar, cast
 
 import safetensors
 import torch
@@ -63,6 +63,7 @@ OPTIONAL_TENSOR_NAMES: tuple[str, ...] = ("selection_logp", "rollout_logp")
 _FLOAT_TENSORS = ("logp", "behavior_logp", "advantages", "selection_logp", "rollout_logp")
 _BOOL_TENSORS = ("mask", "keep")
 GRAD = "grad"
+_T = TypeVar("_T")
 
 MANIFEST_FILE = re.compile(r"manifest\.rank-([0-9]+)\.json")
 _AXES = ("dp", "cp", "tp")
@@ -86,7 +87,7 @@ def _integer(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     try:
-        number = operator.index(value)
+        number = operator.index(cast(SupportsIndex, value))
     except TypeError:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
     if number < minimum:
@@ -108,7 +109,7 @@ def _scalar(name: str, value: object) -> float | int:
         # A NumPy scalar is accepted through __index__ / __float__, without importing NumPy.
         for convert in (operator.index, float):
             try:
-                return convert(value)  # type: ignore[operator]
+                return convert(cast(Any, value))
             except (TypeError, ValueError):
                 pass
     raise ValueError(f"{name} must be a number (int, float or a one-element tensor), got {value!r}")
@@ -143,21 +144,21 @@ def _parse_topology(topology: object, world_size: int) -> str:
     return f"dp={dp},cp={cp},tp={tp}"
 
 
-def _check_tensors(tensors: dict[str, object]) -> None:
+def _check_tensors(tensors: Mapping[str, torch.Tensor]) -> None:
     for name, value in tensors.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     for name in _FLOAT_TENSORS:
-        if name in tensors and not tensors[name].is_floating_point():  # type: ignore[attr-defined]
-            raise ValueError(f"{name} must be a floating-point tensor, got dtype {tensors[name].dtype}")  # type: ignore[attr-defined]
+        if name in tensors and not tensors[name].is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {tensors[name].dtype}")
     for name in _BOOL_TENSORS:
-        if tensors[name].dtype != torch.bool:  # type: ignore[attr-defined]
-            raise ValueError(f"{name} must be a bool tensor, got dtype {tensors[name].dtype}")  # type: ignore[attr-defined]
-    shape = tensors["logp"].shape  # type: ignore[attr-defined]
-    wrong = [name for name in list(tensors)[1:] if tensors[name].shape != shape]  # type: ignore[attr-defined]
+        if tensors[name].dtype != torch.bool:
+            raise ValueError(f"{name} must be a bool tensor, got dtype {tensors[name].dtype}")
+    shape = tensors["logp"].shape
+    wrong = [name for name in list(tensors)[1:] if tensors[name].shape != shape]
     if wrong:
         # Advantages per sequence must be broadcast by the caller: the audit compares token by token.
-        shapes = ", ".join(f"{name} {list(value.shape)}" for name, value in tensors.items())  # type: ignore[attr-defined]
+        shapes = ", ".join(f"{name} {list(value.shape)}" for name, value in tensors.items())
         raise ValueError(f"{', '.join(wrong)} must have the shape of logp {list(shape)}; got {shapes}")
 
 
@@ -184,7 +185,7 @@ def _encode(value: float) -> float | str:
     return value
 
 
-def decode_number(value: object) -> object:
+def decode_number(value: _T) -> _T | float:
     if isinstance(value, str) and value in _NON_FINITE:
         return _NON_FINITE[value]
     return value
@@ -458,7 +459,7 @@ class Recorder:
         scalars = {"loss": _encode(float(_scalar("loss", loss))), "tau": _tau(tau)}
         metric_values = {key: _encode(value) for key, value in _metrics(metrics).items()}
 
-        copies = _cpu_copies(tensors)  # type: ignore[arg-type]
+        copies = _cpu_copies(tensors)
         name = record_name(step, micro_batch, self.rank)
         path = self.directory / name
         path.parent.mkdir(exist_ok=True)

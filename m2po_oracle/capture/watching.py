@@ -59,7 +59,7 @@ _RETURN = re.compile(r"return((?:\[(?:-?[0-9]+|'[^']*'|\"[^\"]*\")\])*)")
 _INDEX = re.compile(r"\[(-?[0-9]+|'[^']*'|\"[^\"]*\")\]")
 _SPEC_FORMS = ("an argument name of the function, 'return', 'return[i]' or \"return['key']\", "
                "a callable (args, kwargs, result) -> value, or None")
-_MISSING = object()
+_MISSING: Any = object()  # a sentinel read in place of any value: Any, so that `is not _MISSING` leaves the value's type
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,8 +128,8 @@ def _reader(function: str, ours: str, spec: object, parameters: Mapping[str, ins
     raise ValueError(f"{where} must be {_SPEC_FORMS}{' or a number' if ours == 'tau' else ''}, got {spec!r}")
 
 
-def _default_readers(function: str, parameters: Mapping[str, inspect.Parameter] | None) -> dict[str, _Reader]:
-    readers = {}
+def _default_readers(function: str, parameters: Mapping[str, inspect.Parameter] | None) -> dict[str, _Reader | None]:
+    readers: dict[str, _Reader | None] = {}
     for ours, names in ALIASES.items():
         found = names if parameters is None else tuple(n for n in names if n in parameters)
         if found:
@@ -406,7 +406,7 @@ def _wrap(target: object, attribute: str, session: _Session, specs: Mapping[str,
         reader = _reader(function, ours, spec, parameters)
         if reader is None:
             readers.pop(ours, None)
-            readers[ours] = None  # type: ignore[assignment]
+            readers[ours] = None
         else:
             readers[ours] = reader
     every = session.recorder.every
@@ -421,6 +421,7 @@ def _wrap(target: object, attribute: str, session: _Session, specs: Mapping[str,
         try:
             result = original(*args, **kwargs)
             readings = _read(function, readers, signature, args, kwargs, result)
+            assert session.active is not None  # set above by the outer call, reset only in its finally
             if outer:
                 # The outer call's readings first; a nested mask call's fill what it lacks.
                 readings = {**session.active, **readings}
@@ -438,7 +439,7 @@ def _wrap(target: object, attribute: str, session: _Session, specs: Mapping[str,
     wrapper.__name__ = getattr(original, "__name__", attribute)
     wrapper.__qualname__ = getattr(original, "__qualname__", attribute)
     wrapper.__doc__ = getattr(original, "__doc__", None)
-    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]  # mypy: a function takes no new attributes (inspect.unwrap reads it)
     installed: Any = wrapper
     if kind == "staticmethod":
         installed = staticmethod(wrapper)
@@ -569,8 +570,10 @@ def _record(session: _Session, unit: _Unit, values: dict[str, Any], grad: torch.
         _check(unit)
     logp, behavior, ratio = values.get("logp"), values.get("behavior_logp"), values.get("log_ratio")
     if logp is None:
+        assert behavior is not None and ratio is not None  # _check: log_ratio and one log-prob stand for both
         logp = behavior + ratio.to(behavior.dtype)
     elif behavior is None:
+        assert ratio is not None  # _check: as above
         behavior = logp - ratio.to(logp.dtype)
     loss = values.get("loss")
     if loss is None:

@@ -85,6 +85,7 @@ def parse_section(section: Any, path: Path | None = None) -> ProjectConfig:
     if not isinstance(section, dict):
         raise UsageError(f"{where}: expected a table, got {type(section).__name__}")
     values: dict[str, Any] = {}
+    accept: tuple[Accepted, ...]
     impl, accept, strict, reports = None, (), True, {}
     known = [*_OPTIONS, *_OWN_KEYS]
     for raw_key, value in section.items():

@@ -13,7 +13,7 @@ Each runner refuses the options it cannot honour (:class:`~m2po_oracle.call.runn
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from m2po_oracle.adapters import ADAPTERS, adapt
 from m2po_oracle.call.isolation import InProcess, Isolated
@@ -23,8 +23,12 @@ from m2po_oracle.call.resolve import (
     load_attribute,
     load_implementation,
 )
-from m2po_oracle.call.runner import Runner, RunOptions
+from m2po_oracle.call.runner import RunOptions
 from m2po_oracle.errors import LoadError, UsageError
+
+if TYPE_CHECKING:
+    from m2po_oracle.distributed.runner import DistributedRunner
+    from m2po_oracle.trainer.runner import TrainerRunner
 
 #: Production trainers behind the trainer contract, by name (``trainer:NAME[:CONTROL]``): a
 #: factory taking the control's name. Named as strings: the integrations room sits above.
@@ -48,7 +52,7 @@ def is_installed(distribution: str) -> bool:
     return True
 
 
-def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Runner:
+def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> LossFunctionRunner | DistributedRunner | TrainerRunner:
     """The runner for ``spec`` under ``options`` (not started: ``start()`` or use ``with``).
 
     Under torchrun, ``torchrun`` is this process's rank context (rank 0's): the runner

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from m2po_oracle.cli import options
 from m2po_oracle.errors import EXIT_UNUSABLE
@@ -14,7 +15,7 @@ REPLAY_OPTIONS = ("dtype", "compute_dtype", "device", "timeout", "in_process", "
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # usage errors exit 2, as documented
+    def error(self, message: str) -> NoReturn:  # usage errors exit 2, as documented
         self.print_usage(sys.stderr)
         self.exit(EXIT_UNUSABLE, f"{self.prog}: error: {message}\n")
 

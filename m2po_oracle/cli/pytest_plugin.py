@@ -16,12 +16,15 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
 from m2po_oracle.cli import options
 from m2po_oracle.oracle.encoding import write_json
+
+if TYPE_CHECKING:
+    from _pytest._code.code import TerminalRepr  # what Item.repr_failure returns; pytest does not export it
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -77,7 +80,7 @@ def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, report
     for name, tally in report.tallies.items():
         if tally.status == "not run":
             why = ("no call returned a result" if name != "call" and not report.usable else
-                   f"adapter {report.adapter['name']}: {beyond_adapter[name]}" if name in beyond_adapter else "no generated example exercised it")
+                   f"adapter {cast('dict[str, Any]', report.adapter)['name']}: {beyond_adapter[name]}" if name in beyond_adapter else "no generated example exercised it")  # not_run: an adapter's
             items[name] = {"status": "skip", "message": f"not run on {report.examples} {report.example_unit}: {why}"}
             continue
         if not tally.failures:
@@ -148,7 +151,7 @@ class _SharedRun:
         return self._outcomes
 
     def _shared(self) -> dict[str, Any]:
-        run_id = self.config.workerinput.get("testrunuid", "run")  # type: ignore[attr-defined]
+        run_id = self.config.workerinput.get("testrunuid", "run")  # type: ignore[attr-defined]  # pytest-xdist sets it on a worker's config; pytest's Config does not declare it
         accept = [a.to_json() for a in self.project.accept] + [self.project.strict]
         key = hashlib.sha256(json.dumps([self.spec, {k: str(v) for k, v in self.values.items()}, accept], sort_keys=True).encode()).hexdigest()[:16]
         path = Path(tempfile.gettempdir()) / f"m2po-oracle-{run_id}-{key}.json"
@@ -185,7 +188,7 @@ class M2POCheckItem(pytest.Item):
         if item["status"] == "fail":
             raise M2POCheckFailed(item["message"])
 
-    def repr_failure(self, excinfo: Any, style: Any = None) -> str:
+    def repr_failure(self, excinfo: Any, style: Any = None) -> str | TerminalRepr:
         if isinstance(excinfo.value, M2POCheckFailed):
             return str(excinfo.value)
         return super().repr_failure(excinfo)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from m2po_oracle.call.controls import (
     COMPOSITE_CONTROLS,
@@ -77,7 +77,7 @@ def _distributed_targets() -> list[SelftestTarget]:
     from m2po_oracle.distributed.topology import Topology
 
     return [SelftestTarget(f"distributed:{spec}", DESCRIPTIONS[spec.split(":", 1)[1]], spec.split(":", 1)[1],
-                           lambda spec=spec, topology=topology: DistributedRunner(spec, Topology.parse(topology)), shrink=False)
+                           lambda spec=spec, topology=topology: DistributedRunner(spec, Topology.parse(topology)), shrink=False)  # type: ignore[misc]  # mypy cannot type a lambda with defaulted parameters as Callable[[], Runner]
             for spec, topology in CONTROL_TOPOLOGIES.items()]
 
 
@@ -85,12 +85,12 @@ def _trainer_targets() -> list[SelftestTarget]:
     from m2po_oracle.trainer.controls import TRAINER_CONTROLS
     from m2po_oracle.trainer.runner import TrainerRunner
 
-    return [SelftestTarget(f"trainer:{c.name}", c.description, c.variant, lambda c=c: TrainerRunner(c.name), shrink=False) for c in TRAINER_CONTROLS]
+    return [SelftestTarget(f"trainer:{c.name}", c.description, c.variant, lambda c=c: TrainerRunner(c.name), shrink=False) for c in TRAINER_CONTROLS]  # type: ignore[misc]  # mypy cannot type a lambda with defaulted parameters as Callable[[], Runner]
 
 
 def select_controls(names: list[str] | None, *, trainer: bool = False, distributed: bool = False) -> list[SelftestTarget]:
     """The loss-function controls (and with ``trainer`` / ``distributed`` those too), or those named."""
-    targets = [SelftestTarget(c.name, c.bug, " + ".join(c.variants), lambda c=c: in_process_runner(c.fn, f"control:{c.name}", adapter=c.adapter),
+    targets = [SelftestTarget(c.name, c.bug, " + ".join(c.variants), lambda c=c: in_process_runner(c.fn, f"control:{c.name}", adapter=c.adapter),  # type: ignore[misc]  # mypy cannot type a lambda with defaulted parameters as Callable[[], Runner]
                               quick_examples=QUICK_EXAMPLES.get(c.name)) for c in NEGATIVE_CONTROLS + COMPOSITE_CONTROLS]
     if trainer or any(n.startswith("trainer:") for n in names or ()):
         targets += _trainer_targets()
@@ -119,6 +119,16 @@ def _open(control: SelftestTarget) -> Runner:
     return runner
 
 
+class _Settings(TypedDict):
+    """The keyword arguments of :func:`_row`, as :func:`run_selftest` sends them to a worker."""
+
+    examples: int
+    seed: int
+    seeds: int
+    shrink: bool
+    quick: bool
+
+
 def run_selftest(controls: list[SelftestTarget], *, examples: int = 500, seed: int = 0, seeds: int = 1,
                  on_row: Callable[[SelftestRow], None] | None = None, shrink: bool = True, quick: bool = False,
                  jobs: int = 1) -> list[SelftestRow]:
@@ -127,7 +137,7 @@ def run_selftest(controls: list[SelftestTarget], *, examples: int = 500, seed: i
     ``jobs`` > 1 runs the controls in that many fresh processes at once (rows still in the
     controls' order), except where a distributed control is among them: its gloo worlds
     run one at a time."""
-    settings = {"examples": examples, "seed": seed, "seeds": seeds, "shrink": shrink, "quick": quick}
+    settings: _Settings = {"examples": examples, "seed": seed, "seeds": seeds, "shrink": shrink, "quick": quick}
     if jobs > 1 and len(controls) > 1 and not any(c.name.startswith("distributed:") for c in controls):
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -149,7 +159,7 @@ def run_selftest(controls: list[SelftestTarget], *, examples: int = 500, seed: i
     return rows
 
 
-def _row_of(name: str, settings: dict[str, Any]) -> SelftestRow:
+def _row_of(name: str, settings: _Settings) -> SelftestRow:
     """One control's row, by name (what a worker process is sent)."""
     (control,) = select_controls([name])
     return _row(control, **settings)

@@ -104,6 +104,7 @@ class Evidence:
             self.non_finite_checks.update(n for n in outcome.failed_checks if n in ("loss", "gradient"))
 
     def keep_step(self, outcome: BatteryOutcome) -> None:
+        assert outcome.explained_by is not None  # called for an outcome with step-level variants only
         found = set(outcome.explained_by or ()) & set(outcome.explained_by if outcome.evidenced is None else outcome.evidenced)
         for check in outcome.failed_checks:
             self.step_by_check[check] = found if check not in self.step_by_check else self.step_by_check[check] & found
@@ -125,6 +126,7 @@ def _finite_on_valid(batch: Batch, result: M2POResult) -> bool:
     from m2po_oracle import oracle
 
     expected = oracle.evaluate_with_mask(batch, result.keep)
+    assert expected.grad is not None  # the oracle's result always has its gradient
     if not np.isfinite(result.loss) and np.isfinite(expected.loss):
         return False
     return grad_finite or not bool(np.all(np.isfinite(expected.grad[batch.valid])))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import platform
 import subprocess
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -57,6 +57,7 @@ def counterexample_json(check: str, batch: Batch, actual: M2POResult | None, mis
     implementation's.
     """
     algorithm = oracle.m2po(batch)
+    assert algorithm.grad is not None  # the oracle's result always has its gradient
     on_actual_mask = oracle.evaluate_with_mask(batch, actual.keep) if actual is not None else None
     d = oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid)
     m2 = oracle.second_moment(d)
@@ -74,7 +75,7 @@ def counterexample_json(check: str, batch: Batch, actual: M2POResult | None, mis
             "trust_region": bool(trust[index]),
             "expected_keep": bool(algorithm.keep[index]),
             "actual_keep": bool(actual.keep[index]) if actual is not None else None,
-            "expected_grad": number(on_actual_mask.grad[index]) if on_actual_mask is not None else number(algorithm.grad[index]),
+            "expected_grad": number(cast(np.ndarray, on_actual_mask.grad)[index]) if on_actual_mask is not None else number(algorithm.grad[index]),  # the oracle's grad is set
             "actual_grad": number(actual.grad[index]) if actual is not None and actual.grad is not None else None,
         })
     bounds = selection_bounds(batch, compute_dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from m2po_oracle.call.runner import Runner, RunOptions
 from m2po_oracle.compare.explore import Exploration, explore_and_judge
@@ -63,7 +63,7 @@ def run_compare(target: Runner | Implementation, impl: str | None = None, *, shr
         if option_values:
             runner.options = runner.options.but(**option_values)
     else:
-        runner = in_process_runner(target, impl or getattr(target, "__name__", "implementation"), **option_values)
+        runner = in_process_runner(target, cast(str, impl or getattr(target, "__name__", "implementation")), **option_values)  # impl, or the callable's name
     options = runner.options
     started = time.perf_counter() if started is None else started
     selected = exploration.checks or tuple(runner.checks)

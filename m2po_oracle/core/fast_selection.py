@@ -14,8 +14,12 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 DIGIT_BITS = 16
 BUCKETS = 1 << DIGIT_BITS
@@ -23,6 +27,13 @@ BUCKETS = 1 << DIGIT_BITS
 SMALL = 4096
 #: Where a float64's top 16 bits sit among its four int16 words (3 on little-endian).
 _TOP_DIGIT = 3 if sys.byteorder == "little" else None
+
+
+class _Float64(TypedDict):
+    """The keyword arguments of a float64 tensor on one device (``torch.zeros(n, **f64)``)."""
+
+    dtype: torch.dtype
+    device: torch.device | str
 
 
 def kept_candidates(m2: torch.Tensor, tau: float, *, small: int = SMALL) -> torch.Tensor:
@@ -87,7 +98,7 @@ def _below(keys: torch.Tensor, prefix: int, fixed_bits: int) -> torch.Tensor:
 GROUP_DIGIT_BITS = 12
 
 
-def kept_candidates_across(m2: torch.Tensor, tau: float, group: object, candidates: torch.Tensor | None = None) -> torch.Tensor:
+def kept_candidates_across(m2: torch.Tensor, tau: float, group: ProcessGroup | None, candidates: torch.Tensor | None = None) -> torch.Tensor:
     """Algorithm 1's kept set over the candidates of every rank of ``group``, without
     moving any candidate and without reading any value on the host: per 12-bit digit,
     counts and sums per bucket are all-reduced (six rounds whatever the data, bytes
@@ -184,7 +195,7 @@ class Descent:
         found elsewhere (the fused CPU pass): the crossing bucket (BUCKETS: nothing
         crosses), the sum and count of the values below it (all of them when nothing
         crosses) and the count in bucket min(crossing, BUCKETS - 1)."""
-        f64 = {"dtype": torch.float64, "device": device}
+        f64: _Float64 = {"dtype": torch.float64, "device": device}
         crosses = crossing < BUCKETS
         return cls(torch.tensor(crossing if crosses else 0, dtype=torch.int64, device=device), torch.tensor(kept_sum, **f64),
                    torch.tensor(kept_count, **f64), torch.full((), _INT64_MAX, dtype=torch.int64, device=device),
@@ -236,7 +247,7 @@ def cut_without_sync(m2: torch.Tensor, tau: float, *, first_level: int = 0, desc
     device = m2.device
     n = m2.numel()
     keys = m2.view(torch.int64)  # monotone in the value for non-negative floats
-    f64 = {"dtype": torch.float64, "device": device}
+    f64: _Float64 = {"dtype": torch.float64, "device": device}
     ones = torch.ones((), **f64).expand(n)
     bucket = torch.empty(n, dtype=torch.int64, device=device)
     state = Descent.start(device) if descent is None else descent

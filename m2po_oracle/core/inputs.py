@@ -81,7 +81,7 @@ def validate_micro_batches(micro_batches: Any, tau: Any, *, finite: bool = True)
     for i, parts in enumerate(micro_batches):
         if len(parts) != 4:
             raise ValueError(f"micro_batches[{i}]: expected (logp, behavior_logp, advantages, mask), got {len(parts)} items")
-        (validate_inputs if finite else validate_structure)(*parts, tau)
+        (validate_inputs if finite else validate_structure)(*parts, tau)  # type: ignore[call-arg]  # mypy: an unpacked iterable of unknown length may fill every parameter (it holds four here)
     devices = {parts[3].device for parts in micro_batches}
     if len(devices) > 1:
         raise ValueError(f"micro_batches: expected every micro-batch on one device, got {sorted(map(str, devices))}")

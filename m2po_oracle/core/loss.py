@@ -57,7 +57,7 @@ def select_tokens(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
         return replace(flat, keep=flat.keep.reshape(mask.shape))
     validate_structure(logp, behavior_logp, advantages, mask, tau)
     with torch.no_grad():
-        flat = select_local(*(x.detach().reshape(-1) for x in (logp, behavior_logp, advantages, mask)), float(tau),
+        flat = select_local(*(x.detach().reshape(-1) for x in (logp, behavior_logp, advantages, mask)), float(tau),  # type: ignore[call-arg, arg-type]  # mypy: an unpacked iterable of unknown length may fill every parameter (it holds four here)
                              lambda: validate_finite(logp, behavior_logp, advantages, mask))
     return replace(flat, keep=flat.keep.reshape(mask.shape))
 
@@ -88,7 +88,7 @@ def select_micro_batches(micro_batches: Sequence[Sequence[torch.Tensor]], *, tau
         # One selection over the concatenation (torch.cat promotes mixed dtypes exactly).
         flats = [torch.cat([parts[i].detach().reshape(-1) for parts in micro_batches]) for i in range(4)]
         with torch.no_grad():
-            whole = select_local(*flats, float(tau), lambda: validate_micro_batches(micro_batches, tau))
+            whole = select_local(*flats, float(tau), lambda: validate_micro_batches(micro_batches, tau))  # type: ignore[call-arg, arg-type]  # mypy: an unpacked iterable of unknown length may fill every parameter (it holds four here)
     else:
         check_group(group)  # local: a broken group cannot carry an agreement
         validate_across(lambda: validate_micro_batches(micro_batches, tau), tau, _first_logp(micro_batches), group)

@@ -235,6 +235,7 @@ def _undecided(first: _FirstLevel, mask: torch.Tensor, *, size: int, crossing: t
     without), or every candidate where it is None. Candidates below the crossing bucket are
     kept and those above it removed; a token outside the trust region is kept where valid."""
     if fuse:
+        assert not isinstance(crossing, torch.Tensor)  # the fused passes' crossing is a host int (see above)
         keep = torch.empty_like(mask)
         return keep, fused.finish(first.bucket, first.trust, mask, crossing=crossing, size=size, keep=keep)
     trust = first.trust

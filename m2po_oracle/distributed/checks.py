@@ -78,6 +78,7 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
         raise RankFailure(f"rank {ctx.rank} (rows {rows.start}..{rows.stop - 1}): {type(error).__name__}: {error}") from error
     value: dict[str, Any] = {"rows": (rows.start, rows.stop), "result": result}
     if recorder is not None:
+        assert capture is not None  # a recorder is made from a capture only
         try:
             _record_shard(recorder, capture["step"], ParallelState.of_rank(ctx), tensors, result, batch.tau)
         except Exception as error:
@@ -235,6 +236,7 @@ def check_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome], dt
         step.mismatches.append(Mismatch("distributed.global_selection", f"[{m.check}] {m.summary}", m.field, m.index, m.actual, m.expected, m.details))
 
     expected = oracle.evaluate_with_mask(batch, keep)
+    assert expected.grad is not None  # the oracle's result always has its gradient
     scale = float(np.abs(expected.grad).sum())
     mismatch = compare_values("distributed.loss_sum", "loss", loss, expected.loss, tolerance(dtype, "loss"), scale=scale)
     if mismatch:

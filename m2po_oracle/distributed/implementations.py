@@ -113,7 +113,7 @@ def micro_batched_core(logp, behavior_logp, advantages, mask, *, tau: float, par
     (pure data-parallel worlds: the loss is not CP-sharded)."""
     rows = [tuple(_row(x, i) for x in (logp, behavior_logp, advantages, mask)) for i in range(len(mask))]
     selections = select_micro_batches(rows, tau=tau, group=parallel.dp_group)
-    loss = sum(loss_from_selection(*part[:3], s.keep, s.valid_count) for part, s in zip(rows, selections))
+    loss = sum(loss_from_selection(*part[:3], s.keep, s.valid_count) for part, s in zip(rows, selections))  # type: ignore[call-arg, misc]  # mypy: an unpacked tuple of unknown length may fill every parameter (it holds three here)
     return {"loss": loss, "keep": torch.cat([s.keep for s in selections])}
 
 

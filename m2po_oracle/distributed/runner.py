@@ -7,7 +7,7 @@ invalid input must make every rank refuse the step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from hypothesis import strategies as st
 
@@ -26,6 +26,9 @@ from m2po_oracle.judge.equivalence import Mismatch
 from m2po_oracle.judge.validation import ProbeResult
 from m2po_oracle.oracle.batch import Batch
 
+if TYPE_CHECKING:
+    from m2po_oracle.adapters.families import Adapter
+
 #: The device each backend places its ranks on.
 BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
 DISTRIBUTED_HONOURS = frozenset({"dtype", "compute_dtype", "timeout", "topology", "backend", "device", "capture"})
@@ -36,7 +39,7 @@ def step_mismatches(error: WorldError, world_size: int, timeout_s: float) -> tup
     is shown first with its own exception; ranks only stuck waiting for it are not blamed."""
     raised = [o for o in error.outcomes if o.error]
     if raised:
-        return [Mismatch("call", f"{_where(o)} raised: {_last_line(o.error)}", details=(o.error,)) for o in raised], False
+        return [Mismatch("call", f"{_where(o)} raised: {_last_line(cast(str, o.error))}", details=(cast(str, o.error),)) for o in raised], False  # raised: error is set
     hung = [o for o in error.outcomes if o.stack]
     where = ", ".join(_where(o) for o in hung)
     return [Mismatch("call", f"timeout: {where} did not finish within {timeout_s:g} s ({len(hung)} of {world_size} ranks)",
@@ -77,9 +80,10 @@ class DistributedRunner:
                            "bind": "--bind shapes a distributed adapter's call (--adapter group)",
                            "in_process": "every rank is a process of its own", "show_output": "rank output is not captured"})
         if distributed and topology.cp > 1:
+            assert self.adapter is not None  # distributed: an adapter was found
             raise UsageError(f"adapter {self.adapter.name}: a port taking group= computes its loss over its whole rows, but with cp={topology.cp} "
                              f"a rank's share is its context-parallel shard; use cp=1 ({topology} asked), or the parallel= contract")
-        self._adapter_payload = (self.adapter.name, tuple(self.options.bind)) if distributed else None
+        self._adapter_payload = (cast("Adapter", self.adapter).name, tuple(self.options.bind)) if distributed else None  # distributed: an adapter was found
         if "device" in self.options.given and self.options.device.split(":")[0] != BACKEND_DEVICE[backend]:
             raise UsageError(f"device: the {backend} backend places every rank on {BACKEND_DEVICE[backend]}, got --device {self.options.device!r}")
         self.spec, self.topology = spec, topology
@@ -147,6 +151,7 @@ class DistributedRunner:
             from m2po_oracle.distributed.implementations import load_distributed_implementation
 
             a, bindings = self.adapter, self.options.bind
+            assert a is not None  # an adapter payload is made from an adapter only
             call = load_distributed_implementation(self.spec, self._adapter_payload).bound_call.describe_call()  # loaded (and cached) by open_runner
             described["adapter"] = {"name": a.name, "signature": a.signature, "checked": list(a.checked), "supplies": sorted(a.supplies_with(bindings)),
                                     "builds": dict(a.builds), "not_run": a.not_run(bindings), "bindings": list(bindings), "call": call}

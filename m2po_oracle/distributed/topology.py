@@ -15,6 +15,7 @@ import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import SupportsIndex, cast
 
 import numpy as np
 
@@ -32,7 +33,7 @@ def _integer(name: str, value: object, minimum: int) -> int:
     if isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     try:
-        number = operator.index(value)
+        number = operator.index(cast(SupportsIndex, value))  # a TypeError, caught, for anything else
     except TypeError:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
     if number < minimum:

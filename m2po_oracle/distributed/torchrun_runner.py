@@ -19,6 +19,8 @@ class TorchrunRunner(DistributedRunner):
     The same checks, validation and replay as a :class:`DistributedRunner`; the ranks are
     torchrun's processes instead of a world this tool starts."""
 
+    world: _TorchrunWorld  # always: the world given to DistributedRunner
+
     def __init__(self, context: Any, spec: str, options: RunOptions) -> None:
         self.context = context
         super().__init__(spec, context.topology, backend=context.backend, timeout_s=options.timeout, options=options, world=_TorchrunWorld(context))
@@ -33,6 +35,7 @@ class _TorchrunWorld:
 
     def run(self, handler: Any, payload: Any) -> list[Any]:
         outcomes = serve(self.context, (handler, payload))
+        assert outcomes is not None  # None answers the stop request only
         failed = sorted((o for o in outcomes if o.error), key=lambda o: o.rank)
         if failed:
             from m2po_oracle.distributed.world import WorldError
@@ -76,4 +79,5 @@ def serve(context: Any, request: Any) -> list[Any] | None:
     dist.gather_object((value, collectives, error), gathered, dst=0)
     if context.rank != 0:
         return []
+    assert gathered is not None  # rank 0 gathers
     return [RankOutcome(r, context.topology.coords(r), v, c, error=e) for r, (v, c, e) in enumerate(gathered)]

@@ -153,6 +153,7 @@ def reduce_outcomes(p: CollectiveProbe, outcomes: list[RankOutcome], world: Worl
                               f"{_statuses(outcomes)})")
     dead = [o for o in outcomes if o.error]
     if dead:
+        assert dead[0].error is not None  # dead: the ranks with an error
         return result("crashed", f"ranks {[o.rank for o in dead]} failed outside the implementation: {dead[0].error.strip().splitlines()[-1]}")
     values = [o.value for o in outcomes]
     statuses = {v["status"] for v in values}

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from m2po_oracle.distributed.topology import GROUP_KINDS, RankCoords, Topology
 
@@ -250,7 +250,7 @@ class World:
             limit = min(deadline, first_error_at + 3.0) if first_error_at else deadline
             if now >= limit:
                 break
-            ready = multiprocessing.connection.wait(list(pending.values()), timeout=limit - now)
+            ready = cast("list[multiprocessing.connection.Connection]", multiprocessing.connection.wait(list(pending.values()), timeout=limit - now))  # of the Connections given
             for connection in ready:
                 rank = next(r for r, c in pending.items() if c is connection)
                 try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 CANDIDATE_SETS = ("trust_region", "all_valid", "swapped_quadrants", "zero_advantage_included", "first_token_sign", "column0_sign")
 #: The loss's normaliser. The first four divide the masked sum by one count (N, the kept
@@ -269,7 +270,7 @@ def variant(name: str) -> Variant:
     except ValueError:
         raise ValueError(f"variant: {name!r}: expected numbers in the parentheses") from None
     default = getattr(known.deviation, known.parameter)
-    value: object = values if isinstance(default, tuple) else values[0]
+    value: Any = values if isinstance(default, tuple) else values[0]  # the parameter field's value, whichever its type
     if isinstance(default, tuple) and len(values) != len(default):
         raise ValueError(f"variant: {name!r}: {known.parameter} takes {len(default)} values")
     deviation = replace(known.deviation, **{known.parameter: value})
@@ -292,7 +293,7 @@ def _described(known: Variant, value: object) -> str:
 
 def combine(names: Iterable[str]) -> Deviation | None:
     """The deviation of several variants at once; None where two set one knob differently."""
-    knobs: dict[str, object] = {}
+    knobs: dict[str, Any] = {}  # Deviation field -> its value (each field its own type)
     for name in names:
         dev = variant(name).deviation
         for f in fields(Deviation):

@@ -135,6 +135,7 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         # Without an explanation every failing example is the residual (Algorithm 1 reproduces none).
         share = share_of(judge, dev, name, check) if name is not None else None
         if share is not None and net_supported(share):
+            assert name is not None  # share is None without a name
             by_check[check] = _responsible(judge, explanation.components, name, share["reproduced"])
             shares[check] = {k: v for k, v in share.items() if k not in ("reproduced", "residual")} | {"components": by_check[check]}
             if share["residual"]:
@@ -239,7 +240,7 @@ def _cover(explanations: dict[str, set[str]], order: list[str]) -> tuple[dict[st
         chosen.append(best)
         for check in covers[best] - set(choice):
             choice[check] = best
-    alternatives = [(n,) for n in everyone if n not in chosen and any(covers[n] == {c for c, v in choice.items() if v == m} for m in chosen)]
+    alternatives: list[tuple[str, ...]] = [(n,) for n in everyone if n not in chosen and any(covers[n] == {c for c, v in choice.items() if v == m} for m in chosen)]
     return choice, alternatives
 
 
@@ -267,7 +268,7 @@ def _closest(judge: Judge, names: Sequence[str], exclude: set[str], by_check: di
              f"of the failing examples, at most {CONTRADICTION_BOUND:g} contradicted per reproduced one)", "source": "",
              "agreed": c["explained"], "of": c["of"], "check": check, "first_difference": ""} for check, c in by_check.items()]
     divergent = [i for i in judge.sample if judge.differences(ALGORITHM_1, i)]
-    singles = []
+    singles: list[dict[str, Any]] = []
     for name in names:
         if name in exclude:
             continue
@@ -299,6 +300,7 @@ def summary(status: str, by_check: dict[str, list[str]], unexplained: list[str],
     """One line: "mostly explained: loss, gradient by clamped_log_ratio (281 of 300); metrics.m2_after unexplained"."""
     shares = shares or {}
     groups: dict[tuple[str, ...], list[str]] = {}
+    names: Sequence[str]  # a check's variants, then a group's
     for check, names in by_check.items():
         groups.setdefault(tuple(names), []).append(check)
     parts = []

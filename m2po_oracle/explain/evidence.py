@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -117,6 +117,11 @@ class Judge:
             self._differences[key] = self._compute(dev, i)
         return self._differences[key]
 
+    @overload
+    def score(self, dev: Deviation, at_least: None = None) -> int: ...
+    @overload
+    def score(self, dev: Deviation, at_least: int | None = None) -> int | None: ...
+
     def score(self, dev: Deviation, at_least: int | None = None) -> int | None:
         """(observation, field) pairs of the sample that ``dev`` reproduces; None as soon as it
         is clear that they are fewer than ``at_least`` (most moves of a search fail fast)."""
@@ -126,6 +131,11 @@ class Judge:
             if allowed is not None and missing > allowed:
                 return None
         return self.total - missing
+
+    @overload
+    def score_all(self, dev: Deviation, at_least: None = None) -> int: ...
+    @overload
+    def score_all(self, dev: Deviation, at_least: int | None = None) -> int | None: ...
 
     def score_all(self, dev: Deviation, at_least: int | None = None) -> int | None:
         """(observation, field) pairs of every observation that ``dev`` reproduces (None: fewer than ``at_least``)."""

@@ -35,6 +35,7 @@ def fit_direct(judge: Judge, names: frozenset[str], fitted: frozenset[str]) -> f
         fitter = DIRECT_FITTERS.get(known.parameter or "")
         if fitter is None:
             continue
+        assert known.parameter is not None  # DIRECT_FITTERS is keyed by parameter names
         rest = merge(names - {name})
         if rest is None:
             continue
@@ -54,8 +55,9 @@ def refit_on_grids(judge: Judge, names: frozenset[str]) -> frozenset[str]:
         grid = PARAMETER_GRIDS.get(known.parameter or "")
         if grid is None:
             continue
+        assert known.parameter is not None  # PARAMETER_GRIDS is keyed by parameter names
         rest = names - {name}
-        scored = []
+        scored: list[tuple[int, int, frozenset[str]]] = []
         for value in grid:
             trial = rest | {fitted_name(known.base, value) if value != getattr(variant(known.base).deviation, known.parameter) else known.base}
             dev = merge(trial)
@@ -98,24 +100,24 @@ def _fit_floors(judge: Judge, dev: Deviation) -> tuple[float, float] | None:
         with np.errstate(over="ignore", invalid="ignore"):
             r = np.exp(np.where(batch.valid, d, 0.0))
         a = np.where(batch.valid, batch.advantages, 0.0)
-        for side, beyond, gap in (("high", (a > 0) & (r > outcome.high), r - 1.0), ("low", (a < 0) & (r < outcome.low), 1.0 - r)):
+        for side_name, beyond, gap in (("high", (a > 0) & (r > outcome.high), r - 1.0), ("low", (a < 0) & (r < outcome.low), 1.0 - r)):
             beyond &= batch.valid
             kept, clipped = gap[beyond & actual.keep], gap[beyond & ~actual.keep]
             if kept.size:
-                bounds[side][0] = max(bounds[side][0], float(kept.max()))
+                bounds[side_name][0] = max(bounds[side_name][0], float(kept.max()))
             if clipped.size:
-                bounds[side][1] = min(bounds[side][1], float(clipped.min()))
+                bounds[side_name][1] = min(bounds[side_name][1], float(clipped.min()))
             evidence |= bool(kept.size or clipped.size)
     if not evidence:
         return None
-    low = _simplest_in(*bounds["low"], default=dev.clip_floors[0])
-    high = _simplest_in(*bounds["high"], default=dev.clip_floors[1])
+    low = _simplest_in(*bounds["low"], default=dev.clip_floors[0])  # type: ignore[misc]  # mypy: an unpacked list of unknown length may fill every parameter (it holds two here)
+    high = _simplest_in(*bounds["high"], default=dev.clip_floors[1])  # type: ignore[misc]  # mypy: an unpacked list of unknown length may fill every parameter (it holds two here)
     if low is None or high is None:
         return None
     # The selection bounds each floor to an interval; a clipped token's loss VALUE sits on the
     # floor itself, so the round value within the interval that reproduces the most decides.
     for side in (0, 1):
-        candidates = _round_values_in(*bounds[("low", "high")[side]], default=dev.clip_floors[side])
+        candidates = _round_values_in(*bounds[("low", "high")[side]], default=dev.clip_floors[side])  # type: ignore[misc, arg-type]  # mypy: an unpacked list of unknown length may fill every parameter (it holds two here)
         if len(candidates) > 1:
             pair = lambda v: (v, high) if side == 0 else (low, v)  # noqa: E731, B023 - called within this iteration
             scored = [(judge.score(replace(dev, clip_floors=pair(v))), -k, v) for k, v in enumerate(candidates)]

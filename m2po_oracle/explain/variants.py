@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from m2po_oracle import oracle
 from m2po_oracle.explain.deviations import Deviation
+from m2po_oracle.oracle.algorithm import Metrics
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import M2POResult
 
@@ -262,7 +264,7 @@ def evaluate_with_mask(batch: Batch, keep: np.ndarray, dev: Deviation) -> M2PORe
     return M2POResult(loss=loss, keep=keep, grad=grad, **_metrics(batch, selection_log_ratio(d, dev), keep, dev, clip))
 
 
-def _metrics(batch: Batch, d: np.ndarray, keep: np.ndarray, dev: Deviation, clip: ClipOutcome | None) -> dict[str, float | int]:
+def _metrics(batch: Batch, d: np.ndarray, keep: np.ndarray, dev: Deviation, clip: ClipOutcome | None) -> Metrics:
     valid = batch.valid
     a = np.where(valid, batch.advantages, 0.0)
     m2 = oracle.second_moment(d)
@@ -274,7 +276,7 @@ def _metrics(batch: Batch, d: np.ndarray, keep: np.ndarray, dev: Deviation, clip
         metrics["m2_before"] = math.fsum(v) / v.size if v.size else 0.0
         metrics["m2_after"] = (math.fsum(np.minimum(v, clip.cap_squared) if clip.cap_squared is not None else v) / v.size) if v.size else 0.0
     if dev.metrics_dtype == "float32":
-        metrics = {k: (float(np.float32(v)) if isinstance(v, float) else v) for k, v in metrics.items()}
+        metrics = cast(Metrics, {k: (float(np.float32(v)) if isinstance(v, float) else v) for k, v in metrics.items()})  # the same keys, each its type
     return metrics
 
 

@@ -20,12 +20,12 @@ class GradScale(torch.autograd.Function):
     the model and the recorded log-probs, so a capture holds d loss / d logp without it."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:
         ctx.factor = factor
         return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.factor, None
 
 

@@ -154,9 +154,11 @@ def _rlhf(argv: list[str], save_inputs: str | None) -> Any:
         return rlhf_main(argv)
     from swift.pipelines.train.rlhf import SwiftRLHF
 
+    directory = save_inputs  # narrowed to str here, where the nested method cannot see the check
+
     class SavingInputs(SwiftRLHF):
         def train(self, trainer: Any) -> Any:
-            _save_inputs(trainer, save_inputs)
+            _save_inputs(trainer, directory)
             return super().train(trainer)
 
     return SavingInputs(argv).main()

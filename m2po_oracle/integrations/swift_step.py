@@ -327,7 +327,7 @@ class SwiftStep:
         with torch.no_grad():
             for name, p in policy.named_parameters():
                 p.copy_(trained[name].detach().to(p.device, p.dtype))
-        logged = next((entry for entry in trainer.state.log_history if "m2po/masked_fraction" in entry), {})
+        logged: dict[str, Any] = next((entry for entry in trainer.state.log_history if "m2po/masked_fraction" in entry), {})
         return step_record(records, rollout, logged=logged, grads=grads, policy=policy, params_before=params_before,
                            split=(rows // k,) * k, tau=self.config.tau)
 

@@ -30,7 +30,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from trl import GRPOTrainer
@@ -49,6 +49,9 @@ from m2po_oracle.integrations.hf_window import (
     token_advantages,
 )
 from m2po_oracle.trainer.grpo import M2POKLWarning
+
+if TYPE_CHECKING:
+    from trl import GRPOConfig
 
 #: The metrics M2POGRPOTrainer adds to TRL's logs, once per optimizer batch.
 
@@ -116,6 +119,8 @@ class M2POGRPOTrainer(GRPOTrainer):
     recorded with ``m2po_oracle.capture.Recorder`` (one per rank) for ``m2po-oracle audit``.
     ``faults``: planted bugs for the negative controls (never in production).
     """
+
+    args: GRPOConfig  # TRL's Trainer declares TrainingArguments; a GRPOTrainer's are its GRPOConfig
 
     def __init__(self, *args: Any, m2po_tau: float = 0.04, capture: str | Path | None = None, capture_every: int = 1,
                  faults: TRLFaults | None = None, **kwargs: Any) -> None:
@@ -230,9 +235,11 @@ class M2POGRPOTrainer(GRPOTrainer):
                            per_rank=self.m2po_faults.per_rank_selection)
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        assert self.model is not None  # a GRPOTrainer is made with its model
         if not self.model.training:
             raise ValueError("eval_strategy: M2POGRPOTrainer does not evaluate (M2PO's selection is defined on a training optimizer batch "
                              "and TRL's eval batches are neither buffered nor accumulated); set eval_strategy='no'")
+        assert self.args.steps_per_generation is not None  # GRPOConfig.__post_init__ sets it
         position = self._step % self.args.steps_per_generation
         if self._buffered_inputs is None or self._buffered_inputs[position] is not inputs:
             raise RuntimeError("M2POGRPOTrainer: the micro-batch is not the buffered one TRL's _prepare_inputs hands over; this TRL version "
@@ -261,5 +268,6 @@ class M2POGRPOTrainer(GRPOTrainer):
         if self.m2po_faults.optimizer_step_per_micro_batch and self._step % self.current_gradient_accumulation_steps:
             # The planted bug: a step inside the window (the Trainer still steps at its end). The
             # accelerate wrapper skips steps while it accumulates, so the bug reaches past it.
+            assert self.optimizer is not None  # created before the first training step
             getattr(self.optimizer, "optimizer", self.optimizer).step()
         return output

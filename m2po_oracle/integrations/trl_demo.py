@@ -87,7 +87,7 @@ def multiple_of_three(completions: list[str], completion_ids: list[list[int]], *
 def grpo_config(setup: DemoSetup, output_dir: str, **overrides: Any) -> Any:
     from trl import GRPOConfig
 
-    options = dict(output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, report_to="none", disable_dropout=True,
+    options: dict[str, Any] = dict(output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, report_to="none", disable_dropout=True,
                    gradient_checkpointing=False, per_device_train_batch_size=setup.per_device_train_batch_size,
                    gradient_accumulation_steps=setup.gradient_accumulation_steps, steps_per_generation=setup.steps_per_generation,
                    num_iterations=setup.num_iterations, num_generations=setup.num_generations, max_completion_length=setup.max_completion_length,
@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=DemoSetup.steps, help="optimizer steps (default %(default)s)")
     parser.add_argument("--tau", type=float, default=DemoSetup.tau, help="M2PO's budget (default %(default)s)")
     parser.add_argument("--seed", type=int, default=DemoSetup.seed)
-    faults = [f.name for f in fields(TRLFaults)]
-    parser.add_argument("--fault", choices=faults, help="plant one of the integration's bugs (a negative control)")
+    fault_names = [f.name for f in fields(TRLFaults)]
+    parser.add_argument("--fault", choices=fault_names, help="plant one of the integration's bugs (a negative control)")
     parser.add_argument("--max-grad-norm", type=float, default=DemoSetup.max_grad_norm, help="gradient clipping (0: off; default %(default)s)")
     parser.add_argument("--save-inputs", metavar="DIR",
                         help="also write each micro-batch's token ids and masks to DIR (safetensors), so that a test can recompute "

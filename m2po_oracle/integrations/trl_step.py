@@ -72,7 +72,7 @@ def _rows_in_order() -> Any:
     import trl.trainer.grpo_trainer as grpo_trainer
 
     shuffle = grpo_trainer.shuffle_sequence_dict
-    grpo_trainer.shuffle_sequence_dict = lambda batch: batch
+    grpo_trainer.shuffle_sequence_dict = lambda seq_dict: seq_dict
     try:
         yield
     finally:
@@ -195,6 +195,6 @@ def trl_trainer(control: str | None = None) -> Any:
     def make(policy: Any, config: Any, **options: Any) -> TRLStep:
         return TRLStep(policy, config, faults=faults, **options)
 
-    make.computes_in, make.computes_in_why = TRL_COMPUTE_DTYPE, TRL_COMPUTE_DTYPE_WHY  # type: ignore[attr-defined]
-    make.kl_coefficient = TRL_CONTROLS[control].get("beta", 0.0) if control else 0.0  # type: ignore[attr-defined]
+    make.computes_in, make.computes_in_why = TRL_COMPUTE_DTYPE, TRL_COMPUTE_DTYPE_WHY  # type: ignore[attr-defined]  # mypy: a function takes no new attributes (read back by getattr)
+    make.kl_coefficient = TRL_CONTROLS[control].get("beta", 0.0) if control else 0.0  # type: ignore[attr-defined]  # as above
     return make

@@ -164,7 +164,7 @@ class _InThisProcess:
         return measure(self.fn, batch, dtype=dtype, device=device)
 
 
-def run_battery(fn: Implementation, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> BatteryOutcome:
+def run_battery(fn: Implementation | Caller, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> BatteryOutcome:
     """Run every check on one batch. Never raises because of the implementation.
 
     ``fn`` is an implementation callable (called in this process) or a caller such as

@@ -277,7 +277,7 @@ def _count_mismatch(check: str, summary: str, wrong: np.ndarray, keep: np.ndarra
 
 # --- values ------------------------------------------------------------------------------
 
-def compare_values(check: str, name: str, actual: np.ndarray | float, expected: np.ndarray | float, tol: Tolerance, scale: float = 0.0,
+def compare_values(check: str, name: str, actual: np.ndarray | float | None, expected: np.ndarray | float | None, tol: Tolerance, scale: float = 0.0,
                    allowance: np.ndarray | float = 0.0) -> Mismatch | None:
     """Element-wise closeness with the PyTorch-style report of the worst element.
     ``allowance`` (per element or one value) widens the bound by an error the dtype itself

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -135,7 +135,7 @@ def classify(p: Probe | str, error: BaseException | None, also: tuple[str, ...] 
 
 #: Libraries whose own argument checks raise TypeError/ValueError: such an exception is the
 #: port handing them an invalid value, not the port refusing it.
-_LIBRARY_ROOTS = tuple(str(Path(module.__file__).parent) for module in (torch, np))
+_LIBRARY_ROOTS = tuple(str(Path(cast(str, module.__file__)).parent) for module in (torch, np))  # packages: __file__ is set
 
 
 def accidental_origin(error: BaseException) -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import TypedDict
 
 import numpy as np
 
@@ -162,7 +163,19 @@ def gradient(d: np.ndarray, advantages: np.ndarray, keep: np.ndarray, valid_coun
     return grad
 
 
-def metrics(m2: np.ndarray, trust: np.ndarray, keep: np.ndarray, valid: np.ndarray) -> dict[str, float | int]:
+class Metrics(TypedDict):
+    """What :func:`metrics` returns: M2POResult's metric and count fields, by name."""
+
+    m2_before: float
+    m2_after: float
+    masked_fraction: float
+    trust_region_fraction: float
+    valid_count: int
+    trust_region_count: int
+    kept_trust_region_count: int
+
+
+def metrics(m2: np.ndarray, trust: np.ndarray, keep: np.ndarray, valid: np.ndarray) -> Metrics:
     """The logged metrics. ``masked`` counts every valid token not kept (for Algorithm 1's
     own mask these are all trust-region tokens)."""
     kept_trust = trust & keep

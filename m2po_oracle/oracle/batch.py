@@ -57,7 +57,7 @@ class Batch:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.logp.shape  # type: ignore[return-value]
+        return self.logp.shape
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -59,7 +59,7 @@ def removal_curve(raw: Any) -> dict[str, Any]:
         n = len(means)
     tau = as_float(rc.get("tau"))
     kmin, kmax, kimpl = (as_int(rc.get(key)) for key in ("oracle_kept_min", "oracle_kept_max", "implementation_kept"))
-    info = {
+    info: dict[str, Any] = {
         "empty": n == 0,
         "n": n,
         "tau": fmt(rc.get("tau")) if "tau" in rc else "\u2014",
@@ -151,6 +151,7 @@ def removal_curve(raw: Any) -> dict[str, Any]:
             if y is not None:
                 clipped.append({"x": rounded(x_of(r)), "y": rounded(y), "up": clip == "above", "label": fmt_short(value), "removed": r})
             continue
+        assert value is not None  # y_of gives a y for a number only
         segments[-1].append((x_of(r), y))
         markers.append({"x": rounded(x_of(r)), "y": rounded(y), "within": None if tau is None or math.isnan(tau) else value <= tau,
                         "title": f"removed {r}, kept {k}: mean M2 {fmt(value)}"})

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from m2po_oracle.explain.diagnosis import ALIKE
 from m2po_oracle.judge.coverage import percent
@@ -109,13 +109,14 @@ def view(report: Mapping[str, Any]) -> dict[str, Any]:
     # A diagnosis that was not needed or not run explains nothing, whatever else it carries:
     # no check is "unexplained" and no counterexample has a cause (not even "unexplained").
     shown = diagnosis is not None and not diagnosis["brief"]
-    by_check = diagnosis["by_check"] if shown else {}
-    unexplained = set(diagnosis["unexplained"]) if shown else set()
+    by_check = cast("dict[str, Any]", diagnosis)["by_check"] if shown else {}  # shown: there is a diagnosis
+    unexplained = set(cast("dict[str, Any]", diagnosis)["unexplained"]) if shown else set()  # as above
     if not shown:
         for cx in counterexamples:
             cx["cause"] = {"recorded": False, "name": None, "parts": []}
     not_run_reasons = as_mapping(as_mapping(report.get("adapter")).get("not_run"))
     checks = []
+    failed: int  # a check's verdict in the loop (a bool), then how many checks failed
     for check in raw_checks:
         name = as_text(check.get("name"), "?")
         status = as_text(check.get("status"), "?")
@@ -244,7 +245,7 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
     by_check = {as_text(check): as_names(names) for check, names in as_mapping(d.get("by_check")).items()}
     order = {name: i for i, (name, _) in enumerate(checks)}
     passed = {name for name, state in checks if state != "fail"}
-    matches = {}
+    matches: dict[str, Mapping[str, Any]] = {}
     for m in map(as_mapping, as_list(d.get("matches"))):
         if m.get("variant") is not None:
             matches.setdefault(as_text(m.get("variant")), m)

@@ -3,7 +3,7 @@ each rank's keep mask, with the data-parallel replicas that disagree marked."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 from m2po_oracle.report.values import as_int, as_list, as_mapping, as_text, fmt, last_line
@@ -19,7 +19,7 @@ _MAX_RANKS = 64
 _AXES = ("dp", "cp", "tp")
 
 
-_BIT_CLASS = {1: "k1", 0: "k0"}  # anything else is an unreadable cell, "ku"
+_BIT_CLASS: dict[int | None, str] = {1: "k1", 0: "k0"}  # anything else is an unreadable cell, "ku"
 
 
 def topology_text(raw: Any) -> str:
@@ -32,6 +32,7 @@ def topology_text(raw: Any) -> str:
         text += f" on {fmt(raw.get('backend'))}"
     counts = [as_int(raw.get(axis)) for axis in _AXES]
     if all(c is not None and c >= 1 for c in counts):
+        assert counts[0] is not None and counts[1] is not None and counts[2] is not None  # all() above
         world = counts[0] * counts[1] * counts[2]
         text += f", {world} rank{'' if world == 1 else 's'}"
     return text
@@ -132,15 +133,16 @@ def _rows_text(raw: Any) -> str:
 
 def padding_cells(raw_tokens: Any) -> set[tuple[int, int]]:
     """(row, column) of the padding tokens the token table lists (it may be truncated)."""
-    padded = set()
+    padded: set[tuple[int, int]] = set()
     for t in map(as_mapping, as_list(raw_tokens)):
         index = [as_int(i) for i in as_list(t.get("index"))]
         if t.get("valid") is False and len(index) == 2 and None not in index:
+            assert index[0] is not None and index[1] is not None  # None not in index
             padded.add((index[0], index[1]))
     return padded
 
 
-def ranks_view(raw: Any, number: int, padding: set[tuple[int, int]] = frozenset()) -> dict[str, Any]:
+def ranks_view(raw: Any, number: int, padding: Set[tuple[int, int]] = frozenset()) -> dict[str, Any]:
     """Per-rank results of one counterexample, with DP replica groups that disagree on the mask.
 
     Ranks with the same ``dp`` coordinate hold replicas of the same rows and must keep the

@@ -89,6 +89,7 @@ def kl_term_mismatches(step: TrainerStep) -> list[Mismatch]:
     record, batch, dtype, beta = step.record, step.batch, step.dtype, step.beta
     keep = record.keep.numpy()
     m2po = oracle.evaluate_with_mask(batch, keep)
+    assert m2po.grad is not None  # the oracle's result always has its gradient
     kl, kl_grad = step.kl
     n = int(batch.valid.sum())
     how = (f"expected Algorithm 1's loss on the step's mask + beta * KL, beta={beta}, KL = sum over the {n} valid tokens of "
@@ -122,6 +123,7 @@ def kl_term_mismatches(step: TrainerStep) -> list[Mismatch]:
 
 def _accumulation(step: TrainerStep) -> list[Mismatch]:
     record, single, dtype = step.record, step.single, step.dtype
+    assert single is not None  # check_trainer_step calls this for a split step only
     label = f"split {list(record.split)} vs one micro-batch"
     found = []
     keep, one = record.keep.numpy(), single.keep.numpy()

@@ -11,7 +11,7 @@ class TrainerControl:
 
     name: str
     description: str
-    faults: dict[str, bool]
+    faults: dict[str, bool | str]  # TrainerFaults' fields by name (drop_gradient_of names a parameter)
     caught_by: tuple[str, ...]
     model_dropout: float = 0.0
     diagnosed_as: str = ""  # the trainer variant the diagnosis must name (default: the control's name)

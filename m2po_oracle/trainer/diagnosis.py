@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ def _test_per_micro_batch_denominator(step: TrainerStep) -> tuple[bool, bool]:
     predicted = np.zeros(batch.shape)
     for r in _micro_rows(step.record.split):
         if r.stop > r.start:
-            predicted[r] = oracle.evaluate_with_mask(_sub(batch, r), keep[r]).grad / k
+            predicted[r] = cast(np.ndarray, oracle.evaluate_with_mask(_sub(batch, r), keep[r]).grad) / k  # the oracle's grad is set
     correct = oracle.evaluate_with_mask(batch, keep).grad
     tol = tolerance(step.dtype, "gradient")
     close = lambda a, b: compare_values("diagnosis", "grad", a, b, tol, scale=float(np.abs(b).max(initial=0)) * tol.rtol) is None  # noqa: E731
@@ -59,6 +60,7 @@ def _test_kl_k1_estimator(step: TrainerStep) -> tuple[bool, bool]:
         return False, False
     batch, beta, n = step.batch, step.beta, max(int(step.batch.valid.sum()), 1)
     m2po = oracle.evaluate_with_mask(batch, step.record.keep.numpy())
+    assert m2po.grad is not None  # the oracle's result always has its gradient
     k1 = float(np.where(batch.valid, batch.logp - step.reference_logp, 0.0).sum()) / n
     k1_grad = np.where(batch.valid, 1.0 / n, 0.0)
     tol = tolerance(step.dtype, "gradient")

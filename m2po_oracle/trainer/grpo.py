@@ -137,7 +137,7 @@ def tiny_llama(seed: int, *, dtype: torch.dtype = torch.float32, dropout: float 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return model.to(device=device, dtype=dtype).eval()  # built on the CPU, so the weights do not depend on the device's RNG
+    return model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]  # transformers' to() is a functools.wraps wrapper mypy does not bind; built on the CPU, so the weights do not depend on the device's RNG
 
 
 def make_policy_versions(seed: int, *, steps: int, lr: float, dtype: torch.dtype = torch.float32, dropout: float = 0.0,
@@ -380,8 +380,8 @@ class GRPOTrainer:
         behavior_logp = self._behavior_logp(rollout).to(torch.float64)
         token_advantages = group_advantages(rollout.rewards, rollout.group_size)[:, None].expand_as(behavior_logp).clone()
         bounds = [0]
-        for n in parts:
-            bounds.append(bounds[-1] + n)
+        for count in parts:
+            bounds.append(bounds[-1] + count)
         rows = [slice(a, b) for a, b in itertools.pairwise(bounds)]
         params_before = {n: p.detach().clone() for n, p in policy.named_parameters()}
         # Before policy.train(): recomputing under a behaviour model sets it to eval mode.

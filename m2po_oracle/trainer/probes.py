@@ -38,7 +38,7 @@ TRAINER_PROBES: tuple[TrainerProbe, ...] = (
 PROBE_CASE = TrainerCase(seed=7, prompts=2, group_size=2, prompt_len=2, max_new_tokens=4, lags=(1, 2), staleness_lr=0.02, tau=0.04, split=(4,))
 
 
-def run_trainer_probe(probe: TrainerProbe, *, dtype: str = "float64", faults: dict[str, bool] | None = None, device: str = "cpu",
+def run_trainer_probe(probe: TrainerProbe, *, dtype: str = "float64", faults: dict[str, bool | str] | None = None, device: str = "cpu",
                       make_trainer: TrainerFactory | None = None) -> Any:
     """One step of the trainer under ``probe``'s setup; never raises because of the trainer."""
     import warnings

@@ -78,6 +78,7 @@ class TrainerStep:
         if self.beta == 0:
             return expected
         value, grad = self.kl
+        assert expected.grad is not None  # the oracle's result always has its gradient
         return replace(expected, loss=expected.loss + self.beta * value, grad=expected.grad + self.beta * grad)
 
     @functools.cached_property
@@ -96,6 +97,7 @@ class TrainerStep:
             return result_of_step(self.record)
         value, grad = self.kl
         result = result_of_step(self.record)
+        assert result.grad is not None  # result_of_step sets the record's token gradient
         return replace(result, loss=self.record.loss - self.beta * value, grad=result.grad - self.beta * grad)
 
     @functools.cached_property
@@ -103,6 +105,7 @@ class TrainerStep:
         """Algorithm 1's per-token gradient on the trainer's mask, plus ``beta`` times the KL
         term's, pulled back through the snapshot."""
         token_grad = self.expected_on_mask.grad
+        assert token_grad is not None  # the oracle's, on the record's mask
         return _pullback(copy.deepcopy(self.policy_before), self.rollout, token_grad)
 
     @functools.cached_property
