@@ -303,9 +303,9 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         if self.m2po_faults.optimizer_step_per_micro_batch and self._step % self.current_gradient_accumulation_steps:
             # The planted bug: a step inside the window (the Trainer still steps at its end). The
             # accelerate wrapper skips steps while it accumulates, so the bug reaches past it.
-            optimizer = self.optimizer
-            assert optimizer is not None  # created before the first training step
-            getattr(optimizer, "optimizer", optimizer).step()
+            assert self.optimizer is not None  # created before the first training step
+            inner: Any = getattr(self.optimizer, "optimizer", self.optimizer)  # the optimizer accelerate wraps
+            inner.step()
         return output
 
     def _compute_loss_chunked(self, *args: Any, **kwargs: Any) -> Any:
