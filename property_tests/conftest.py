@@ -9,6 +9,10 @@ import os
 import signal
 
 import pytest
+
+# Loaded once here: pytester's in-process runs restore sys.modules after each run, and numpy's
+# C modules that scipy.stats pulls in (the coverage bound) cannot load twice in one process.
+import scipy.stats  # noqa: F401
 import torch
 from hypothesis import HealthCheck, settings
 

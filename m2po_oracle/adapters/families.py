@@ -172,8 +172,10 @@ def _noting_missing_behavior(call: BoundCall, derived: str, behavior_missing: bo
     except Exception as error:
         receiver = call.receiving(derived)
         if behavior_missing and receiver is not None and call.receiving("behavior_logp") is None:
-            error.add_note(f"the adapter passed {receiver}=None: it builds {derived} from behavior_logp, which this call lacks "  # type: ignore[attr-defined]  # add_note is 3.11+: under 3.10 this raises AttributeError (reported, not fixed)
-                           "(the port cannot tell a missing behavior_logp from a missing argument)")
+            note = (f"the adapter passed {receiver}=None: it builds {derived} from behavior_logp, which this call lacks "
+                    "(the port cannot tell a missing behavior_logp from a missing argument)")
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(note)
         raise
 
 

@@ -41,7 +41,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime  # type: ignore[attr-defined]  # UTC is 3.11+: this import fails under 3.10 (reported, not fixed)
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, SupportsIndex, TypeVar, cast
 
@@ -383,7 +383,7 @@ class Recorder:
             "topology": self.topology,
             "every": self.every,
             "versions": _versions(),
-            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),  # datetime.UTC is 3.11+
         }
         if getattr(self, "_resumed_parameters", None):
             self._manifest["parameter_gradients"] = self._resumed_parameters
