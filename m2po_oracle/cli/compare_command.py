@@ -8,19 +8,9 @@ import json
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from m2po_oracle.cli import options
-from m2po_oracle.cli.console import (
-    metric_sources_text,
-    print_accepted,
-    print_capture,
-    print_diagnosis,
-    print_output,
-    print_validation,
-    print_verdict,
-    say_error,
-)
+from m2po_oracle.cli.console import print_quiet, print_report, say_error
 from m2po_oracle.errors import (
     EXIT_DIVERGENT,
     EXIT_EQUIVALENT,
@@ -126,71 +116,14 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
         Console(stderr=True).print(f"interrupted after {report.examples} {report.example_unit} ({report.duration_s:.1f} s)"
                                    + (f"; partial report: {written}" if written else ""), highlight=False, soft_wrap=True)
         return EXIT_INTERRUPTED
-    if chosen:
-        console.print(f"dtype: {chosen['value']} ({chosen['why']})", highlight=False, markup=False, soft_wrap=True)
-    if report.adapter:
-        a = report.adapter
-        skipped = [check for check in a.get("not_run", {}) if not check.startswith("metrics.")]
-        console.print(f"adapter {a['name']} ({a['signature']}): checks {', '.join(a['checked'])}"
-                      + (f"; not run (the adapter, not the port, decides them): {', '.join(skipped)}" if skipped else "")
-                      + (f"; call: {a['call']}" if a.get("call") else ""), highlight=False, markup=False, soft_wrap=True)
-        if report.metric_sources:
-            console.print(f"metrics read from the port: {metric_sources_text(report.metric_sources)}", highlight=False, markup=False, soft_wrap=True)
-    unit = report.example_unit
-    if report.verdict == "unusable":
-        console.print(f"[bold red]unusable[/]: no call returned a usable result on {report.examples} {unit}; no check other than 'call' ran", soft_wrap=True)
-    if report.stopped_early:
-        console.print(f"stopped early after {report.examples} of {report.examples_requested} {unit}: {report.stopped_early}", highlight=False, soft_wrap=True)
-    from m2po_oracle.judge.coverage import rate_text
-
-    coverage = report.coverage
-    families = ", ".join(f"{name} {count}" for name, count in coverage.families.most_common())
-    features = ", ".join(f"{name} {count}" for name, count in coverage.features.items())
-    table = Table(title=f"{args.impl} vs Algorithm 1 ({report.examples} {unit}, {report.dtype}, seed {report.seed})",
-                  caption=(f"exercised: {unit} that could have failed the check; failure rate: observed, and its one-sided 95% "
-                           f"Clopper-Pearson upper bound\nfamilies: {families or '-'}\nfeatures (of {coverage.judged} judged): {features}"))
-    table.add_column("check")
-    table.add_column("result")
-    table.add_column(f"failing {unit}", justify="right")
-    table.add_column(f"{unit} checked", justify="right")
-    table.add_column("exercised", justify="right")
-    table.add_column("failure rate (95%)", justify="right")
-    table.add_column("explained by")
-    labels = {"fail": "[red]FAIL[/]", "pass": "[green]pass[/]", "not run": "[yellow]not run[/]"}
-    by_check, unexplained = report.diagnosis.get("by_check", {}), set(report.diagnosis.get("unexplained", ()))
-    for name, tally in report.tallies.items():
-        explained = " + ".join(by_check.get(name, ())) or ("[yellow]unexplained[/]" if name in unexplained else "")
-        table.add_row(name, labels[tally.status], str(tally.failures), str(tally.ran), str(tally.exercised),
-                      rate_text(tally.failures, tally.exercised, tally.failure_rate_upper_95), explained)
-    console.print(table)
-    print_diagnosis(console, report.diagnosis)
-    for counterexample in report.counterexamples:
-        from m2po_oracle.judge.equivalence import format_mismatches
-
-        shows = ", ".join(counterexample.checks or (counterexample.check,))
-        cause = f"{counterexample.cause}: " if counterexample.cause else "unexplained: " if counterexample.check in unexplained else ""
-        console.print(format_mismatches(list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {cause}{shows})",
-                                        replay=counterexample.replay), highlight=False, markup=False, soft_wrap=True)
-    print_validation(console, report)
-    print_accepted(console, report)
-    print_output(console, report, every_line=args.verbosity > 0)
-    print_capture(console, report)
-    print_verdict(console, report)
+    print_report(console, record, args.impl, every_line=args.verbosity > 0)
     _write_reports(args, record, console)
     return report.exit_status
 
 
 def _quiet_summary(args: argparse.Namespace, report, record: dict, console: Console) -> int:
     """-q: the verdict, each failing check with its explanation, the accepted deviations."""
-    by_check = report.diagnosis.get("by_check", {})
-    for name in report.failing_checks:
-        explained = " + ".join(by_check.get(name, ())) or "unexplained"
-        console.print(f"FAIL {name}: {report.tallies[name].failures} of {report.examples} ({explained})", highlight=False, markup=False, soft_wrap=True)
-    if report.verdict == "unusable":  # the one thing to read: why no call returned a result
-        why = report.load_error or next((m.summary.splitlines()[-1] for c in report.counterexamples for m in c.mismatches if m.check == "call"), "")
-        console.print(f"  {why}", highlight=False, markup=False, soft_wrap=True)
-    print_accepted(console, report)
-    print_verdict(console, report)
+    print_quiet(console, record)
     _write_reports(args, record, console, quiet=True)
     return report.exit_status
 

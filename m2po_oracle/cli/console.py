@@ -1,6 +1,8 @@
-"""What ``compare`` and ``replay`` print on the console, from the run's report."""
+"""What ``compare`` prints on the console, read from the run's JSON record alone (as the HTML is)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from rich.console import Console
 
@@ -25,37 +27,36 @@ def say_error(message: str) -> None:
     Console(stderr=True).print(f"error: {message}", highlight=False, markup=False, soft_wrap=True)
 
 
-def print_capture(console: Console, report) -> None:
-    if report.capture:
+def print_capture(console: Console, record: dict[str, Any]) -> None:
+    capture = record.get("capture")
+    if capture:
         import shlex
 
-        directory = report.capture["directory"]
-        console.print(f"capture: {directory} ({report.capture['steps']} steps): {shlex.join(['m2po-oracle', 'audit', directory])}",
+        console.print(f"capture: {capture['directory']} ({capture['steps']} steps): {shlex.join(['m2po-oracle', 'audit', capture['directory']])}",
                       highlight=False, markup=False, soft_wrap=True)
 
 
 VERDICT_COLOURS = {"equivalent": "green", "equivalent-with-accepted": "green", "divergent": "red", "accepted-deviation-fixed": "red", "unusable": "red"}
 
 
-def print_verdict(console: Console, report) -> None:
-    console.print(f"verdict: [bold {VERDICT_COLOURS[report.verdict]}]{report.verdict}[/] in {report.duration_s:.1f} s")
+def print_verdict(console: Console, record: dict[str, Any]) -> None:
+    console.print(f"verdict: [bold {VERDICT_COLOURS[record['verdict']]}]{record['verdict']}[/] in {record['duration_s']:.1f} s")
 
 
-def print_accepted(console: Console, report) -> None:
+def print_accepted(console: Console, record: dict[str, Any]) -> None:
     say = lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
-    for accepted in report.accepted:
-        checks = report.accepted_shown[accepted.deviation]
-        why = f" ({accepted.reason})" if accepted.reason else ""
-        link = f" {accepted.link}" if accepted.link else ""
-        if checks:
-            say(f"accepted: {accepted.deviation}{why}{link}: explains {', '.join(checks)}")
+    for accepted in record["accepted"]:
+        why = f" ({accepted['reason']})" if accepted["reason"] else ""
+        link = f" {accepted['link']}" if accepted["link"] else ""
+        if accepted["shown"]:
+            say(f"accepted: {accepted['deviation']}{why}{link}: explains {', '.join(accepted['checks'])}")
         else:
-            fate = "the run fails: remove it from accept" if report.strict_accept else "strict = false: reported only"
-            say(f"accepted deviation {accepted.deviation} no longer shows on these {report.examples} {report.example_unit}: fixed? {fate}")
+            fate = "the run fails: remove it from accept" if record["strict_accept"] else "strict = false: reported only"
+            say(f"accepted deviation {accepted['deviation']} no longer shows on these {record['examples']} {record['example_unit']}: fixed? {fate}")
 
 
-def print_output(console: Console, report, every_line: bool = False) -> None:
-    output = report.output
+def print_output(console: Console, record: dict[str, Any], every_line: bool = False) -> None:
+    output = record["implementation_output"]
     if not output["lines"]:
         return
     console.print(f"the implementation printed {output['lines']} line(s) (captured; --show-output lets them through); the first:", highlight=False, soft_wrap=True)
@@ -63,15 +64,17 @@ def print_output(console: Console, report, every_line: bool = False) -> None:
         console.print(f"  | {line}", highlight=False, markup=False, soft_wrap=True)
 
 
-def print_validation(console: Console, report) -> None:
-    if report.validation_not_run:
-        console.print(f"validation: not run: {report.validation_not_run}", highlight=False, soft_wrap=True)
+def print_validation(console: Console, record: dict[str, Any]) -> None:
+    validation = record["validation"]
+    if validation["not_run"]:
+        console.print(f"validation: not run: {validation['not_run']}", highlight=False, soft_wrap=True)
         return
-    warnings = report.validation_warnings
-    ran = [p for p in report.validation if p.ran]
-    not_run = [p for p in report.validation if not p.ran]
-    warned = [p.probe for p in ran if p.expected == "warned"]
-    skipped = f" ({len(not_run)} not run: {', '.join(p.probe for p in not_run)})" if not_run else ""
+    probes = validation["probes"]
+    ran = [p for p in probes if p["status"] != "not run"]
+    not_run = [p for p in probes if p["status"] == "not run"]
+    warnings = [p for p in ran if p["status"] != p["expected"]]
+    warned = [p["probe"] for p in ran if p["expected"] == "warned"]
+    skipped = f" ({len(not_run)} not run: {', '.join(p['probe'] for p in not_run)})" if not_run else ""
     run = " run" if not_run else ""
     if not ran:  # nothing to claim: no probe's answer can be told
         console.print(f"validation: no invalid-input probe could run{skipped}", highlight=False, soft_wrap=True)
@@ -80,15 +83,17 @@ def print_validation(console: Console, report) -> None:
         console.print(f"validation: all {len(ran) - len(warned)} invalid-input probes{run} were rejected (fails closed){also}{skipped}",
                       highlight=False, soft_wrap=True)
     else:
-        label = "counted as divergence (--strict-validation)" if report.strict_validation else "warnings; the verdict is unchanged (use --strict-validation to count them)"
+        label = ("counted as divergence (--strict-validation)" if validation["strict"] else
+                 "warnings; the verdict is unchanged (use --strict-validation to count them)")
         console.print(f"validation: {len(warnings)} of {len(ran)} probes{run} were not handled as required{skipped}, {label}:", highlight=False, soft_wrap=True)
         for p in warnings:
-            console.print(f"  - {p.probe} ({p.description}): {p.status} (expected: {p.expected}): {p.message}", highlight=False, markup=False, soft_wrap=True)
+            console.print(f"  - {p['probe']} ({p['description']}): {p['status']} (expected: {p['expected']}): {p['message']}", highlight=False, markup=False,
+                          soft_wrap=True)
     for p in not_run:
-        console.print(f"  - {p.probe} ({p.description}): not run: {p.message}", highlight=False, markup=False, soft_wrap=True)
+        console.print(f"  - {p['probe']} ({p['description']}): not run: {p['message']}", highlight=False, markup=False, soft_wrap=True)
 
 
-def print_diagnosis(console: Console, diagnosis: dict) -> None:
+def print_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
     status = diagnosis.get("status")
     if status not in ("matched", "mostly_explained", "partly_explained", "no_known_variant"):
         return
@@ -125,3 +130,83 @@ def print_diagnosis(console: Console, diagnosis: dict) -> None:
                 say(f"  - {c['variant']}: {c['description']}")
             else:
                 say(f"  - {c['variant']} alone reproduces {c['agreed']} of the {c['of']} divergent examples; first difference: {c['first_difference']}")
+
+
+def _say(console: Console) -> Any:
+    return lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
+def _counterexample_text(c: dict[str, Any], unexplained: set[str]) -> str:
+    from m2po_oracle.compare.report import mismatch_from_json
+    from m2po_oracle.judge.equivalence import format_mismatches
+    from m2po_oracle.oracle.batch import Batch
+
+    checks = c.get("checks") or [c["check"]]
+    cause = f"{c['cause']}: " if c.get("cause") else "unexplained: " if c["check"] in unexplained else ""
+    return format_mismatches([mismatch_from_json(m) for m in c["mismatches"]], batch=Batch.from_dict(c["batch"]),
+                             where=f"(minimal batch for {cause}{', '.join(checks)})", replay=c["replay"])
+
+
+def print_report(console: Console, record: dict[str, Any], impl: str, every_line: bool = False) -> None:
+    """The whole console report of a compare run, from its JSON record."""
+    from rich.table import Table
+
+    from m2po_oracle.judge.coverage import rate_text
+
+    say = _say(console)
+    options, unit = record["options"], record["example_unit"]
+    if options.get("dtype_why"):
+        say(f"dtype: {options['dtype']} ({options['dtype_why']})")
+    adapter = record.get("adapter")
+    if adapter:
+        skipped = [check for check in adapter.get("not_run", {}) if not check.startswith("metrics.")]
+        say(f"adapter {adapter['name']} ({adapter['signature']}): checks {', '.join(adapter['checked'])}"
+            + (f"; not run (the adapter, not the port, decides them): {', '.join(skipped)}" if skipped else "")
+            + (f"; call: {adapter['call']}" if adapter.get("call") else ""))
+        if adapter.get("metrics_read"):
+            say(f"metrics read from the port: {metric_sources_text(adapter['metrics_read'])}")
+    if record["verdict"] == "unusable":
+        console.print(f"[bold red]unusable[/]: no call returned a usable result on {record['examples']} {unit}; no check other than 'call' ran",
+                      soft_wrap=True)
+    if record["stopped_early"]:
+        console.print(f"stopped early after {record['examples']} of {options['examples']} {unit}: {record['stopped_early']}", highlight=False, soft_wrap=True)
+    coverage = record["coverage"]
+    families = ", ".join(f"{name} {count}" for name, count in coverage["families"].items())
+    features = ", ".join(f"{name} {count}" for name, count in coverage["features"].items())
+    table = Table(title=f"{impl} vs Algorithm 1 ({record['examples']} {unit}, {options['dtype']}, seed {options['seed']})",
+                  caption=(f"exercised: {unit} that could have failed the check; failure rate: observed, and its one-sided 95% "
+                           f"Clopper-Pearson upper bound\nfamilies: {families or '-'}\nfeatures (of {coverage['judged']} judged): {features}"))
+    for column, justify in (("check", "left"), ("result", "left"), (f"failing {unit}", "right"), (f"{unit} checked", "right"), ("exercised", "right"),
+                            ("failure rate (95%)", "right"), ("explained by", "left")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]  # rich's JustifyMethod is a Literal of these
+    labels = {"fail": "[red]FAIL[/]", "pass": "[green]pass[/]", "not run": "[yellow]not run[/]"}
+    diagnosis = record["diagnosis"]
+    by_check, unexplained = diagnosis.get("by_check", {}), set(diagnosis.get("unexplained", ()))
+    for c in record["checks"]:
+        explained = " + ".join(by_check.get(c["name"], ())) or ("[yellow]unexplained[/]" if c["name"] in unexplained else "")
+        table.add_row(c["name"], labels[c["status"]], str(c["failures"]), str(c["ran"]), str(c["exercised"]),
+                      rate_text(c["failures"], c["exercised"], c["failure_rate_upper_95"]), explained)
+    console.print(table)
+    print_diagnosis(console, diagnosis)
+    for c in record["counterexamples"]:
+        say(_counterexample_text(c, unexplained))
+    print_validation(console, record)
+    print_accepted(console, record)
+    print_output(console, record, every_line=every_line)
+    print_capture(console, record)
+    print_verdict(console, record)
+
+
+def print_quiet(console: Console, record: dict[str, Any]) -> None:
+    """-q: the verdict, each failing check with its explanation, the accepted deviations."""
+    say = _say(console)
+    by_check = record["diagnosis"].get("by_check", {})
+    for c in record["checks"]:
+        if c["status"] == "fail":
+            say(f"FAIL {c['name']}: {c['failures']} of {record['examples']} ({' + '.join(by_check.get(c['name'], ())) or 'unexplained'})")
+    if record["verdict"] == "unusable":  # the one thing to read: why no call returned a result
+        why = record["load_error"] or next((m["summary"].splitlines()[-1] for c in record["counterexamples"] for m in c["mismatches"]
+                                            if m["check"] == "call"), "")
+        say(f"  {why}")
+    print_accepted(console, record)
+    print_verdict(console, record)

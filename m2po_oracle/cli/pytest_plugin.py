@@ -74,7 +74,7 @@ def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, report
         return {"error": f"the implementation could not be loaded: {error}"}
     _write_reports(report, reports or {})
     items: dict[str, Any] = {}
-    by_check = report.diagnosis.get("by_check", {})
+    by_check = report.diagnosis.by_check
     accepted = {a.deviation: a for a in report.accepted}
     beyond_adapter = (report.adapter or {}).get("not_run", {})  # checks on what the adapter, not the port, decides
     for name, tally in report.tallies.items():
@@ -87,7 +87,7 @@ def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, report
             items[name] = {"status": "pass", "message": ""}
             continue
         message = f"failed on {tally.failures} of {report.examples} {report.example_unit}"
-        explained = by_check.get(name, [])
+        explained = by_check.get(name, ())
         if explained and set(explained) <= set(accepted):  # a strict xfail: the project accepts this deviation
             reasons = "; ".join(f"{n}: {accepted[n].reason or 'accepted'}" + (f" ({accepted[n].link})" if accepted[n].link else "") for n in explained)
             items[name] = {"status": "xfail", "message": f"{message}, explained by accepted deviation(s) {reasons}"}

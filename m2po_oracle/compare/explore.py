@@ -21,6 +21,7 @@ from m2po_oracle.compare.shrink import battery_of, counterexamples_of
 from m2po_oracle.explain.deviations import Accepted
 from m2po_oracle.explain.diagnosis import diagnose
 from m2po_oracle.explain.evidence import Observation
+from m2po_oracle.explain.record import Diagnosis, Finding
 from m2po_oracle.judge.battery import DRAWN_PADDING, BatteryOutcome
 from m2po_oracle.judge.checks import BEHAVIOURAL_CHECKS
 from m2po_oracle.oracle.batch import Batch
@@ -109,12 +110,12 @@ class Evidence:
         for check in outcome.failed_checks:
             self.step_by_check[check] = found if check not in self.step_by_check else self.step_by_check[check] & found
 
-    def findings(self) -> list[dict[str, Any]]:
+    def findings(self) -> list[Finding]:
         if not self.non_finite:
             return []
-        return [{"kind": "non_finite_result", "checks": sorted(self.non_finite_checks),
-                 "summary": f"the loss or gradient is NaN or infinite on {self.non_finite} example(s) whose inputs are finite on every valid "
-                            "token: a finding of its own (not a padding leak: padding is probed apart)"}]
+        return [Finding("non_finite_result", tuple(sorted(self.non_finite_checks)),
+                        f"the loss or gradient is NaN or infinite on {self.non_finite} example(s) whose inputs are finite on every valid "
+                        "token: a finding of its own (not a padding leak: padding is probed apart)")]
 
 
 def _finite_on_valid(batch: Batch, result: M2POResult) -> bool:
@@ -216,7 +217,7 @@ def supplied_fields(runner: Runner) -> frozenset[str] | None:
 
 def diagnose_failures(runner: Runner, report: CompareReport, evidence: Evidence, supplied: frozenset[str] | None) -> None:
     if not report.usable:
-        report.diagnosis = {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
+        report.diagnosis = Diagnosis.not_run()
         return
     # A padding failure alone is diagnosed on its probes (what read the padding), which the
     # observations carry; other behavioural failures need no observation.

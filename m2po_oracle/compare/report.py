@@ -18,6 +18,7 @@ import numpy as np
 from m2po_oracle import __version__, oracle
 from m2po_oracle.call.runner import RunOptions
 from m2po_oracle.explain.deviations import Accepted
+from m2po_oracle.explain.record import Diagnosis
 from m2po_oracle.judge.checks import ALL_CHECKS
 from m2po_oracle.judge.coverage import CoverageTally, failure_rate_upper
 from m2po_oracle.judge.equivalence import TOLERANCES, Mismatch, selection_bounds
@@ -34,6 +35,16 @@ MAX_TOKENS = 512
 def mismatch_json(m: Mismatch) -> dict[str, Any]:
     return {"check": m.check, "summary": m.summary, "field": m.field, "index": list(m.index) if m.index is not None else None,
             "actual": number(m.actual), "expected": number(m.expected), "details": list(m.details)}
+
+
+def mismatch_from_json(data: dict[str, Any]) -> Mismatch:
+    """A mismatch as :func:`mismatch_json` wrote it (non-finite values back to floats)."""
+    def value(v: Any) -> Any:
+        return float(v) if v in ("nan", "inf", "-inf") else v
+
+    index = data.get("index")
+    return Mismatch(data["check"], data["summary"], data.get("field", ""), tuple(index) if index is not None else None,
+                    value(data.get("actual")), value(data.get("expected")), tuple(data.get("details", ())))
 
 
 def tolerances_json() -> list[dict[str, Any]]:
@@ -151,7 +162,7 @@ class CompareReport:
     duration_s: float = 0.0
     tau: float | None = None
     device: str = "cpu"
-    diagnosis: dict[str, Any] = field(default_factory=dict)
+    diagnosis: Diagnosis = field(default_factory=Diagnosis.not_run)
     validation: list[ProbeResult] = field(default_factory=list)
     validation_not_run: str | None = None  # why the probes were skipped
     strict_validation: bool = False
@@ -186,7 +197,7 @@ class CompareReport:
     @property
     def accepted_shown(self) -> dict[str, list[str]]:
         """Each accepted deviation -> the failing checks it explains ([]: it did not show)."""
-        by_check = self.diagnosis.get("by_check", {})
+        by_check = self.diagnosis.by_check
         return {a.deviation: [c for c, names in by_check.items() if any(_accepts(a.deviation, n) for n in names)] for a in self.accepted}
 
     @property
@@ -195,10 +206,9 @@ class CompareReport:
 
     def _explained_by_accepted(self, failing: list[str]) -> bool:
         """Every failing check is explained, on every failing example (no residual), by accepted deviations only."""
-        by_check, accepted = self.diagnosis.get("by_check", {}), [a.deviation for a in self.accepted]
-        shares = self.diagnosis.get("shares", {})
+        by_check, accepted, shares = self.diagnosis.by_check, [a.deviation for a in self.accepted], self.diagnosis.shares
         return bool(accepted) and all(by_check.get(c) and all(any(_accepts(a, n) for a in accepted) for n in by_check[c])
-                                      and shares.get(c, {}).get("share", 1.0) == 1.0 for c in failing)
+                                      and (c not in shares or shares[c].share == 1.0) for c in failing)
 
     @property
     def verdict(self) -> str:
@@ -242,7 +252,7 @@ class CompareReport:
                  **({"trainer_case": c.case} if c.case else {})}
                 for c in self.counterexamples
             ],
-            "diagnosis": self.diagnosis,
+            "diagnosis": self.diagnosis.to_json(),
             "accepted": [{**a.to_json(), "shown": bool(self.accepted_shown[a.deviation]), "checks": self.accepted_shown[a.deviation]}
                          for a in self.accepted],
             "strict_accept": self.strict_accept,
@@ -290,5 +300,4 @@ def load_error_report(spec: str, error: str, options: RunOptions) -> CompareRepo
     report = CompareReport(spec, options.dtype, options.effective_compute_dtype, options.seed, 0, {}, tau=options.tau, device=options.device,
                            strict_validation=options.strict_validation, examples_requested=options.examples, load_error=error,
                            validation_not_run="the implementation could not be loaded")
-    report.diagnosis = {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
     return report

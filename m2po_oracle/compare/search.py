@@ -75,7 +75,6 @@ def run_compare(target: Runner | Implementation, impl: str | None = None, *, shr
     except KeyboardInterrupt:
         report.interrupted = True
         report.validation_not_run = report.validation_not_run or "the run was interrupted"
-        report.diagnosis = report.diagnosis or {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
     report.output = runner.output.to_json()
     if options.capture:  # after every step the run took: exploration, shrinking, the counterexamples' replays
         report.capture = runner.describe().get("capture")

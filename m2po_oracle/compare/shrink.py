@@ -29,7 +29,7 @@ def battery_of(runner: Runner, example: Any, checks: tuple[str, ...] | None) -> 
 
 def causes_of(report: CompareReport, value_variants: set[str]) -> list[tuple[str | None, tuple[str, ...], tuple[str, ...]]]:
     """(cause, its deviations to reproduce alone or (), the failing checks it shows), one per distinct cause."""
-    by_check = report.diagnosis.get("by_check", {})
+    by_check = report.diagnosis.by_check
     groups: dict[str, tuple[tuple[str, ...], list[str]]] = {}
     plan: list[tuple[str | None, tuple[str, ...], tuple[str, ...]]] = []
     for name, tally in report.tallies.items():
@@ -50,7 +50,7 @@ def counterexamples_of(runner: Runner, report: CompareReport, strategy: Any, shr
     failing check on its own."""
     from m2po_oracle.explain.deviations import VARIANTS
 
-    value_variants = {v.name for v in VARIANTS if not v.is_behavioural} | {n for names in report.diagnosis.get("by_check", {}).values()
+    value_variants = {v.name for v in VARIANTS if not v.is_behavioural} | {n for names in report.diagnosis.by_check.values()
                                                                           for n in names if "(" in n}  # fitted values of known ones
     found: list[Counterexample] = []
     # A step runner's example costs a model or a world: a minimal input already found for one

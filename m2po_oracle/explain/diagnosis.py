@@ -50,9 +50,11 @@ from m2po_oracle.explain.padding import (
     padding_reader,
     reads_padding,
 )
+from m2po_oracle.explain.record import Diagnosis, Finding, Hint, Lead, Match, Share
 from m2po_oracle.explain.shares import (
     CONTRADICTION_BOUND,
     NAMED_SHARE,
+    Left,
     net_supported,
     residuals_of,
     share_of,
@@ -70,10 +72,10 @@ PRECISION_OPTIONS = {"float32_selection": "--compute-dtype float32", "float32_me
 def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], *, dtype: str, divergent: bool,
              compute_dtype: str | None = None, supplied: frozenset[str] | None = None,
              step_explanations: dict[str, set[str]] | None = None, step_descriptions: dict[str, str] | None = None, step_source: str = "",
-             findings: Sequence[dict[str, Any]] = (), prefer: frozenset[str] = frozenset(),
+             findings: Sequence[Finding] = (), prefer: frozenset[str] = frozenset(),
              beyond_sample: Iterable[Observation] = (), replay: Any = None, call_failure_taus: Sequence[float] = (),
-             leaks_alone: Callable[[Batch], bool | None] | None = None) -> dict[str, Any]:
-    """The diagnosis section of the report (schema in ``report``).
+             leaks_alone: Callable[[Batch], bool | None] | None = None) -> Diagnosis:
+    """The diagnosis of a run (its JSON schema in ``report``).
 
     The search runs on ``observations``; the shares count those and ``beyond_sample`` (the
     examples beyond the search's sample: the failing ones a name must reproduce, the passing
@@ -88,10 +90,8 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
     failed = list(dict.fromkeys(failed_checks))
     # examples_searched: the sample the search and the leads ran on; examples_compared: every
     # observation the shares count (the sample and the failing examples beyond it).
-    empty = {"examples_compared": len(observations), "examples_searched": sample, "components": [], "by_check": {}, "shares": {}, "residuals": [], "unexplained": [],
-             "matches": [], "alternatives": [], "closest": [], "findings": list(findings), "hints": [], "summary": "", "padding_leak": None}
     if not divergent:
-        return {"status": "not_needed", **empty}
+        return Diagnosis("not_needed", examples_compared=len(observations), examples_searched=sample, findings=tuple(findings))
     judge = Judge(observations, dtype=dtype, compute_dtype=compute_dtype, supplied=supplied, sample=sample)
     output_variants = [v.name for v in VARIANTS if v.name != "algorithm_1" and not v.is_behavioural]
     explanation = search(judge, output_variants) if observations else Explanation((), 0, 0)
@@ -106,12 +106,13 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
     dev = merge(explanation.components) or ALGORITHM_1
 
     by_check: dict[str, list[str]] = {}
-    shares: dict[str, dict[str, Any]] = {}
+    shares: dict[str, Share] = {}
+    left: dict[str, Left] = {}  # a named check's residual: what its explanation does not reproduce
     unexplained: list[str] = []
     step_explanations = step_explanations or {}
     step_choice, step_alternatives = _cover(step_explanations, list(step_descriptions or {}))
-    closest_by_check: dict[str, dict[str, Any]] = {}
-    unexplained_sources: dict[str, dict[str, Any]] = {}
+    closest_by_check: dict[str, Share] = {}
+    unexplained_left: dict[str, Left] = {}
     leak: PaddingLeak | None = None
     for check in failed:
         if check in step_choice:
@@ -133,32 +134,28 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
             by_check[check] = behavioural
             continue
         # Without an explanation every failing example is the residual (Algorithm 1 reproduces none).
-        share = share_of(judge, dev, name, check) if name is not None else None
-        if share is not None and net_supported(share):
-            assert name is not None  # share is None without a name
-            by_check[check] = _responsible(judge, explanation.components, name, share["reproduced"])
-            shares[check] = {k: v for k, v in share.items() if k not in ("reproduced", "residual")} | {"components": by_check[check]}
-            if share["residual"]:
-                shares[check]["residual"] = share["residual"]
+        measured = share_of(judge, dev, name, check) if name is not None else None
+        if measured is not None and net_supported(measured):
+            by_check[check] = _responsible(judge, explanation.components, measured.field_name, measured.reproduced)
+            shares[check] = measured.share(tuple(by_check[check]))
+            if measured.residual:
+                left[check] = Left(measured.residual, tuple(by_check[check]))
         else:
             unexplained.append(check)
-            if share is not None and share["explained"]:
-                closest_by_check[check] = {"components": list(explanation.components), "explained": share["explained"], "of": share["of"],
-                                           "share": share["share"], "failing": share["failing"], "contradicted": share["contradicted"]}
-            if share is not None and share["residual"]:  # what its failing examples share, though nothing known explains them
-                unexplained_sources[check] = {"residual": share["residual"], "components": list(explanation.components)}
+            if measured is not None and measured.explained:
+                closest_by_check[check] = measured.share(explanation.components)
+            if measured is not None and measured.residual:  # what its failing examples share, though nothing known explains them
+                unexplained_left[check] = Left(measured.residual, explanation.components)
 
-    residuals = residuals_of(judge, shares, compute_dtype or dtype, replay) + residuals_of(judge, unexplained_sources, compute_dtype or dtype, replay,
-                                                                                       unexplained=True)
-    for check in shares:
-        shares[check].pop("residual", None)
+    residuals = residuals_of(judge, left, compute_dtype or dtype, replay) + residuals_of(judge, unexplained_left, compute_dtype or dtype, replay,
+                                                                                         unexplained=True)
     components = list(dict.fromkeys(n for names in by_check.values() for n in names))
     # An adapter that builds the loss and gradient itself leaves what a deviation does to
     # them unobserved: the evidence says so rather than let its description claim it.
     unseen_loss = supplied is not None and not ({"loss", "grad"} & supplied)
     matches = []
     for name in components:
-        explained = [c for c, names in by_check.items() if name in names]
+        explained = tuple(c for c, names in by_check.items() if name in names)
         known = _known(name)
         if known is not None:
             counted = [shares[c] for c in explained if c in shares]
@@ -171,31 +168,31 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
             unobserved = loss_effects(known.deviation) if unseen_loss and not known.is_behavioural else []
             if unobserved:
                 evidence += f"; not observed: {', '.join(unobserved)} (the adapter builds the loss and gradient)"
-            matches.append({"variant": name, "description": known.description, "source": known.source, "evidence": evidence, "checks": explained,
-                            "unobserved": unobserved})
+            matches.append(Match(name, known.description, known.source, evidence, explained, tuple(unobserved)))
         else:
-            matches.append({"variant": name, "description": (step_descriptions or {}).get(name, ""), "source": step_source,
-                            "evidence": "reproduces every failing step", "checks": explained})
-    partial = any(share["share"] < 1 for share in shares.values())
+            matches.append(Match(name, (step_descriptions or {}).get(name, ""), step_source, "reproduces every failing step", explained))
+    partial = any(share.share < 1 for share in shares.values())
     status = ("no_known_variant" if not by_check else "partly_explained" if unexplained else "mostly_explained" if partial else "matched")
-    return {
-        **empty,
-        "status": status,
-        "components": components,
-        "by_check": by_check,
-        "shares": shares,
-        "residuals": residuals,
-        "unexplained": unexplained,
-        "matches": matches,
-        "alternatives": [list(a) for a in explanation.alternatives + step_alternatives],
-        "alternatives_reason": _why_alike(explanation, unseen_loss),
+    return Diagnosis(
+        status,
+        examples_compared=len(observations),
+        examples_searched=sample,
+        components=tuple(components),
+        by_check={check: tuple(names) for check, names in by_check.items()},
+        shares=shares,
+        residuals=tuple(residuals),
+        unexplained=tuple(unexplained),
+        matches=tuple(matches),
+        alternatives=tuple(tuple(a) for a in explanation.alternatives + step_alternatives),
+        alternatives_reason=_why_alike(explanation, unseen_loss),
         # Leads only where a check is unexplained: beside a full or majority explanation, single
         # variants that each reproduce a few examples only distract from it and its residual.
-        "closest": _closest(judge, output_variants, set(components), closest_by_check) if unexplained else [],
-        "hints": _hints(by_check),
-        "summary": summary(status, by_check, unexplained, shares),
-        "padding_leak": leak.to_json() if leak is not None and "nan_padding_leak" in components else None,
-    }
+        closest=tuple(_closest(judge, output_variants, set(components), closest_by_check)) if unexplained else (),
+        findings=tuple(findings),
+        hints=tuple(_hints(by_check)),
+        summary=summary(status, by_check, unexplained, shares),
+        padding_leak=leak if leak is not None and "nan_padding_leak" in components else None,
+    )
 
 
 #: Why equally small explanations stand side by side, unless something more precise holds.
@@ -260,15 +257,15 @@ def _responsible(judge: Judge, components: tuple[str, ...], field_name: str, rep
     return needed or list(components)
 
 
-def _closest(judge: Judge, names: Sequence[str], exclude: set[str], by_check: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def _closest(judge: Judge, names: Sequence[str], exclude: set[str], by_check: dict[str, Share]) -> list[Lead]:
     """Leads for what is unexplained: the explanation's share on each check below the
     threshold, then the single variants that agree on the most divergent examples."""
-    rows = [{"variant": " + ".join(c["components"]), "description": f"reproduces {check} on {c['explained']} of {c['failing']} failing examples"
-             + (f" and contradicts {c['contradicted']}" if c["contradicted"] else "") + f": short of the naming rule (at least {NAMED_SHARE:.0%} "
-             f"of the failing examples, at most {CONTRADICTION_BOUND:g} contradicted per reproduced one)", "source": "",
-             "agreed": c["explained"], "of": c["of"], "check": check, "first_difference": ""} for check, c in by_check.items()]
+    rows = [Lead(" + ".join(c.components), f"reproduces {check} on {c.explained} of {c.failing} failing examples"
+                 + (f" and contradicts {c.contradicted}" if c.contradicted else "") + f": short of the naming rule (at least {NAMED_SHARE:.0%} "
+                 f"of the failing examples, at most {CONTRADICTION_BOUND:g} contradicted per reproduced one)", "", c.explained, c.of, "", check=check)
+            for check, c in by_check.items()]
     divergent = [i for i in judge.sample if judge.differences(ALGORITHM_1, i)]
-    singles: list[dict[str, Any]] = []
+    singles: list[Lead] = []
     for name in names:
         if name in exclude:
             continue
@@ -277,26 +274,24 @@ def _closest(judge: Judge, names: Sequence[str], exclude: set[str], by_check: di
         if not agreed:
             continue
         first = next((judge.differences(known.deviation, i) for i in divergent if judge.differences(known.deviation, i)), {})
-        singles.append({"variant": name, "description": known.description, "source": known.source, "agreed": len(agreed), "of": len(divergent),
-                        "first_difference": next(iter(first.values()), "")})
-    singles.sort(key=lambda r: -r["agreed"])
+        singles.append(Lead(name, known.description, known.source, len(agreed), len(divergent), next(iter(first.values()), "")))
+    singles.sort(key=lambda r: -r.agreed)
     return rows + singles[:3]
 
 
-def _hints(by_check: dict[str, list[str]]) -> list[dict[str, Any]]:
+def _hints(by_check: dict[str, list[str]]) -> list[Hint]:
     hints = []
     precision = [c for c, names in by_check.items() if names and set(names) <= set(PRECISION_OPTIONS)]
     if precision:
-        hints.append({"checks": precision, "text": f"every failure of {', '.join(precision)} fits the rounding of float32 arithmetic",
-                      "option": "--compute-dtype float32"})
+        hints.append(Hint(tuple(precision), f"every failure of {', '.join(precision)} fits the rounding of float32 arithmetic", "--compute-dtype float32"))
     epsilon = [c for c, names in by_check.items() if names == ["denominator_epsilon"]]
     if epsilon:
-        hints.append({"checks": epsilon, "text": f"every failure of {', '.join(epsilon)} fits an epsilon of 1e-8 in the denominator "
-                      "(N + 1e-8: a relative change of 1e-8 / N, below float32's tolerance)", "option": "--dtype float32"})
+        hints.append(Hint(tuple(epsilon), f"every failure of {', '.join(epsilon)} fits an epsilon of 1e-8 in the denominator "
+                          "(N + 1e-8: a relative change of 1e-8 / N, below float32's tolerance)", "--dtype float32"))
     return hints
 
 
-def summary(status: str, by_check: dict[str, list[str]], unexplained: list[str], shares: dict[str, dict[str, Any]] | None = None) -> str:
+def summary(status: str, by_check: dict[str, list[str]], unexplained: list[str], shares: dict[str, Share] | None = None) -> str:
     """One line: "mostly explained: loss, gradient by clamped_log_ratio (281 of 300); metrics.m2_after unexplained"."""
     shares = shares or {}
     groups: dict[tuple[str, ...], list[str]] = {}
@@ -305,8 +300,8 @@ def summary(status: str, by_check: dict[str, list[str]], unexplained: list[str],
         groups.setdefault(tuple(names), []).append(check)
     parts = []
     for names, checks in groups.items():
-        partial = [c for c in checks if c in shares and shares[c]["share"] < 1]
-        counts = [f"{shares[c]['explained']} of {shares[c]['of']}" + (f" for {c}" if len(checks) > 1 else "") for c in partial]
+        partial = [c for c in checks if c in shares and shares[c].share < 1]
+        counts = [f"{shares[c].explained} of {shares[c].of}" + (f" for {c}" if len(checks) > 1 else "") for c in partial]
         parts.append(f"{', '.join(checks)} by {' + '.join(names)}" + (f" ({', '.join(counts)})" if counts else ""))
     if unexplained:
         parts.append(f"{', '.join(unexplained)} unexplained")

@@ -3,8 +3,8 @@ the passing ones it contradicts, and the residual it leaves (with its float32 ro
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from m2po_oracle.explain.deviations import (
@@ -12,6 +12,7 @@ from m2po_oracle.explain.deviations import (
     Deviation,
 )
 from m2po_oracle.explain.evidence import Judge, field_of, merge
+from m2po_oracle.explain.record import Feature, Residual, ResidualExample, Share
 
 #: The naming rule. A set of deviations is named for a failing check only when it is
 #: net-supported: it reproduces at least NAMED_SHARE of the check's failing examples (a
@@ -32,35 +33,65 @@ CONTRADICTION_BOUND = 0.1
 RESIDUAL_FEATURES_SHOWN = 4
 
 
-def share_of(judge: Judge, dev: Deviation, field_name: str, check: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Measured:
+    """A check's failing examples the explanation reproduces, and the examples it contradicts
+    (Algorithm 1 reproduces the port's field there, the explanation does not)."""
+
+    field_name: str
+    reproduced: list[int]
+    failing: int
+    contradicted: int
+    residual: list[int]  # the failing examples not reproduced, then the contradicted ones
+
+    @property
+    def explained(self) -> int:
+        return len(self.reproduced)
+
+    @property
+    def of(self) -> int:
+        return self.failing + self.contradicted
+
+    def share(self, components: tuple[str, ...]) -> Share:
+        """The share as the report states it, explained by ``components``."""
+        return Share(self.explained, self.failing, self.contradicted, self.of, self.explained / self.of if self.of else 0.0, tuple(components))
+
+
+@dataclass(frozen=True)
+class Left:
+    """What a check's explanation leaves: the residual's examples, and the explanation they are measured against."""
+
+    residual: list[int]
+    components: tuple[str, ...]
+
+
+def share_of(judge: Judge, dev: Deviation, field_name: str, check: str) -> Measured:
     """How much of ``check`` the explanation reproduces: its failing examples whose field it
     reproduces, and the examples it contradicts (Algorithm 1 reproduces the port's field
-    there, the explanation does not), counted against it in ``share``."""
+    there, the explanation does not), counted against it in the share."""
     judged = [i for i in range(len(judge.observations)) if field_name in judge.fields[i]]
     failing = [i for i in judged if check in judge.observations[i].failed]
     reproduced = judge.reproduced(dev, field_name, failing)
     contradicted = [i for i in judged if check not in judge.observations[i].failed and field_name in judge.differences(dev, i)
                     and field_name not in judge.differences(ALGORITHM_1, i)]
-    of = len(failing) + len(contradicted)
     residual = sorted(set(failing) - set(reproduced)) + contradicted
-    return {"explained": len(reproduced), "failing": len(failing), "contradicted": len(contradicted), "of": of,
-            "share": len(reproduced) / of if of else 0.0, "reproduced": reproduced, "residual": residual}
+    return Measured(field_name, reproduced, len(failing), len(contradicted), residual)
 
 
-def net_supported(share: dict[str, Any]) -> bool:
+def net_supported(share: Measured | Share) -> bool:
     """The naming rule (:data:`NAMED_SHARE`, :data:`CONTRADICTION_BOUND`) on a check's share."""
-    explained, failing, contradicted = share["explained"], share["failing"], share["contradicted"]
+    explained, failing, contradicted = share.explained, share.failing, share.contradicted
     return explained > 0 and explained >= NAMED_SHARE * failing and contradicted <= CONTRADICTION_BOUND * explained
 
 
-def share_text(share: dict[str, Any]) -> str:
-    text = f"{share['explained']} of {share['failing']} failing examples"
-    if share.get("contradicted"):
-        text += f" (and differs from the port on {share['contradicted']} where Algorithm 1 does not)"
+def share_text(share: Share) -> str:
+    text = f"{share.explained} of {share.failing} failing examples"
+    if share.contradicted:
+        text += f" (and differs from the port on {share.contradicted} where Algorithm 1 does not)"
     return text
 
 
-def residuals_of(judge: Judge, shares: dict[str, dict[str, Any]], compute_dtype: str, replay: Any, unexplained: bool = False) -> list[dict[str, Any]]:
+def residuals_of(judge: Judge, left: dict[str, Left], compute_dtype: str, replay: Any, unexplained: bool = False) -> list[Residual]:
     """The examples each check's explanation does not reproduce, grouped where several
     checks leave the same ones: how many, the features they share (against how often each
     holds where the explanation reproduces the check), and the smallest as a counterexample
@@ -69,9 +100,9 @@ def residuals_of(judge: Judge, shares: dict[str, dict[str, Any]], compute_dtype:
     from m2po_oracle.judge import coverage
 
     groups: dict[tuple[int, ...], list[str]] = {}
-    for check, share in shares.items():
-        if share.get("residual"):
-            groups.setdefault(tuple(share["residual"]), []).append(check)
+    for check, what in left.items():
+        if what.residual:
+            groups.setdefault(tuple(what.residual), []).append(check)
     if not groups:
         return []
     cached: dict[int, frozenset[str]] = {}
@@ -92,21 +123,21 @@ def residuals_of(judge: Judge, shares: dict[str, dict[str, Any]], compute_dtype:
         smallest = min(indices, key=lambda i: (int(judge.observations[i].batch.valid.size), i))
         observation = judge.observations[smallest]
         example = observation.example if observation.example is not None else observation.batch
-        dev = merge(shares[checks[0]]["components"]) or ALGORITHM_1
+        against = left[checks[0]].components
+        dev = merge(against) or ALGORITHM_1
         first = next((text for f, text in judge.differences(dev, smallest).items() if f in field_names), "")
-        residuals.append({
-            "checks": checks,
-            "unexplained": unexplained,
-            "count": len(indices),
-            "contradicted": sum(1 for i in indices if not set(checks) & judge.observations[i].failed),
-            "features": [{"feature": n, "residual": counts[n], "of": len(indices), "explained": elsewhere[n], "explained_of": len(explained),
-                          "description": coverage.FEATURES[n].when} for n in shown[:RESIDUAL_FEATURES_SHOWN]],
-            "shared": [n for n in shown if counts[n] == len(indices)],
-            "float32_fits": _float32_fits(judge, dev, indices, field_names),
-            "explanation": list(shares[checks[0]]["components"]),  # what the residual is measured against ([]: Algorithm 1)
-            "counterexample": {"batch": json.loads(observation.batch.to_json()), "difference": first,
-                               "replay": replay(example) if replay is not None else None},
-        })
+        residuals.append(Residual(
+            checks=tuple(checks),
+            unexplained=unexplained,
+            count=len(indices),
+            contradicted=sum(1 for i in indices if not set(checks) & judge.observations[i].failed),
+            features=tuple(Feature(n, counts[n], len(indices), elsewhere[n], len(explained), coverage.FEATURES[n].when)
+                           for n in shown[:RESIDUAL_FEATURES_SHOWN]),
+            shared=tuple(n for n in shown if counts[n] == len(indices)),
+            float32_fits=_float32_fits(judge, dev, indices, field_names),
+            explanation=tuple(against),  # what the residual is measured against ((): Algorithm 1)
+            counterexample=ResidualExample(observation.batch, first, replay(example) if replay is not None else None),
+        ))
     return residuals
 
 

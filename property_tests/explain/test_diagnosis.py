@@ -77,12 +77,12 @@ def test_without_combining_deviations_a_composite_is_only_partly_explained(monke
     monkeypatch.setattr(explanation, "MAX_COMPONENTS", 1)
     composite = next(c for c in COMPOSITE_CONTROLS if c.name == "leak_clamp_float32_metrics")
     report = run_compare(composite.fn, composite.name, examples=EXAMPLES, shrink=False)
-    assert report.diagnosis["status"] == "partly_explained" and report.diagnosis["unexplained"], report.diagnosis["summary"]
+    assert report.diagnosis.status == "partly_explained" and report.diagnosis.unexplained, report.diagnosis.summary
 
 
 def test_the_report_names_each_failing_check_by_the_deviation_that_explains_it():
     composite = next(c for c in COMPOSITE_CONTROLS if c.name == "leak_clamp_float32_metrics")
-    d = run_compare(composite.fn, composite.name, examples=EXAMPLES, shrink=False).diagnosis
+    d = run_compare(composite.fn, composite.name, examples=EXAMPLES, shrink=False).diagnosis.to_json()
     assert d["status"] == "matched" and sorted(d["components"]) == sorted(composite.variants)
     assert d["by_check"]["padding_immunity"] == ["nan_padding_leak"]
     assert "clamped_log_ratio" in d["by_check"]["gradient"] and "nan_padding_leak" not in d["by_check"]["gradient"]
@@ -96,7 +96,7 @@ def _clamped_with_doubled_m2_before(logp, behavior_logp, advantages, mask, *, ta
 
 
 def test_a_deviation_no_variant_knows_is_named_unexplained_next_to_the_known_one():
-    d = run_compare(_clamped_with_doubled_m2_before, "clamp + doubled m2_before", examples=EXAMPLES, shrink=False).diagnosis
+    d = run_compare(_clamped_with_doubled_m2_before, "clamp + doubled m2_before", examples=EXAMPLES, shrink=False).diagnosis.to_json()
     assert d["status"] == "partly_explained", d["summary"]
     assert "metrics.m2_before" in d["unexplained"] and d["by_check"]["loss"] == ["clamped_log_ratio"], d["summary"]
     assert all(c["agreed"] > 0 for c in d["closest"]), "closest lists only variants that agree somewhere"
@@ -109,7 +109,7 @@ def _nan_everywhere(logp, behavior_logp, advantages, mask, *, tau):
 
 def test_a_nan_result_on_valid_data_is_a_finding_not_a_padding_leak():
     report = run_compare(_nan_everywhere, "nan everywhere", examples=40, shrink=False)
-    d = report.diagnosis
+    d = report.diagnosis.to_json()
     assert report.tallies["loss"].failures and not report.tallies["padding_immunity"].failures
     assert "nan_padding_leak" not in d["components"]
     assert [f["kind"] for f in d["findings"]] == ["non_finite_result"]
@@ -128,7 +128,7 @@ def test_a_padding_failure_that_never_turns_nan_is_not_named_a_nan_leak():
     loss or gradient NaN/inf; a finite leak that no known deviation reproduces is
     unexplained, not a guess (it used to be named for every padding_immunity failure)."""
     report = run_compare(_finite_padding_in_the_loss, "finite padding in the loss", examples=60, shrink=False)
-    d = report.diagnosis
+    d = report.diagnosis.to_json()
     assert report.tallies["padding_immunity"].failures and "nan_padding_leak" not in d["components"], d["summary"]
     assert "padding_immunity" in d["unexplained"], d["summary"]
 
@@ -165,7 +165,7 @@ def _epsilon_denominator(logp, behavior_logp, advantages, mask, *, tau):
 
 
 def test_an_epsilon_in_the_denominator_is_named_with_the_option_that_accepts_it():
-    d = run_compare(_epsilon_denominator, "epsilon", examples=100, shrink=False).diagnosis
+    d = run_compare(_epsilon_denominator, "epsilon", examples=100, shrink=False).diagnosis.to_json()
     assert d["components"] == ["denominator_epsilon"], d["summary"]
     assert any(h["option"] == "--dtype float32" for h in d["hints"]), d["hints"]
     assert run_compare(_epsilon_denominator, "epsilon", examples=100, shrink=False, dtype="float32").verdict == "equivalent"
@@ -188,16 +188,16 @@ def test_what_a_deviation_does_to_a_loss_the_adapter_built_is_not_claimed():
         report = run_compare(runner, "control:areal_mask_function", examples=60, shrink=False)
     finally:
         runner.close()
-    (match,) = [m for m in report.diagnosis["matches"] if m["variant"] == "areal"]
-    assert match["unobserved"] == ["the loss's normaliser"]
-    assert match["evidence"].endswith("; not observed: the loss's normaliser (the adapter builds the loss and gradient)"), match["evidence"]
+    (match,) = [m for m in report.diagnosis.matches if m.variant == "areal"]
+    assert match.unobserved == ("the loss's normaliser",)
+    assert match.evidence.endswith("; not observed: the loss's normaliser (the adapter builds the loss and gradient)"), match.evidence
     # slime_pr is AReaL's selection with the mask never applied: no mask can tell them apart.
-    assert report.diagnosis["alternatives"] == [["slime_pr"]]
-    assert report.diagnosis["alternatives_reason"] == "they differ only in the loss and gradient, which the adapter builds"
+    assert report.diagnosis.alternatives == (("slime_pr",),)
+    assert report.diagnosis.alternatives_reason == "they differ only in the loss and gradient, which the adapter builds"
     whole = run_compare(partial(planted, deviation=variant("areal").deviation), "areal", examples=60, shrink=False).diagnosis
-    (match,) = [m for m in whole["matches"] if m["variant"] == "areal"]
-    assert match["unobserved"] == [] and "not observed" not in match["evidence"]
-    assert whole["alternatives"] == [] and whole["alternatives_reason"] == diagnosis.ALIKE
+    (match,) = [m for m in whole.matches if m.variant == "areal"]
+    assert match.unobserved == () and "not observed" not in match.evidence
+    assert whole.alternatives == () and whole.alternatives_reason == diagnosis.ALIKE
     # Every knob said to act on the loss is one the judge compares the loss by.
     from m2po_oracle.explain.deviations import LOSS_EFFECTS
 
@@ -209,7 +209,7 @@ def test_each_counterexample_names_its_cause_and_the_checks_it_shows():
     report = run_compare(composite.fn, composite.name, examples=100, shrink=False)  # the causes, not their minimality (test_cli)
     causes = [c.cause for c in report.counterexamples]
     assert len(causes) == len(set(causes)), f"one counterexample per cause, got {causes}"
-    assert set(causes) <= set(report.diagnosis["components"]) | {" + ".join(n) for n in report.diagnosis["by_check"].values()}
+    assert set(causes) <= set(report.diagnosis.components) | {" + ".join(n) for n in report.diagnosis.by_check.values()}
     leak = next(c for c in report.counterexamples if c.cause == "nan_padding_leak")
     assert leak.checks == ("padding_immunity",)
 
@@ -241,7 +241,7 @@ def _kept_count_with_empty_rows_as_one(logp, behavior_logp, advantages, mask, *,
 
 
 def test_a_quirk_outside_the_vocabulary_on_a_minority_leaves_a_residual_not_a_wrong_name():
-    d = run_compare(_kept_count_with_empty_rows_as_one, "kept count, empty rows as one", examples=EXAMPLES, shrink=False).diagnosis
+    d = run_compare(_kept_count_with_empty_rows_as_one, "kept count, empty rows as one", examples=EXAMPLES, shrink=False).diagnosis.to_json()
     assert d["status"] == "mostly_explained", d["summary"]
     assert d["by_check"]["loss"] == ["kept_count_denominator"] and d["components"] == ["kept_count_denominator"], d["summary"]
     share = d["shares"]["loss"]
@@ -259,7 +259,7 @@ def test_a_quirk_outside_the_vocabulary_on_a_minority_leaves_a_residual_not_a_wr
 def test_a_check_reproduced_on_less_than_the_threshold_is_only_the_closest(monkeypatch):
     """The threshold is what names: raised above the quirky port's share, the same run names nothing for the loss."""
     monkeypatch.setattr(shares, "NAMED_SHARE", 1.0)
-    d = run_compare(_kept_count_with_empty_rows_as_one, "kept count, empty rows as one", examples=EXAMPLES, shrink=False).diagnosis
+    d = run_compare(_kept_count_with_empty_rows_as_one, "kept count, empty rows as one", examples=EXAMPLES, shrink=False).diagnosis.to_json()
     assert "loss" in d["unexplained"] and "loss" not in d["by_check"], d["summary"]
     assert any(c.get("check") == "loss" and c["variant"] == "kept_count_denominator" for c in d["closest"]), d["closest"]
     (residual,) = [r for r in d["residuals"] if "loss" in r["checks"]]
@@ -272,14 +272,14 @@ JOINT = ("authors_release_clip", "clip_floors(0.2, 0.28)", "float32_metrics")
 def test_components_that_only_act_together_are_found_with_the_values_the_port_picked():
     """Floors change nothing without a clip kind: the search adds them as one move and reads
     their values from the examples (the name carries them)."""
-    d = run_compare(partial(planted, deviation=combine(JOINT)), "clip + floors(0.2, 0.28) + float32 metrics", examples=EXAMPLES, shrink=False).diagnosis
+    d = run_compare(partial(planted, deviation=combine(JOINT)), "clip + floors(0.2, 0.28) + float32 metrics", examples=EXAMPLES, shrink=False).diagnosis.to_json()
     assert d["status"] == "matched" and sorted(d["components"]) == sorted(JOINT), d["summary"]
     assert all(s["share"] == 1 for s in d["shares"].values())
 
 
 def test_without_fitting_the_floors_the_port_picked_are_not_named(monkeypatch):
     monkeypatch.setattr(fitting, "DIRECT_FITTERS", {})
-    d = run_compare(partial(planted, deviation=combine(JOINT)), "clip + floors(0.2, 0.28) + float32 metrics", examples=EXAMPLES, shrink=False).diagnosis
+    d = run_compare(partial(planted, deviation=combine(JOINT)), "clip + floors(0.2, 0.28) + float32 metrics", examples=EXAMPLES, shrink=False).diagnosis.to_json()
     assert "clip_floors(0.2, 0.28)" not in d["components"] and d["status"] != "matched", d["summary"]
 
 
@@ -300,10 +300,10 @@ def test_the_search_s_sample_and_the_examples_the_shares_count_are_told_apart():
     batches = [Batch(rng.normal(0, 0.3, (2, 6)) - 1.0, np.full((2, 6), -1.0), rng.choice([-1.0, 1.0], (2, 6)), np.ones((2, 6), bool), 0.02)
                for _ in range(7)]
     observations = [evidence.Observation(b, variants.m2po(b, variant("one_extra_removed").deviation)) for b in batches]
-    d = diagnosis.diagnose(observations[:4], ["selection.minimal"], dtype="float64", divergent=True, beyond_sample=observations[4:])
+    d = diagnosis.diagnose(observations[:4], ["selection.minimal"], dtype="float64", divergent=True, beyond_sample=observations[4:]).to_json()
     assert (d["examples_searched"], d["examples_compared"]) == (4, 7)
     report = run_compare(partial(planted, deviation=variant("one_extra_removed").deviation), "extra", examples=40, shrink=False)
-    report.diagnosis = {**report.diagnosis, "examples_searched": 4, "examples_compared": 7}
+    report.diagnosis = replace(report.diagnosis, examples_searched=4, examples_compared=7)
     html = render_html(report.to_json())
     assert "(7 example(s) compared; the deviations searched on the first 4, each share counting all 7)" in html
     import io
@@ -313,7 +313,7 @@ def test_the_search_s_sample_and_the_examples_the_shares_count_are_told_apart():
     from m2po_oracle.cli.console import print_diagnosis
 
     out = io.StringIO()
-    print_diagnosis(Console(file=out, width=300), {**report.diagnosis, "closest": [{"variant": "v", "description": "d", "check": "c"}]})
+    print_diagnosis(Console(file=out, width=300), {**report.diagnosis.to_json(), "closest": [{"variant": "v", "description": "d", "check": "c"}]})
     assert "leads for the unexplained (searched on the first 4 of the 7 examples compared):" in out.getvalue()
 
 
@@ -333,7 +333,7 @@ def _raises_at_half_budget(logp, behavior_logp, advantages, mask, *, tau):
 
 
 def test_a_crash_is_the_release_s_zero_budget_bug_only_when_every_crash_had_tau_0():
-    d = run_compare(_raises_at_half_budget, "raises at tau 0.5", examples=EXAMPLES, shrink=False).diagnosis
+    d = run_compare(_raises_at_half_budget, "raises at tau 0.5", examples=EXAMPLES, shrink=False).diagnosis.to_json()
     assert "call" in d["unexplained"] and "fails_at_zero_budget" not in d["components"], d["summary"]
 
 

@@ -108,7 +108,7 @@ OUT_OF_VOCABULARY = {
 @pytest.mark.parametrize("name", list(OUT_OF_VOCABULARY))
 def test_a_deviation_outside_the_vocabulary_gets_no_false_name(name):
     report = run_compare(OUT_OF_VOCABULARY[name], name, examples=EXAMPLES, shrink=False)
-    d = report.diagnosis
+    d = report.diagnosis.to_json()
     assert report.verdict == "divergent", f"{name}: the stand-in must deviate for the test to mean anything"
     named = set(d["components"]) & VALUE_VARIANTS
     assert not named, f"{name}: named {sorted(named)} for a deviation the vocabulary has no name for ({d['summary']})"
@@ -120,11 +120,11 @@ def test_a_deviation_outside_the_vocabulary_gets_no_false_name(name):
 
 
 def test_a_residual_that_is_float32_rounding_says_so():
-    d = run_compare(_float32_loss, "float32 loss", examples=60, shrink=False).diagnosis
+    d = run_compare(_float32_loss, "float32 loss", examples=60, shrink=False).diagnosis.to_json()
     (residual,) = [r for r in d["residuals"] if "gradient" in r["checks"]]
     assert residual["unexplained"] and residual["float32_fits"] == residual["count"], residual
     assert residual["explanation"] == [], "measured against Algorithm 1: no known deviation explains it"
-    others = [r for r in run_compare(_trust_region_denominator, "TR denominator", examples=60, shrink=False).diagnosis["residuals"]]
+    others = [r for r in run_compare(_trust_region_denominator, "TR denominator", examples=60, shrink=False).diagnosis.to_json()["residuals"]]
     # Another deviation's residual fits float32 rounding only where its values happen to be tiny.
     assert others and all(r["float32_fits"] <= r["count"] // 10 for r in others), "a residual that is not rounding is not called rounding"
 
@@ -132,9 +132,9 @@ def test_a_residual_that_is_float32_rounding_says_so():
 def test_the_naming_rule_weighs_what_a_name_contradicts():
     """Planted: a share that reproduces two thirds of the failing examples but contradicts as
     many passing ones is refused; with few contradictions it is named."""
-    many = {"explained": 20, "failing": 30, "contradicted": 15}
-    few = {"explained": 20, "failing": 30, "contradicted": 2}
-    minority = {"explained": 15, "failing": 30, "contradicted": 0}
+    many = shares.Measured("loss", list(range(20)), 30, 15, []).share(("x",))
+    few = shares.Measured("loss", list(range(20)), 30, 2, []).share(("x",))
+    minority = shares.Measured("loss", list(range(15)), 30, 0, []).share(("x",))
     assert not shares.net_supported(many) and shares.net_supported(few) and not shares.net_supported(minority)
 
 
@@ -165,7 +165,7 @@ def _where_leak_log_probs_only(logp, behavior_logp, advantages, mask, *, tau):
                                             (_where_leak_log_probs_only, ["logp", "behavior_logp"])])
 def test_a_nan_gradient_at_padding_positions_is_named_a_leak(fn, inputs):
     report = run_compare(fn, fn.__name__, examples=60, shrink=False)
-    d = report.diagnosis
+    d = report.diagnosis.to_json()
     assert report.failing_checks == ["padding_immunity"], report.failing_checks
     assert d["components"] == ["nan_padding_leak"] and not d["unexplained"], d["summary"]
     leak = d["padding_leak"]
@@ -195,5 +195,5 @@ def test_a_hard_clamp_in_the_loss_only_is_one_name():
         observations.append(evidence.Observation(outcome.batch, outcome.measurement.result, frozenset(outcome.failed_checks)))
     failed = sorted({c for o in observations for c in o.failed})
     assert "gradient" in failed and not any(c.startswith("metrics.") for c in failed), failed  # the metrics see the raw d
-    d = diagnosis.diagnose(observations, failed, dtype="float64", divergent=True)
+    d = diagnosis.diagnose(observations, failed, dtype="float64", divergent=True).to_json()
     assert d["components"] == ["loss_hard_clamped_log_ratio"] and not d["unexplained"], d["summary"]

@@ -87,7 +87,7 @@ def test_a_probe_on_a_batch_the_port_fails_anyway_is_not_run_not_crashed(capsys)
     from m2po_oracle.cli.console import print_validation
 
     console = Console(record=True, width=200)
-    print_validation(console, report)
+    print_validation(console, report.to_json())
     text = console.export_text()
     assert "no invalid-input probe could run" in text and "fails closed" not in text
     assert InProcess(m2po_loss).probe("nan_tau").status == "rejected"  # a port that runs on the clean batch is judged as before

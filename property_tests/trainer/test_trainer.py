@@ -80,9 +80,9 @@ def test_every_trainer_control_is_caught_by_its_check_and_named_by_the_diagnosis
     failed = {name for name, t in report.tallies.items() if t.failures}
     assert report.verdict == "divergent"
     assert set(control.caught_by) <= failed, f"{control.name} escaped {set(control.caught_by) - failed}; failed: {sorted(failed)}"
-    assert report.diagnosis["status"] == "matched"
-    trainer_matches = [m["variant"] for m in report.diagnosis["matches"] if m["source"].startswith("trainer-level")]
-    assert trainer_matches == [control.variant], report.diagnosis["matches"]
+    assert report.diagnosis.status == "matched"
+    trainer_matches = [m.variant for m in report.diagnosis.matches if m.source.startswith("trainer-level")]
+    assert trainer_matches == [control.variant], report.diagnosis.matches
 
 
 @pytest.mark.cuda
@@ -205,7 +205,7 @@ def test_a_users_trainer_is_checked_by_spec_and_its_deviation_named():
     spec = "trainer:property_tests.trainer.test_trainer:MicroBatchMeanTrainer"
     report = run_compare(_open(spec), examples=15, seed=0, shrink=False)
     assert report.verdict == "divergent" and report.tallies["trainer.accumulation"].failures
-    assert [m["variant"] for m in report.diagnosis["matches"] if m["source"].startswith("trainer-level")] == ["per_micro_batch_denominator"]
+    assert [m.variant for m in report.diagnosis.matches if m.source.startswith("trainer-level")] == ["per_micro_batch_denominator"]
     assert report.counterexamples[0].replay.startswith(f"m2po-oracle replay --impl {spec} ")
 
 

@@ -1,0 +1,47 @@
+"""The console report is a renderer of the JSON record alone, as the HTML is: a record read back
+from its file prints the run's table, diagnosis, counterexample and verdict."""
+
+from __future__ import annotations
+
+import io
+import json
+from functools import partial
+
+from rich.console import Console
+
+from m2po_oracle.call.controls import planted
+from m2po_oracle.cli.console import print_quiet, print_report
+from m2po_oracle.compare.search import run_compare
+from m2po_oracle.explain.deviations import variant
+
+
+def _printed(render, record) -> str:
+    out = io.StringIO()
+    render(Console(file=out, width=400, color_system=None), record)
+    return out.getvalue()
+
+
+def test_the_console_report_reads_the_json_record_alone(tmp_path):
+    report = run_compare(partial(planted, deviation=variant("strict_stop").deviation), "strict", examples=40)
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report.to_json()))
+    record = json.loads(path.read_text())  # nothing of the run but its file
+    text = _printed(lambda console, r: print_report(console, r, "strict"), record)
+    assert "strict vs Algorithm 1 (40 batches, float64, seed 0)" in text
+    assert "selection.minimal" in text and "FAIL" in text and "strict_stop" in text
+    assert f"diagnosis: {record['diagnosis']['summary']}" in text
+    (counterexample,) = [c for c in record["counterexamples"] if c["cause"] == "strict_stop"]
+    assert "(minimal batch for strict_stop: " in text and f"replay: {counterexample['replay']}" in text
+    assert "minimal batch:" in text  # the batch itself, read back from the record
+    assert text.rstrip().splitlines()[-1].startswith("verdict: divergent in ")
+    quiet = _printed(print_quiet, record)
+    assert "FAIL selection.minimal: " in quiet and "(strict_stop)" in quiet and "verdict: divergent" in quiet
+
+
+def test_a_non_finite_value_reads_back_as_a_float():
+    from m2po_oracle.compare.report import mismatch_from_json, mismatch_json
+    from m2po_oracle.judge.equivalence import Mismatch
+
+    m = Mismatch("loss", "loss differs", "loss", None, float("nan"), 1.5, ("d",))
+    back = mismatch_from_json(json.loads(json.dumps(mismatch_json(m))))
+    assert repr(back.actual) == "nan" and back.expected == 1.5 and back.details == ("d",)
