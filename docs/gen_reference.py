@@ -40,8 +40,7 @@ SOURCES: dict[str, str] = {
     "checks.single": "m2po_oracle.judge.checks:CHECKS",
     "checks.distributed": "m2po_oracle.judge.checks:DISTRIBUTED_CHECKS",
     "checks.trainer": "m2po_oracle.judge.checks:TRAINER_CHECKS",
-    "checks.audit": "m2po_oracle.audit:CHECK_NAMES",
-    "checks.audit_module": "m2po_oracle.audit",  # its docstring describes each audit check
+    "checks.audit": "m2po_oracle.judge.checks:AUDIT_CHECKS",
     "coverage.exercised": "m2po_oracle.judge.coverage:EXERCISED",
     "coverage.features": "m2po_oracle.judge.coverage:FEATURES",
     "validation.probes": "m2po_oracle.judge.validation:PROBES",
@@ -49,9 +48,7 @@ SOURCES: dict[str, str] = {
     "deviations.variants": "m2po_oracle.explain.deviations:VARIANTS",
     "deviations.variant": "m2po_oracle.explain.deviations:variant",
     "deviations.joint_moves": "m2po_oracle.explain.deviations:JOINT_MOVES",
-    "deviations.distributed": "m2po_oracle.distributed.diagnosis:DESCRIPTIONS",
-    "deviations.trainer": "m2po_oracle.trainer.diagnosis:TRAINER_VARIANTS",
-    "deviations.audit": "m2po_oracle.audit:DESCRIPTIONS",
+    "deviations.steps": "m2po_oracle.explain.step_deviations:described",
     "deviations.accepted": "m2po_oracle.cli.config:known_deviations",
     # the negative controls
     "controls.single": "m2po_oracle.call.controls:NEGATIVE_CONTROLS",
@@ -267,18 +264,6 @@ def cli_page() -> str:
 
 # --- checks.md -----------------------------------------------------------------------------------
 
-def _audit_descriptions() -> dict[str, str]:
-    """Each audit check's description, from the bullet list of the audit package's docstring."""
-    text = load("checks.audit_module").__doc__ or ""
-    found = {}
-    for match in re.finditer(r"^- ``(audit\.\w+)``: (.*?)(?=^- ``|^\S|\Z)", text, re.S | re.M):
-        found[match.group(1)] = " ".join(match.group(2).split()).rstrip(";.")
-    missing = [n for n in load("checks.audit") if n not in found]
-    if missing:
-        raise RuntimeError(f"the audit package's docstring describes no check {missing}")
-    return found
-
-
 def checks_page() -> str:
     exercised = load("coverage.exercised")
     out = [HEADER, "# Checks\n\n",
@@ -291,9 +276,8 @@ def checks_page() -> str:
         ("check", "asserts"), [(code(n), cell(d)) for n, d in load("checks.distributed").items()]) + "\n")
     out.append("## A training step (`compare --impl trainer`)\n\nBeside the value checks on the step's own tensors:\n\n" + table(
         ("check", "asserts"), [(code(n), cell(d)) for n, d in load("checks.trainer").items()]) + "\n")
-    audit = _audit_descriptions()
     out.append("## A captured training run (`m2po-oracle audit`)\n\n" + table(
-        ("check", "asserts"), [(code(n), cell(audit[n])) for n in load("checks.audit")]) + "\n")
+        ("check", "asserts"), [(code(n), cell(d)) for n, d in load("checks.audit").items()]) + "\n")
     out.append("## Batch features\n\nCounted over the judged examples of a run (`coverage.features` in the JSON report).\n\n" + table(
         ("feature", "holds when"), [(code(n), cell(r.when)) for n, r in load("coverage.features").items()]) + "\n")
     probes = load("validation.probes")
@@ -327,9 +311,9 @@ def deviations_page() -> str:
            table(("name", "what the port does", "source", "notes"), rows), "\n",
            "Tried together as one search step (each changes nothing alone):\n\n",
            "".join(f"- {' + '.join(code(n) for n in move)}\n" for move in load("deviations.joint_moves")), "\n"]
-    out.append("## A distributed step\n\n" + table(("name", "what the ranks do"), [(code(n), cell(d)) for n, d in load("deviations.distributed").items()]) + "\n")
-    out.append("## A training step\n\n" + table(("name", "what the step does"), [(code(v.name), cell(v.description)) for v in load("deviations.trainer")]) + "\n")
-    out.append("## A captured training run (`audit`)\n\n" + table(("name", "what the files show"), [(code(n), cell(d)) for n, d in load("deviations.audit").items()]) + "\n")
+    out.append("## A distributed step\n\n" + table(("name", "what the ranks do"), [(code(n), cell(d)) for n, d in load("deviations.steps")("distributed").items()]) + "\n")
+    out.append("## A training step\n\n" + table(("name", "what the step does"), [(code(n), cell(d)) for n, d in load("deviations.steps")("trainer").items()]) + "\n")
+    out.append("## A captured training run (`audit`)\n\n" + table(("name", "what the files show"), [(code(n), cell(d)) for n, d in load("deviations.steps")("audit").items()]) + "\n")
     out.append("## Names `accept` takes\n\n" + ", ".join(code(n) for n in load("deviations.accepted")()) + "\n")
     return "".join(out)
 

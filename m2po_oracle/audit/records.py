@@ -12,14 +12,15 @@ import numpy as np
 from m2po_oracle.capture import reader
 from m2po_oracle.distributed.topology import RankCoords, Topology
 from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
+from m2po_oracle.explain.step_deviations import described
+from m2po_oracle.judge.checks import AUDIT_CHECKS
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.encoding import number
 
 SCHEMA = "m2po-oracle/audit/1"
 
 
-CHECK_NAMES = ("audit.replicas_identical", "audit.selection", "audit.policy_logp", "audit.behavior_logp", "audit.loss_sum",
-               "audit.gradient", "audit.metrics", "audit.parameter_gradient")
+CHECK_NAMES = tuple(AUDIT_CHECKS)
 
 
 
@@ -30,26 +31,7 @@ ROLLOUT_LOGP_DTYPE = "float32"
 
 #: What each name says. A denominator's words say only what the loss divides by: it may stand
 #: beside a scope (the mask is then that scope's), or alone (audit.selection passes).
-DESCRIPTIONS = {
-    "per_micro_batch_mask": "the mask is selected within each gradient-accumulation micro-batch alone, not over the optimizer batch",
-    "per_rank_selection_global_n": "each DP rank selects over its own rows without communication (dividing by the global N)",
-    "per_rank_selection_local_n": "each DP rank selects over its own rows without communication and divides by its own rows' valid count",
-    "per_rank_selection": "each DP rank selects over its own rows without communication; the loss is not divided by the global N "
-                          "(its denominator is named beside it where the loss reproduces a known one)",
-    "per_cp_chunk_selection": "each CP rank selects over its own shard without communication; the loss is not divided by the global N "
-                              "(its denominator is named beside it where the loss reproduces a known one)",
-    "per_cp_chunk_selection_global_n": "each CP rank selects over its own shard without communication, dividing by the global N",
-    "local_shard_selection": "each rank selects over its own CP shard without communication and divides by the shard's valid count",
-    "dp_cp_group_double_count": "selection and N over the DP x CP group after CP reconstruction: every token counted once per CP replica",
-    "per_micro_batch_denominator": "each micro-batch divides by its own valid count (then by k), not the optimizer batch's N",
-    "local_denominator": "each record's loss divided by its own valid count (its rank's micro-batch, its CP shard), not the optimizer batch's N",
-    "kept_count_denominator": "the loss divided by the optimizer batch's kept count instead of its valid count N",
-    "cp_shard_counts": "N counted on the CP shard and summed over DP only: too low by a factor cp",
-    "current_policy_as_behavior": "the behaviour log-probs are the current policy's, not the sampler's: d is 0 and nothing is ever masked",
-    "stochastic_forward": "the policy's forward is stochastic (dropout left on?): the selection's and the loss's forwards differ in every micro-batch",
-    "optimizer_step_per_micro_batch": "optimizer.step() runs after every micro-batch: micro-batch 0's loss pass sees the selection's policy, later ones a moved policy",
-    "parameters_without_gradient": "some parameters get no gradient (frozen or detached by mistake) while the loss depends on them",
-}
+DESCRIPTIONS = described("audit")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import torch
 
-from m2po_oracle.explain.deviations import Deviation, combine, variant
+from m2po_oracle.explain.deviations import MASK_ONLY_KNOBS, Deviation, combine, variant
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 #: Thresholds of the clip family's "harmful" test (algorithm.md §4, fact 1) and stop test (fact 2).
@@ -25,11 +25,6 @@ CLIP_RATIO_EPS = 1e-12
 CLIP_BUDGET_EPS = 1e-12
 #: The release's breakpoint below the exact cap (algorithm.md §4, fact 3).
 CLIP_BELOW_OFFSET = 1e-12
-#: Knobs of the mask selection that mean nothing for a clip range (selection_kind != "mask").
-_MASK_ONLY_KNOBS = ("strict_stop", "mean_over_valid", "scope_rows", "extra_removed", "min_kept", "ppo_clip", "apply_mask",
-                    "masked_keep_value", "m2_after_over_valid", "random_tie_break", "candidate_margin", "noop_margin", "statistic_over_padding")
-
-
 def _candidates(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, how: str, raw_advantages: torch.Tensor | None = None,
                 margin: float = 0.0) -> torch.Tensor:
     if how == "trust_region":
@@ -179,7 +174,7 @@ def _check_knobs(dev: Deviation) -> None:
         if dev.unconstrained_ratio_bound != Deviation().unconstrained_ratio_bound:
             raise ValueError("unconstrained_ratio_bound: a bound of the clip range; it needs selection_kind 'clip_below' or 'clip_exact'")
         return
-    set_knobs = [name for name in _MASK_ONLY_KNOBS if getattr(dev, name) != getattr(Deviation(), name)]
+    set_knobs = [name for name in MASK_ONLY_KNOBS if getattr(dev, name) != getattr(Deviation(), name)]
     if set_knobs:
         raise ValueError(f"selection_kind {dev.selection_kind!r}: knobs {set_knobs} belong to the mask selection and are not realised for a clip range")
 

@@ -10,11 +10,12 @@ from m2po_oracle.errors import EXIT_EQUIVALENT
 
 def list_checks(console: Console) -> int:
     """Every check of the battery, with what runs it and what it asserts."""
-    from m2po_oracle.judge.checks import ALL_CHECKS, CHECKS, DISTRIBUTED_CHECKS
+    from m2po_oracle.judge.checks import ALL_CHECKS, AUDIT_CHECKS, CHECKS, DISTRIBUTED_CHECKS
 
     table = Table("check", "runs for", "asserts")
     for name, description in ALL_CHECKS.items():
-        runs_for = "every run" if name == "call" else "a loss function" if name in CHECKS else "--topology" if name in DISTRIBUTED_CHECKS else "--impl trainer"
+        runs_for = ("every run" if name == "call" else "a loss function" if name in CHECKS else "--topology" if name in DISTRIBUTED_CHECKS
+                    else "m2po-oracle audit" if name in AUDIT_CHECKS else "--impl trainer")
         table.add_row(name, runs_for, description)
     console.print(table)
     return EXIT_EQUIVALENT

@@ -165,16 +165,12 @@ def validate_deviation(where: str, name: str) -> str:
 
 
 def known_deviations() -> list[str]:
-    from m2po_oracle.distributed.diagnosis import DESCRIPTIONS
+    """Every name the diagnosis can give: the single-batch deviations, then the step's (distributed, trainer, audit)."""
     from m2po_oracle.explain.deviations import VARIANTS
+    from m2po_oracle.explain.step_deviations import STEP_DEVIATIONS
 
-    names = [v.name for v in VARIANTS if v.name != "algorithm_1"] + [n for n in DESCRIPTIONS if n not in {v.name for v in VARIANTS}]
-    try:
-        from m2po_oracle.trainer.diagnosis import TRAINER_VARIANTS
-    except ImportError:  # the trainer's extra is not installed: its deviations cannot show either
-        return names
-    return names + [v.name for v in TRAINER_VARIANTS if v.name not in names]
-    return names
+    names = [v.name for v in VARIANTS if v.name != "algorithm_1"]
+    return names + [d.name for d in STEP_DEVIATIONS if d.name not in names]
 
 
 def accepted_from_cli(names: list[str] | tuple[str, ...] | None) -> tuple[Accepted, ...]:

@@ -19,18 +19,11 @@ import numpy as np
 from m2po_oracle import oracle
 from m2po_oracle.distributed.topology import Topology, cp_token_indices
 from m2po_oracle.distributed.world import RankOutcome
+from m2po_oracle.explain.step_deviations import described
 from m2po_oracle.judge.equivalence import compare_values, same_up_to_ties, tolerance, valid_m2
 from m2po_oracle.oracle.batch import Batch
 
-DESCRIPTIONS = {
-    "local_shard_selection": "each rank selects over its own CP shard only, without communication",
-    "local_denominator": "the global mask, but each rank's loss divided by its own valid count",
-    "dp_cp_group_double_count": "selection over the DP x CP group after CP reconstruction: every token counted once per CP replica",
-    "per_rank_selection_global_n": "each DP rank selects over its own rows without communication, dividing by the global N",
-    "per_cp_chunk_selection_global_n": "each CP rank selects over its own shard without communication, dividing by the global N",
-    "kept_count_denominator": "the optimizer batch's mask, but the loss divided by the global kept count instead of N",
-    "cp_shard_counts": "the global mask, but N counted on the CP shard and summed over DP only: too low by a factor cp",
-}
+DESCRIPTIONS = described("distributed")
 
 
 #: Variants that keep the optimizer batch's (correct) mask and differ in the denominator.

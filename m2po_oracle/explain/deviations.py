@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 CANDIDATE_SETS = ("trust_region", "all_valid", "swapped_quadrants", "zero_advantage_included", "first_token_sign", "column0_sign")
@@ -24,8 +24,6 @@ CANDIDATE_SETS = ("trust_region", "all_valid", "swapped_quadrants", "zero_advant
 #: valid_empty_rows_as_one: sum(S) / sum_i max(n_i, 1) (an empty row counts as one token).
 DENOMINATORS = ("valid", "kept", "padded", "valid_epsilon", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm",
                 "row_mean_empty_as_one", "valid_empty_rows_as_one")
-#: The per-row aggregations among DENOMINATORS (the loss is not one sum over one count).
-ROW_AGGREGATIONS = DENOMINATORS[4:]
 #: How the budget acts: Algorithm 1's mask, or (algorithm.md §4) a ratio clip range from a
 #: cap on d^2 at the breakpoint below the exact cap (the authors' release) or at the exact
 #: water-filling cap (the verl pull request).
@@ -35,41 +33,55 @@ PRECISIONS = ("float64", "float32")
 DENOMINATOR_EPSILON = 1e-8
 
 
+def knob(default: Any, *, selection: bool = False, objective: bool = False, loss_effect: str | None = None, shown_by: str | None = None,
+         mask_only: bool = False) -> Any:
+    """A knob of :class:`Deviation` with its roles, declared once: ``selection`` (it shapes the
+    mask), ``objective`` (it shapes loss, gradient and metrics on a given mask), ``loss_effect``
+    (what it changes in the loss or gradient beyond which tokens are kept: unobserved where an
+    adapter builds the loss), ``shown_by`` (a behavioural deviation: the one check that shows
+    it), ``mask_only`` (it belongs to the mask selection and means nothing for a clip range).
+    A knob that is none of selection, objective or behavioural would be judged by a memo that
+    ignores it."""
+    return field(default=default, metadata={"selection": selection, "objective": objective, "loss_effect": loss_effect, "shown_by": shown_by,
+                                            "mask_only": mask_only})
+
+
 @dataclass(frozen=True)
 class Deviation:
     """Knobs of a deviating M2PO; the defaults are Algorithm 1."""
 
-    candidates: str = "trust_region"  # see CANDIDATE_SETS (column0_sign: the sign of A[:, 0], padding or not)
-    strict_stop: bool = False  # keep while mean < tau (instead of <=)
-    mean_over_valid: bool = False  # budget mean over remaining valid tokens, non-candidates included
-    scope_rows: int | None = None  # select within groups of this many rows (1: per sequence; None: whole batch)
-    extra_removed: int = 0  # remove this many more than needed whenever any is removed
-    min_kept: int = 0  # never remove the last min_kept candidates (AReaL/slime keep the smallest)
-    denominator: str = "valid"  # see DENOMINATORS (valid_epsilon: N + denominator_epsilon)
-    denominator_epsilon: float = DENOMINATOR_EPSILON  # the epsilon of valid_epsilon (a port picks its own)
-    candidate_margin: float = 0.0  # candidates need A > m and d > m (or A < -m, d < -m): a port's 1e-12 margin
-    noop_margin: float = 0.0  # nothing is removed while the candidates' mean M2 <= tau + this margin
-    statistic_over_padding: bool = False  # M2 and candidates over every position: a kernel handed no mask
-    budget_scale: float = 1.0  # the budget the selection compares with is tau * this
-    clip_bound_float32: bool = False  # clip kinds: the ratio range [exp(-c), exp(c)] rounded through float32
-    ppo_clip: float | None = None  # PPO's epsilon-clip still applied to kept tokens
-    ratio_inverted: bool = False  # d = behavior_logp - logp
-    apply_mask: bool = True  # False: mask computed, then not applied to the loss
-    masked_keep_value: bool = False  # masked tokens keep their loss value, zero gradient
-    zero_padding_by_multiplying: bool = False  # keep * term instead of where(): 0 * nan = nan
-    padding_through_where: bool = False  # raw inputs, padding dropped by where() at the end: 0 * nan in its backward
-    clamp_log_ratio: float | None = None  # clamp of d (straight-through unless hard_clamp)
-    hard_clamp: bool = False  # the clamp is a real clamp: kept tokens beyond it get zero gradient
-    clamp_only_in_loss: bool = False  # the clamp acts in the loss only: selection and metrics see the raw d
-    selection_kind: str = "mask"  # see SELECTION_KINDS
-    clip_floors: tuple[float, float] | None = None  # clip kinds: the range is never tighter than [1 - low, 1 + high]
-    unconstrained_ratio_bound: float = math.inf  # clip kinds: the ratio's upper bound where no cap applies (ports return 1e5)
-    selection_dtype: str = "float64"  # the dtype of the selection arithmetic (d, d^2, prefix means)
-    metrics_dtype: str = "float64"  # the dtype the logged metrics are computed in
-    sanitise_inputs_in_place: bool = False  # writes 0 into the caller's padding
-    m2_after_over_valid: bool = False  # metric: mean M2 over every kept valid token
-    random_tie_break: bool = False  # ties at the cut broken by fresh random noise
-    fails_at_zero_budget: bool = False  # raises on tau == 0 (the release unpacks a bare float: algorithm.md §4, fact 3)
+    candidates: str = knob("trust_region", selection=True)  # see CANDIDATE_SETS (column0_sign: the sign of A[:, 0], padding or not)
+    strict_stop: bool = knob(False, selection=True, mask_only=True)  # keep while mean < tau (instead of <=)
+    mean_over_valid: bool = knob(False, selection=True, mask_only=True)  # budget mean over remaining valid tokens, non-candidates included
+    scope_rows: int | None = knob(None, selection=True, mask_only=True)  # select within groups of this many rows (1: per sequence; None: whole batch)
+    extra_removed: int = knob(0, selection=True, mask_only=True)  # remove this many more than needed whenever any is removed
+    min_kept: int = knob(0, selection=True, mask_only=True)  # never remove the last min_kept candidates (AReaL/slime keep the smallest)
+    denominator: str = knob("valid", objective=True, loss_effect="the loss's normaliser")  # see DENOMINATORS (valid_epsilon: N + denominator_epsilon)
+    denominator_epsilon: float = knob(DENOMINATOR_EPSILON, objective=True)  # the epsilon of valid_epsilon (a port picks its own)
+    candidate_margin: float = knob(0.0, selection=True, mask_only=True)  # candidates need A > m and d > m (or A < -m, d < -m): a port's 1e-12 margin
+    noop_margin: float = knob(0.0, selection=True, mask_only=True)  # nothing is removed while the candidates' mean M2 <= tau + this margin
+    statistic_over_padding: bool = knob(False, selection=True, mask_only=True)  # M2 and candidates over every position: a kernel handed no mask
+    budget_scale: float = knob(1.0, selection=True, objective=True)  # the budget the selection compares with is tau * this
+    clip_bound_float32: bool = knob(False, selection=True, objective=True)  # clip kinds: the ratio range [exp(-c), exp(c)] rounded through float32
+    ppo_clip: float | None = knob(None, objective=True, loss_effect="PPO's clip on kept tokens", mask_only=True)  # PPO's epsilon-clip still applied to kept tokens
+    ratio_inverted: bool = knob(False, selection=True, objective=True, loss_effect="the inverted ratio in the loss")  # d = behavior_logp - logp
+    apply_mask: bool = knob(True, objective=True, loss_effect="whether the mask reaches the loss", mask_only=True)  # False: mask computed, then not applied to the loss
+    masked_keep_value: bool = knob(False, objective=True, loss_effect="masked tokens keeping their loss value (zero gradient)", mask_only=True)  # masked tokens keep their loss value, zero gradient
+    zero_padding_by_multiplying: bool = knob(False, shown_by="padding_immunity")  # keep * term instead of where(): 0 * nan = nan
+    padding_through_where: bool = knob(False, shown_by="padding_immunity")  # raw inputs, padding dropped by where() at the end: 0 * nan in its backward
+    clamp_log_ratio: float | None = knob(None, selection=True, objective=True, loss_effect="the clamp of d in the loss")  # clamp of d (straight-through unless hard_clamp)
+    hard_clamp: bool = knob(False, objective=True, loss_effect="the clamp's zero gradient")  # the clamp is a real clamp: kept tokens beyond it get zero gradient
+    clamp_only_in_loss: bool = knob(False, selection=True, objective=True)  # the clamp acts in the loss only: selection and metrics see the raw d
+    selection_kind: str = knob("mask", selection=True, objective=True, loss_effect="clipped tokens keeping their clipped value (zero gradient)")  # see SELECTION_KINDS
+    clip_floors: tuple[float, float] | None = knob(None, selection=True, objective=True)  # clip kinds: the range is never tighter than [1 - low, 1 + high]
+    unconstrained_ratio_bound: float = knob(math.inf, selection=True, objective=True)  # clip kinds: the ratio's upper bound where no cap applies (ports return 1e5)
+    selection_dtype: str = knob("float64", selection=True)  # the dtype of the selection arithmetic (d, d^2, prefix means)
+    metrics_dtype: str = knob("float64", objective=True)  # the dtype the logged metrics are computed in
+    sanitise_inputs_in_place: bool = knob(False, shown_by="inputs_not_mutated")  # writes 0 into the caller's padding
+    m2_after_over_valid: bool = knob(False, objective=True, mask_only=True)  # metric: mean M2 over every kept valid token
+    random_tie_break: bool = knob(False, shown_by="determinism", mask_only=True)  # ties at the cut broken by fresh random noise
+    fails_at_zero_budget: bool = knob(False, shown_by="call")  # raises on tau == 0 (the release unpacks a bare float: algorithm.md §4, fact 3)
+
 
     def __post_init__(self) -> None:
         if self.candidates not in CANDIDATE_SETS:
@@ -97,33 +109,30 @@ class Deviation:
 
 ALGORITHM_1 = Deviation()
 
+
+
+def _knobs(role: str) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(Deviation) if f.metadata[role])
+
+
+#: The knobs that shape the mask; the rest shape only loss, gradient and metrics.
+SELECTION_KNOBS = _knobs("selection")
+#: The knobs that shape loss, gradient and metrics on a given mask.
+OBJECTIVE_KNOBS = _knobs("objective")
+#: Knobs of the mask selection that mean nothing for a clip range (selection_kind != "mask").
+MASK_ONLY_KNOBS = _knobs("mask_only")
 #: What each knob changes in the loss or its gradient beyond which tokens are kept: a
 #: diagnosis of a port whose adapter builds the loss and gradient (mask_only,
 #: mask_function) has not observed it, whatever the variant's description says.
-LOSS_EFFECTS = {
-    "denominator": "the loss's normaliser",
-    "ppo_clip": "PPO's clip on kept tokens",
-    "apply_mask": "whether the mask reaches the loss",
-    "masked_keep_value": "masked tokens keeping their loss value (zero gradient)",
-    "clamp_log_ratio": "the clamp of d in the loss",
-    "hard_clamp": "the clamp's zero gradient",
-    "selection_kind": "clipped tokens keeping their clipped value (zero gradient)",
-    "ratio_inverted": "the inverted ratio in the loss",
-}
+LOSS_EFFECTS = {f.name: f.metadata["loss_effect"] for f in fields(Deviation) if f.metadata["loss_effect"]}
+#: Deviations visible only in behaviour, not in the values computed, by the check that shows them.
+BEHAVIOURAL = {f.name: f.metadata["shown_by"] for f in fields(Deviation) if f.metadata["shown_by"]}
 
 
 def loss_effects(deviation: Deviation) -> list[str]:
     """The effects on the loss and gradient (``LOSS_EFFECTS``) of the knobs ``deviation`` sets."""
     return list(dict.fromkeys(words for knob, words in LOSS_EFFECTS.items() if getattr(deviation, knob) != getattr(ALGORITHM_1, knob)))
 
-#: Deviations visible only in behaviour, not in the values computed, by the check that shows them.
-BEHAVIOURAL = {
-    "zero_padding_by_multiplying": "padding_immunity",
-    "padding_through_where": "padding_immunity",
-    "sanitise_inputs_in_place": "inputs_not_mutated",
-    "random_tie_break": "determinism",
-    "fails_at_zero_budget": "call",
-}
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ import numpy as np
 from m2po_oracle.explain import variants
 from m2po_oracle.explain.deviations import (
     ALGORITHM_1,
+    OBJECTIVE_KNOBS,
+    SELECTION_KNOBS,
     VARIANTS,
     Deviation,
     combine,
@@ -32,18 +34,6 @@ from m2po_oracle.oracle.record import (
     M2POResult,
     PaddingProbe,
 )
-
-#: The knobs that shape the mask; the rest shape only loss, gradient and metrics.
-SELECTION_KNOBS = ("candidates", "strict_stop", "mean_over_valid", "scope_rows", "extra_removed", "min_kept", "clamp_log_ratio",
-                   "ratio_inverted", "selection_kind", "clip_floors", "selection_dtype", "candidate_margin", "noop_margin",
-                   "statistic_over_padding", "budget_scale", "clip_bound_float32", "clamp_only_in_loss", "unconstrained_ratio_bound")
-
-
-#: The knobs that shape loss, gradient and metrics on a given mask.
-OBJECTIVE_KNOBS = ("denominator", "ppo_clip", "ratio_inverted", "apply_mask", "masked_keep_value", "clamp_log_ratio", "hard_clamp", "clamp_only_in_loss",
-                   "selection_kind", "clip_floors", "metrics_dtype", "m2_after_over_valid", "denominator_epsilon", "budget_scale",
-                   "clip_bound_float32", "unconstrained_ratio_bound")
-
 
 #: The result field a value check judges (None: a behavioural or step check).
 field_of = result_field

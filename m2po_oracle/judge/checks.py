@@ -2,7 +2,8 @@
 
 Each runner takes its own list from here (a loss function in one process runs
 :data:`CHECKS`; a distributed world adds :data:`DISTRIBUTED_CHECKS`; a training step runs
-the value checks and :data:`TRAINER_CHECKS`), and reports list only the checks that ran.
+the value checks and :data:`TRAINER_CHECKS`; an audit runs :data:`AUDIT_CHECKS`), and
+reports list only the checks that ran.
 """
 
 from __future__ import annotations
@@ -47,8 +48,20 @@ TRAINER_CHECKS: dict[str, str] = {
     "trainer.kl_term": "with beta != 0, loss and d loss / d logp are Algorithm 1's plus beta * KL, KL the k3 estimator "
                        "exp(ref - logp) - (ref - logp) - 1 over the valid tokens / N against the reference model",
 }
+#: The checks of a recorded step (``m2po-oracle audit``), judged on the optimizer batch the
+#: records put back together (``m2po_oracle.audit`` says how each reads the files).
+AUDIT_CHECKS: dict[str, str] = {
+    "audit.replicas_identical": "tensor-parallel replicas recorded the same tensors, losses and metrics",
+    "audit.selection": "the assembled mask is an outcome of Algorithm 1 on the whole optimizer batch, on the log-probs the selection saw",
+    "audit.policy_logp": "the selection's log-probs are the loss pass's: one deterministic forward of one policy",
+    "audit.behavior_logp": "the behaviour log-probs the loss used are those the sampler reported (float32 precision at best)",
+    "audit.loss_sum": "the losses of one replica set add up to Algorithm 1's loss -(1/N) sum keep exp(d) A, N the optimizer batch's valid count",
+    "audit.gradient": "each captured d loss / d logp equals -(1/N) keep exp(d) A on that record's tokens",
+    "audit.metrics": "every captured metric named like Algorithm 1's equals the optimizer batch's, on every rank",
+    "audit.parameter_gradient": "no trainable parameter is left without a gradient at every recorded step where some parameter has one",
+}
 #: Every check of every runner, for descriptions; a runner declares the subset it runs.
-ALL_CHECKS: dict[str, str] = {**CHECKS, **DISTRIBUTED_CHECKS, **TRAINER_CHECKS}
+ALL_CHECKS: dict[str, str] = {**CHECKS, **DISTRIBUTED_CHECKS, **TRAINER_CHECKS, **AUDIT_CHECKS}
 #: The checks that judge values against Algorithm 1 on one batch (a step runner reuses them).
 VALUE_CHECKS: tuple[str, ...] = tuple(n for n in CHECKS if n in ("loss", "gradient") or n.startswith(("selection.", "metrics.")))
 #: Checks about behaviour rather than the values computed; they do not make an

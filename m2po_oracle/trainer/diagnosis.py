@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from m2po_oracle import oracle
+from m2po_oracle.explain.step_deviations import described
 from m2po_oracle.judge.equivalence import compare_values, same_up_to_ties, tolerance, valid_m2
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.trainer.checks import ROLLOUT_LOGP_DTYPE, compare_params, logp_check
-from m2po_oracle.trainer.controls import CONTROLS_BY_NAME
 from m2po_oracle.trainer.run import TrainerStep, optimizer_replay
 
 
@@ -110,18 +110,17 @@ class TrainerVariant:
     test: Callable[[TrainerStep], tuple[bool, bool]]
 
 
-TRAINER_VARIANTS: tuple[TrainerVariant, ...] = (
-    TrainerVariant("per_micro_batch_mask", CONTROLS_BY_NAME["per_micro_batch_mask"].description, _test_per_micro_batch_mask),
-    TrainerVariant("per_micro_batch_denominator", CONTROLS_BY_NAME["per_micro_batch_denominator"].description, _test_per_micro_batch_denominator),
-    TrainerVariant("current_policy_as_behavior", CONTROLS_BY_NAME["current_policy_as_behavior"].description, _test_current_policy_as_behavior),
-    TrainerVariant("stochastic_forward", "the policy's forward is stochastic (dropout or similar): the log-probs differ from a deterministic "
-                   "recomputation and the model has stochastic layers", _test_stochastic_forward),
-    TrainerVariant("optimizer_step_per_micro_batch", CONTROLS_BY_NAME["optimizer_step_per_micro_batch"].description,
-                   _test_optimizer_step_per_micro_batch),
-    TrainerVariant("parameters_without_gradient", "some parameters get no gradient (frozen or detached by mistake) while the loss depends on them",
-                   _test_parameters_without_gradient),
-    TrainerVariant("kl_k1_estimator", CONTROLS_BY_NAME["kl_k1_estimator"].description, _test_kl_k1_estimator),
-)
+_TESTS: dict[str, Callable[[TrainerStep], tuple[bool, bool]]] = {
+    "per_micro_batch_mask": _test_per_micro_batch_mask,
+    "per_micro_batch_denominator": _test_per_micro_batch_denominator,
+    "current_policy_as_behavior": _test_current_policy_as_behavior,
+    "stochastic_forward": _test_stochastic_forward,
+    "optimizer_step_per_micro_batch": _test_optimizer_step_per_micro_batch,
+    "parameters_without_gradient": _test_parameters_without_gradient,
+    "kl_k1_estimator": _test_kl_k1_estimator,
+}
+#: The trainer's names, in the registry's order (:mod:`m2po_oracle.explain.step_deviations`), each with its test.
+TRAINER_VARIANTS: tuple[TrainerVariant, ...] = tuple(TrainerVariant(name, description, _TESTS[name]) for name, description in described("trainer").items())
 VARIANT_DESCRIPTIONS = {v.name: v.description for v in TRAINER_VARIANTS}
 
 

@@ -16,7 +16,7 @@ from m2po_oracle.call.controls import COMPOSITE_CONTROLS, NEGATIVE_CONTROLS, pla
 from m2po_oracle.cli.selftest import SelftestRow, run_selftest, select_controls
 from m2po_oracle.compare.search import run_compare
 from m2po_oracle.core.loss import m2po_loss
-from m2po_oracle.explain import diagnosis, evidence, explanation, fitting, shares, variants
+from m2po_oracle.explain import deviations, diagnosis, evidence, explanation, fitting, shares, variants
 from m2po_oracle.explain.deviations import ALGORITHM_1, VARIANTS, combine, variant
 from m2po_oracle.explain.shares import NAMED_SHARE
 
@@ -59,7 +59,7 @@ def test_every_knob_keys_the_judges_memo():
 
     from m2po_oracle.explain.deviations import BEHAVIOURAL, Deviation
 
-    unkeyed = {f.name for f in fields(Deviation)} - set(evidence.SELECTION_KNOBS) - set(evidence.OBJECTIVE_KNOBS) - set(BEHAVIOURAL)
+    unkeyed = {f.name for f in fields(Deviation)} - set(deviations.SELECTION_KNOBS) - set(deviations.OBJECTIVE_KNOBS) - set(BEHAVIOURAL)
     assert not unkeyed, f"knobs the judge's memo ignores: {sorted(unkeyed)}"
 
 
@@ -201,7 +201,7 @@ def test_what_a_deviation_does_to_a_loss_the_adapter_built_is_not_claimed():
     # Every knob said to act on the loss is one the judge compares the loss by.
     from m2po_oracle.explain.deviations import LOSS_EFFECTS
 
-    assert set(LOSS_EFFECTS) <= set(evidence.OBJECTIVE_KNOBS), set(LOSS_EFFECTS) - set(evidence.OBJECTIVE_KNOBS)
+    assert set(LOSS_EFFECTS) <= set(deviations.OBJECTIVE_KNOBS), set(LOSS_EFFECTS) - set(deviations.OBJECTIVE_KNOBS)
 
 
 def test_each_counterexample_names_its_cause_and_the_checks_it_shows():
