@@ -269,14 +269,3 @@ def syncs_across_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     collectives = {name: entry["calls"] for name, entry in ctx.counter.snapshot().items()}
     return {"syncs": syncs.total, "by_operator": dict(syncs.syncs), "collectives": sum(collectives.values()), "by_collective": collectives,
             "operators": sum(syncs.operators.values()), "kept": result.keep.reshape(-1).tolist() if payload.get("keep") else None}
-
-
-def run_syncs_across(world_size: int, tokens_per_rank: int, *, tau: float = 0.04, ties: bool = False, padding: bool = False, keep: bool = False,
-                     timeout_s: float = 120.0) -> list[dict[str, Any]]:
-    """Per rank: the distributed forward's would-sync operators and collectives (see :func:`syncs_across_ranks`)."""
-    from m2po_oracle.distributed.topology import Topology
-    from m2po_oracle.distributed.world import World
-
-    with World(Topology(world_size, 1, 1), timeout_s=timeout_s) as world:
-        outcomes = world.run(syncs_across_ranks, {"tokens": tokens_per_rank, "seed": 0, "tau": tau, "ties": ties, "padding": padding, "keep": keep})
-    return [dict(o.value, rank=o.rank) for o in outcomes]

@@ -69,8 +69,6 @@ SWIFT_CONTROLS: dict[str, dict[str, Any]] = {
 SWIFT_COMPUTE_DTYPE = "float32"
 SWIFT_COMPUTE_DTYPE_WHY = ("ms-swift collates the engine's log-probs into float32 (rollout_per_token_logps) whatever the model's "
                            "dtype, and the step loads the case's policy with --torch_dtype float32")
-#: How to install ms-swift, for the message of a run without it.
-SWIFT_INSTALL = "pip install -e '.[swift]' -c constraints-swift.txt (in an environment of its own, e.g. .venv-swift)"
 #: The template the step registers: the prompt's tokens, then the completion's, nothing else.
 TEMPLATE = "m2po_trainer_case"
 #: The case's reward, registered as an ms-swift ORM under this name.

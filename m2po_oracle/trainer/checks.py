@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from m2po_oracle import oracle
-from m2po_oracle.judge.checks import CHECKS, TRAINER_CHECKS
+from m2po_oracle.judge.checks import TRAINER_CHECKS, VALUE_CHECKS
 from m2po_oracle.judge.equivalence import (
     Mismatch,
     check_selection,
@@ -23,7 +23,7 @@ from m2po_oracle.trainer.run import TrainerStep, result_of_step
 
 #: Checks a trainer step runs: the battery's value checks on its batch, then its own (the
 #: loss-function behaviour checks, padding probes, determinism and mutation, do not apply).
-CHECK_NAMES = tuple(n for n in CHECKS if n in ("call", "loss", "gradient") or n.startswith(("selection.", "metrics."))) + tuple(TRAINER_CHECKS)
+CHECK_NAMES = ("call", *VALUE_CHECKS, *TRAINER_CHECKS)
 
 
 #: Rollout engines record log-probs in float32 (``generate`` casts its logits to float32, as
