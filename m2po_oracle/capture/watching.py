@@ -1,9 +1,10 @@
 """Record a framework's own M2PO call(s) in one line, without editing the framework.
 
-This module imports torch and the standard library only (not even ``recorder.py``: it drives
-any object with ``record(...)`` and ``every``, a :class:`m2po_oracle.capture.recorder.Recorder`), so a
-framework can vendor it beside ``recorder.py``; ``from m2po_oracle.capture import watch`` reaches
-it too. ::
+This module and :mod:`.watch_reading` (how a name is read from a call) import torch, the
+standard library and each other only (not even ``recorder.py``: ``watch`` drives any object
+with ``record(...)`` and ``every``, a :class:`m2po_oracle.capture.recorder.Recorder`), so a
+framework can vendor the two as one package folder beside ``recorder.py``;
+``from m2po_oracle.capture import watch`` reaches it too. ::
 
     from m2po_oracle import capture
     recorder = capture.Recorder("runs/capture", rank=rank, world_size=world, topology="dp=1,cp=1,tp=1")
@@ -25,7 +26,6 @@ is read, when a record is written, and what the wrapper leaves untouched: the ho
 from __future__ import annotations
 
 import inspect
-import re
 import threading
 import types
 import weakref
@@ -35,126 +35,10 @@ from typing import Any
 
 import torch
 
+# Relative, so that the two files vendor together as one package folder under any name.
+from .watch_reading import ALIASES, INPUTS, OUTPUTS, REQUIRED, SPEC_FORMS, default_readers, read_call, reader_for
+
 __all__ = ["ALIASES", "INPUTS", "OUTPUTS", "Watcher", "watch"]
-
-#: What a wrapped call is read for: the inputs of the M2PO loss and what it produced.
-#: ``selection_logp`` (the log-probs a mask prepass selected on) and ``rollout_logp`` (the sampler's,
-#: which the behaviour log-probs must equal) are read only when ``inputs=`` names them.
-INPUTS: tuple[str, ...] = ("logp", "behavior_logp", "log_ratio", "advantages", "mask", "tau", "selection_logp", "rollout_logp")
-OUTPUTS: tuple[str, ...] = ("keep", "loss", "metrics")
-#: Argument names read by default, first match (whose value is not None) first.
-ALIASES: dict[str, tuple[str, ...]] = {
-    "logp": ("logp", "log_probs", "logprobs", "per_token_logps", "per_token_logp", "policy_logp", "current_logp"),
-    # The sampler's log-probs before a recomputed "old" policy's: M2PO's behaviour policy is the sampler.
-    "behavior_logp": ("behavior_logp", "behaviour_logp", "rollout_logp", "rollout_per_token_logps", "old_per_token_logps",
-                      "old_logp", "old_log_probs"),
-    "log_ratio": ("log_ratio", "log_ratios", "logratio"),
-    "advantages": ("advantages", "advantage"),
-    "mask": ("mask", "completion_mask", "loss_mask", "response_mask", "valid_mask"),
-    "tau": ("tau", "m2_threshold", "m2po_tau", "threshold"),
-    "keep": ("keep", "m2po_mask", "keep_mask"),
-}
-_REQUIRED = ("logp", "behavior_logp", "advantages", "mask", "tau", "keep")
-_RETURN = re.compile(r"return((?:\[(?:-?[0-9]+|'[^']*'|\"[^\"]*\")\])*)")
-_INDEX = re.compile(r"\[(-?[0-9]+|'[^']*'|\"[^\"]*\")\]")
-_SPEC_FORMS = ("an argument name of the function, 'return', 'return[i]' or \"return['key']\", "
-               "a callable (args, kwargs, result) -> value, or None")
-_MISSING: Any = object()  # a sentinel read in place of any value: Any, so that `is not _MISSING` leaves the value's type
-
-
-# ---------------------------------------------------------------------------------------------
-# Readers: how one of our names is read from one call.
-
-
-@dataclass(frozen=True)
-class _Reader:
-    what: str                       # for messages: "argument 'log_ratio'", "return[1]", "callable"
-    read: Callable[[inspect.BoundArguments | None, tuple, dict, Any], Any]
-
-
-def _argument(names: tuple[str, ...]) -> Callable[..., Any]:
-    def read(bound, args, kwargs, result):
-        for name in names:
-            value = bound.arguments.get(name, _MISSING) if bound is not None else kwargs.get(name, _MISSING)
-            if value is _MISSING and bound is not None:
-                # A name caught by the function's **kwargs.
-                for parameter in bound.signature.parameters.values():
-                    if parameter.kind is parameter.VAR_KEYWORD:
-                        value = bound.arguments.get(parameter.name, {}).get(name, _MISSING)
-            if value is not _MISSING and value is not None:
-                return value
-        return _MISSING
-    return read
-
-
-def _path(path: tuple[int | str, ...], spec: str) -> Callable[..., Any]:
-    def read(bound, args, kwargs, result):
-        value = result
-        for key in path:
-            try:
-                value = value[key]
-            except (LookupError, TypeError):
-                raise ValueError(f"{spec}: the call returned {_kind(result)}, which has no [{key!r}]") from None
-        return value
-    return read
-
-
-def _kind(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {list(value.shape)}"
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}: ({', '.join(type(v).__name__ for v in value)})"
-    return f"a {type(value).__name__}"
-
-
-def _reader(function: str, ours: str, spec: object, parameters: Mapping[str, inspect.Parameter] | None) -> _Reader | None:
-    where = f"watch({function}): {'inputs' if ours in INPUTS else 'outputs'}[{ours!r}]"
-    if spec is None:
-        return None
-    if isinstance(spec, str):
-        match = _RETURN.fullmatch(spec)
-        if match:
-            path = tuple(int(k) if k[0] not in "'\"" else k[1:-1] for k in _INDEX.findall(match.group(1)))
-            return _Reader(spec, _path(path, f"{where} = {spec!r}"))
-        var_keyword = parameters is None or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-        if parameters is not None and spec not in parameters and not var_keyword:
-            raise ValueError(f"{where} = {spec!r} is not an argument of {function}; expected {_SPEC_FORMS} "
-                             f"(its arguments: {', '.join(parameters) or 'none'})")
-        return _Reader(f"argument {spec!r}", _argument((spec,)))
-    if callable(spec):
-        return _Reader(f"callable {getattr(spec, '__name__', type(spec).__name__)}", lambda b, a, k, r: spec(a, k, r))
-    if ours == "tau" and isinstance(spec, (int, float)) and not isinstance(spec, bool):
-        return _Reader(f"the number {spec!r}", lambda b, a, k, r: spec)
-    raise ValueError(f"{where} must be {_SPEC_FORMS}{' or a number' if ours == 'tau' else ''}, got {spec!r}")
-
-
-def _default_readers(function: str, parameters: Mapping[str, inspect.Parameter] | None) -> dict[str, _Reader | None]:
-    readers: dict[str, _Reader | None] = {}
-    for ours, names in ALIASES.items():
-        found = names if parameters is None else tuple(n for n in names if n in parameters)
-        if found:
-            readers[ours] = _Reader(f"argument {' or '.join(map(repr, found))}", _argument(found))
-    return readers
-
-
-def _parse_result(result: object) -> dict[str, Any]:
-    """keep, loss and metrics from an unnamed result: a bool tensor, a tensor, a mapping, alone or in a tuple."""
-    parts = result if isinstance(result, (tuple, list)) else (result,)
-    out: dict[str, Any] = {}
-    for part in parts:
-        if isinstance(part, torch.Tensor):
-            out.setdefault("keep" if part.dtype == torch.bool else "loss", part)
-        elif isinstance(part, Mapping):
-            out.setdefault("metrics", part)
-    return out
-
-
-def _numbers(metrics: Mapping[Any, Any]) -> dict[str, Any]:
-    # A framework's metrics dict also carries lists, strings or per-token tensors: only scalars are recorded.
-    return {key: value for key, value in metrics.items() if isinstance(key, str) and (
-        (isinstance(value, (int, float)) and not isinstance(value, bool))
-        or (isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool))}
-
 
 # ---------------------------------------------------------------------------------------------
 # The step, the micro-batch counter and the open records, shared by every watch of one recorder.
@@ -167,9 +51,9 @@ class _Unit:
     step: int
     micro_batch: int
     values: dict[str, Any]
-    sources: list[str]                      # the functions it was read from, for messages
+    sources: list[str]  # the functions it was read from, for messages
     handles: list[Any] = field(default_factory=list)
-    share: float | None = None              # from the per-token loss's hook
+    share: float | None = None  # from the per-token loss's hook
     done: bool = False
 
 
@@ -181,8 +65,8 @@ class _Session:
         self.step_hook: Any = None
         self.last_step: int | None = None
         self.next_micro_batch = 0
-        self.active: dict[str, Any] | None = None    # readings of the outermost watched call in progress
-        self.open: list[_Unit] = []                   # mask-only records a loss call may still take
+        self.active: dict[str, Any] | None = None  # readings of the outermost watched call in progress
+        self.open: list[_Unit] = []  # mask-only records a loss call may still take
         self.lock = threading.Lock()
         self.watchers = 0
         self.records = 0
@@ -218,8 +102,8 @@ _SESSIONS_LOCK = threading.Lock()
 class _Wrapped:
     target: Any
     name: str
-    raw: Any                    # what target.__dict__ held (None: inherited or instance-bound)
-    owned: bool                 # name was in target.__dict__ (restore it) or not (delete ours)
+    raw: Any  # what target.__dict__ held (None: inherited or instance-bound)
+    owned: bool  # name was in target.__dict__ (restore it) or not (delete ours)
     wrapper: Any
 
 
@@ -288,20 +172,25 @@ def _per_function(option: object, names: tuple[str, ...], what: str) -> dict[str
     if option is None:
         return {name: {} for name in names}
     if not isinstance(option, Mapping):
-        raise ValueError(f"watch({what}=...) must be a mapping of our names to how to read them, "
-                         f"got {type(option).__name__}")
+        raise ValueError(f"watch({what}=...) must be a mapping of our names to how to read them, got {type(option).__name__}")
     if len(names) > 1 and option and set(option) <= set(names):
         for name, inner in option.items():
             if not isinstance(inner, Mapping):
-                raise ValueError(f"watch({what}[{name!r}]) must be a mapping of our names to how to read them, "
-                                 f"got {type(inner).__name__}")
+                raise ValueError(f"watch({what}[{name!r}]) must be a mapping of our names to how to read them, got {type(inner).__name__}")
         return {name: option.get(name, {}) for name in names}
     return {name: option for name in names}
 
 
-def watch(target: object, name: str | Iterable[str], recorder: Any, *, optimizer: Any = None,
-          step: Callable[[], int] | None = None, inputs: Mapping[str, object] | None = None,
-          outputs: Mapping[str, object] | None = None) -> Watcher:
+def watch(
+    target: object,
+    name: str | Iterable[str],
+    recorder: Any,
+    *,
+    optimizer: Any = None,
+    step: Callable[[], int] | None = None,
+    inputs: Mapping[str, object] | None = None,
+    outputs: Mapping[str, object] | None = None,
+) -> Watcher:
     """Wrap ``target.name`` so that every call of it is recorded into ``recorder`` (the module
     docstring says what is read and when); return the :class:`Watcher` that restores it."""
     names = (name,) if isinstance(name, str) else tuple(name) if isinstance(name, Iterable) else (name,)
@@ -309,18 +198,20 @@ def watch(target: object, name: str | Iterable[str], recorder: Any, *, optimizer
         raise ValueError(f"name must be an attribute name (a str) or a sequence of them, got {name!r}")
     if len(set(names)) != len(names):
         raise ValueError(f"name lists an attribute twice: {list(names)}")
-    if not callable(getattr(recorder, "record", None)) or isinstance(getattr(recorder, "every", None), bool) \
-            or not isinstance(getattr(recorder, "every", None), int):
-        raise ValueError(f"recorder must be an m2po_oracle.capture.recorder.Recorder (record() and every), "
-                         f"got {type(recorder).__name__}")
+    if (
+        not callable(getattr(recorder, "record", None))
+        or isinstance(getattr(recorder, "every", None), bool)
+        or not isinstance(getattr(recorder, "every", None), int)
+    ):
+        raise ValueError(f"recorder must be an m2po_oracle.capture.recorder.Recorder (record() and every), got {type(recorder).__name__}")
     if optimizer is not None and step is not None:
         raise ValueError("pass one of optimizer= and step=, not both: the step must come from one place")
     if optimizer is not None and not callable(getattr(optimizer, "register_step_post_hook", None)):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer (its register_step_post_hook advances the step), "
-                         f"got {type(optimizer).__name__}")
+        raise ValueError(
+            f"optimizer must be a torch.optim.Optimizer (its register_step_post_hook advances the step), got {type(optimizer).__name__}"
+        )
     if step is not None and not callable(step):
-        raise ValueError(f"step must be a callable returning the optimizer step (lambda: trainer.state.global_step), "
-                         f"got {step!r}")
+        raise ValueError(f"step must be a callable returning the optimizer step (lambda: trainer.state.global_step), got {step!r}")
     for what, option in (("inputs", inputs), ("outputs", outputs)):
         allowed = INPUTS if what == "inputs" else OUTPUTS
         flat = _per_function(option, names, what)
@@ -350,8 +241,10 @@ def watch(target: object, name: str | Iterable[str], recorder: Any, *, optimizer
     with session.lock:
         source = optimizer if optimizer is not None else step
         if source is None and session.step_source is None:
-            raise ValueError("watch needs the optimizer step, which the audit judges each record by: pass optimizer= "
-                             "(a torch.optim.Optimizer; its steps are counted) or step= (a callable returning the step)")
+            raise ValueError(
+                "watch needs the optimizer step, which the audit judges each record by: pass optimizer= "
+                "(a torch.optim.Optimizer; its steps are counted) or step= (a callable returning the step)"
+            )
         if source is not None and session.step_source is not None and source is not session.step_source:
             raise ValueError("this recorder is already watched with another optimizer= or step=; pass the same one or none")
         if source is not None and session.step_source is None:
@@ -394,16 +287,16 @@ def _wrap(target: object, attribute: str, session: _Session, specs: Mapping[str,
     elif isinstance(target, type):
         original = getattr(target, attribute) if raw is None else raw
     else:
-        original = getattr(target, attribute)   # a module's function, or an object's bound method
+        original = getattr(target, attribute)  # a module's function, or an object's bound method
     function = f"{getattr(original, '__qualname__', attribute)}"
     try:
         parameters: Mapping[str, inspect.Parameter] | None = inspect.signature(original).parameters
         signature: inspect.Signature | None = inspect.signature(original)
     except (TypeError, ValueError):
-        parameters = signature = None   # a builtin without a signature: read keyword arguments only
-    readers = _default_readers(function, parameters)
+        parameters = signature = None  # a builtin without a signature: read keyword arguments only
+    readers = default_readers(function, parameters)
     for ours, spec in specs.items():
-        reader = _reader(function, ours, spec, parameters)
+        reader = reader_for(function, ours, spec, parameters)
         if reader is None:
             readers.pop(ours, None)
             readers[ours] = None
@@ -420,7 +313,7 @@ def _wrap(target: object, attribute: str, session: _Session, specs: Mapping[str,
             session.active = {}
         try:
             result = original(*args, **kwargs)
-            readings = _read(function, readers, signature, args, kwargs, result)
+            readings = read_call(function, readers, signature, args, kwargs, result)
             assert session.active is not None  # set above by the outer call, reset only in its finally
             if outer:
                 # The outer call's readings first; a nested mask call's fill what it lacks.
@@ -447,36 +340,6 @@ def _wrap(target: object, attribute: str, session: _Session, specs: Mapping[str,
         installed = classmethod(wrapper)
     setattr(target, attribute, installed)
     return _Wrapped(target, attribute, raw, owned, wrapper)
-
-
-def _read(function: str, readers: Mapping[str, _Reader | None], signature: inspect.Signature | None,
-          args: tuple, kwargs: dict, result: Any) -> dict[str, Any]:
-    bound = None
-    if signature is not None:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-    parsed = None
-    out: dict[str, Any] = {}
-    for ours in (*INPUTS, *OUTPUTS):
-        reader = readers.get(ours, _MISSING)
-        if reader is None:
-            continue
-        value = _MISSING
-        if reader is not _MISSING:
-            try:
-                value = reader.read(bound, args, kwargs, result)
-            except ValueError:
-                raise
-            except Exception as error:  # a caller's callable failing is named, not a bare traceback
-                raise ValueError(f"watch({function}): reading {ours!r} through {reader.what} failed: {error!r}") from error
-        if value is _MISSING and ours in OUTPUTS:
-            parsed = _parse_result(result) if parsed is None else parsed
-            value = parsed.get(ours, _MISSING)
-            if ours == "metrics" and value is not _MISSING:
-                value = _numbers(value)
-        if value is not _MISSING and value is not None:
-            out[ours] = value
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,7 +381,8 @@ def _hook(session: _Session, unit: _Unit, values: Mapping[str, Any]) -> None:
             raise ValueError(
                 f"watch({', '.join(unit.sources)}): neither logp nor log_ratio of this call requires grad, so "
                 f"d loss / d logp cannot be captured; read the tensor the loss is differentiated through "
-                f"(inputs={{'logp': ...}} or {{'log_ratio': ...}})")
+                f"(inputs={{'logp': ...}} or {{'log_ratio': ...}})"
+            )
         return  # a mask computed on detached log-probs: the loss call brings the tensor
     loss = values.get("loss")
     if isinstance(loss, torch.Tensor) and loss.numel() > 1 and loss.requires_grad:
@@ -549,20 +413,25 @@ def _check(unit: _Unit) -> None:
     have = set(values)
     if "log_ratio" in have and len({"logp", "behavior_logp"} & have) == 1:
         have |= {"logp", "behavior_logp"}
-    missing = [name for name in _REQUIRED if name not in have]
+    missing = [name for name in REQUIRED if name not in have]
     if not missing:
         return
     hints = []
     if "log_ratio" in values and {"logp", "behavior_logp"} & set(missing):
-        hints.append("the call passes a log-ratio, not the two log-probs: give inputs={'behavior_logp': ...} "
-                     "(or 'logp', or both) as an argument name or a callable (args, kwargs, result) -> tensor")
+        hints.append(
+            "the call passes a log-ratio, not the two log-probs: give inputs={'behavior_logp': ...} "
+            "(or 'logp', or both) as an argument name or a callable (args, kwargs, result) -> tensor"
+        )
     if "keep" in missing:
-        hints.append("keep is the bool mask of the tokens the M2PO selection kept: outputs={'keep': 'return[i]'} "
-                     "or an argument name, or watch the mask function too")
+        hints.append(
+            "keep is the bool mask of the tokens the M2PO selection kept: outputs={'keep': 'return[i]'} "
+            "or an argument name, or watch the mask function too"
+        )
     raise ValueError(
         f"watch({', '.join(unit.sources)}): cannot read {missing} at step {unit.step}, micro-batch {unit.micro_batch}; "
-        f"expected each as {_SPEC_FORMS}{' (tau: or a number)' if 'tau' in missing else ''} in inputs=/outputs="
-        + (" (" + "; ".join(hints) + ")" if hints else ""))
+        f"expected each as {SPEC_FORMS}{' (tau: or a number)' if 'tau' in missing else ''} in inputs=/outputs="
+        + (" (" + "; ".join(hints) + ")" if hints else "")
+    )
 
 
 def _record(session: _Session, unit: _Unit, values: dict[str, Any], grad: torch.Tensor) -> None:
@@ -577,7 +446,7 @@ def _record(session: _Session, unit: _Unit, values: dict[str, Any], grad: torch.
         behavior = logp - ratio.to(logp.dtype)
     loss = values.get("loss")
     if loss is None:
-        share = float(grad.double().sum())        # the M2PO objective's value: see the module docstring
+        share = float(grad.double().sum())  # the M2PO objective's value: see the module docstring
     elif loss.numel() == 1:
         share = float(loss.double())
     elif unit.share is not None:
@@ -586,12 +455,24 @@ def _record(session: _Session, unit: _Unit, values: dict[str, Any], grad: torch.
         raise RuntimeError(
             f"watch({', '.join(unit.sources)}): the per-token loss of step {unit.step}, micro-batch {unit.micro_batch} "
             f"received no gradient while its log-probs did, so its share of the loss is unknown; "
-            f"read a one-element loss instead (outputs={{'loss': ...}})")
+            f"read a one-element loss instead (outputs={{'loss': ...}})"
+        )
     advantages = values["advantages"]
     if advantages.shape != logp.shape:
-        advantages = advantages.expand_as(logp)   # per sequence [B, 1] -> per token, as the loss broadcasts it
+        advantages = advantages.expand_as(logp)  # per sequence [B, 1] -> per token, as the loss broadcasts it
     session.recorder.record(
-        step=unit.step, micro_batch=unit.micro_batch, logp=logp, behavior_logp=behavior, advantages=advantages,
-        mask=values["mask"].bool(), keep=values["keep"].bool(), loss=share, tau=values["tau"],
-        metrics=values.get("metrics"), selection_logp=values.get("selection_logp"), rollout_logp=values.get("rollout_logp"), grad=grad)
+        step=unit.step,
+        micro_batch=unit.micro_batch,
+        logp=logp,
+        behavior_logp=behavior,
+        advantages=advantages,
+        mask=values["mask"].bool(),
+        keep=values["keep"].bool(),
+        loss=share,
+        tau=values["tau"],
+        metrics=values.get("metrics"),
+        selection_logp=values.get("selection_logp"),
+        rollout_logp=values.get("rollout_logp"),
+        grad=grad,
+    )
     session.records += 1

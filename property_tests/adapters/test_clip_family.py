@@ -1,5 +1,5 @@
 """The clip family (algorithm.md §4) and the deviations real ports combine, as planted torch
-controls (``controls.planted``) and, where it exists, the NumPy variant (``variants.m2po``).
+controls (``call.planted``) and, where it exists, the NumPy variant (``variants.m2po``).
 
 Golden cases in fixtures/golden/clip/ (a separate folder: test_golden.py's non-recursive
 glob judges its cases against Algorithm 1, which these are not) carry their derivation by
@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, Phase, assume, find, given, settings
 from hypothesis.errors import NoSuchExample
 
 from m2po_oracle import strategies
-from m2po_oracle.call import controls
-from m2po_oracle.call.controls import planted
+from m2po_oracle.call import planted as torch_port
+from m2po_oracle.call.planted import planted
 from m2po_oracle.explain.deviations import DENOMINATOR_EPSILON, Deviation
 from m2po_oracle.judge.contract import to_tensors
 from m2po_oracle.oracle.batch import Batch
@@ -40,6 +40,7 @@ SEARCH = settings(max_examples=600, database=None, deadline=None, phases=[Phase.
 
 
 # --- helpers ------------------------------------------------------------------------------
+
 
 def load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
@@ -88,6 +89,7 @@ def golden_mismatches(expected: dict[str, Any], got: dict[str, Any]) -> list[str
 
 
 # --- golden cases -------------------------------------------------------------------------
+
 
 def test_there_are_clip_golden_cases_with_derivations():
     assert len(CLIP_GOLDEN) >= 4
@@ -138,6 +140,7 @@ def test_numpy_variant_matches_the_golden_case(path):
 
 # --- planted bugs the golden check must reject ---------------------------------------------
 
+
 def _swap_kind(dev: Deviation) -> Deviation:
     return replace(dev, selection_kind={"clip_below": "clip_exact", "clip_exact": "clip_below"}[dev.selection_kind])
 
@@ -159,8 +162,9 @@ def _gradient_not_zeroed(batch: Batch, dev: Deviation, monkeypatch) -> dict[str,
 
 def _patched(name: str, value) -> Callable[..., dict[str, Any]]:
     def run(batch: Batch, dev: Deviation, monkeypatch) -> dict[str, Any]:
-        monkeypatch.setattr(controls, name, value)
+        monkeypatch.setattr(torch_port, name, value)
         return run_planted(batch, dev)
+
     return run
 
 
@@ -179,14 +183,31 @@ def _cap_at_breakpoint_above(values: torch.Tensor, tau: float, kind: str) -> tor
 
 #: (bug, how to compute with it, the golden cases it must be rejected on).
 PLANTED_BUGS = {
-    "wrong cap formula (kinds swapped)": (_deviated(_swap_kind), ["clip_below_clips_more_than_algorithm_1", "clip_exact_water_filling",
-                                                                   "clip_floors_widen_the_range", "clip_release_column0_sign_epsilon"]),
-    "breakpoint without the 1e-12 offset": (_patched("CLIP_BELOW_OFFSET", 0.0), ["clip_below_clips_more_than_algorithm_1", "clip_release_column0_sign_epsilon"]),
+    "wrong cap formula (kinds swapped)": (
+        _deviated(_swap_kind),
+        [
+            "clip_below_clips_more_than_algorithm_1",
+            "clip_exact_water_filling",
+            "clip_floors_widen_the_range",
+            "clip_release_column0_sign_epsilon",
+        ],
+    ),
+    "breakpoint without the 1e-12 offset": (
+        _patched("CLIP_BELOW_OFFSET", 0.0),
+        ["clip_below_clips_more_than_algorithm_1", "clip_release_column0_sign_epsilon"],
+    ),
     "cap at the breakpoint above": (_patched("cap_squared", _cap_at_breakpoint_above), [p.stem for p in CLIP_GOLDEN]),
     "Algorithm 1's mask instead of the clip": (_deviated(_with(selection_kind="mask", clip_floors=None)), [p.stem for p in CLIP_GOLDEN]),
     "floors ignored": (_deviated(_with(clip_floors=None)), ["clip_floors_widen_the_range"]),
-    "floors applied to every case": (_deviated(_with(clip_floors=(0.3, 0.5))), ["clip_below_clips_more_than_algorithm_1", "clip_exact_water_filling",
-                                                                                 "clip_exact_zero_budget", "clip_release_column0_sign_epsilon"]),
+    "floors applied to every case": (
+        _deviated(_with(clip_floors=(0.3, 0.5))),
+        [
+            "clip_below_clips_more_than_algorithm_1",
+            "clip_exact_water_filling",
+            "clip_exact_zero_budget",
+            "clip_release_column0_sign_epsilon",
+        ],
+    ),
     "per-token sign instead of column 0": (_deviated(_with(candidates="trust_region")), ["clip_release_column0_sign_epsilon"]),
     "denominator N without the epsilon": (_deviated(_with(denominator="valid")), ["clip_release_column0_sign_epsilon"]),
     "beyond-the-cap tokens keep their gradient": (_gradient_not_zeroed, [p.stem for p in CLIP_GOLDEN]),
@@ -212,6 +233,7 @@ def test_every_golden_case_rejects_some_planted_bug():
 
 
 # --- Hypothesis: the capped mean -----------------------------------------------------------
+
 
 def capped_mean_problem(batch: Batch, got: dict[str, Any], kind: str) -> str | None:
     """clip_exact: a constrained budget gives capped mean == tau; clip_below: <= tau; and
@@ -249,14 +271,15 @@ def _search(property_fails: Callable[[Batch], bool]) -> Batch | None:
 def test_the_capped_mean_check_catches_a_planted_cap(kind, bug, monkeypatch):
     """clip_exact computed with the release's cap (mean under tau), clip_below with the
     breakpoint above the exact cap (mean over tau): the Hypothesis property must fail."""
-    original = controls.cap_squared
+    original = torch_port.cap_squared
     wrong = (lambda values, tau, _kind: original(values, tau, "clip_below")) if bug == "breakpoint below" else _cap_at_breakpoint_above
-    monkeypatch.setattr(controls, "cap_squared", wrong)
+    monkeypatch.setattr(torch_port, "cap_squared", wrong)
     found = _search(lambda batch: capped_mean_problem(batch, run_planted(batch, Deviation(selection_kind=kind)), kind) is not None)
     assert found is not None, f"{kind} with the cap at the {bug} escaped the capped-mean property"
 
 
 # --- Hypothesis: the torch control against the NumPy variant (where it exists) ---------------
+
 
 def _near_the_cap(batch: Batch, got: dict[str, Any]) -> bool:
     """A token whose d^2 lies within rounding of the cap: r against e^c is decided by the
@@ -269,10 +292,16 @@ def _near_the_cap(batch: Batch, got: dict[str, Any]) -> bool:
     return bool(np.any(batch.valid & np.isclose(d * d, c2, rtol=1e-9, atol=1e-300)))
 
 
-@pytest.mark.parametrize("knobs", [{"selection_kind": "clip_below"}, {"selection_kind": "clip_exact"},
-                                   {"selection_kind": "clip_below", "clip_floors": (0.3, 0.5)},
-                                   {"selection_kind": "clip_below", "candidates": "column0_sign", "denominator": "valid_epsilon"}],
-                         ids=lambda k: "-".join(f"{v}" for v in k.values()))
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"selection_kind": "clip_below"},
+        {"selection_kind": "clip_exact"},
+        {"selection_kind": "clip_below", "clip_floors": (0.3, 0.5)},
+        {"selection_kind": "clip_below", "candidates": "column0_sign", "denominator": "valid_epsilon"},
+    ],
+    ids=lambda k: "-".join(f"{v}" for v in k.values()),
+)
 @given(batch=strategies.batches())
 def test_planted_clip_agrees_with_the_numpy_variant(knobs, batch):
     """The two realisations of each clip deviation agree at the diagnosis tolerance
@@ -281,7 +310,9 @@ def test_planted_clip_agrees_with_the_numpy_variant(knobs, batch):
     got = run_planted(batch, dev)
     assume(not _near_the_cap(batch, got))
     result = _variant_or_skip(batch, dev)
-    assert np.array_equal(result.keep, got["keep"]), f"keep: variant {result.keep.astype(int).tolist()} planted {got['keep'].astype(int).tolist()}\n{batch.describe()}"
+    assert np.array_equal(result.keep, got["keep"]), (
+        f"keep: variant {result.keep.astype(int).tolist()} planted {got['keep'].astype(int).tolist()}\n{batch.describe()}"
+    )
     scale = float(np.sum(np.abs(result.grad)))
     assert abs(got["loss"] - result.loss) <= 1e-10 * max(abs(result.loss), scale) + 1e-300, f"loss {got['loss']!r} vs {result.loss!r}"
     np.testing.assert_allclose(got["grad"], result.grad, rtol=1e-10, atol=1e-10 * float(np.max(np.abs(result.grad), initial=0.0)) + 1e-300)
@@ -289,6 +320,7 @@ def test_planted_clip_agrees_with_the_numpy_variant(knobs, batch):
 
 
 # --- the other knobs of algorithm.md §4 -------------------------------------------------------
+
 
 def _batch(d, advantages, valid, tau, behavior=None) -> Batch:
     d = np.array(d, dtype=float)
@@ -405,8 +437,11 @@ def test_float32_selection_decides_in_float32():
 def float32_metrics_problems(got: dict[str, Any]) -> list[str]:
     """Metrics are float32 values: m2_before of d = 0.2 - 1e-10 is float32(0.2)^2 rounded to
     float32, not the float64 0.03999999996 (the planted float64 metrics)."""
-    problems = [f"{name} {got[name]!r} is not a float32 value" for name in ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction")
-                if not _is_float32(got[name])]
+    problems = [
+        f"{name} {got[name]!r} is not a float32 value"
+        for name in ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction")
+        if not _is_float32(got[name])
+    ]
     want = float(np.float32(0.2) * np.float32(0.2))
     if got["m2_before"] != want:
         problems.append(f"m2_before {got['m2_before']!r} != {want!r}")
@@ -425,11 +460,18 @@ def test_float32_metrics_on_the_clip_kinds():
     assert got["m2_after"] == pytest.approx(case["expected"]["m2_after"], rel=1e-6)
 
 
-@pytest.mark.parametrize("knobs", [{"selection_kind": "clip_below"}, {"selection_kind": "clip_exact"}, {"selection_kind": "clip_below", "clip_floors": (0.3, 0.5)},
-                                   {"selection_kind": "clip_exact", "denominator": "valid_epsilon"},
-                                   {"selection_kind": "clip_exact", "clamp_log_ratio": 20.0, "hard_clamp": True},
-                                   {"selection_kind": "clip_below", "selection_dtype": "float32", "metrics_dtype": "float32"}],
-                         ids=lambda k: "-".join(f"{v}" for v in k.values()))
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"selection_kind": "clip_below"},
+        {"selection_kind": "clip_exact"},
+        {"selection_kind": "clip_below", "clip_floors": (0.3, 0.5)},
+        {"selection_kind": "clip_exact", "denominator": "valid_epsilon"},
+        {"selection_kind": "clip_exact", "clamp_log_ratio": 20.0, "hard_clamp": True},
+        {"selection_kind": "clip_below", "selection_dtype": "float32", "metrics_dtype": "float32"},
+    ],
+    ids=lambda k: "-".join(f"{v}" for v in k.values()),
+)
 @given(batch=strategies.batches())
 def test_clip_kinds_are_immune_to_padding(knobs, batch):
     """NaN/inf padding reaches neither the loss nor the gradient (same mask, loss, gradient

@@ -90,12 +90,20 @@ def test_round_trip_two_ranks_bit_identical(tmp_path: Path) -> None:
                     batch["behavior_logp"] = batch["logp"].detach()
                     batch["keep"] = batch["mask"]
                 loss = float("nan") if (rank, step, micro_batch) == (1, 7, 0) else 0.5 * step - micro_batch
-                metrics = {"m2_before": 0.125 * step, "masked_fraction": float("inf") if step == 7 else 0.0,
-                           "valid_count": int(batch["mask"].sum()), "as_tensor": torch.tensor(1.5)}
+                metrics = {
+                    "m2_before": 0.125 * step,
+                    "masked_fraction": float("inf") if step == 7 else 0.0,
+                    "valid_count": int(batch["mask"].sum()),
+                    "as_tensor": torch.tensor(1.5),
+                }
                 path = _record(recorder, step, micro_batch, batch, loss=torch.tensor(loss), tau=0.04 * rank, metrics=metrics)
                 assert path is not None and path.is_file(), f"record of rank {rank} step {step} mb {micro_batch} wrote {path}"
-                written[(rank, step, micro_batch)] = {**{k: v.clone() for k, v in batch.items()}, "loss": loss, "tau": 0.04 * rank,
-                                                     "metrics": {**metrics, "as_tensor": 1.5}}
+                written[(rank, step, micro_batch)] = {
+                    **{k: v.clone() for k, v in batch.items()},
+                    "loss": loss,
+                    "tau": 0.04 * rank,
+                    "metrics": {**metrics, "as_tensor": 1.5},
+                }
 
     assert check_capture(tmp_path) == []
     capture = load_capture(tmp_path)
@@ -182,7 +190,9 @@ def test_watch_gradient_captures_the_autograd_gradient_of_each_micro_batch(tmp_p
     parameter = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
     logps, batches, watches = [], [], []
     for micro_batch in range(2):
-        batch = {k: v.nan_to_num(0.0, neginf=0.0) if v.is_floating_point() else v for k, v in _batch(micro_batch, (2, 5), torch.float64).items()}
+        batch = {
+            k: v.nan_to_num(0.0, neginf=0.0) if v.is_floating_point() else v for k, v in _batch(micro_batch, (2, 5), torch.float64).items()
+        }
         logp = parameter * (micro_batch + 1) - 1.0  # a non-leaf, as a model's output is
         logp.retain_grad()
         batch["logp"] = logp
@@ -263,8 +273,21 @@ def test_every_2_records_even_steps_and_skipped_steps_touch_nothing(tmp_path: Pa
     for step in range(6):
         if step % 2:
             poison = _Poison()
-            assert recorder.record(step=step, micro_batch=0, logp=tripwire, behavior_logp=poison, advantages=poison,
-                                   mask=poison, keep=poison, loss=poison, tau=poison, metrics=poison) is None
+            assert (
+                recorder.record(
+                    step=step,
+                    micro_batch=0,
+                    logp=tripwire,
+                    behavior_logp=poison,
+                    advantages=poison,
+                    mask=poison,
+                    keep=poison,
+                    loss=poison,
+                    tau=poison,
+                    metrics=poison,
+                )
+                is None
+            )
             assert recorder.watch_gradient(tripwire) is None, "no hook on a skipped step"
         else:
             logp = torch.zeros(4, requires_grad=True)
@@ -276,8 +299,17 @@ def test_every_2_records_even_steps_and_skipped_steps_touch_nothing(tmp_path: Pa
     calls = 20_000
     start = time.perf_counter()
     for _ in range(calls):
-        recorder.record(step=1, micro_batch=0, logp=tripwire, behavior_logp=tripwire, advantages=tripwire,
-                        mask=tripwire, keep=tripwire, loss=0.0, tau=0.04)
+        recorder.record(
+            step=1,
+            micro_batch=0,
+            logp=tripwire,
+            behavior_logp=tripwire,
+            advantages=tripwire,
+            mask=tripwire,
+            keep=tripwire,
+            loss=0.0,
+            tau=0.04,
+        )
     per_call = (time.perf_counter() - start) / calls
     # Measured at about 0.2 us; the bound only catches a skipped step that started doing work.
     assert per_call < 50e-6, f"a skipped record() took {per_call * 1e6:.1f} us"
@@ -294,7 +326,12 @@ VALIDATION = [
     ("rank-too-large", {"rank": 2}, None, r"rank must be in \[0, world_size\) = \[0, 2\), got 2"),
     ("rank-bool", {"rank": True}, None, r"rank must be an integer"),
     ("world-size-zero", {"world_size": 0, "rank": 0}, None, r"world_size must be an integer >= 1, got 0"),
-    ("topology-mismatch", {"topology": "dp=2,cp=2,tp=1"}, None, r"topology 'dp=2,cp=2,tp=1' has dp\*cp\*tp = 2\*2\*1 = 4 ranks, expected world_size = 2"),
+    (
+        "topology-mismatch",
+        {"topology": "dp=2,cp=2,tp=1"},
+        None,
+        r"topology 'dp=2,cp=2,tp=1' has dp\*cp\*tp = 2\*2\*1 = 4 ranks, expected world_size = 2",
+    ),
     ("topology-unknown-key", {"topology": "dp=2,pp=1"}, None, r"topology 'dp=2,pp=1': bad part 'pp=1'"),
     ("topology-empty", {"topology": ""}, None, r"topology must be a string"),
     ("topology-zero", {"topology": "dp=0"}, None, r"bad part 'dp=0'"),
@@ -303,9 +340,19 @@ VALIDATION = [
     ("step-negative", None, {"step": -1}, r"step must be an integer >= 0, got -1"),
     ("step-float", None, {"step": 2.0}, r"step must be an integer >= 0, got 2.0"),
     ("micro-batch-negative", None, {"micro_batch": -3}, r"micro_batch must be an integer >= 0, got -3"),
-    ("behavior-shape", None, {"behavior_logp": torch.zeros(2, 4)}, r"behavior_logp must have the shape of logp \[2, 3\].*behavior_logp \[2, 4\]"),
+    (
+        "behavior-shape",
+        None,
+        {"behavior_logp": torch.zeros(2, 4)},
+        r"behavior_logp must have the shape of logp \[2, 3\].*behavior_logp \[2, 4\]",
+    ),
     ("advantages-per-row", None, {"advantages": torch.zeros(2)}, r"advantages must have the shape of logp \[2, 3\]"),
-    ("mask-and-keep-shape", None, {"mask": torch.ones(3, 2, dtype=torch.bool), "keep": torch.ones(6, dtype=torch.bool)}, r"mask, keep must have the shape of logp"),
+    (
+        "mask-and-keep-shape",
+        None,
+        {"mask": torch.ones(3, 2, dtype=torch.bool), "keep": torch.ones(6, dtype=torch.bool)},
+        r"mask, keep must have the shape of logp",
+    ),
     ("mask-float", None, {"mask": torch.ones(_SHAPE)}, r"mask must be a bool tensor, got dtype torch.float32"),
     ("keep-uint8", None, {"keep": torch.ones(_SHAPE, dtype=torch.uint8)}, r"keep must be a bool tensor, got dtype torch.uint8"),
     ("logp-int", None, {"logp": torch.zeros(_SHAPE, dtype=torch.int64)}, r"logp must be a floating-point tensor"),
@@ -323,7 +370,9 @@ VALIDATION = [
 ]
 
 
-@pytest.mark.parametrize("recorder_overrides, record_overrides, message", [case[1:] for case in VALIDATION], ids=[case[0] for case in VALIDATION])
+@pytest.mark.parametrize(
+    "recorder_overrides, record_overrides, message", [case[1:] for case in VALIDATION], ids=[case[0] for case in VALIDATION]
+)
 def test_validation_errors_name_the_argument(tmp_path: Path, recorder_overrides, record_overrides, message) -> None:
     with pytest.raises(ValueError, match=message):
         recorder = Recorder(tmp_path, **{**_GOOD_RECORDER, **(recorder_overrides or {})})
@@ -400,7 +449,11 @@ BAD = [
     ("missing-rank-manifest", _delete_rank_manifest, r"manifest is missing: world_size = 2 needs one manifest per rank 0..1"),
     ("missing-record-file", _delete_record_file, r"listed in manifest.rank-000.json \(step 0, micro-batch 0\) but the file is missing"),
     ("corrupt-grad-header", _corrupt_header, r"not a readable safetensors file"),
-    ("swapped-file", _swap_files, r"header metadata does not match manifest.rank-000.json \(step 0, micro-batch 1\): step '1' \(expected '0'\)"),
+    (
+        "swapped-file",
+        _swap_files,
+        r"header metadata does not match manifest.rank-000.json \(step 0, micro-batch 1\): step '1' \(expected '0'\)",
+    ),
     ("garbage-manifest", _garbage_manifest, r"manifest is not readable JSON"),
 ]
 
@@ -469,13 +522,27 @@ def test_optional_tensors_a_passed_gradient_and_parameter_norms_round_trip(tmp_p
     mask = torch.ones(shape, dtype=torch.bool)
     selection, rollout, grad = torch.randn(shape), torch.randn(shape), torch.randn(shape)
     recorder = Recorder(tmp_path, rank=0, world_size=1, topology="dp=1")
-    recorder.record(step=0, micro_batch=0, logp=logp, behavior_logp=behavior, advantages=advantages, mask=mask, keep=mask,
-                    loss=0.5, tau=0.04, selection_logp=selection, rollout_logp=rollout, grad=grad)
+    recorder.record(
+        step=0,
+        micro_batch=0,
+        logp=logp,
+        behavior_logp=behavior,
+        advantages=advantages,
+        mask=mask,
+        keep=mask,
+        loss=0.5,
+        tau=0.04,
+        selection_logp=selection,
+        rollout_logp=rollout,
+        grad=grad,
+    )
     model = torch.nn.Linear(3, 2)
     model(torch.randn(4, 3)).sum().backward()
     model.bias.grad.zero_()
     frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
-    recorder.record_parameter_gradients(step=0, named_parameters=[*model.named_parameters(), ("frozen", frozen), ("unused", torch.nn.Parameter(torch.ones(1)))])
+    recorder.record_parameter_gradients(
+        step=0, named_parameters=[*model.named_parameters(), ("frozen", frozen), ("unused", torch.nn.Parameter(torch.ones(1)))]
+    )
     capture = load_capture(tmp_path)
     record = capture.load(0, 0, 0)
     for name, value in (("selection_logp", selection), ("rollout_logp", rollout), ("grad", grad)):
@@ -485,8 +552,18 @@ def test_optional_tensors_a_passed_gradient_and_parameter_norms_round_trip(tmp_p
     assert norms["bias"] == {"numel": 2, "norm": 0.0} and norms["unused"]["norm"] is None
     assert norms["weight"]["norm"] == pytest.approx(float(model.weight.grad.double().norm()))
     with pytest.raises(ValueError, match="selection_logp must have the shape of logp"):
-        recorder.record(step=1, micro_batch=0, logp=logp, behavior_logp=behavior, advantages=advantages, mask=mask, keep=mask,
-                        loss=0.5, tau=0.04, selection_logp=torch.zeros(3))
+        recorder.record(
+            step=1,
+            micro_batch=0,
+            logp=logp,
+            behavior_logp=behavior,
+            advantages=advantages,
+            mask=mask,
+            keep=mask,
+            loss=0.5,
+            tau=0.04,
+            selection_logp=torch.zeros(3),
+        )
     with pytest.raises(ValueError, match="named_parameters must be"):
         recorder.record_parameter_gradients(step=1, named_parameters=[("w", 3)])
 
@@ -525,7 +602,9 @@ def test_module_imports_only_torch_safetensors_and_the_standard_library() -> Non
             imported.add(node.module.split(".")[0])
     allowed = {"torch", "safetensors", "__future__", *sys.stdlib_module_names} - {"pickle", "marshal", "shelve", "copyreg"}
     assert imported <= allowed, f"unexpected imports {sorted(imported - allowed)}"
-    calls = {f"{node.value.id}.{node.attr}" for node in ast.walk(tree) if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)}
+    calls = {
+        f"{node.value.id}.{node.attr}" for node in ast.walk(tree) if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+    }
     assert not calls & {"torch.save", "torch.load", "pickle.dump", "pickle.load"}, calls
 
 
@@ -540,7 +619,39 @@ def test_vendored_copy_works_alone(tmp_path: Path) -> None:
         "r.record(step=0, micro_batch=0, logp=torch.zeros(2), behavior_logp=torch.zeros(2), advantages=torch.ones(2), mask=b, keep=b, loss=0.0, tau=0.04)\n"
         "print(sorted(m for m in sys.modules if m.startswith('m2po_oracle')))\n"
     )
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"the vendored copy imported {result.stdout}"
+    assert len(load_capture(tmp_path / "run")) == 1
+
+
+def test_vendored_watch_works_as_one_package_folder(tmp_path: Path) -> None:
+    # The recorder, watching.py and watch_reading.py copied into a framework's own folder
+    # under another name: watch records a call without m2po_oracle.
+    from m2po_oracle.capture import watch_reading, watching
+
+    folder = tmp_path / "thirdparty_m2po"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    for module in (recorder, watching, watch_reading):
+        shutil.copyfile(module.__file__, folder / Path(module.__file__).name)
+    script = (
+        "import sys, types, torch\n"
+        "from thirdparty_m2po import recorder, watching\n"
+        "lib = types.SimpleNamespace(loss=lambda logp, behavior_logp, advantages, mask, tau: "
+        "((torch.exp(logp - behavior_logp) * advantages)[mask].sum() / mask.sum(), mask.clone()))\n"
+        "r = recorder.Recorder(sys.argv[1], rank=0, world_size=1, topology='dp=1')\n"
+        "logp = torch.zeros(1, 3, requires_grad=True)\n"
+        "with watching.watch(lib, 'loss', r, step=lambda: 0):\n"
+        "    loss, keep = lib.loss(logp, torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3, dtype=torch.bool), 0.04)\n"
+        "    loss.backward()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('m2po_oracle')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", f"the vendored copy imported {result.stdout}"
     assert len(load_capture(tmp_path / "run")) == 1

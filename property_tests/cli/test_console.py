@@ -9,7 +9,7 @@ from functools import partial
 
 from rich.console import Console
 
-from m2po_oracle.call.controls import planted
+from m2po_oracle.call.planted import planted
 from m2po_oracle.cli.console import print_quiet, print_report
 from m2po_oracle.compare.search import run_compare
 from m2po_oracle.explain.deviations import variant

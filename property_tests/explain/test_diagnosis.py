@@ -12,7 +12,8 @@ import torch
 from hypothesis import given
 
 from m2po_oracle import oracle, strategies
-from m2po_oracle.call.controls import COMPOSITE_CONTROLS, NEGATIVE_CONTROLS, planted
+from m2po_oracle.call.controls import COMPOSITE_CONTROLS, NEGATIVE_CONTROLS
+from m2po_oracle.call.planted import planted
 from m2po_oracle.cli.selftest import SelftestRow, run_selftest, select_controls
 from m2po_oracle.compare.search import run_compare
 from m2po_oracle.core.loss import m2po_loss
@@ -230,6 +231,7 @@ def test_every_control_has_its_quick_example_count():
 
 # --- coverage instead of unanimity, joint moves, fitted values --------------------------------
 
+
 def _kept_count_with_empty_rows_as_one(logp, behavior_logp, advantages, mask, *, tau):
     """kept_count_denominator, with a quirk outside the vocabulary on a minority of batches:
     each row without a valid token adds one to the kept count (max(n_i, 1) per row)."""
@@ -241,7 +243,9 @@ def _kept_count_with_empty_rows_as_one(logp, behavior_logp, advantages, mask, *,
 
 
 def test_a_quirk_outside_the_vocabulary_on_a_minority_leaves_a_residual_not_a_wrong_name():
-    d = run_compare(_kept_count_with_empty_rows_as_one, "kept count, empty rows as one", examples=EXAMPLES, shrink=False).diagnosis.to_json()
+    d = run_compare(
+        _kept_count_with_empty_rows_as_one, "kept count, empty rows as one", examples=EXAMPLES, shrink=False
+    ).diagnosis.to_json()
     assert d["status"] == "mostly_explained", d["summary"]
     assert d["by_check"]["loss"] == ["kept_count_denominator"] and d["components"] == ["kept_count_denominator"], d["summary"]
     share = d["shares"]["loss"]
@@ -259,7 +263,9 @@ def test_a_quirk_outside_the_vocabulary_on_a_minority_leaves_a_residual_not_a_wr
 def test_a_check_reproduced_on_less_than_the_threshold_is_only_the_closest(monkeypatch):
     """The threshold is what names: raised above the quirky port's share, the same run names nothing for the loss."""
     monkeypatch.setattr(shares, "NAMED_SHARE", 1.0)
-    d = run_compare(_kept_count_with_empty_rows_as_one, "kept count, empty rows as one", examples=EXAMPLES, shrink=False).diagnosis.to_json()
+    d = run_compare(
+        _kept_count_with_empty_rows_as_one, "kept count, empty rows as one", examples=EXAMPLES, shrink=False
+    ).diagnosis.to_json()
     assert "loss" in d["unexplained"] and "loss" not in d["by_check"], d["summary"]
     assert any(c.get("check") == "loss" and c["variant"] == "kept_count_denominator" for c in d["closest"]), d["closest"]
     (residual,) = [r for r in d["residuals"] if "loss" in r["checks"]]
@@ -272,14 +278,18 @@ JOINT = ("authors_release_clip", "clip_floors(0.2, 0.28)", "float32_metrics")
 def test_components_that_only_act_together_are_found_with_the_values_the_port_picked():
     """Floors change nothing without a clip kind: the search adds them as one move and reads
     their values from the examples (the name carries them)."""
-    d = run_compare(partial(planted, deviation=combine(JOINT)), "clip + floors(0.2, 0.28) + float32 metrics", examples=EXAMPLES, shrink=False).diagnosis.to_json()
+    d = run_compare(
+        partial(planted, deviation=combine(JOINT)), "clip + floors(0.2, 0.28) + float32 metrics", examples=EXAMPLES, shrink=False
+    ).diagnosis.to_json()
     assert d["status"] == "matched" and sorted(d["components"]) == sorted(JOINT), d["summary"]
     assert all(s["share"] == 1 for s in d["shares"].values())
 
 
 def test_without_fitting_the_floors_the_port_picked_are_not_named(monkeypatch):
     monkeypatch.setattr(fitting, "DIRECT_FITTERS", {})
-    d = run_compare(partial(planted, deviation=combine(JOINT)), "clip + floors(0.2, 0.28) + float32 metrics", examples=EXAMPLES, shrink=False).diagnosis.to_json()
+    d = run_compare(
+        partial(planted, deviation=combine(JOINT)), "clip + floors(0.2, 0.28) + float32 metrics", examples=EXAMPLES, shrink=False
+    ).diagnosis.to_json()
     assert "clip_floors(0.2, 0.28)" not in d["components"] and d["status"] != "matched", d["summary"]
 
 
@@ -297,10 +307,14 @@ def test_the_search_s_sample_and_the_examples_the_shares_count_are_told_apart():
     from m2po_oracle.report.html import render_html
 
     rng = np.random.default_rng(3)
-    batches = [Batch(rng.normal(0, 0.3, (2, 6)) - 1.0, np.full((2, 6), -1.0), rng.choice([-1.0, 1.0], (2, 6)), np.ones((2, 6), bool), 0.02)
-               for _ in range(7)]
+    batches = [
+        Batch(rng.normal(0, 0.3, (2, 6)) - 1.0, np.full((2, 6), -1.0), rng.choice([-1.0, 1.0], (2, 6)), np.ones((2, 6), bool), 0.02)
+        for _ in range(7)
+    ]
     observations = [evidence.Observation(b, variants.m2po(b, variant("one_extra_removed").deviation)) for b in batches]
-    d = diagnosis.diagnose(observations[:4], ["selection.minimal"], dtype="float64", divergent=True, beyond_sample=observations[4:]).to_json()
+    d = diagnosis.diagnose(
+        observations[:4], ["selection.minimal"], dtype="float64", divergent=True, beyond_sample=observations[4:]
+    ).to_json()
     assert (d["examples_searched"], d["examples_compared"]) == (4, 7)
     report = run_compare(partial(planted, deviation=variant("one_extra_removed").deviation), "extra", examples=40, shrink=False)
     report.diagnosis = replace(report.diagnosis, examples_searched=4, examples_compared=7)
@@ -313,7 +327,9 @@ def test_the_search_s_sample_and_the_examples_the_shares_count_are_told_apart():
     from m2po_oracle.cli.console import print_diagnosis
 
     out = io.StringIO()
-    print_diagnosis(Console(file=out, width=300), {**report.diagnosis.to_json(), "closest": [{"variant": "v", "description": "d", "check": "c"}]})
+    print_diagnosis(
+        Console(file=out, width=300), {**report.diagnosis.to_json(), "closest": [{"variant": "v", "description": "d", "check": "c"}]}
+    )
     assert "leads for the unexplained (searched on the first 4 of the 7 examples compared):" in out.getvalue()
 
 
@@ -345,8 +361,10 @@ def test_an_explanation_complete_on_the_sample_is_improved_on_the_examples_beyon
 
     planted_dev = Deviation(selection_kind="clip_below", unconstrained_ratio_bound=1e5)
     rng = np.random.default_rng(0)
-    batches = [Batch(rng.normal(0, 0.3, (2, 6)) - 1.0, np.full((2, 6), -1.0), rng.choice([-1.0, 1.0], (2, 6)), np.ones((2, 6), bool), 0.02)
-               for _ in range(4)]
+    batches = [
+        Batch(rng.normal(0, 0.3, (2, 6)) - 1.0, np.full((2, 6), -1.0), rng.choice([-1.0, 1.0], (2, 6)), np.ones((2, 6), bool), 0.02)
+        for _ in range(4)
+    ]
     batches.append(Batch(np.array([[-0.5, 11.5]]), np.array([[-1.0, -1.0]]), np.array([[1.0, 1.0]]), np.ones((1, 2), bool), 100.0))
     observations = [evidence.Observation(b, variants.m2po(b, planted_dev)) for b in batches]
     judge = evidence.Judge(observations, dtype="float64", compute_dtype=None, supplied=None, sample=4)

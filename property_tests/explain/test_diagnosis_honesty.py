@@ -54,7 +54,7 @@ def _loss_on(keep: torch.Tensor, logp, behavior_logp, advantages, mask, denomina
 def _abs_statistic(logp, behavior_logp, advantages, mask, *, tau):
     """Mean |d| held under sqrt(tau) instead of mean d^2 under tau."""
     d = (_zeroed(logp, mask) - _zeroed(behavior_logp, mask)).detach()
-    removed = _remove_largest(d.abs(), _trust_region(d, advantages, mask), tau ** 0.5)
+    removed = _remove_largest(d.abs(), _trust_region(d, advantages, mask), tau**0.5)
     keep = mask & ~removed
     return {"loss": _loss_on(keep, logp, behavior_logp, advantages, mask), "keep": keep}
 
@@ -124,7 +124,9 @@ def test_a_residual_that_is_float32_rounding_says_so():
     (residual,) = [r for r in d["residuals"] if "gradient" in r["checks"]]
     assert residual["unexplained"] and residual["float32_fits"] == residual["count"], residual
     assert residual["explanation"] == [], "measured against Algorithm 1: no known deviation explains it"
-    others = [r for r in run_compare(_trust_region_denominator, "TR denominator", examples=60, shrink=False).diagnosis.to_json()["residuals"]]
+    others = [
+        r for r in run_compare(_trust_region_denominator, "TR denominator", examples=60, shrink=False).diagnosis.to_json()["residuals"]
+    ]
     # Another deviation's residual fits float32 rounding only where its values happen to be tiny.
     assert others and all(r["float32_fits"] <= r["count"] // 10 for r in others), "a residual that is not rounding is not called rounding"
 
@@ -146,6 +148,7 @@ def test_no_two_named_components_set_one_knob():
 
 # --- padding leaks through torch.where's backward -------------------------------------------
 
+
 def _where_leak_every_input(logp, behavior_logp, advantages, mask, *, tau):
     """Algorithm 1 computed on the raw inputs, the padding dropped by torch.where: finite
     forward, but its backward sends 0 * NaN to the padding positions of logp."""
@@ -161,8 +164,10 @@ def _where_leak_log_probs_only(logp, behavior_logp, advantages, mask, *, tau):
     return {"loss": term.sum() / mask.sum().clamp(min=1), "keep": keep}
 
 
-@pytest.mark.parametrize(("fn", "inputs"), [(_where_leak_every_input, ["logp", "behavior_logp", "advantages"]),
-                                            (_where_leak_log_probs_only, ["logp", "behavior_logp"])])
+@pytest.mark.parametrize(
+    ("fn", "inputs"),
+    [(_where_leak_every_input, ["logp", "behavior_logp", "advantages"]), (_where_leak_log_probs_only, ["logp", "behavior_logp"])],
+)
 def test_a_nan_gradient_at_padding_positions_is_named_a_leak(fn, inputs):
     report = run_compare(fn, fn.__name__, examples=60, shrink=False)
     d = report.diagnosis.to_json()
@@ -179,7 +184,7 @@ def test_a_hard_clamp_in_the_loss_only_is_one_name():
     one deviation: named as one, never as a clamp plus a clamp."""
     from functools import partial
 
-    from m2po_oracle.call.controls import planted
+    from m2po_oracle.call.planted import planted
     from m2po_oracle.explain.deviations import variant
     from m2po_oracle.judge.battery import run_battery
     from m2po_oracle.oracle.batch import Batch

@@ -7,8 +7,8 @@ import textwrap
 import pytest
 import torch
 
-from m2po_oracle.call.controls import planted
 from m2po_oracle.call.isolation import InProcess, Isolated
+from m2po_oracle.call.planted import planted
 from m2po_oracle.cli.main import EXIT_DIVERGENT, EXIT_EQUIVALENT, main
 from m2po_oracle.compare.search import run_compare
 from m2po_oracle.core.loss import m2po_loss
@@ -40,14 +40,16 @@ def test_accepted_invalid_input_is_a_warning_unless_strict():
 
 def test_a_probe_that_hangs_is_reported_not_waited_for(tmp_path):
     source = tmp_path / "hangs_on_bad_tau.py"
-    source.write_text(textwrap.dedent("""
+    source.write_text(
+        textwrap.dedent("""
         import math, time
         from m2po_oracle.core.loss import m2po_loss
         def port(logp, behavior_logp, advantages, mask, *, tau):
             if not tau >= 0:
                 time.sleep(600)
             return m2po_loss(logp, behavior_logp, advantages, mask, tau=tau)
-    """))
+    """)
+    )
     with Isolated(f"{source}:port", timeout_s=1.0) as runner:
         assert runner.probe("negative_tau").status == "hung"
         assert runner.probe("nan_logp_on_valid_token").status == "rejected"
@@ -55,8 +57,10 @@ def test_a_probe_that_hangs_is_reported_not_waited_for(tmp_path):
 
 def test_cli_strict_validation_exit_status(tmp_path):
     source = tmp_path / "permissive.py"
-    source.write_text("from m2po_oracle.call.controls import planted\nfrom m2po_oracle.explain.deviations import Deviation\n"
-                      "def port(*a, **k):\n    return planted(*a, **k, deviation=Deviation())\n")
+    source.write_text(
+        "from m2po_oracle.call.planted import planted\nfrom m2po_oracle.explain.deviations import Deviation\n"
+        "def port(*a, **k):\n    return planted(*a, **k, deviation=Deviation())\n"
+    )
     assert main(["compare", "--impl", f"{source}:port", "--examples", "10", "--in-process"]) == EXIT_EQUIVALENT
     assert main(["compare", "--impl", f"{source}:port", "--examples", "10", "--in-process", "--strict-validation"]) == EXIT_DIVERGENT
 
@@ -93,7 +97,10 @@ def test_a_probe_on_a_batch_the_port_fails_anyway_is_not_run_not_crashed(capsys)
     assert InProcess(m2po_loss).probe("nan_tau").status == "rejected"  # a port that runs on the clean batch is judged as before
     values = ProjectConfig().merged({o.name: None for o in options.COMPARE_OPTIONS + options.RUN_SETTINGS})
     outcome = item_outcomes("property_tests.judge.test_validation:_fails_on_three_columns", {**values, "examples": 10, "in_process": True})
-    assert outcome["items"]["validation"]["status"] == "skip" and "no invalid-input probe could run" in outcome["items"]["validation"]["message"]
+    assert (
+        outcome["items"]["validation"]["status"] == "skip"
+        and "no invalid-input probe could run" in outcome["items"]["validation"]["message"]
+    )
 
 
 def _subtracts_none(logp, behavior_logp, advantages, mask, *, tau):

@@ -15,14 +15,14 @@ PACKAGE = Path(m2po_oracle.__file__).parent
 #: The rooms, lowest floor first; a room imports only rooms of a lower floor.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors", "oracle", "capture"),  # Algorithm 1 and the records (torch-free); the vendorable recorder
-    ("core", "strategies"),           # the production loss; batches for property tests
-    ("judge",),                       # judging one example: checks, tolerances, equivalence, contract, probes
-    ("adapters", "explain"),          # other signatures; explaining a failure: deviations, variants, diagnosis
-    ("call",),                        # calling an implementation: runner, resolve, isolation, controls
-    ("distributed", "trainer"),       # the other worlds: ranks, whole training steps
-    ("compare", "audit"),             # the search for a counterexample; judging a recorded run
-    ("report", "bench"),              # rendering the JSON records; benchmarks
-    ("cli",),                         # the entry points
+    ("core", "strategies"),  # the production loss; batches for property tests
+    ("judge",),  # judging one example: checks, tolerances, equivalence, contract, probes
+    ("adapters", "explain"),  # other signatures; explaining a failure: deviations, variants, diagnosis
+    ("call",),  # calling an implementation: runner, resolve, isolation, controls
+    ("distributed", "trainer"),  # the other worlds: ranks, whole training steps
+    ("compare", "audit"),  # the search for a counterexample; judging a recorded run
+    ("report", "bench"),  # rendering the JSON records; benchmarks
+    ("cli",),  # the entry points
     ("__main__", "torchrun", "integrations"),  # python -m m2po_oracle; under torchrun; inside TRL and ms-swift
 )
 FLOOR = {room: level for level, rooms in enumerate(FLOORS) for room in rooms}
@@ -43,10 +43,13 @@ def import_graph() -> dict[str, set[str]]:
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                # "from m2po_oracle.x import y" may name a module y or a name in x.
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules.keys() | extensions else node.module
-                           for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+                # "from m2po_oracle.x import y" may name a module y or a name in x; a relative
+                # import ("from .x import y", for files that vendor together) counts as well.
+                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+                source = ".".join(p for p in (base, node.module) if p)
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules.keys() | extensions else source for a in node.names]
             for target in targets:
                 if target in extensions:
                     continue
@@ -67,7 +70,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt):], nxt]
+                return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -107,8 +110,12 @@ def room(module: str) -> str:
 
 def upward_room_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     """Imports from a room into a room on the same or a higher floor."""
-    return sorted((module, target) for module, targets in graph.items() for target in targets
-                  if room(module) != room(target) and FLOOR[room(target)] >= FLOOR[room(module)])
+    return sorted(
+        (module, target)
+        for module, targets in graph.items()
+        for target in targets
+        if room(module) != room(target) and FLOOR[room(target)] >= FLOOR[room(module)]
+    )
 
 
 def test_every_room_stands_on_a_floor():
@@ -150,8 +157,13 @@ def upward_arrows(graph: dict[str, set[str]], package: str, rooms: tuple[str, ..
     """Imports inside ``package`` that run from a room into the same or a higher one (its
     ``__init__`` sits above every room)."""
     rank = {f"{package}.{room}": index for index, room in enumerate(rooms)} | {package: len(rooms)}
-    return [(module, target) for module, targets in graph.items() if module in rank
-            for target in targets if target.startswith(package) and rank.get(target, -1) >= rank[module]]
+    return [
+        (module, target)
+        for module, targets in graph.items()
+        if module in rank
+        for target in targets
+        if target.startswith(package) and rank.get(target, -1) >= rank[module]
+    ]
 
 
 def test_the_audit_rooms_import_only_downward():

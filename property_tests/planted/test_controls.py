@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis.errors import Flaky, NoSuchExample
 
 from m2po_oracle import strategies
-from m2po_oracle.call.controls import NEGATIVE_CONTROLS, planted
+from m2po_oracle.call.controls import NEGATIVE_CONTROLS
+from m2po_oracle.call.planted import planted
 from m2po_oracle.explain.deviations import Deviation
 from m2po_oracle.judge.battery import assert_battery_passes, run_battery
 from m2po_oracle.judge.checks import CHECKS
