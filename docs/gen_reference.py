@@ -97,6 +97,7 @@ def load(key: str) -> Any:
 
 # --- Markdown helpers ----------------------------------------------------------------------------
 
+
 def cell(text: Any) -> str:
     """Text for a table cell: one line; reST literals and roles (``x``, :func:`x`) as code spans;
     Markdown's special characters escaped outside them."""
@@ -105,8 +106,7 @@ def cell(text: Any) -> str:
     text = re.sub(r"``([^`]+)``", r"`\1`", text)
     parts = re.split(r"(`[^`]+`)", text)
     for i in range(0, len(parts), 2):
-        parts[i] = (parts[i].replace("\\", "\\\\").replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
-                    .replace("<", "&lt;"))
+        parts[i] = parts[i].replace("\\", "\\\\").replace("|", "\\|").replace("*", "\\*").replace("_", "\\_").replace("<", "&lt;")
     # A pipe inside a code span does not split a table cell (Python-Markdown's tables), and
     # escaping it would show the backslash.
     return "".join(parts)
@@ -128,6 +128,7 @@ def docstring(obj: Any) -> str:
 
 
 # --- cli.md --------------------------------------------------------------------------------------
+
 
 class _Captured(Exception):
     pass
@@ -241,9 +242,12 @@ def _exit_statuses(parser: argparse.ArgumentParser) -> list[tuple[int, str]]:
 
 def cli_page() -> str:
     parser = load("cli.build_parser")()
-    out = [HEADER, "# Command line\n\n",
-           "Every subcommand and option of `m2po-oracle`, the pytest plugin and `python -m m2po_oracle.torchrun`, "
-           "read from their argument parsers. `m2po-oracle SUBCOMMAND --help` prints the same.\n\n"]
+    out = [
+        HEADER,
+        "# Command line\n\n",
+        "Every subcommand and option of `m2po-oracle`, the pytest plugin and `python -m m2po_oracle.torchrun`, "
+        "read from their argument parsers. `m2po-oracle SUBCOMMAND --help` prints the same.\n\n",
+    ]
     out.append("## Exit status\n\n" + table(("status", "meaning"), [(code(n), cell(m)) for n, m in _exit_statuses(parser)]) + "\n")
     out.append(f"## `{parser.prog}`\n\n{cell(parser.description)}\n\n" + _usage(parser) + "\n" + _options_table(parser) + "\n")
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -253,40 +257,73 @@ def cli_page() -> str:
         if sub.epilog:
             out.append("```text\n" + sub.epilog.strip() + "\n```\n\n")
     section = load("config.section")
-    out.append("## pytest plugin\n\n"
-               f"Installing the package registers the plugin. Its options are `compare`'s as `--m2po-NAME`; `[{section}]` in "
-               "`pyproject.toml` supplies what the command line does not.\n\n" + table(("option", "value", "default", "meaning"), _pytest_options()) + "\n")
+    out.append(
+        "## pytest plugin\n\n"
+        f"Installing the package registers the plugin. Its options are `compare`'s as `--m2po-NAME`; `[{section}]` in "
+        "`pyproject.toml` supplies what the command line does not.\n\n"
+        + table(("option", "value", "default", "meaning"), _pytest_options())
+        + "\n"
+    )
     torchrun = _parser_of(load("torchrun.main"))
-    out.append("## `python -m m2po_oracle.torchrun`\n\nThe distributed battery with one torchrun process per rank.\n\n"
-               + _usage(torchrun) + "\n" + _options_table(torchrun))
+    out.append(
+        "## `python -m m2po_oracle.torchrun`\n\nThe distributed battery with one torchrun process per rank.\n\n"
+        + _usage(torchrun)
+        + "\n"
+        + _options_table(torchrun)
+    )
     return "".join(out)
 
 
 # --- checks.md -----------------------------------------------------------------------------------
 
+
 def checks_page() -> str:
     exercised = load("coverage.exercised")
-    out = [HEADER, "# Checks\n\n",
-           "Every check by the name its failures carry. A report lists only the checks its run ran; a check that never ran "
-           "is `not run`, never `pass`. *Exercised when*: the examples that could have failed the check, over which the "
-           "report bounds the failure rate.\n\n"]
-    out.append("## A loss function (`compare`)\n\n" + table(("check", "asserts", "exercised when"), [
-        (code(n), cell(d), cell(exercised[n].when) if n in exercised else "") for n, d in load("checks.single").items()]) + "\n")
-    out.append("## A distributed step (`compare --topology`)\n\nBeside the checks above, per rank:\n\n" + table(
-        ("check", "asserts"), [(code(n), cell(d)) for n, d in load("checks.distributed").items()]) + "\n")
-    out.append("## A training step (`compare --impl trainer`)\n\nBeside the value checks on the step's own tensors:\n\n" + table(
-        ("check", "asserts"), [(code(n), cell(d)) for n, d in load("checks.trainer").items()]) + "\n")
-    out.append("## A captured training run (`m2po-oracle audit`)\n\n" + table(
-        ("check", "asserts"), [(code(n), cell(d)) for n, d in load("checks.audit").items()]) + "\n")
-    out.append("## Batch features\n\nCounted over the judged examples of a run (`coverage.features` in the JSON report).\n\n" + table(
-        ("feature", "holds when"), [(code(n), cell(r.when)) for n, r in load("coverage.features").items()]) + "\n")
+    out = [
+        HEADER,
+        "# Checks\n\n",
+        "Every check by the name its failures carry. A report lists only the checks its run ran; a check that never ran "
+        "is `not run`, never `pass`. *Exercised when*: the examples that could have failed the check, over which the "
+        "report bounds the failure rate.\n\n",
+    ]
+    out.append(
+        "## A loss function (`compare`)\n\n"
+        + table(
+            ("check", "asserts", "exercised when"),
+            [(code(n), cell(d), cell(exercised[n].when) if n in exercised else "") for n, d in load("checks.single").items()],
+        )
+        + "\n"
+    )
+    out.append(
+        "## A distributed step (`compare --topology`)\n\nBeside the checks above, per rank:\n\n"
+        + table(("check", "asserts"), [(code(n), cell(d)) for n, d in load("checks.distributed").items()])
+        + "\n"
+    )
+    out.append(
+        "## A training step (`compare --impl trainer`)\n\nBeside the value checks on the step's own tensors:\n\n"
+        + table(("check", "asserts"), [(code(n), cell(d)) for n, d in load("checks.trainer").items()])
+        + "\n"
+    )
+    out.append(
+        "## A captured training run (`m2po-oracle audit`)\n\n"
+        + table(("check", "asserts"), [(code(n), cell(d)) for n, d in load("checks.audit").items()])
+        + "\n"
+    )
+    out.append(
+        "## Batch features\n\nCounted over the judged examples of a run (`coverage.features` in the JSON report).\n\n"
+        + table(("feature", "holds when"), [(code(n), cell(r.when)) for n, r in load("coverage.features").items()])
+        + "\n"
+    )
     probes = load("validation.probes")
-    out.append("## Validation probes\n\nInvalid inputs a port should refuse with a `ValueError` or `TypeError` "
-               "(reported apart from equivalence).\n\n" + table(("probe", "input"), [(code(p.name), cell(p.description)) for p in probes]))
+    out.append(
+        "## Validation probes\n\nInvalid inputs a port should refuse with a `ValueError` or `TypeError` "
+        "(reported apart from equivalence).\n\n" + table(("probe", "input"), [(code(p.name), cell(p.description)) for p in probes])
+    )
     return "".join(out)
 
 
 # --- deviations.md -------------------------------------------------------------------------------
+
 
 def deviations_page() -> str:
     describe = load("deviations.variant")
@@ -302,63 +339,116 @@ def deviations_page() -> str:
         if v.behaviour_check:
             notes.append(f"seen by {code(v.behaviour_check)}")
         rows.append((code(v.name), cell(describe(v.name).description), cell(v.source), "; ".join(notes)))
-    out = [HEADER, "# Deviations\n\n",
-           "The names the diagnosis gives. A report names a deviation only where it reproduces the failing examples "
-           "(see [the diagnosis](../explanation/diagnosis.md)); `--accept NAME` and `accept` in the configuration take the "
-           "names listed at the end.\n\n",
-           "## A loss function\n\nEach is a set of knobs of one NumPy oracle; knobs compose. A parametric name carries "
-           "its fitted value, such as `clip_floors(0.2, 0.28)`.\n\n",
-           table(("name", "what the port does", "source", "notes"), rows), "\n",
-           "Tried together as one search step (each changes nothing alone):\n\n",
-           "".join(f"- {' + '.join(code(n) for n in move)}\n" for move in load("deviations.joint_moves")), "\n"]
-    out.append("## A distributed step\n\n" + table(("name", "what the ranks do"), [(code(n), cell(d)) for n, d in load("deviations.steps")("distributed").items()]) + "\n")
-    out.append("## A training step\n\n" + table(("name", "what the step does"), [(code(n), cell(d)) for n, d in load("deviations.steps")("trainer").items()]) + "\n")
-    out.append("## A captured training run (`audit`)\n\n" + table(("name", "what the files show"), [(code(n), cell(d)) for n, d in load("deviations.steps")("audit").items()]) + "\n")
+    out = [
+        HEADER,
+        "# Deviations\n\n",
+        "The names the diagnosis gives. A report names a deviation only where it reproduces the failing examples "
+        "(see [the diagnosis](../explanation/diagnosis.md)); `--accept NAME` and `accept` in the configuration take the "
+        "names listed at the end.\n\n",
+        "## A loss function\n\nEach is a set of knobs of one NumPy oracle; knobs compose. A parametric name carries "
+        "its fitted value, such as `clip_floors(0.2, 0.28)`.\n\n",
+        table(("name", "what the port does", "source", "notes"), rows),
+        "\n",
+        "Tried together as one search step (each changes nothing alone):\n\n",
+        "".join(f"- {' + '.join(code(n) for n in move)}\n" for move in load("deviations.joint_moves")),
+        "\n",
+    ]
+    out.append(
+        "## A distributed step\n\n"
+        + table(("name", "what the ranks do"), [(code(n), cell(d)) for n, d in load("deviations.steps")("distributed").items()])
+        + "\n"
+    )
+    out.append(
+        "## A training step\n\n"
+        + table(("name", "what the step does"), [(code(n), cell(d)) for n, d in load("deviations.steps")("trainer").items()])
+        + "\n"
+    )
+    out.append(
+        "## A captured training run (`audit`)\n\n"
+        + table(("name", "what the files show"), [(code(n), cell(d)) for n, d in load("deviations.steps")("audit").items()])
+        + "\n"
+    )
     out.append("## Names `accept` takes\n\n" + ", ".join(code(n) for n in load("deviations.accepted")()) + "\n")
     return "".join(out)
 
 
 # --- controls.md ---------------------------------------------------------------------------------
 
+
 def controls_page() -> str:
     quick = load("controls.quick_examples")
-    single = [(code(f"control:{c.name}"), cell(c.bug), ", ".join(code(v) for v in c.variants), ", ".join(code(k) for k in c.caught_by),
-               str(quick.get(c.name, ""))) for c in load("controls.single")]
-    composite = [(code(f"control:{c.name}"), cell(c.bug), ", ".join(code(v) for v in c.variants), ", ".join(code(k) for k in c.caught_by),
-                  str(quick.get(c.name, ""))) for c in load("controls.composite")]
+    single = [
+        (
+            code(f"control:{c.name}"),
+            cell(c.bug),
+            ", ".join(code(v) for v in c.variants),
+            ", ".join(code(k) for k in c.caught_by),
+            str(quick.get(c.name, "")),
+        )
+        for c in load("controls.single")
+    ]
+    composite = [
+        (
+            code(f"control:{c.name}"),
+            cell(c.bug),
+            ", ".join(code(v) for v in c.variants),
+            ", ".join(code(k) for k in c.caught_by),
+            str(quick.get(c.name, "")),
+        )
+        for c in load("controls.composite")
+    ]
     builtins = load("controls.distributed_builtins")
     topologies = load("controls.distributed_topologies")
-    distributed = [(code(n), cell(docstring(builtins[n]).removeprefix("Control: ")), code(topologies[n]), code(check))
-                   for n, check in load("controls.distributed").items()]
-    trainer = [(code(f"trainer:{c.name}"), cell(c.description), code(c.variant), ", ".join(code(k) for k in c.caught_by), str(c.examples))
-               for c in load("controls.trainer")]
-    trl = [(code(f"trainer:trl:{n}"), cell(c["description"]), code(c["diagnosed_as"]), ", ".join(code(k) for k in c["caught_by"]))
-           for n, c in load("controls.trl").items()]
-    swift = [(code(f"trainer:swift:{n}"), cell(c["description"]), code(c["diagnosed_as"]), ", ".join(code(k) for k in c["caught_by"]))
-             for n, c in load("controls.swift").items()]
+    distributed = [
+        (code(n), cell(docstring(builtins[n]).removeprefix("Control: ")), code(topologies[n]), code(check))
+        for n, check in load("controls.distributed").items()
+    ]
+    trainer = [
+        (code(f"trainer:{c.name}"), cell(c.description), code(c.variant), ", ".join(code(k) for k in c.caught_by), str(c.examples))
+        for c in load("controls.trainer")
+    ]
+    trl = [
+        (code(f"trainer:trl:{n}"), cell(c["description"]), code(c["diagnosed_as"]), ", ".join(code(k) for k in c["caught_by"]))
+        for n, c in load("controls.trl").items()
+    ]
+    swift = [
+        (code(f"trainer:swift:{n}"), cell(c["description"]), code(c["diagnosed_as"]), ", ".join(code(k) for k in c["caught_by"]))
+        for n, c in load("controls.swift").items()
+    ]
     header = ("control", "planted bug", "diagnosed as", "caught by", "`--quick` examples")
-    return "".join([
-        HEADER, "# Negative controls\n\n",
-        "Planted bugs the suite must catch and name: `m2po-oracle compare --impl NAME` runs one, `m2po-oracle selftest` "
-        "runs them all (see [negative controls](../explanation/negative-controls.md)). *Caught by*: the checks that fail on it; "
-        "*diagnosed as*: the deviations the diagnosis must name, exactly; *`--quick` examples*: the examples "
-        "`selftest --quick` gives it.\n\n",
-        f"## Single deviations ({len(single)})\n\n", table(header, single), "\n",
-        f"## Composites ({len(composite)})\n\nSeveral deviations at once, as real ports combine them.\n\n", table(header, composite), "\n",
-        f"## Distributed ({len(distributed)})\n\n`m2po-oracle compare --impl NAME --topology TOPOLOGY`; "
-        "`selftest --distributed` runs each on its topology.\n\n",
-        table(("control", "planted bug", "topology", "caught by"), distributed), "\n",
-        f"## Trainer ({len(trainer)})\n\n`m2po-oracle compare --impl NAME`; `selftest --trainer` runs them.\n\n",
-        table(("control", "planted bug", "diagnosed as", "caught by", "examples"), trainer), "\n",
-        f"## TRL's step ({len(trl)})\n\n`m2po-oracle compare --impl NAME` (the `trl` extra).\n\n",
-        table(("control", "planted bug", "diagnosed as", "caught by"), trl), "\n",
-        f"## ms-swift's step ({len(swift)})\n\n`m2po-oracle compare --impl NAME` (the `swift` extra, in its own environment: "
-        "[ms-swift](../how-to/swift.md)).\n\n",
-        table(("control", "planted bug", "diagnosed as", "caught by"), swift),
-    ])
+    return "".join(
+        [
+            HEADER,
+            "# Negative controls\n\n",
+            "Planted bugs the suite must catch and name: `m2po-oracle compare --impl NAME` runs one, `m2po-oracle selftest` "
+            "runs them all (see [negative controls](../explanation/negative-controls.md)). *Caught by*: the checks that fail on it; "
+            "*diagnosed as*: the deviations the diagnosis must name, exactly; *`--quick` examples*: the examples "
+            "`selftest --quick` gives it.\n\n",
+            f"## Single deviations ({len(single)})\n\n",
+            table(header, single),
+            "\n",
+            f"## Composites ({len(composite)})\n\nSeveral deviations at once, as real ports combine them.\n\n",
+            table(header, composite),
+            "\n",
+            f"## Distributed ({len(distributed)})\n\n`m2po-oracle compare --impl NAME --topology TOPOLOGY`; "
+            "`selftest --distributed` runs each on its topology.\n\n",
+            table(("control", "planted bug", "topology", "caught by"), distributed),
+            "\n",
+            f"## Trainer ({len(trainer)})\n\n`m2po-oracle compare --impl NAME`; `selftest --trainer` runs them.\n\n",
+            table(("control", "planted bug", "diagnosed as", "caught by", "examples"), trainer),
+            "\n",
+            f"## TRL's step ({len(trl)})\n\n`m2po-oracle compare --impl NAME` (the `trl` extra).\n\n",
+            table(("control", "planted bug", "diagnosed as", "caught by"), trl),
+            "\n",
+            f"## ms-swift's step ({len(swift)})\n\n`m2po-oracle compare --impl NAME` (the `swift` extra, in its own environment: "
+            "[ms-swift](../how-to/swift.md)).\n\n",
+            table(("control", "planted bug", "diagnosed as", "caught by"), swift),
+        ]
+    )
 
 
 # --- adapters.md ---------------------------------------------------------------------------------
+
 
 def adapters_page() -> str:
     """`m2po-oracle adapters`' own listing, each family's block as a table."""
@@ -379,9 +469,13 @@ def adapters_page() -> str:
     if current:
         blocks.append(current)
     usage, *families = blocks
-    out = [HEADER, "# Adapters\n\n", "A port in another calling convention is checked with `--adapter NAME` (see "
-           "[adapters and --bind](../how-to/adapters.md)). This is `m2po-oracle adapters`' listing.\n\n",
-           "```text\n" + usage[0].removeprefix("adapters: ") + "\n```\n\n"]
+    out = [
+        HEADER,
+        "# Adapters\n\n",
+        "A port in another calling convention is checked with `--adapter NAME` (see "
+        "[adapters and --bind](../how-to/adapters.md)). This is `m2po-oracle adapters`' listing.\n\n",
+        "```text\n" + usage[0].removeprefix("adapters: ") + "\n```\n\n",
+    ]
     notes = []
     for block in families:
         if not re.fullmatch(r"\w+", block[0]):  # a family's block starts with its name alone
@@ -397,6 +491,7 @@ def adapters_page() -> str:
 
 # --- tolerances.md -------------------------------------------------------------------------------
 
+
 def tolerances_page() -> str:
     module = load("equivalence.module")
     tolerances = load("equivalence.tolerances")
@@ -407,46 +502,58 @@ def tolerances_page() -> str:
     formula = re.search(r"``([^`]+)``", inspect.getdoc(load("equivalence.tolerance_class")) or "")
     if formula is None:
         raise RuntimeError("equivalence.Tolerance's docstring states no formula")
-    return "".join([
-        HEADER, "# Tolerances\n\n", "The tolerance policy, as `m2po_oracle.judge.equivalence` states it:\n\n",
-        "```text\n" + intro + "\n```\n\n",
-        "## Values: loss, gradient, metrics\n\n",
-        f"A value passes when `{formula.group(1)}`, with `rtol` and `atol` from this table, keyed by the input dtype and the "
-        "quantity (the `tolerances` of every JSON report):\n\n",
-        table(("dtype", "quantity", "rtol", "atol"), rows), "\n",
-        "## Floating-point formats\n\nThe compute dtype's unit roundoff `u` sets the rounding band of a selection decision "
-        "and, below float64, which M2 values count as ties (see [equivalence](../explanation/equivalence.md)).\n\n",
-        table(("format", "significand bits", "unit roundoff u"), fmt_rows),
-    ])
+    return "".join(
+        [
+            HEADER,
+            "# Tolerances\n\n",
+            "The tolerance policy, as `m2po_oracle.judge.equivalence` states it:\n\n",
+            "```text\n" + intro + "\n```\n\n",
+            "## Values: loss, gradient, metrics\n\n",
+            f"A value passes when `{formula.group(1)}`, with `rtol` and `atol` from this table, keyed by the input dtype and the "
+            "quantity (the `tolerances` of every JSON report):\n\n",
+            table(("dtype", "quantity", "rtol", "atol"), rows),
+            "\n",
+            "## Floating-point formats\n\nThe compute dtype's unit roundoff `u` sets the rounding band of a selection decision "
+            "and, below float64, which M2 values count as ties (see [equivalence](../explanation/equivalence.md)).\n\n",
+            table(("format", "significand bits", "unit roundoff u"), fmt_rows),
+        ]
+    )
 
 
 # --- json.md -------------------------------------------------------------------------------------
 
+
 def json_page() -> str:
     """Every JSON record's key paths, one section per schema, from their declarations."""
-    out = [HEADER, "# JSON records\n\n",
-           "Every JSON file the toolkit writes, key by key, from the declarations in `m2po_oracle.report.schema` "
-           "(`property_tests/report/test_json_schema.py` holds them to what real runs write). Reading one from a "
-           "script: [the JSON report](../how-to/json-report.md).\n\n",
-           "A key is a path: `a.b` is the key `b` of the object `a`, `a[]` every item of the list `a`, and `a{}` every "
-           "value of the map `a`, an object whose keys are data (check names, deviation names, ...; the meaning says "
-           "what they are). *When* says which records have the key (on a list or a map: which have items in it); "
-           "blank, every record has it wherever its parent is. A type is `string`, `integer`, `number`, `boolean`, "
-           "`null`, `object`, `any`, `array of T` or `map of T`, alternatives joined by `or` (`array of integer or "
-           "null`: a list of integers, or null).\n\n"]
+    out = [
+        HEADER,
+        "# JSON records\n\n",
+        "Every JSON file the toolkit writes, key by key, from the declarations in `m2po_oracle.report.schema` "
+        "(`property_tests/report/test_json_schema.py` holds them to what real runs write). Reading one from a "
+        "script: [the JSON report](../how-to/json-report.md).\n\n",
+        "A key is a path: `a.b` is the key `b` of the object `a`, `a[]` every item of the list `a`, and `a{}` every "
+        "value of the map `a`, an object whose keys are data (check names, deviation names, ...; the meaning says "
+        "what they are). *When* says which records have the key (on a list or a map: which have items in it); "
+        "blank, every record has it wherever its parent is. A type is `string`, `integer`, `number`, `boolean`, "
+        "`null`, `object`, `any`, `array of T` or `map of T`, alternatives joined by `or` (`array of integer or "
+        "null`: a list of integers, or null).\n\n",
+    ]
     for schema in load("json.schemas").values():
         fields = schema.fields()
-        rows = [(code(f.path), cell(f.type), cell(f"{f.meaning}; keys: {f.keys}" if f.keys else f.meaning),
-                 cell(f.when)) for f in fields]
+        rows = [(code(f.path), cell(f.type), cell(f"{f.meaning}; keys: {f.keys}" if f.keys else f.meaning), cell(f.when)) for f in fields]
         strings = ", ".join(code(f'"{s}"') for s in schema.non_finite)
         non_finite = f" A non-finite number is one of the strings {strings}." if strings else ""
-        out.append(f"## {schema.name}: `{schema.id}` {{#{schema.name}}}\n\n"
-                   f"{cell(schema.about)} Written by {cell(schema.writer)}.{non_finite} {len(fields)} key paths.\n\n"
-                   + table(("key", "type", "meaning", "when"), rows) + "\n")
+        out.append(
+            f"## {schema.name}: `{schema.id}` {{#{schema.name}}}\n\n"
+            f"{cell(schema.about)} Written by {cell(schema.writer)}.{non_finite} {len(fields)} key paths.\n\n"
+            + table(("key", "type", "meaning", "when"), rows)
+            + "\n"
+        )
     return "".join(out)
 
 
 # --- api.md --------------------------------------------------------------------------------------
+
 
 def api_page() -> str:
     blocks = "".join(f"## `{m}`\n\n::: {m}\n\n" for m in API_MODULES)

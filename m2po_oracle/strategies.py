@@ -124,7 +124,9 @@ def _check_optional_scale(name: str, value: float | None) -> None:
         raise ValueError(f"{name}: expected None or a finite number >= 0, got {value!r}")
 
 
-def grpo_batches(*, max_groups: int = 3, max_group_size: int = 4, max_len: int = 12, staleness: float | None = None, tau: float | None = None) -> st.SearchStrategy[Batch]:
+def grpo_batches(
+    *, max_groups: int = 3, max_group_size: int = 4, max_len: int = 12, staleness: float | None = None, tau: float | None = None
+) -> st.SearchStrategy[Batch]:
     """Realistic GRPO batches: groups of completions of one prompt with binary or graded
     rewards, group-normalised sequence-constant advantages (a group with equal rewards has
     A == 0), variable lengths, and staleness from mild to extreme (or ``staleness``)."""
@@ -146,7 +148,9 @@ def _grpo_batches(draw, max_groups: int, max_group_size: int, max_len: int, stal
     return with_family(draw(_assemble(d, advantages, valid, tau)), "grpo")
 
 
-def token_advantage_batches(*, max_rows: int = 6, max_len: int = 12, staleness: float | None = None, tau: float | None = None) -> st.SearchStrategy[Batch]:
+def token_advantage_batches(
+    *, max_rows: int = 6, max_len: int = 12, staleness: float | None = None, tau: float | None = None
+) -> st.SearchStrategy[Batch]:
     """Per-token advantages (GAE-style), with exact zeros and both signs within a row."""
     _check_shape_args(max_rows=max_rows, max_len=max_len)
     _check_optional_scale("staleness", staleness)
@@ -155,7 +159,9 @@ def token_advantage_batches(*, max_rows: int = 6, max_len: int = 12, staleness: 
 
 
 @st.composite
-def _token_advantage_batches(draw, max_rows: int, max_len: int, staleness: float | None, tau: float | None, family: str = "token_advantage") -> Batch:
+def _token_advantage_batches(
+    draw, max_rows: int, max_len: int, staleness: float | None, tau: float | None, family: str = "token_advantage"
+) -> Batch:
     rows = draw(st.integers(1, max_rows), label="rows")
     valid = draw(_valid_mask(rows, max_len))
     advantages = draw(hnp.arrays(np.float64, valid.shape, elements=st.just(0.0) | st.floats(-3.0, 3.0)), label="advantages")
@@ -190,7 +196,10 @@ def _tie_batches(draw, max_rows: int, max_len: int) -> Batch:
     rows = draw(st.integers(1, max_rows), label="rows")
     valid = draw(_valid_mask(rows, max_len))
     magnitudes = draw(st.lists(st.sampled_from((0.125, 0.25, 0.5, 1.0)), min_size=1, max_size=2, unique=True), label="magnitudes")
-    d = draw(hnp.arrays(np.float64, valid.shape, elements=st.sampled_from(tuple(magnitudes) + tuple(-m for m in magnitudes))), label="tied log ratios")
+    d = draw(
+        hnp.arrays(np.float64, valid.shape, elements=st.sampled_from(tuple(magnitudes) + tuple(-m for m in magnitudes))),
+        label="tied log ratios",
+    )
     advantages = np.sign(d) * draw(st.sampled_from((1.0, 0.5)), label="advantage size")
     return with_family(draw(_assemble(d, advantages, valid, None, dyadic=True)), "ties")
 
@@ -345,7 +354,9 @@ def scope_first_batches() -> st.SearchStrategy[Batch]:
     return st.one_of(scope_batches(), batches())
 
 
-def random_grpo_batch(rng: np.random.Generator, rows: int, length: int, *, staleness: float = 0.3, group_size: int = 8, tau: float = 0.04) -> Batch:
+def random_grpo_batch(
+    rng: np.random.Generator, rows: int, length: int, *, staleness: float = 0.3, group_size: int = 8, tau: float = 0.04
+) -> Batch:
     """A large realistic batch from a NumPy generator (for sizes Hypothesis cannot draw,
     e.g. 1M tokens): binary rewards, group-normalised advantages, heavy-tailed log ratios,
     right padding filled with NaN."""

@@ -74,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
 
             write_html(record, args.html)
         failing = [c["name"] for c in record["checks"] if c["status"] == "fail"]
-        print(f"m2po-oracle torchrun: {args.impl} on {args.topology} ({backend}): {report.verdict} after {report.examples} batches"
-              + (f"; failing checks: {', '.join(failing)}" if failing else ""))
+        print(
+            f"m2po-oracle torchrun: {args.impl} on {args.topology} ({backend}): {report.verdict} after {report.examples} batches"
+            + (f"; failing checks: {', '.join(failing)}" if failing else "")
+        )
         status = report.exit_status
     else:
         while serve(context, None) is not None:

@@ -20,7 +20,9 @@ pytest_plugins = ["pytester"]
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", parent=settings.get_profile("default"), max_examples=60, **_COMMON)
-settings.register_profile("ci", parent=settings.get_profile("default"), max_examples=60, derandomize=True, database=None, print_blob=True, **_COMMON)
+settings.register_profile(
+    "ci", parent=settings.get_profile("default"), max_examples=60, derandomize=True, database=None, print_blob=True, **_COMMON
+)
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("M2PO_HYPOTHESIS_PROFILE", "dev"))
 
@@ -65,5 +67,8 @@ def _sigint_left_as_found():
     if after != before:
         handler = before[0] if before[0] is not None else signal.SIG_DFL
         signal.signal(signal.SIGINT, handler)
-        pytest.fail(f"this test changed SIGINT's disposition and left it so: Python handler {before[0]!r} -> {after[0]!r}, "
-                    f"ignored by the kernel {before[1]} -> {after[1]}; restore it (try/finally) where it is changed", pytrace=False)
+        pytest.fail(
+            f"this test changed SIGINT's disposition and left it so: Python handler {before[0]!r} -> {after[0]!r}, "
+            f"ignored by the kernel {before[1]} -> {after[1]}; restore it (try/finally) where it is changed",
+            pytrace=False,
+        )

@@ -18,7 +18,9 @@ def window_batch(records: Sequence[Mapping[str, Any]], logp_field: str = "select
     width = max(r["mask"].shape[1] for r in records)
 
     def cat(field: str, fill: float) -> np.ndarray:
-        return np.concatenate([np.pad(r[field].double().numpy(), ((0, 0), (0, width - r[field].shape[1])), constant_values=fill) for r in records])
+        return np.concatenate(
+            [np.pad(r[field].double().numpy(), ((0, 0), (0, width - r[field].shape[1])), constant_values=fill) for r in records]
+        )
 
     valid = np.concatenate([np.pad(r["mask"].numpy(), ((0, 0), (0, width - r["mask"].shape[1]))) for r in records])
     return Batch(cat(logp_field, 0.0), cat("behavior_logp", 0.0), cat("advantages", 0.0), valid, records[0]["tau"])
@@ -37,7 +39,9 @@ def assert_one_selection_per_window(windows: Mapping[int, Sequence[Mapping[str, 
         d = np.where(batch.valid, batch.logp - batch.behavior_logp, 0.0)
         stale += bool(np.abs(d).max() > 1e-3)
         removed = int((batch.valid & ~keep).sum())
-        trust = int(oracle.trust_region(oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid), batch.advantages, batch.valid).sum())
+        trust = int(
+            oracle.trust_region(oracle.log_ratio(batch.logp, batch.behavior_logp, batch.valid), batch.advantages, batch.valid).sum()
+        )
         cut_inside += 0 < removed < trust
         alone = np.concatenate([oracle.m2po(window_batch([r])).keep for r in records])
         per_micro_differs += not same_up_to_ties(alone, algorithm_1, valid_m2(batch))

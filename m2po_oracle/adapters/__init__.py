@@ -14,8 +14,21 @@ from m2po_oracle.adapters.families import ADAPTERS, Adapter, check_field, policy
 from m2po_oracle.errors import UsageError
 from m2po_oracle.judge.contract import Implementation
 
-__all__ = ["ADAPTERS", "Adapter", "BoundCall", "Config", "Output", "Param", "adapt", "bind", "check_field", "map_metric_name",
-           "parse_bindings", "parse_value", "policy_loss_config"]
+__all__ = [
+    "ADAPTERS",
+    "Adapter",
+    "BoundCall",
+    "Config",
+    "Output",
+    "Param",
+    "adapt",
+    "bind",
+    "check_field",
+    "map_metric_name",
+    "parse_bindings",
+    "parse_value",
+    "policy_loss_config",
+]
 
 
 def bind(fn: Implementation, kind: str, bindings: tuple[str, ...] | list[str] = ()) -> BoundCall:
@@ -31,7 +44,9 @@ def adapt(fn: Implementation, kind: str | None, bindings: tuple[str, ...] | list
     """``fn`` as a contract implementation (itself when ``kind`` is None)."""
     if kind is None:
         if bindings:
-            raise UsageError(f"bind: {' '.join(bindings)} shapes an adapter's call; give --adapter NAME too (m2po-oracle adapters lists them)")
+            raise UsageError(
+                f"bind: {' '.join(bindings)} shapes an adapter's call; give --adapter NAME too (m2po-oracle adapters lists them)"
+            )
         return fn
     call = bind(fn, kind, bindings)
     wrapped = ADAPTERS[kind].wrap(call)

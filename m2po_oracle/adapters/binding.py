@@ -148,8 +148,10 @@ def parse_bindings(bindings: tuple[str, ...] | list[str]) -> dict[str, str]:
         key, sep, value = text.partition("=")
         key = key.strip()
         if not sep or not all(part.isidentifier() for part in key.split(".")):
-            raise UsageError(f"bind: expected KEY=VALUE with KEY an identifier (a role, an output or a parameter of the port) "
-                             f"or PARAMETER.ATTRIBUTE... (a setting inside an argument), got {text!r}")
+            raise UsageError(
+                f"bind: expected KEY=VALUE with KEY an identifier (a role, an output or a parameter of the port) "
+                f"or PARAMETER.ATTRIBUTE... (a setting inside an argument), got {text!r}"
+            )
         if key in parsed:
             raise UsageError(f"bind: {key} is bound twice ({key}={parsed[key]} and {text}); give each key once")
         parsed[key] = value.strip()
@@ -180,7 +182,7 @@ def map_metric_name(key: Any) -> str | None:
     base = key.rsplit("/", 1)[-1]
     for prefix in METRIC_PREFIXES:
         if base.startswith(prefix):
-            base = base[len(prefix):]
+            base = base[len(prefix) :]
     base = METRIC_ALIASES.get(base, base)
     return base if base in METRIC_NAMES else None
 
@@ -217,8 +219,14 @@ class BoundCall:
     ``metrics(returned)`` take the results back. Built by :func:`bind`, which checks every
     binding against the port's signature."""
 
-    def __init__(self, family: str, fn: Callable[..., Any], params: tuple[Param, ...], outputs: tuple[Output, ...],
-                 bindings: tuple[str, ...] | list[str] = ()) -> None:
+    def __init__(
+        self,
+        family: str,
+        fn: Callable[..., Any],
+        params: tuple[Param, ...],
+        outputs: tuple[Output, ...],
+        bindings: tuple[str, ...] | list[str] = (),
+    ) -> None:
         self.family, self.fn, self.bindings = family, fn, tuple(bindings)
         try:
             self.signature: inspect.Signature | None = inspect.signature(fn)
@@ -233,8 +241,9 @@ class BoundCall:
 
     def _refuse(self, what: str) -> UsageError:
         roles = ", ".join(p.role for p in self._params)
-        return UsageError(f"{what}; the port's signature is {self.signature_text} (adapter {self.family} passes {roles}; "
-                          f"see m2po-oracle adapters)")
+        return UsageError(
+            f"{what}; the port's signature is {self.signature_text} (adapter {self.family} passes {roles}; see m2po-oracle adapters)"
+        )
 
     def _resolve(self, params: tuple[Param, ...], outputs: tuple[Output, ...], bound: dict[str, str]) -> None:
         sig = self.signature
@@ -289,13 +298,18 @@ class BoundCall:
                 self._claim(f"#{position}", self._source_of(param, bound), param.role)
                 continue
             if position >= len(self._positional):
-                raise self._refuse(f"{param.role}: the port has no parameter {param.name!r} and no argument {position} (0-based) to take it; "
-                                   f"bind it (--bind {param.role}=NAME)" if not param.constant else
-                                   f"{param.role}: the port has no parameter {param.name!r}; give its value under the port's name (--bind NAME=VALUE)")
+                raise self._refuse(
+                    f"{param.role}: the port has no parameter {param.name!r} and no argument {position} (0-based) to take it; "
+                    f"bind it (--bind {param.role}=NAME)"
+                    if not param.constant
+                    else f"{param.role}: the port has no parameter {param.name!r}; give its value under the port's name (--bind NAME=VALUE)"
+                )
             name = self._positional[position]
             if name in self._targets:
-                raise self._refuse(f"{param.role}: the port has no parameter {param.name!r}, and its argument {position} ({name!r}) already "
-                                   f"takes {self._targets[name].text()}; bind it (--bind {param.role}=NAME)")
+                raise self._refuse(
+                    f"{param.role}: the port has no parameter {param.name!r}, and its argument {position} ({name!r}) already "
+                    f"takes {self._targets[name].text()}; bind it (--bind {param.role}=NAME)"
+                )
             self._claim(name, self._source_of(param, bound), param.role)
         # A default path (budget at config.policy_loss.m2_budget) starts at a family
         # parameter: it goes into whatever parameter of the port receives that one's role.
@@ -310,8 +324,10 @@ class BoundCall:
             elif self._has(head):
                 self._paths.append((param.role, head, tuple(rest)))
             elif not param.optional:
-                raise self._refuse(f"{param.role}: the adapter puts it at {param.name}, but the port takes no {head!r}; "
-                                   f"bind it (--bind {param.role}=NAME, or =PARAMETER.ATTRIBUTE for a place inside an argument)")
+                raise self._refuse(
+                    f"{param.role}: the adapter puts it at {param.name}, but the port takes no {head!r}; "
+                    f"bind it (--bind {param.role}=NAME, or =PARAMETER.ATTRIBUTE for a place inside an argument)"
+                )
 
         self._outputs: dict[str, Output] = dict(output_roles)
         for key, text in bound.items():
@@ -321,8 +337,9 @@ class BoundCall:
                 try:
                     self._outputs[key] = Output(key, _path(text), optional=False)
                 except ValueError:
-                    raise self._refuse(f"bind {key}={text}: expected where {key} is in the return: an index (0), a key, "
-                                       f"or a path such as 4.M2_after") from None
+                    raise self._refuse(
+                        f"bind {key}={text}: expected where {key} is in the return: an index (0), a key, or a path such as 4.M2_after"
+                    ) from None
                 continue
             if "." in key:  # a setting inside an argument: config.miniclip_low=0.3
                 head, *rest = key.split(".")
@@ -332,21 +349,36 @@ class BoundCall:
                 continue
             # Anything else is an extra keyword argument of the port.
             if self.signature is not None and not (key in self._names or self._var_keyword):
-                raise self._refuse(f"bind {key}={text}: {key!r} is neither a role of adapter {self.family} "
-                                   f"(inputs: {', '.join(roles)}; outputs: {', '.join(output_roles)} or a metric name) "
-                                   f"nor a parameter of the port")
+                raise self._refuse(
+                    f"bind {key}={text}: {key!r} is neither a role of adapter {self.family} "
+                    f"(inputs: {', '.join(roles)}; outputs: {', '.join(output_roles)} or a metric name) "
+                    f"nor a parameter of the port"
+                )
             self._claim(key, _Source(None, parse_value(text)), f"{key}={text}")
 
         if self.signature is not None:
             heads = {head for _, head, _ in self._paths} | {head for head, _, _ in self._settings}
-            missing = [p.name for p in parameters if p.default is kinds.empty and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)
-                       and p.name not in self._targets and p.name not in heads]
+            missing = [
+                p.name
+                for p in parameters
+                if p.default is kinds.empty
+                and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)
+                and p.name not in self._targets
+                and p.name not in heads
+            ]
             if missing:
-                raise self._refuse(f"the port's parameter(s) {', '.join(repr(m) for m in missing)} would receive nothing "
-                                   f"(the call would be {self.describe_call()}); bind a role to each (--bind ROLE=NAME) "
-                                   f"or give its value (--bind NAME=VALUE)")
-            gaps = [n for i, n in enumerate(self._positional) if n in self._positional_only and n not in self._targets
-                    and any(m in self._targets for m in self._positional[i + 1:] if m in self._positional_only)]
+                raise self._refuse(
+                    f"the port's parameter(s) {', '.join(repr(m) for m in missing)} would receive nothing "
+                    f"(the call would be {self.describe_call()}); bind a role to each (--bind ROLE=NAME) "
+                    f"or give its value (--bind NAME=VALUE)"
+                )
+            gaps = [
+                n
+                for i, n in enumerate(self._positional)
+                if n in self._positional_only
+                and n not in self._targets
+                and any(m in self._targets for m in self._positional[i + 1 :] if m in self._positional_only)
+            ]
             if gaps:
                 raise self._refuse(f"the port's positional-only parameter(s) {', '.join(gaps)} would receive nothing before later ones")
 
@@ -380,8 +412,10 @@ class BoundCall:
                 self._claim(f"#{where}", _Source(param.role), f"{param.role}={text}")
                 return
             if not 0 <= where < len(self._positional):
-                raise self._refuse(f"bind {param.role}={text}: the port has {len(self._positional)} positional parameters (0-based positions "
-                                   f"0..{len(self._positional) - 1})")
+                raise self._refuse(
+                    f"bind {param.role}={text}: the port has {len(self._positional)} positional parameters (0-based positions "
+                    f"0..{len(self._positional) - 1})"
+                )
             self._claim(self._positional[where], _Source(param.role), f"{param.role}={text}")
             return
         if not isinstance(where, str) or not all(part.isidentifier() for part in where.split(".")):

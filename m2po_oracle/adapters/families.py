@@ -64,8 +64,11 @@ class Adapter:
             if check in self.unobservable:
                 skipped[check] = self.unobservable[check]
             elif judged is not None and judged not in supplied:
-                skipped[check] = (f"the adapter builds {judged}: {self.builds[judged]}" if judged in self.builds
-                                  else f"the port returns no {judged} here (bind it: --bind {judged}=INDEX)")
+                skipped[check] = (
+                    f"the adapter builds {judged}: {self.builds[judged]}"
+                    if judged in self.builds
+                    else f"the port returns no {judged} here (bind it: --bind {judged}=INDEX)"
+                )
         return skipped
 
     def runs(self, bindings: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -80,6 +83,7 @@ check_field = result_field
 
 # --- helpers: translating the contract's tensors, reading results back ------------------
 
+
 def _condition(mask: torch.Tensor) -> torch.Tensor:
     """The mask as a condition even when a probe hands over a float mask: the port, not
     the adapter, is the one to refuse it."""
@@ -90,9 +94,11 @@ def _as_keep(value: Any, shape: tuple[int, ...], what: str) -> torch.Tensor:
     if isinstance(value, (list, tuple)) and value and all(isinstance(row, torch.Tensor) for row in value):
         # One mask per row (ports that edit per-sequence lists return them so).
         if len(shape) != 2 or len(value) != shape[0] or any(tuple(row.shape) != tuple(shape[1:]) for row in value):
-            raise UnreadableReturn(f"{what}: expected a tensor of shape {tuple(shape)} or {shape[0] if shape else 0} rows of shape "
-                                   f"{tuple(shape[1:])}, got a {type(value).__name__} of {len(value)} tensors of shapes "
-                                   f"{sorted({tuple(row.shape) for row in value})}")
+            raise UnreadableReturn(
+                f"{what}: expected a tensor of shape {tuple(shape)} or {shape[0] if shape else 0} rows of shape "
+                f"{tuple(shape[1:])}, got a {type(value).__name__} of {len(value)} tensors of shapes "
+                f"{sorted({tuple(row.shape) for row in value})}"
+            )
         value = torch.stack(list(value))
     if not isinstance(value, torch.Tensor):
         raise UnreadableReturn(f"{what}: expected a tensor, got {type(value).__name__}")
@@ -118,7 +124,9 @@ def _reference_keep(logp: torch.Tensor, behavior_logp: Any, advantages: Any, mas
         return _condition(mask)
 
 
-def _objective(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def _objective(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
     from m2po_oracle.core.loss import loss_from_selection
 
     condition = _condition(mask)
@@ -132,12 +140,16 @@ def _objective(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torc
 
 def _differentiable_loss(value: Any, what: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
-        raise UnreadableReturn(f"{what}: expected a differentiable 0-d tensor, got {type(value).__name__}"
-                        + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""))
+        raise UnreadableReturn(
+            f"{what}: expected a differentiable 0-d tensor, got {type(value).__name__}"
+            + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
+        )
     return value.reshape(())
 
 
-def _keep_from_gradient(loss: torch.Tensor, logp: torch.Tensor, behavior_logp: Any, advantages: Any, mask: torch.Tensor, tau: Any) -> torch.Tensor:
+def _keep_from_gradient(
+    loss: torch.Tensor, logp: torch.Tensor, behavior_logp: Any, advantages: Any, mask: torch.Tensor, tau: Any
+) -> torch.Tensor:
     """The mask of a port that returns only a loss: a valid token with exactly zero gradient
     was masked. A kept token's gradient -exp(d) * A / N is zero too when A == 0 or the
     product underflows: the port's choice for such a token is unobservable (it changes
@@ -148,7 +160,9 @@ def _keep_from_gradient(loss: torch.Tensor, logp: torch.Tensor, behavior_logp: A
     with torch.no_grad():
         try:
             valid_count = condition.sum().clamp(min=1)
-            kept_gradient = torch.where(condition, torch.exp(logp.detach() - behavior_logp) * advantages, torch.zeros_like(logp)) / valid_count
+            kept_gradient = (
+                torch.where(condition, torch.exp(logp.detach() - behavior_logp) * advantages, torch.zeros_like(logp)) / valid_count
+            )
         except (TypeError, RuntimeError):  # only a validation probe the port accepted (no behavior_logp, a wrong shape)
             return condition & (grad != 0)
         observable = kept_gradient != 0
@@ -163,6 +177,7 @@ def _float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 # --- the families --------------------------------------------------------------------------
 
+
 def _noting_missing_behavior(call: BoundCall, derived: str, behavior_missing: bool, **values: Any) -> Any:
     """Call the port; when behavior_logp is missing (the fail-closed probe) and the port
     takes ``derived`` (built from it) instead, an exception it raises says that the None it
@@ -172,8 +187,10 @@ def _noting_missing_behavior(call: BoundCall, derived: str, behavior_missing: bo
     except Exception as error:
         receiver = call.receiving(derived)
         if behavior_missing and receiver is not None and call.receiving("behavior_logp") is None:
-            note = (f"the adapter passed {receiver}=None: it builds {derived} from behavior_logp, which this call lacks "
-                    "(the port cannot tell a missing behavior_logp from a missing argument)")
+            note = (
+                f"the adapter passed {receiver}=None: it builds {derived} from behavior_logp, which this call lacks "
+                "(the port cannot tell a missing behavior_logp from a missing argument)"
+            )
             if hasattr(error, "add_note"):  # Python 3.11+
                 error.add_note(note)
         raise
@@ -183,9 +200,12 @@ def _mask_only(call: BoundCall) -> Implementation:
     def implementation(logp, behavior_logp, advantages, mask, *, tau):
         condition = _condition(mask)
         log_ratio = None if behavior_logp is None else torch.where(condition, logp.detach() - behavior_logp, torch.zeros_like(logp))
-        returned = _noting_missing_behavior(call, "log_ratio", behavior_logp is None, log_ratio=log_ratio, advantages=advantages, mask=mask, budget=tau)
+        returned = _noting_missing_behavior(
+            call, "log_ratio", behavior_logp is None, log_ratio=log_ratio, advantages=advantages, mask=mask, budget=tau
+        )
         keep = _as_keep(call.read(returned, "keep"), tuple(logp.shape), "keep returned by the mask-only function")
         return {"loss": _objective(logp, behavior_logp, advantages, mask, keep), "keep": keep, **call.metrics(returned)}
+
     return implementation
 
 
@@ -194,6 +214,7 @@ def _mask_function(call: BoundCall) -> Implementation:
         returned = call(behavior_logp=behavior_logp, logp=logp.detach(), mask=mask, budget=tau, advantages=advantages)
         keep = _as_keep(call.read(returned, "keep"), tuple(logp.shape), "loss_mask returned by the mask function")
         return {"loss": _objective(logp, behavior_logp, advantages, mask, keep), "keep": keep, **call.metrics(returned)}
+
     return implementation
 
 
@@ -203,6 +224,7 @@ def _masked_loss(call: BoundCall) -> Implementation:
         returned = call(behavior_logp=behavior_logp, logp=logp, advantages=advantages, mask=mask, m2po_mask=keep, budget=tau)
         loss = _differentiable_loss(call.read(returned, "loss"), "the loss returned by the masked loss")
         return {"loss": loss, "keep": keep, **call.metrics(returned)}
+
     return implementation
 
 
@@ -211,13 +233,16 @@ def _per_token_loss(call: BoundCall) -> Implementation:
         returned = call(logp=logp, behavior_logp=behavior_logp, advantages=advantages, mask=mask, budget=tau)
         per_token = call.read(returned, "per_token_loss")
         if not isinstance(per_token, torch.Tensor) or tuple(per_token.shape) != tuple(logp.shape):
-            raise UnreadableReturn(f"per_token_loss: expected a tensor of shape {tuple(logp.shape)}, got "
-                            + (f"shape {tuple(per_token.shape)}" if isinstance(per_token, torch.Tensor) else type(per_token).__name__))
+            raise UnreadableReturn(
+                f"per_token_loss: expected a tensor of shape {tuple(logp.shape)}, got "
+                + (f"shape {tuple(per_token.shape)}" if isinstance(per_token, torch.Tensor) else type(per_token).__name__)
+            )
         keep = _as_keep(call.read(returned, "keep"), tuple(logp.shape), "keep returned by the per-token loss")
         condition = _condition(mask)
         # The caller's reduction, Algorithm 1's: the sum over valid tokens over N before masking.
         loss = torch.where(condition, per_token, per_token.new_zeros(())).sum() / condition.sum().clamp(min=1)
         return {"loss": loss, "keep": keep, **call.metrics(returned)}
+
     return implementation
 
 
@@ -226,21 +251,41 @@ def policy_loss_config(tau: float) -> Config:
     use, at the top level and in a nested ``policy_loss`` (verl's ``config.policy_loss``),
     both readable as attributes, with ``.get`` and with ``[]``."""
     budget = {"tau": tau, "m2_threshold": tau, "m2po_tau": tau, "m2_budget": tau, "M2_budget": tau}
-    return Config(**budget, clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
-                  policy_loss=Config(loss_mode="m2po", **budget))
+    return Config(
+        **budget,
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.2,
+        clip_ratio_c=3.0,
+        loss_agg_mode="token-mean",
+        policy_loss=Config(loss_mode="m2po", **budget),
+    )
 
 
 def _loss_only() -> Callable[[BoundCall], Implementation]:
     """A family whose port returns the loss only: the mask is read from its gradient."""
+
     def wrap(call: BoundCall) -> Implementation:
         def implementation(logp, behavior_logp, advantages, mask, *, tau):
             ppo_kl = None if behavior_logp is None else behavior_logp - logp  # old - new, differentiable through logp
-            returned = _noting_missing_behavior(call, "ppo_kl", behavior_logp is None, behavior_logp=behavior_logp, logp=logp, advantages=advantages,
-                                                mask=_float_mask(mask, logp), budget=tau, config=policy_loss_config(tau), ppo_kl=ppo_kl)
+            returned = _noting_missing_behavior(
+                call,
+                "ppo_kl",
+                behavior_logp is None,
+                behavior_logp=behavior_logp,
+                logp=logp,
+                advantages=advantages,
+                mask=_float_mask(mask, logp),
+                budget=tau,
+                config=policy_loss_config(tau),
+                ppo_kl=ppo_kl,
+            )
             loss = _differentiable_loss(call.read(returned, "loss"), "the loss returned by the port")
             keep = _keep_from_gradient(loss, logp, behavior_logp, advantages, mask, tau)
             return {"loss": loss, "keep": keep, **call.metrics(returned)}
+
         return implementation
+
     return wrap
 
 
@@ -258,103 +303,218 @@ def _packed(call: BoundCall) -> Implementation:
         lengths = valid.sum(dim=1)
         cu_seqlens = torch.zeros(valid.shape[0] + 1, dtype=torch.int32, device=valid.device)
         cu_seqlens[1:] = torch.cumsum(lengths, 0)
-        returned = call(logp=_pack(logp, valid), behavior_logp=_pack(behavior_logp, valid), advantages=_pack(advantages, valid),
-                        mask=_pack(mask, valid), cu_seqlens=cu_seqlens, lengths=[int(n) for n in lengths], budget=tau)
+        returned = call(
+            logp=_pack(logp, valid),
+            behavior_logp=_pack(behavior_logp, valid),
+            advantages=_pack(advantages, valid),
+            mask=_pack(mask, valid),
+            cu_seqlens=cu_seqlens,
+            lengths=[int(n) for n in lengths],
+            budget=tau,
+        )
         loss = _differentiable_loss(call.read(returned, "loss"), "the loss returned by the packed port")
-        packed_keep = _as_keep(call.read(returned, "keep"), (int(valid.sum()),), "keep returned by the packed port (one value per packed token)")
+        packed_keep = _as_keep(
+            call.read(returned, "keep"), (int(valid.sum()),), "keep returned by the packed port (one value per packed token)"
+        )
         keep = torch.zeros_like(valid)
         keep[valid] = packed_keep
         return {"loss": loss, "keep": keep, **call.metrics(returned)}
+
     return implementation
 
 
 def _group(call: BoundCall) -> Implementation:
     """A port that takes the pure data-parallel process group (``group=``): called in every
     rank of a ``--topology`` world with that rank's rows and ``parallel.dp_group``."""
+
     def implementation(logp, behavior_logp, advantages, mask, *, tau, parallel):
         returned = call(logp=logp, behavior_logp=behavior_logp, advantages=advantages, mask=mask, budget=tau, group=parallel.dp_group)
         return {"loss": call.read(returned, "loss"), "keep": call.read(returned, "keep"), **call.metrics(returned)}
+
     return implementation
 
 
 _METRICS = frozenset(METRIC_NAMES)
 _ALGORITHM_1_OBJECTIVE = {"loss": "Algorithm 1's objective on the port's mask", "grad": "autograd of that objective"}
 _MAPPED = "the keys of the returned metrics mapping that name ours (mapped as listed below)"
-_INFERRED = {"selection.keep_only_valid": "the mask is inferred from the gradient on valid tokens only (padding's gradient is judged by 'gradient')"}
+_INFERRED = {
+    "selection.keep_only_valid": "the mask is inferred from the gradient on valid tokens only (padding's gradient is judged by 'gradient')"
+}
 _BUDGET_NAMES = "tau, m2_threshold, m2po_tau, m2_budget, M2_budget"
 
-ADAPTERS: dict[str, Adapter] = {a.name: a for a in (
-    Adapter("mask_only", "fn(log_ratio, advantages, mask, tau) -> keep | (keep, metrics)",
-            ("selection", "metrics it returns"), _mask_only, frozenset({"keep"}) | _METRICS,
+ADAPTERS: dict[str, Adapter] = {
+    a.name: a
+    for a in (
+        Adapter(
+            "mask_only",
+            "fn(log_ratio, advantages, mask, tau) -> keep | (keep, metrics)",
+            ("selection", "metrics it returns"),
+            _mask_only,
+            frozenset({"keep"}) | _METRICS,
             params=(Param("log_ratio", "log_ratio"), Param("advantages", "advantages"), Param("mask", "mask"), Param("budget", "tau")),
             outputs=(Output("keep", (0,)), Output("metrics", (1,), optional=True)),
-            builds=_ALGORITHM_1_OBJECTIVE, maps=_MAPPED, seen_in="selection helpers; mask functions returning (mask, metrics)"),
-    Adapter("mask_function", "fn(behavior_logp, proximal_logp, loss_mask, threshold[, advantages]) -> loss_mask | (loss_mask, metrics)",
-            ("selection", "metrics it returns"), _mask_function, frozenset({"keep"}) | _METRICS,
-            params=(Param("behavior_logp", "behavior_logp"), Param("logp", "proximal_logp"), Param("mask", "loss_mask"),
-                    Param("budget", "threshold"), Param("advantages", "advantages", optional=True)),
+            builds=_ALGORITHM_1_OBJECTIVE,
+            maps=_MAPPED,
+            seen_in="selection helpers; mask functions returning (mask, metrics)",
+        ),
+        Adapter(
+            "mask_function",
+            "fn(behavior_logp, proximal_logp, loss_mask, threshold[, advantages]) -> loss_mask | (loss_mask, metrics)",
+            ("selection", "metrics it returns"),
+            _mask_function,
+            frozenset({"keep"}) | _METRICS,
+            params=(
+                Param("behavior_logp", "behavior_logp"),
+                Param("logp", "proximal_logp"),
+                Param("mask", "loss_mask"),
+                Param("budget", "threshold"),
+                Param("advantages", "advantages", optional=True),
+            ),
             outputs=(Output("keep", (0,)), Output("metrics", (1,), optional=True)),
-            builds=_ALGORITHM_1_OBJECTIVE, maps=_MAPPED,
-            seen_in="AReaL-style mask functions (without advantages every valid token is a candidate: expect selection.only_trust_region_masked)"),
-    Adapter("masked_loss", "fn(old_log_prob, log_prob, advantages, response_mask, m2po_mask[, loss_agg_mode='token-mean']) -> loss | (loss, metrics)",
-            ("loss and gradient on Algorithm 1's mask", "metrics it returns"), _masked_loss, frozenset({"loss", "grad"}) | _METRICS,
-            params=(Param("behavior_logp", "old_log_prob"), Param("logp", "log_prob"), Param("advantages", "advantages"),
-                    Param("mask", "response_mask"), Param("m2po_mask", "m2po_mask"),
-                    Param("loss_agg_mode", "loss_agg_mode", optional=True, value="token-mean"), Param("budget", "tau", optional=True)),
+            builds=_ALGORITHM_1_OBJECTIVE,
+            maps=_MAPPED,
+            seen_in="AReaL-style mask functions (without advantages every valid token is a candidate: expect selection.only_trust_region_masked)",
+        ),
+        Adapter(
+            "masked_loss",
+            "fn(old_log_prob, log_prob, advantages, response_mask, m2po_mask[, loss_agg_mode='token-mean']) -> loss | (loss, metrics)",
+            ("loss and gradient on Algorithm 1's mask", "metrics it returns"),
+            _masked_loss,
+            frozenset({"loss", "grad"}) | _METRICS,
+            params=(
+                Param("behavior_logp", "old_log_prob"),
+                Param("logp", "log_prob"),
+                Param("advantages", "advantages"),
+                Param("mask", "response_mask"),
+                Param("m2po_mask", "m2po_mask"),
+                Param("loss_agg_mode", "loss_agg_mode", optional=True, value="token-mean"),
+                Param("budget", "tau", optional=True),
+            ),
             outputs=(Output("loss", (0,)), Output("metrics", (1,), optional=True)),
-            builds={"keep": "Algorithm 1's mask (the core's), handed to the port as m2po_mask"}, maps=_MAPPED,
-            seen_in="losses that take a precomputed M2PO mask next to the log-probs"),
-    Adapter("per_token_loss", "fn(log_prob, old_log_prob, advantages, response_mask, m2_budget) -> (per_token_loss, keep[, metrics])",
-            ("selection", "loss (reduced by the adapter: sum over valid tokens / N)", "gradient", "metrics it returns"), _per_token_loss,
+            builds={"keep": "Algorithm 1's mask (the core's), handed to the port as m2po_mask"},
+            maps=_MAPPED,
+            seen_in="losses that take a precomputed M2PO mask next to the log-probs",
+        ),
+        Adapter(
+            "per_token_loss",
+            "fn(log_prob, old_log_prob, advantages, response_mask, m2_budget) -> (per_token_loss, keep[, metrics])",
+            ("selection", "loss (reduced by the adapter: sum over valid tokens / N)", "gradient", "metrics it returns"),
+            _per_token_loss,
             frozenset({"keep", "loss", "grad"}) | _METRICS,
-            params=(Param("logp", "log_prob"), Param("behavior_logp", "old_log_prob"), Param("advantages", "advantages"),
-                    Param("mask", "response_mask"), Param("budget", "m2_budget")),
+            params=(
+                Param("logp", "log_prob"),
+                Param("behavior_logp", "old_log_prob"),
+                Param("advantages", "advantages"),
+                Param("mask", "response_mask"),
+                Param("budget", "m2_budget"),
+            ),
             outputs=(Output("per_token_loss", (0,)), Output("keep", (1,)), Output("metrics", (2,), optional=True)),
-            maps=_MAPPED, seen_in="per-token losses the trainer reduces itself"),
-    Adapter("policy_loss", "fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) -> loss | (loss, metrics, ...)",
-            ("selection (inferred from zero gradients)", "loss", "gradient", "metrics it returns"), _loss_only(),
+            maps=_MAPPED,
+            seen_in="per-token losses the trainer reduces itself",
+        ),
+        Adapter(
+            "policy_loss",
+            "fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) -> loss | (loss, metrics, ...)",
+            ("selection (inferred from zero gradients)", "loss", "gradient", "metrics it returns"),
+            _loss_only(),
             frozenset({"keep", "loss", "grad"}) | _METRICS,
-            params=(Param("behavior_logp", "old_log_prob"), Param("logp", "log_prob"), Param("advantages", "advantages"),
-                    Param("mask", "response_mask"), Param("loss_agg_mode", "loss_agg_mode", value="token-mean"), Param("config", "config"),
-                    Param("budget", "config.policy_loss.m2_budget")),
+            params=(
+                Param("behavior_logp", "old_log_prob"),
+                Param("logp", "log_prob"),
+                Param("advantages", "advantages"),
+                Param("mask", "response_mask"),
+                Param("loss_agg_mode", "loss_agg_mode", value="token-mean"),
+                Param("config", "config"),
+                Param("budget", "config.policy_loss.m2_budget"),
+            ),
             outputs=(Output("loss", (0,)), Output("metrics", (1,), optional=True)),
-            unobservable=_INFERRED, maps=_MAPPED,
-            seen_in=f"verl's policy-loss registry; config carries the budget as {_BUDGET_NAMES}, at the top and in config.policy_loss"),
-    Adapter("verl_release", "fn(old_log_prob, log_prob, advantages, response_mask, M2_budget, miniclip_low=None, miniclip_high=None, "
+            unobservable=_INFERRED,
+            maps=_MAPPED,
+            seen_in=f"verl's policy-loss registry; config carries the budget as {_BUDGET_NAMES}, at the top and in config.policy_loss",
+        ),
+        Adapter(
+            "verl_release",
+            "fn(old_log_prob, log_prob, advantages, response_mask, M2_budget, miniclip_low=None, miniclip_high=None, "
             "loss_agg_mode='token-mean') -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower, stats)",
-            ("selection (inferred from zero gradients)", "loss", "gradient", "metrics in stats"), _loss_only(),
+            ("selection (inferred from zero gradients)", "loss", "gradient", "metrics in stats"),
+            _loss_only(),
             frozenset({"keep", "loss", "grad"}) | _METRICS,
-            params=(Param("behavior_logp", "old_log_prob"), Param("logp", "log_prob"), Param("advantages", "advantages"),
-                    Param("mask", "response_mask"), Param("budget", "M2_budget"),
-                    Param("miniclip_low", "miniclip_low", optional=True, value=PORT_DEFAULT),
-                    Param("miniclip_high", "miniclip_high", optional=True, value=PORT_DEFAULT),
-                    Param("loss_agg_mode", "loss_agg_mode", optional=True, value="token-mean")),
+            params=(
+                Param("behavior_logp", "old_log_prob"),
+                Param("logp", "log_prob"),
+                Param("advantages", "advantages"),
+                Param("mask", "response_mask"),
+                Param("budget", "M2_budget"),
+                Param("miniclip_low", "miniclip_low", optional=True, value=PORT_DEFAULT),
+                Param("miniclip_high", "miniclip_high", optional=True, value=PORT_DEFAULT),
+                Param("loss_agg_mode", "loss_agg_mode", optional=True, value="token-mean"),
+            ),
             outputs=(Output("loss", (0,)), Output("metrics", (4,), optional=True)),
-            unobservable=_INFERRED, maps="the keys of stats that name ours (mapped as listed below); the release's M2_after is its capped mean, not ours, and is not mapped",
+            unobservable=_INFERRED,
+            maps="the keys of stats that name ours (mapped as listed below); the release's M2_after is its capped mean, not ours, and is not mapped",
             seen_in="the authors' release on a verl 0.4 fork (its minimum clip floors are passed only where bound: the port's own defaults apply, "
-                    "as shipped; --bind miniclip_low=None --bind miniclip_high=None turns them off)"),
-    Adapter("clip_kernel", "fn(ppo_kl, advantages, budget, response_mask[, loss_agg_mode='token-mean']) -> (pg_loss, clipfrac, *scalars)",
-            ("selection (inferred from zero gradients)", "loss", "gradient", "scalars bound to a metric (--bind m2_before=2)"), _loss_only(),
+            "as shipped; --bind miniclip_low=None --bind miniclip_high=None turns them off)",
+        ),
+        Adapter(
+            "clip_kernel",
+            "fn(ppo_kl, advantages, budget, response_mask[, loss_agg_mode='token-mean']) -> (pg_loss, clipfrac, *scalars)",
+            ("selection (inferred from zero gradients)", "loss", "gradient", "scalars bound to a metric (--bind m2_before=2)"),
+            _loss_only(),
             frozenset({"keep", "loss", "grad"}),
-            params=(Param("ppo_kl", "ppo_kl"), Param("advantages", "advantages"), Param("budget", "budget"), Param("mask", "response_mask"),
-                    Param("loss_agg_mode", "loss_agg_mode", optional=True, value="token-mean")),
+            params=(
+                Param("ppo_kl", "ppo_kl"),
+                Param("advantages", "advantages"),
+                Param("budget", "budget"),
+                Param("mask", "response_mask"),
+                Param("loss_agg_mode", "loss_agg_mode", optional=True, value="token-mean"),
+            ),
             outputs=(Output("loss", (0,)),),
-            unobservable=_INFERRED, maps="none by default: bind a returned scalar to a metric, e.g. --bind m2_before=2 --bind masked_fraction=1",
-            seen_in="clip kernels ported from the release that take ppo_kl = old - new (differentiable) first"),
-    Adapter("packed", "fn(log_probs, old_log_probs, advantages, loss_mask, [cu_seqlens | response_lengths], tau) -> (loss, keep[, metrics]) | mapping",
-            ("selection (unpacked)", "loss", "gradient", "metrics it returns"), _packed, frozenset({"keep", "loss", "grad"}) | _METRICS,
-            params=(Param("logp", "log_probs"), Param("behavior_logp", "old_log_probs"), Param("advantages", "advantages"), Param("mask", "loss_mask"),
-                    Param("cu_seqlens", "cu_seqlens", optional=True), Param("lengths", "response_lengths", optional=True), Param("budget", "tau")),
+            unobservable=_INFERRED,
+            maps="none by default: bind a returned scalar to a metric, e.g. --bind m2_before=2 --bind masked_fraction=1",
+            seen_in="clip kernels ported from the release that take ppo_kl = old - new (differentiable) first",
+        ),
+        Adapter(
+            "packed",
+            "fn(log_probs, old_log_probs, advantages, loss_mask, [cu_seqlens | response_lengths], tau) -> (loss, keep[, metrics]) | mapping",
+            ("selection (unpacked)", "loss", "gradient", "metrics it returns"),
+            _packed,
+            frozenset({"keep", "loss", "grad"}) | _METRICS,
+            params=(
+                Param("logp", "log_probs"),
+                Param("behavior_logp", "old_log_probs"),
+                Param("advantages", "advantages"),
+                Param("mask", "loss_mask"),
+                Param("cu_seqlens", "cu_seqlens", optional=True),
+                Param("lengths", "response_lengths", optional=True),
+                Param("budget", "tau"),
+            ),
             outputs=(Output("loss", (0,)), Output("keep", (1,)), Output("metrics", (2,), optional=True)),
-            unobservable={"padding_immunity": "the adapter packs valid tokens only: padding never reaches the port",
-                          "selection.keep_only_valid": "the adapter unpacks the port's mask onto valid tokens only"},
-            maps=_MAPPED, seen_in="Megatron/slime-style trainers: 1-D tokens of all sequences concatenated, with cu_seqlens (int32, B+1) or per-sample lengths"),
-    Adapter("group", "fn(logp, behavior_logp, advantages, mask, *, tau, group) -> {loss, keep, metrics...} (with --topology dp=N[,tp=N]; cp=1)",
-            ("keep", "loss share", "gradient", "metrics it returns, on every rank"), _group, frozenset({"keep", "loss", "grad"}) | _METRICS,
-            params=(Param("logp", "logp"), Param("behavior_logp", "behavior_logp"), Param("advantages", "advantages"), Param("mask", "mask"),
-                    Param("budget", "tau"), Param("group", "group")),
+            unobservable={
+                "padding_immunity": "the adapter packs valid tokens only: padding never reaches the port",
+                "selection.keep_only_valid": "the adapter unpacks the port's mask onto valid tokens only",
+            },
+            maps=_MAPPED,
+            seen_in="Megatron/slime-style trainers: 1-D tokens of all sequences concatenated, with cu_seqlens (int32, B+1) or per-sample lengths",
+        ),
+        Adapter(
+            "group",
+            "fn(logp, behavior_logp, advantages, mask, *, tau, group) -> {loss, keep, metrics...} (with --topology dp=N[,tp=N]; cp=1)",
+            ("keep", "loss share", "gradient", "metrics it returns, on every rank"),
+            _group,
+            frozenset({"keep", "loss", "grad"}) | _METRICS,
+            params=(
+                Param("logp", "logp"),
+                Param("behavior_logp", "behavior_logp"),
+                Param("advantages", "advantages"),
+                Param("mask", "mask"),
+                Param("budget", "tau"),
+                Param("group", "group"),
+            ),
             outputs=(Output("loss", (0,)), Output("keep", (1,)), Output("metrics", (2,), optional=True)),
-            maps=_MAPPED, distributed=True,
+            maps=_MAPPED,
+            distributed=True,
             seen_in="distributed ports that take a torch.distributed process group (the pure data-parallel one) instead of parallel=; "
-                    "each rank's loss is over its whole rows, so context parallelism (cp > 1, where a rank's share is its CP shard) is refused"),
-)}
+            "each rank's loss is over its whole rows, so context parallelism (cp > 1, where a rank's share is its CP shard) is refused",
+        ),
+    )
+}

@@ -70,6 +70,19 @@ from m2po_oracle.audit.counterexample import COUNTEREXAMPLE_TOKENS, TABLE_ORDER
 from m2po_oracle.audit.records import CHECK_NAMES, DESCRIPTIONS, ROLLOUT_LOGP_DTYPE, SCHEMA, AuditCheck, AuditReport, StepAudit
 from m2po_oracle.audit.run import audit_capture
 
-__all__ = ["CHECK_NAMES", "COUNTEREXAMPLE_TOKENS", "DESCRIPTIONS", "REGION_METRICS",
-           "REGION_WORDS", "ROLLOUT_LOGP_DTYPE", "SCHEMA", "TABLE_ORDER", "AuditCheck", "AuditReport", "LogpBounds", "StepAudit",
-           "always_silent_parameters", "audit_capture"]
+__all__ = [
+    "CHECK_NAMES",
+    "COUNTEREXAMPLE_TOKENS",
+    "DESCRIPTIONS",
+    "REGION_METRICS",
+    "REGION_WORDS",
+    "ROLLOUT_LOGP_DTYPE",
+    "SCHEMA",
+    "TABLE_ORDER",
+    "AuditCheck",
+    "AuditReport",
+    "LogpBounds",
+    "StepAudit",
+    "always_silent_parameters",
+    "audit_capture",
+]

@@ -30,27 +30,33 @@ def _fmt(mismatches: list[equivalence.Mismatch]) -> str:
     return text + (f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
 
 
-def loss_mismatch_at(actual: float, expected: float, batch: Batch, grad: np.ndarray, dtype: str, check: str, name: str = "loss"
-                   ) -> equivalence.Mismatch | None:
+def loss_mismatch_at(
+    actual: float, expected: float, batch: Batch, grad: np.ndarray, dtype: str, check: str, name: str = "loss"
+) -> equivalence.Mismatch | None:
     allowance = equivalence.exp_rounding(batch, grad, dtype)
     with np.errstate(over="ignore", invalid="ignore"):
         scale = float(np.sum(np.abs(grad)))
-    return equivalence.compare_values(check, name, actual, expected, equivalence.tolerance(dtype, "loss"),
-                                      scale=scale, allowance=float(np.sum(allowance)))
+    return equivalence.compare_values(
+        check, name, actual, expected, equivalence.tolerance(dtype, "loss"), scale=scale, allowance=float(np.sum(allowance))
+    )
 
 
-def grad_mismatch_at(actual: np.ndarray, expected: np.ndarray, batch: Batch, dtype: str, check: str, name: str,
-                   largest: float) -> equivalence.Mismatch | None:
+def grad_mismatch_at(
+    actual: np.ndarray, expected: np.ndarray, batch: Batch, dtype: str, check: str, name: str, largest: float
+) -> equivalence.Mismatch | None:
     tol = equivalence.tolerance(dtype, "gradient")
-    return equivalence.compare_values(check, name, actual, expected, tol, scale=largest * tol.rtol,
-                                      allowance=equivalence.exp_rounding(batch, expected, dtype))
+    return equivalence.compare_values(
+        check, name, actual, expected, tol, scale=largest * tol.rtol, allowance=equivalence.exp_rounding(batch, expected, dtype)
+    )
 
 
-def logp_mismatch(check: str, what: str, actual: np.ndarray, expected: np.ndarray, valid: np.ndarray, dtype: str
-                   ) -> equivalence.Mismatch | None:
+def logp_mismatch(
+    check: str, what: str, actual: np.ndarray, expected: np.ndarray, valid: np.ndarray, dtype: str
+) -> equivalence.Mismatch | None:
     # Log-probs are O(1): scale 1 keeps near-zero log-probs from demanding relative precision.
-    return equivalence.compare_values(check, what, np.where(valid, actual, 0.0), np.where(valid, expected, 0.0),
-                                      equivalence.tolerance(dtype, "metric"), scale=1.0)
+    return equivalence.compare_values(
+        check, what, np.where(valid, actual, 0.0), np.where(valid, expected, 0.0), equivalence.tolerance(dtype, "metric"), scale=1.0
+    )
 
 
 def replicas_check(step: AuditStep) -> AuditCheck:
@@ -65,21 +71,28 @@ def replicas_check(step: AuditStep) -> AuditCheck:
         for name in ("logp", "behavior_logp", "advantages", "mask", "keep", "selection_logp", "rollout_logp", "grad"):
             mine, theirs = getattr(record, name), getattr(twin, name)
             if (mine is None) != (theirs is None):
-                found.append(f"{record.where}: {name} is {'missing' if mine is None else 'recorded'} while its TP rank 0 (rank {twin.rank}) "
-                             f"{'records' if mine is None else 'lacks'} it")
+                found.append(
+                    f"{record.where}: {name} is {'missing' if mine is None else 'recorded'} while its TP rank 0 (rank {twin.rank}) "
+                    f"{'records' if mine is None else 'lacks'} it"
+                )
             elif mine is not None and mine.shape != theirs.shape:
                 found.append(f"{record.where}: {name} has shape {list(mine.shape)}, its TP rank 0 (rank {twin.rank}) {list(theirs.shape)}")
             elif mine is not None and not np.array_equal(mine, theirs, equal_nan=mine.dtype != bool):
                 differ = np.argwhere(~((mine == theirs) | (np.isnan(mine) & np.isnan(theirs)) if mine.dtype != bool else mine == theirs))
                 at = tuple(int(i) for i in differ[0])
-                found.append(f"{record.where}: {name}{list(at)} is {mine[at].item()!r}, its TP rank 0 (rank {twin.rank}) has {theirs[at].item()!r} "
-                             f"({len(differ)} element(s) differ)")
+                found.append(
+                    f"{record.where}: {name}{list(at)} is {mine[at].item()!r}, its TP rank 0 (rank {twin.rank}) has {theirs[at].item()!r} "
+                    f"({len(differ)} element(s) differ)"
+                )
         if not (record.loss == twin.loss or (math.isnan(record.loss) and math.isnan(twin.loss))):
             found.append(f"{record.where}: loss {record.loss!r}, its TP rank 0 (rank {twin.rank}) {twin.loss!r}")
     if found:
-        return AuditCheck("audit.replicas_identical", "fail", "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else ""))
-    return AuditCheck("audit.replicas_identical", "pass",
-                      f"the {step.topology.tp} TP replicas of each of {len(step.replica_set)} records are identical")
+        return AuditCheck(
+            "audit.replicas_identical", "fail", "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+        )
+    return AuditCheck(
+        "audit.replicas_identical", "pass", f"the {step.topology.tp} TP replicas of each of {len(step.replica_set)} records are identical"
+    )
 
 
 def selection_check(step: AuditStep) -> AuditCheck:
@@ -88,8 +101,12 @@ def selection_check(step: AuditStep) -> AuditCheck:
     if found:
         return AuditCheck("audit.selection", "fail", _fmt(found))
     on = "the selection's log-probs" if any(r.selection_logp is not None for r in step.replica_set) else "logp"
-    return AuditCheck("audit.selection", "pass", f"the assembled keep ({int((step.keep & batch.valid).sum())} of {int(batch.valid.sum())} "
-                      f"valid tokens kept) is an outcome of Algorithm 1 on the optimizer batch ({on})")
+    return AuditCheck(
+        "audit.selection",
+        "pass",
+        f"the assembled keep ({int((step.keep & batch.valid).sum())} of {int(batch.valid.sum())} "
+        f"valid tokens kept) is an outcome of Algorithm 1 on the optimizer batch ({on})",
+    )
 
 
 @dataclass(frozen=True)
@@ -103,8 +120,15 @@ class LogpBounds:
     policy: float | None = None
 
 
-def logp_pairs(check: str, records: list[MicroBatch], what: str, pair: Callable[[MicroBatch], tuple[np.ndarray, np.ndarray]], dtype: str,
-                atol: float | None, flag: str) -> tuple[dict[int, equivalence.Mismatch], str, float]:
+def logp_pairs(
+    check: str,
+    records: list[MicroBatch],
+    what: str,
+    pair: Callable[[MicroBatch], tuple[np.ndarray, np.ndarray]],
+    dtype: str,
+    atol: float | None,
+    flag: str,
+) -> tuple[dict[int, equivalence.Mismatch], str, float]:
     """Per record whose two log-prob recordings differ (by ``id``), the mismatch; the precision
     judged at; the largest difference on valid tokens."""
     with np.errstate(invalid="ignore"):
@@ -114,14 +138,26 @@ def logp_pairs(check: str, records: list[MicroBatch], what: str, pair: Callable[
         found = {id(r): m for r in records if (m := logp_mismatch(check, f"{what} of {r.where}", *pair(r), r.mask, dtype))}
         return found, f"{dtype} precision", largest
     # The user states how far they may go: kernels and precision differ between the two.
-    found = {id(r): equivalence.Mismatch(check, f"{what} of {r.where} differs by up to {gaps[id(r)]!r} > {atol!r}")
-             for r in records if not gaps[id(r)] <= atol}
+    found = {
+        id(r): equivalence.Mismatch(check, f"{what} of {r.where} differs by up to {gaps[id(r)]!r} > {atol!r}")
+        for r in records
+        if not gaps[id(r)] <= atol
+    }
     return found, f"|difference| <= {flag} {atol!r}", largest
 
 
-def _logp_agreement_check(step: AuditStep, check: str, records: list[MicroBatch], missing: str, what: str,
-                          pair: Callable[[MicroBatch], tuple[np.ndarray, np.ndarray]], dtype: str, atol: float | None, flag: str,
-                          claim: tuple[str, str]) -> AuditCheck:
+def _logp_agreement_check(
+    step: AuditStep,
+    check: str,
+    records: list[MicroBatch],
+    missing: str,
+    what: str,
+    pair: Callable[[MicroBatch], tuple[np.ndarray, np.ndarray]],
+    dtype: str,
+    atol: float | None,
+    flag: str,
+    claim: tuple[str, str],
+) -> AuditCheck:
     """``claim`` (what passing says, what failing says) judged on every record that holds the pair."""
     if not records:
         return AuditCheck(check, "not run", missing)
@@ -133,18 +169,33 @@ def _logp_agreement_check(step: AuditStep, check: str, records: list[MicroBatch]
 
 
 def policy_logp_check(step: AuditStep, bounds: LogpBounds) -> AuditCheck:
-    return _logp_agreement_check(step, "audit.policy_logp", [r for r in step.replica_set if r.selection_logp is not None],
-                                 "no selection_logp recorded: the selection is taken to have seen logp", "logp against its selection_logp",
-                                 lambda r: (r.logp, cast(np.ndarray, r.selection_logp)), step.dtype, bounds.policy, "--policy-atol",  # records with one
-                                 ("the loss pass's log-probs equal the selection's", "the loss pass's log-probs are not the selection's"))
+    return _logp_agreement_check(
+        step,
+        "audit.policy_logp",
+        [r for r in step.replica_set if r.selection_logp is not None],
+        "no selection_logp recorded: the selection is taken to have seen logp",
+        "logp against its selection_logp",
+        lambda r: (r.logp, cast(np.ndarray, r.selection_logp)),
+        step.dtype,
+        bounds.policy,
+        "--policy-atol",  # records with one
+        ("the loss pass's log-probs equal the selection's", "the loss pass's log-probs are not the selection's"),
+    )
 
 
 def behavior_logp_check(step: AuditStep, bounds: LogpBounds) -> AuditCheck:
-    return _logp_agreement_check(step, "audit.behavior_logp", [r for r in step.replica_set if r.rollout_logp is not None],
-                                 "no rollout_logp recorded: nothing to check the behaviour log-probs against",
-                                 "behavior_logp against the sampler's rollout_logp", lambda r: (r.behavior_logp, cast(np.ndarray, r.rollout_logp)),  # records with one
-                                 equivalence.coarser(step.dtype, ROLLOUT_LOGP_DTYPE), bounds.rollout, "--rollout-atol",
-                                 ("the behaviour log-probs equal the sampler's", "the behaviour log-probs are not the sampler's"))
+    return _logp_agreement_check(
+        step,
+        "audit.behavior_logp",
+        [r for r in step.replica_set if r.rollout_logp is not None],
+        "no rollout_logp recorded: nothing to check the behaviour log-probs against",
+        "behavior_logp against the sampler's rollout_logp",
+        lambda r: (r.behavior_logp, cast(np.ndarray, r.rollout_logp)),  # records with one
+        equivalence.coarser(step.dtype, ROLLOUT_LOGP_DTYPE),
+        bounds.rollout,
+        "--rollout-atol",
+        ("the behaviour log-probs equal the sampler's", "the behaviour log-probs are not the sampler's"),
+    )
 
 
 def loss_check(step: AuditStep, expected: Any) -> AuditCheck:
@@ -152,8 +203,12 @@ def loss_check(step: AuditStep, expected: Any) -> AuditCheck:
     found = loss_mismatch_at(total, expected.loss, step.batch, expected.grad, step.dtype, "audit.loss_sum")
     if found:
         return AuditCheck("audit.loss_sum", "fail", _fmt([found]))
-    return AuditCheck("audit.loss_sum", "pass", f"the {len(step.replica_set)} captured losses of one replica set add up to {total!r}, "
-                      f"the global loss {expected.loss!r} (N = {expected.valid_count})")
+    return AuditCheck(
+        "audit.loss_sum",
+        "pass",
+        f"the {len(step.replica_set)} captured losses of one replica set add up to {total!r}, "
+        f"the global loss {expected.loss!r} (N = {expected.valid_count})",
+    )
 
 
 def gradient_check(step: AuditStep, expected: Any) -> AuditCheck:
@@ -161,12 +216,29 @@ def gradient_check(step: AuditStep, expected: Any) -> AuditCheck:
     if not with_grad:
         return AuditCheck("audit.gradient", "not run", "no gradient was captured at this step (watch_gradient or record(grad=))")
     largest = float(np.max(np.abs(expected.grad))) if expected.grad.size else 0.0
-    found = [m for r in with_grad
-             if (m := grad_mismatch_at(cast(np.ndarray, r.grad), expected.grad[r.rows][:, r.columns], r.batch(), step.dtype, "audit.gradient", f"grad of {r.where}", largest))]
+    found = [
+        m
+        for r in with_grad
+        if (
+            m := grad_mismatch_at(
+                cast(np.ndarray, r.grad),
+                expected.grad[r.rows][:, r.columns],
+                r.batch(),
+                step.dtype,
+                "audit.gradient",
+                f"grad of {r.where}",
+                largest,
+            )
+        )
+    ]
     if found:
         return AuditCheck("audit.gradient", "fail", _fmt(found))
-    return AuditCheck("audit.gradient", "pass", f"{len(with_grad)} of {len(step.replica_set)} record gradients captured, each equals "
-                      f"-(1/N) keep exp(d) A with the global N = {expected.valid_count}")
+    return AuditCheck(
+        "audit.gradient",
+        "pass",
+        f"{len(with_grad)} of {len(step.replica_set)} record gradients captured, each equals "
+        f"-(1/N) keep exp(d) A with the global N = {expected.valid_count}",
+    )
 
 
 def metrics_check(step: AuditStep, expected: Any) -> AuditCheck:
@@ -203,8 +275,11 @@ REGION_METRICS = ("m2_before", "m2_after", "masked_fraction")
 
 
 #: How audit.metrics says a region's own metrics: scope -> (whose, logged how).
-REGION_WORDS = {"per_cp_shard": ("each CP shard's own", "per CP shard"), "per_micro_batch_mask": ("each micro-batch's own", "per micro-batch"),
-                "per_rank_selection_global_n": ("each DP rank's own", "per DP rank")}
+REGION_WORDS = {
+    "per_cp_shard": ("each CP shard's own", "per CP shard"),
+    "per_micro_batch_mask": ("each micro-batch's own", "per micro-batch"),
+    "per_rank_selection_global_n": ("each DP rank's own", "per DP rank"),
+}
 
 
 def _logged_as(step: AuditStep, compared: set[str]) -> list[str]:
@@ -213,8 +288,11 @@ def _logged_as(step: AuditStep, compared: set[str]) -> list[str]:
     valid_count of another scope. A statement about the logs, never a diagnosis of the loss."""
     said = []
     n = int(step.batch.valid.sum())
-    counts = [(r, r.metrics["valid_count"]) for r in step.records
-              if isinstance(r.metrics.get("valid_count"), (int, float)) and not isinstance(r.metrics["valid_count"], bool)]
+    counts = [
+        (r, r.metrics["valid_count"])
+        for r in step.records
+        if isinstance(r.metrics.get("valid_count"), (int, float)) and not isinstance(r.metrics["valid_count"], bool)
+    ]
     if counts and any(value != n for _, value in counts):
         for words, count in _count_scopes(step):
             if all(value == count(r) for r, value in counts):
@@ -234,9 +312,12 @@ def _count_scopes(step: AuditStep) -> list[tuple[str, Callable[[MicroBatch], int
     block_n = {key: int(step.batch.valid[rows].sum()) for key, rows in step.blocks.items()}
     rank_n = {dp: sum(block_n[(dp, mb)] for mb in range(k)) for dp, k in step.micro_batches.items()}
     out: list[tuple[str, Callable[[MicroBatch], int]]] = [
-        (f"its record's own valid count (logged per micro-batch{' and CP shard' if cp > 1 else ''})", lambda r: int(r.mask.sum()))]
+        (f"its record's own valid count (logged per micro-batch{' and CP shard' if cp > 1 else ''})", lambda r: int(r.mask.sum()))
+    ]
     if cp > 1:
-        out.append(("its micro-batch's valid count over every CP shard (logged per micro-batch)", lambda r: block_n[(r.coords.dp, r.micro_batch)]))
+        out.append(
+            ("its micro-batch's valid count over every CP shard (logged per micro-batch)", lambda r: block_n[(r.coords.dp, r.micro_batch)])
+        )
     out.append(("its DP rank's valid count (logged per DP rank)", lambda r: rank_n[r.coords.dp]))
     if cp > 1:
         out.append((f"{cp} x N (every token counted once per CP replica)", lambda r: cp * int(step.batch.valid.sum())))
@@ -306,24 +387,35 @@ def always_silent_parameters(capture: reader.Capture) -> tuple[set[str], int]:
 
 def parameter_check(noted: dict[int, dict[str, Any]], expected: Any, silent_always: set[str], steps_with_gradient: int) -> AuditCheck:
     if not noted:
-        return AuditCheck("audit.parameter_gradient", "not run", "no rank noted its parameters' gradient norms (record_parameter_gradients)")
+        return AuditCheck(
+            "audit.parameter_gradient", "not run", "no rank noted its parameters' gradient norms (record_parameter_gradients)"
+        )
     names = sorted({name for norms in noted.values() for name in norms})
     if not np.any(expected.grad):
-        return AuditCheck("audit.parameter_gradient", "pass", f"{len(names)} parameters noted; the loss's gradient is zero at this step, "
-                          f"so no parameter needs one")
-    silent_here = [name for name in names
-                   if all((norms.get(name) or {}).get("norm") in (None, 0.0) for norms in noted.values() if name in norms)]
+        return AuditCheck(
+            "audit.parameter_gradient",
+            "pass",
+            f"{len(names)} parameters noted; the loss's gradient is zero at this step, so no parameter needs one",
+        )
+    silent_here = [
+        name for name in names if all((norms.get(name) or {}).get("norm") in (None, 0.0) for norms in noted.values() if name in norms)
+    ]
     frozen = [name for name in silent_here if name in silent_always]
     if frozen:
         none = [n for n in frozen if all((noted[r].get(n) or {}).get("norm") is None for r in noted if n in noted[r])]
         shown = ", ".join(f"{n} ({'no gradient' if n in none else 'all zero'})" for n in frozen[:5])
         more = f" and {len(frozen) - 5} more" if len(frozen) > 5 else ""
-        return AuditCheck("audit.parameter_gradient", "fail", f"{len(frozen)} of {len(names)} trainable parameters have no or an all-zero "
-                          f"gradient on every rank at every one of the {steps_with_gradient} recorded step(s) with a gradient: {shown}{more}")
+        return AuditCheck(
+            "audit.parameter_gradient",
+            "fail",
+            f"{len(frozen)} of {len(names)} trainable parameters have no or an all-zero "
+            f"gradient on every rank at every one of the {steps_with_gradient} recorded step(s) with a gradient: {shown}{more}",
+        )
     passing = f"all {len(names)} trainable parameters noted by {len(noted)} rank(s) have a gradient"
     if silent_here:
-        passing = (f"{len(names) - len(silent_here)} of {len(names)} trainable parameters have a gradient; {', '.join(silent_here[:3])}"
-                   f"{' and more' if len(silent_here) > 3 else ''} are all zero at this step but not at every step (a gradient can be "
-                   f"exactly zero at one step, e.g. attention with one key)")
+        passing = (
+            f"{len(names) - len(silent_here)} of {len(names)} trainable parameters have a gradient; {', '.join(silent_here[:3])}"
+            f"{' and more' if len(silent_here) > 3 else ''} are all zero at this step but not at every step (a gradient can be "
+            f"exactly zero at one step, e.g. attention with one key)"
+        )
     return AuditCheck("audit.parameter_gradient", "pass", passing)
-

@@ -15,8 +15,16 @@ from m2po_oracle.oracle.encoding import number
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
 
 #: Which failing check the worst step's table shows: the first of these that failed.
-TABLE_ORDER = ("audit.selection", "audit.behavior_logp", "audit.policy_logp", "audit.gradient", "audit.loss_sum", "audit.metrics",
-               "audit.parameter_gradient", "audit.replicas_identical")
+TABLE_ORDER = (
+    "audit.selection",
+    "audit.behavior_logp",
+    "audit.policy_logp",
+    "audit.gradient",
+    "audit.loss_sum",
+    "audit.metrics",
+    "audit.parameter_gradient",
+    "audit.replicas_identical",
+)
 
 
 #: Rows of the worst step's token table: enough to see the pattern, short enough to read.
@@ -29,7 +37,9 @@ def _largest_first(error: np.ndarray) -> np.ndarray:
     return np.stack(np.unravel_index(flat, error.shape), axis=1)
 
 
-def step_counterexample(step: AuditStep, audit: StepAudit, directory: str, noted: dict[int, dict[str, Any]], silent_always: set[str]) -> dict[str, Any]:
+def step_counterexample(
+    step: AuditStep, audit: StepAudit, directory: str, noted: dict[int, dict[str, Any]], silent_always: set[str]
+) -> dict[str, Any]:
     """What shows the worst step's failure: one row per token (``tokens``) or per logged value (``values``)."""
     check = next(name for name in TABLE_ORDER if name in audit.failing)
     batch, s = step.batch, step.selection_batch
@@ -47,8 +57,10 @@ def step_counterexample(step: AuditStep, audit: StepAudit, directory: str, noted
     values: list[dict[str, Any]] = []
     order = np.zeros((0, 2), dtype=np.int64)
     if check == "audit.selection":
-        note = ("tokens whose captured keep differs from Algorithm 1's on the whole optimizer batch "
-                "(a tie at the cut may fall either way; the check allows it)")
+        note = (
+            "tokens whose captured keep differs from Algorithm 1's on the whole optimizer batch "
+            "(a tie at the cut may fall either way; the check allows it)"
+        )
         order = np.argwhere(batch.valid & (step.keep != expected_keep))
     elif check in ("audit.behavior_logp", "audit.policy_logp"):
         if check == "audit.behavior_logp":
@@ -74,7 +86,9 @@ def step_counterexample(step: AuditStep, audit: StepAudit, directory: str, noted
                 if name in r.metrics and isinstance(r.metrics[name], (int, float)) and not isinstance(r.metrics[name], bool):
                     want = getattr(selected, name)
                     if not math.isclose(float(r.metrics[name]), float(want), rel_tol=1e-9, abs_tol=1e-12):
-                        values.append({"where": r.where, "name": name, "captured": number(float(r.metrics[name])), "expected": number(float(want))})
+                        values.append(
+                            {"where": r.where, "name": name, "captured": number(float(r.metrics[name])), "expected": number(float(want))}
+                        )
     elif check == "audit.parameter_gradient":
         note = "the trainable parameters whose gradient norm is zero (or that have no gradient) on every rank at every recorded step with a gradient"
         for rank, norms in sorted(noted.items()):
@@ -87,19 +101,34 @@ def step_counterexample(step: AuditStep, audit: StepAudit, directory: str, noted
     for row, column in (tuple(int(i) for i in at) for at in order[:COUNTEREXAMPLE_TOKENS]):
         record = step.replica_set[owner[row, column]] if owner[row, column] >= 0 else None
         token = {
-            "row": row, "position": column,
-            "rank": record.rank if record else None, "micro_batch": record.micro_batch if record else None,
-            "d": number(float(d[row, column])), "m2": number(float(d[row, column]) ** 2), "advantage": number(float(batch.advantages[row, column])),
-            "keep": bool(step.keep[row, column]), "algorithm_1_keeps": bool(expected_keep[row, column]),
+            "row": row,
+            "position": column,
+            "rank": record.rank if record else None,
+            "micro_batch": record.micro_batch if record else None,
+            "d": number(float(d[row, column])),
+            "m2": number(float(d[row, column]) ** 2),
+            "advantage": number(float(batch.advantages[row, column])),
+            "keep": bool(step.keep[row, column]),
+            "algorithm_1_keeps": bool(expected_keep[row, column]),
             "grad": number(float(grad[row, column])) if np.isfinite(grad[row, column]) else None,
             "expected_grad": number(float(expected.grad[row, column])),
         }
         if compared is not None:
-            token["compared"] = {"what": compared[0], "captured": number(float(compared[1][row, column])),
-                                 "expected": number(float(compared[2][row, column]))}
+            token["compared"] = {
+                "what": compared[0],
+                "captured": number(float(compared[1][row, column])),
+                "expected": number(float(compared[2][row, column])),
+            }
         rows.append(token)
     found = len(order) if not values else len(values)
-    return {"check": check, "note": note, "tokens": rows, "values": values[:COUNTEREXAMPLE_TOKENS], "shown": len(rows) or len(values[:COUNTEREXAMPLE_TOKENS]),
-            "of": int(found), "tau": number(float(batch.tau)), "valid_count": int(batch.valid.sum()),
-            "replay": shlex.join(["m2po-oracle", "audit", directory, "--step", str(step.step)])}
-
+    return {
+        "check": check,
+        "note": note,
+        "tokens": rows,
+        "values": values[:COUNTEREXAMPLE_TOKENS],
+        "shown": len(rows) or len(values[:COUNTEREXAMPLE_TOKENS]),
+        "of": int(found),
+        "tau": number(float(batch.tau)),
+        "valid_count": int(batch.valid.sum()),
+        "replay": shlex.join(["m2po-oracle", "audit", directory, "--step", str(step.step)]),
+    }

@@ -77,7 +77,9 @@ def _denominators(step: AuditStep) -> dict[str, Callable[[MicroBatch], float]]:
     return out
 
 
-def _distinct(step: AuditStep, candidates: dict[str, Callable[[MicroBatch], float]]) -> tuple[dict[str, Callable[[MicroBatch], float]], dict[str, list[str]]]:
+def _distinct(
+    step: AuditStep, candidates: dict[str, Callable[[MicroBatch], float]]
+) -> tuple[dict[str, Callable[[MicroBatch], float]], dict[str, list[str]]]:
     """The candidates whose divisors differ from every earlier one's on some record, and for
     each the later ones the files cannot tell from it (equal divisors on every record)."""
     first_of: dict[tuple[float, ...], str] = {}
@@ -98,7 +100,9 @@ def _logged_count(step: AuditStep, fn: Callable[[MicroBatch], float]) -> bool:
     a denominator's evidence on a step whose loss cannot show it (nothing kept, or A = 0)."""
     n = int(step.batch.valid.sum())
     twin = {(r.coords.dp, r.coords.cp, r.micro_batch): r for r in step.replica_set}
-    logged = [(r.metrics["valid_count"], fn(twin[(r.coords.dp, r.coords.cp, r.micro_batch)])) for r in step.records if "valid_count" in r.metrics]
+    logged = [
+        (r.metrics["valid_count"], fn(twin[(r.coords.dp, r.coords.cp, r.micro_batch)])) for r in step.records if "valid_count" in r.metrics
+    ]
     return bool(logged) and all(value == want for value, want in logged) and any(value != n for value, _ in logged)
 
 
@@ -131,8 +135,13 @@ def _metrics_show(step: AuditStep, scope: str) -> bool:
         return False
 
 
-def diagnose_audit_step(step: AuditStep, failing: set[str], noted: dict[int, dict[str, Any]], alternatives: dict[str, list[str]],
-              bounds: LogpBounds = LogpBounds()) -> list[str]:
+def diagnose_audit_step(
+    step: AuditStep,
+    failing: set[str],
+    noted: dict[int, dict[str, Any]],
+    alternatives: dict[str, list[str]],
+    bounds: LogpBounds = LogpBounds(),
+) -> list[str]:
     """The deviations the files reproduce; ``alternatives`` gets, per name, the others that
     reproduce this step identically (the files cannot tell them apart)."""
     found: list[str] = []
@@ -219,13 +228,19 @@ def _behaviour_is_the_policy(step: AuditStep) -> bool:
     """The behaviour log-probs equal the policy's (the selection's forward) on every record, and not the sampler's."""
     with_rollout = [r for r in step.replica_set if r.rollout_logp is not None]
     return bool(with_rollout) and all(
-        logp_mismatch("diagnosis", "behavior_logp", r.behavior_logp, r.logp if r.selection_logp is None else r.selection_logp,
-                       r.mask, step.dtype) is None for r in with_rollout)
+        logp_mismatch(
+            "diagnosis", "behavior_logp", r.behavior_logp, r.logp if r.selection_logp is None else r.selection_logp, r.mask, step.dtype
+        )
+        is None
+        for r in with_rollout
+    )
 
 
 def _forward_deviation(step: AuditStep, bounds: LogpBounds) -> list[str]:
     records = [r for r in step.replica_set if r.selection_logp is not None and r.mask.any()]
-    found, _, _ = logp_pairs("diagnosis", records, "logp", lambda r: (r.logp, cast(np.ndarray, r.selection_logp)), step.dtype, bounds.policy, "--policy-atol")  # records with one
+    found, _, _ = logp_pairs(
+        "diagnosis", records, "logp", lambda r: (r.logp, cast(np.ndarray, r.selection_logp)), step.dtype, bounds.policy, "--policy-atol"
+    )  # records with one
     differs = {(r.coords.dp, r.coords.cp, r.micro_batch): id(r) in found for r in records}
     if not differs:
         return []
@@ -266,8 +281,13 @@ def observations(step: AuditStep, audit: StepAudit) -> list[str]:
         if whole is not None:
             known = [d for d in shares if d is not None]
             alike = len(known) == len(shares) > 1 and all(math.isclose(d, known[0], rel_tol=1e-6) for d in known)
-            parts = f"; every micro-batch implies {known[0]:.6g}" if alike else (
-                f"; per micro-batch: {', '.join('-' if d is None else f'{d:.6g}' for d in shares)}" if len(shares) > 1 else "")
-            out.append(f"the recorded losses imply a divisor of {whole:.6g} ({whole / n:.6g} x N) where Algorithm 1 divides by "
-                       f"N = {n}, the step's valid tokens{parts}")
+            parts = (
+                f"; every micro-batch implies {known[0]:.6g}"
+                if alike
+                else (f"; per micro-batch: {', '.join('-' if d is None else f'{d:.6g}' for d in shares)}" if len(shares) > 1 else "")
+            )
+            out.append(
+                f"the recorded losses imply a divisor of {whole:.6g} ({whole / n:.6g} x N) where Algorithm 1 divides by "
+                f"N = {n}, the step's valid tokens{parts}"
+            )
     return out

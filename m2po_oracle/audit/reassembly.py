@@ -72,12 +72,17 @@ def assemble(step: int, topology: Topology, records: list[MicroBatch]) -> AuditS
     by_place = {(r.coords.dp, r.coords.cp, r.coords.tp, r.micro_batch): r for r in records}
     micro_batches: dict[int, int] = {}
     for dp in range(topology.dp):
-        counts = {(c, t): 1 + max((mb for (d, cc, tt, mb) in by_place if (d, cc, tt) == (dp, c, t)), default=-1)
-                  for c in range(cp) for t in range(topology.tp)}
+        counts = {
+            (c, t): 1 + max((mb for (d, cc, tt, mb) in by_place if (d, cc, tt) == (dp, c, t)), default=-1)
+            for c in range(cp)
+            for t in range(topology.tp)
+        }
         if len(set(counts.values())) > 1:
             said = ", ".join(f"rank {topology.rank(dp=dp, cp=c, tp=t)}: {k}" for (c, t), k in sorted(counts.items()))
-            raise Unusable(f"the ranks of DP rank {dp} recorded different numbers of micro-batches ({said}); "
-                            f"its CP and TP ranks must record the same micro-batches")
+            raise Unusable(
+                f"the ranks of DP rank {dp} recorded different numbers of micro-batches ({said}); "
+                f"its CP and TP ranks must record the same micro-batches"
+            )
         micro_batches[dp] = next(iter(counts.values()))
     for record in records:
         why = _non_finite_on_valid(record)
@@ -94,12 +99,16 @@ def assemble(step: int, topology: Topology, records: list[MicroBatch]) -> AuditS
             shapes = {s.logp.shape for s in shards}
             if len(shapes) > 1:
                 said = ", ".join(f"rank {s.rank}: {list(s.logp.shape)}" for s in shards)
-                raise Unusable(f"the CP shards of DP rank {dp} micro-batch {mb} disagree in shape ({said}); "
-                                f"every CP rank holds the same rows and an equal share of each sequence")
+                raise Unusable(
+                    f"the CP shards of DP rank {dp} micro-batch {mb} disagree in shape ({said}); "
+                    f"every CP rank holds the same rows and an equal share of each sequence"
+                )
             rows, width = shards[0].logp.shape
             if cp > 1 and width % 2:
-                raise Unusable(f"DP rank {dp} micro-batch {mb}: a CP shard of width {width} cannot hold two equal chunks "
-                                f"(the Megatron layout: 2 * cp chunks per sequence)")
+                raise Unusable(
+                    f"DP rank {dp} micro-batch {mb}: a CP shard of width {width} cannot hold two equal chunks "
+                    f"(the Megatron layout: 2 * cp chunks per sequence)"
+                )
             blocks[(dp, mb)] = slice(start, start + rows)
             widths[(dp, mb)] = width * cp
             start += rows
@@ -114,7 +123,13 @@ def assemble(step: int, topology: Topology, records: list[MicroBatch]) -> AuditS
         # A slice where it can be one: a fancy-index scatter of 16M float64 costs 0.3-0.6 s, a slice 0.02 s.
         record.columns = slice(0, widths[key]) if cp == 1 else cp_token_indices(widths[key], cp, record.coords.cp)
         at = (record.rows, record.columns)
-        sources = [(logp, record.logp), (behavior, record.behavior_logp), (advantages, record.advantages), (valid, record.mask), (keep, record.keep)]
+        sources = [
+            (logp, record.logp),
+            (behavior, record.behavior_logp),
+            (advantages, record.advantages),
+            (valid, record.mask),
+            (keep, record.keep),
+        ]
         if separate_selection:
             sources.append((selection, record.logp if record.selection_logp is None else record.selection_logp))
         for target, source in sources:
@@ -129,8 +144,18 @@ def assemble(step: int, topology: Topology, records: list[MicroBatch]) -> AuditS
     if not math.isfinite(tau) or tau < 0:
         raise Unusable(f"tau {tau!r} is not a finite number >= 0")
     dtype = records[0].dtype if records[0].dtype in equivalence.FORMATS else "float32"
-    return AuditStep(step, topology, records, replica_set, Batch(logp, behavior, advantages, valid, tau),
-                 Batch(selection, behavior, advantages, valid, tau), keep, blocks, micro_batches, dtype)
+    return AuditStep(
+        step,
+        topology,
+        records,
+        replica_set,
+        Batch(logp, behavior, advantages, valid, tau),
+        Batch(selection, behavior, advantages, valid, tau),
+        keep,
+        blocks,
+        micro_batches,
+        dtype,
+    )
 
 
 def algorithm_1_of(batch: Batch) -> dict[str, Any]:
@@ -158,4 +183,3 @@ def scope_groups(step: AuditStep) -> dict[str, list[list[MicroBatch]]]:
     if step.topology.cp > 1:
         groups["per_cp_shard"] = [[r] for r in step.replica_set]
     return groups
-

@@ -23,8 +23,6 @@ SCHEMA = "m2po-oracle/audit/1"
 CHECK_NAMES = tuple(AUDIT_CHECKS)
 
 
-
-
 #: Rollout engines report log-probs in float32 at best (vLLM, HF generate's float32 logits).
 ROLLOUT_LOGP_DTYPE = "float32"
 
@@ -60,9 +58,15 @@ class StepAudit:
         return [c.name for c in self.checks if c.status == "fail"]
 
     def to_json(self) -> dict[str, Any]:
-        out = {"step": self.step, "verdict": self.verdict, "checks": [c.to_json() for c in self.checks],
-               "diagnosis": list(self.diagnosis), "alternatives": dict(self.alternatives), "observations": list(self.observations),
-               "metrics": {k: number(v) for k, v in self.metrics.items()}}
+        out = {
+            "step": self.step,
+            "verdict": self.verdict,
+            "checks": [c.to_json() for c in self.checks],
+            "diagnosis": list(self.diagnosis),
+            "alternatives": dict(self.alternatives),
+            "observations": list(self.observations),
+            "metrics": {k: number(v) for k, v in self.metrics.items()},
+        }
         if self.counterexample is not None:
             out["counterexample"] = self.counterexample
         return out
@@ -94,12 +98,20 @@ class AuditReport:
         return max(divergent, key=lambda s: (len(s.failing), -s.step)).step if divergent else None
 
     def to_json(self) -> dict[str, Any]:
-        named = sorted({name for s in self.steps for name in s.diagnosis} | {n for s in self.steps for names in s.alternatives.values() for n in names})
+        named = sorted(
+            {name for s in self.steps for name in s.diagnosis} | {n for s in self.steps for names in s.alternatives.values() for n in names}
+        )
         return {
             "schema": SCHEMA,
             "verdict": self.verdict,
-            "capture": {"directory": self.directory, "world_size": self.world_size, "topology": self.topology,
-                        "steps": [s.step for s in self.steps], "problems": list(self.problems), "refused": self.refused},
+            "capture": {
+                "directory": self.directory,
+                "world_size": self.world_size,
+                "topology": self.topology,
+                "steps": [s.step for s in self.steps],
+                "problems": list(self.problems),
+                "refused": self.refused,
+            },
             "steps": [s.to_json() for s in self.steps],
             "worst_step": self.worst_step,
             "descriptions": {name: DESCRIPTIONS[name] for name in named if name in DESCRIPTIONS},
@@ -156,18 +168,30 @@ def _record(record: dict[str, Any], info: reader.RecordInfo, coords: RankCoords)
             raise reader.CaptureError(path, f"{name} has shape {list(value.shape)}, logp {list(shape)}")
         optional[name] = None if value is None else _rows(value)
     dtype = str(record["logp"].dtype).removeprefix("torch.")
-    return MicroBatch(info.rank, coords, info.micro_batch, _rows(record["logp"]), _rows(record["behavior_logp"]),
-                   _rows(record["advantages"]), _rows(record["mask"], True), _rows(record["keep"], True),
-                   optional["selection_logp"], optional["rollout_logp"], optional["grad"],
-                   float(record["loss"]), float(record["tau"]), dict(record["metrics"]), dtype)
+    return MicroBatch(
+        info.rank,
+        coords,
+        info.micro_batch,
+        _rows(record["logp"]),
+        _rows(record["behavior_logp"]),
+        _rows(record["advantages"]),
+        _rows(record["mask"], True),
+        _rows(record["keep"], True),
+        optional["selection_logp"],
+        optional["rollout_logp"],
+        optional["grad"],
+        float(record["loss"]),
+        float(record["tau"]),
+        dict(record["metrics"]),
+        dtype,
+    )
 
 
 class Unusable(Exception):
     """A step whose records cannot be put together (the reason is the message)."""
 
 
-def records_of(capture: reader.Capture, topology: Topology, step: int, bad_paths: set[str],
-                problems: list[str]) -> list[MicroBatch]:
+def records_of(capture: reader.Capture, topology: Topology, step: int, bad_paths: set[str], problems: list[str]) -> list[MicroBatch]:
     keys = sorted(k for k in capture.keys() if k[1] == step)  # noqa: SIM118 - Capture.keys() is a method, not a dict
     ranks = {k[0] for k in keys}
     missing = sorted(set(range(capture.world_size)) - ranks)
@@ -180,11 +204,12 @@ def records_of(capture: reader.Capture, topology: Topology, step: int, bad_paths
     for key in keys:
         info = capture.info(*key)
         if str(info.path) in bad_paths or (info.grad_path is not None and str(info.grad_path) in bad_paths):
-            raise Unusable(f"incomplete step: the files of rank {key[0]} micro-batch {key[2]} have problems (listed in the capture's problems)")
+            raise Unusable(
+                f"incomplete step: the files of rank {key[0]} micro-batch {key[2]} have problems (listed in the capture's problems)"
+            )
         try:
             records.append(_record(capture.load(*key), info, topology.coords(key[0])))
         except reader.CaptureError as error:
             problems.append(str(error))
             raise Unusable(f"incomplete step: {error}") from None
     return records
-

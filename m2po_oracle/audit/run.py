@@ -27,15 +27,28 @@ from m2po_oracle.capture import reader
 from m2po_oracle.distributed.topology import Topology
 
 
-def _audit_step(step: AuditStep, noted: dict[int, dict[str, Any]], silent: tuple[set[str], int], bounds: LogpBounds = LogpBounds()) -> StepAudit:
+def _audit_step(
+    step: AuditStep, noted: dict[int, dict[str, Any]], silent: tuple[set[str], int], bounds: LogpBounds = LogpBounds()
+) -> StepAudit:
     audit = StepAudit(step.step, "equivalent")
     algorithm = step.algorithm_1
-    audit.metrics = {"m2_before": algorithm["m2_before"], "m2_after": algorithm["m2_after"],
-                     "masked_fraction": algorithm["masked_fraction"], "tau": step.batch.tau}
+    audit.metrics = {
+        "m2_before": algorithm["m2_before"],
+        "m2_after": algorithm["m2_after"],
+        "masked_fraction": algorithm["masked_fraction"],
+        "tau": step.batch.tau,
+    }
     # M2 and the counts are the selection's: judged on the log-probs it saw (a prepass when recorded).
-    audit.checks = [replicas_check(step), selection_check(step), policy_logp_check(step, bounds), behavior_logp_check(step, bounds),
-                    loss_check(step, step.expected), gradient_check(step, step.expected), metrics_check(step, step.selected),
-                    parameter_check(noted, step.expected, *silent)]
+    audit.checks = [
+        replicas_check(step),
+        selection_check(step),
+        policy_logp_check(step, bounds),
+        behavior_logp_check(step, bounds),
+        loss_check(step, step.expected),
+        gradient_check(step, step.expected),
+        metrics_check(step, step.selected),
+        parameter_check(noted, step.expected, *silent),
+    ]
     if audit.failing:
         audit.verdict = "divergent"
         audit.diagnosis = diagnose_audit_step(step, set(audit.failing), noted, audit.alternatives, bounds)
@@ -47,8 +60,9 @@ def _unusable(step: int, why: str) -> StepAudit:
     return StepAudit(step, "unusable", [AuditCheck(name, "not run", why) for name in CHECK_NAMES])
 
 
-def audit_capture(directory: str | Path, *, steps: set[int] | None = None, rollout_atol: float | None = None,
-                  policy_atol: float | None = None) -> AuditReport:
+def audit_capture(
+    directory: str | Path, *, steps: set[int] | None = None, rollout_atol: float | None = None, policy_atol: float | None = None
+) -> AuditReport:
     """Audit every recorded optimizer step of a capture (or only ``steps``); never raises on a bad capture.
 
     ``rollout_atol``: how far the behaviour log-probs may be from the sampler's (``rollout_logp``)
@@ -94,8 +108,15 @@ def audit_capture(directory: str | Path, *, steps: set[int] | None = None, rollo
     return report
 
 
-def _attach_counterexample(report: AuditReport, displaced: StepAudit | None, audit: StepAudit, step: AuditStep, directory: str,
-                           noted: dict[int, dict[str, Any]], silent_always: set[str]) -> None:
+def _attach_counterexample(
+    report: AuditReport,
+    displaced: StepAudit | None,
+    audit: StepAudit,
+    step: AuditStep,
+    directory: str,
+    noted: dict[int, dict[str, Any]],
+    silent_always: set[str],
+) -> None:
     """The worst step so far gets the token table; the one it displaces loses its table."""
     if displaced is not None:
         displaced.counterexample = None
@@ -103,4 +124,3 @@ def _attach_counterexample(report: AuditReport, displaced: StepAudit | None, aud
         audit.counterexample = step_counterexample(step, audit, directory, noted, silent_always)
     except Exception as error:
         report.problems.append(f"step {step.step}: the counterexample table could not be built: {type(error).__name__}: {error}")
-

@@ -132,8 +132,19 @@ def write_capture(directory: Path, step: dict[str, Any], *, bug: tuple[tuple[int
         loss = loss_from_selection(logp, behavior, advantages, keep, selection.valid_count)
         (grad,) = torch.autograd.grad(loss, logp)
         metrics = {name: getattr(selection, name) for name in ("m2_before", "m2_after", "masked_fraction", "valid_count")}
-        recorders[rank].record(step=0, micro_batch=mb, logp=logp.detach(), behavior_logp=behavior, advantages=advantages, mask=mask,
-                               keep=keep, loss=loss, tau=TAU, metrics=metrics, grad=grad)
+        recorders[rank].record(
+            step=0,
+            micro_batch=mb,
+            logp=logp.detach(),
+            behavior_logp=behavior,
+            advantages=advantages,
+            mask=mask,
+            keep=keep,
+            loss=loss,
+            tau=TAU,
+            metrics=metrics,
+            grad=grad,
+        )
 
 
 def _size(directory: Path) -> int:
@@ -149,8 +160,14 @@ def audit_in_subprocess(directory: Path, *, timeout_s: float = 3600.0) -> dict[s
     import m2po_oracle
 
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(Path(directory).resolve())], capture_output=True, text=True, timeout=timeout_s,
-                          cwd=Path(m2po_oracle.__file__).resolve().parent.parent, env={**os.environ, "PYTHONHASHSEED": "0"})
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(Path(directory).resolve())],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=Path(m2po_oracle.__file__).resolve().parent.parent,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
     process_s = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"the audit process exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
@@ -159,8 +176,7 @@ def audit_in_subprocess(directory: Path, *, timeout_s: float = 3600.0) -> dict[s
     return figures
 
 
-def run_audit_bench(tokens: int = DEFAULT_TOKENS, *, seed: int = 0, directory: str | None = None,
-                    on_case: Any = None) -> dict[str, Any]:
+def run_audit_bench(tokens: int = DEFAULT_TOKENS, *, seed: int = 0, directory: str | None = None, on_case: Any = None) -> dict[str, Any]:
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < DP * MICRO_BATCHES:
         raise ValueError(f"--tokens: expected an integer >= {DP * MICRO_BATCHES} (one token per micro-batch), got {tokens!r}")
     import torch
@@ -169,12 +185,24 @@ def run_audit_bench(tokens: int = DEFAULT_TOKENS, *, seed: int = 0, directory: s
     step = synthetic_step(tokens, seed=seed)
     bug = _planted(step)
     first = step["selections"][step["order"][0]]
-    shape = {"dp": DP, "micro_batches": MICRO_BATCHES, "rows_per_micro_batch": step["rows"], "T": step["width"],
-             "tokens": DP * MICRO_BATCHES * step["rows"] * step["width"], "valid_count": int(first.valid_count),
-             "trust_region_count": int(first.trust_region_count), "kept_trust_region_count": int(first.kept_trust_region_count),
-             "m2_before": float(first.m2_before), "m2_after": float(first.m2_after), "masked_fraction": float(first.masked_fraction),
-             "planted_micro_batch": {"rank": bug[0][0], "micro_batch": bug[0][1],
-                                     "tokens_changed": int((bug[1] != step["selections"][bug[0]].keep).sum())}}
+    shape = {
+        "dp": DP,
+        "micro_batches": MICRO_BATCHES,
+        "rows_per_micro_batch": step["rows"],
+        "T": step["width"],
+        "tokens": DP * MICRO_BATCHES * step["rows"] * step["width"],
+        "valid_count": int(first.valid_count),
+        "trust_region_count": int(first.trust_region_count),
+        "kept_trust_region_count": int(first.kept_trust_region_count),
+        "m2_before": float(first.m2_before),
+        "m2_after": float(first.m2_after),
+        "masked_fraction": float(first.masked_fraction),
+        "planted_micro_batch": {
+            "rank": bug[0][0],
+            "micro_batch": bug[0][1],
+            "tokens_changed": int((bug[1] != step["selections"][bug[0]].keep).sum()),
+        },
+    }
     prepare_s = time.perf_counter() - started
     cases = []
     with tempfile.TemporaryDirectory(prefix="m2po-bench-audit-", dir=directory) as tmp:
@@ -184,17 +212,33 @@ def run_audit_bench(tokens: int = DEFAULT_TOKENS, *, seed: int = 0, directory: s
             write_capture(path, step, bug=planted)
             write_s = time.perf_counter() - started
             figures = audit_in_subprocess(path)
-            case = {"case": name, "expected": expected, "as_expected": figures["verdict"] == expected, "disk_bytes": _size(path),
-                    "write_s": write_s, **figures,
-                    "within_target": figures["wall_s"] < TARGET_S and figures["peak_rss_bytes"] < TARGET_BYTES}
+            case = {
+                "case": name,
+                "expected": expected,
+                "as_expected": figures["verdict"] == expected,
+                "disk_bytes": _size(path),
+                "write_s": write_s,
+                **figures,
+                "within_target": figures["wall_s"] < TARGET_S and figures["peak_rss_bytes"] < TARGET_BYTES,
+            }
             cases.append(case)
             if on_case is not None:
                 on_case(case)
             shutil.rmtree(path)  # one capture on disk at a time
-    return {"schema": SCHEMA, "tau": TAU, "step": shape, "prepare_s": prepare_s, "cases": cases,
-            "target": {"wall_s": TARGET_S, "peak_rss_bytes": TARGET_BYTES},
-            "environment": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                            "platform": platform.platform()}}
+    return {
+        "schema": SCHEMA,
+        "tau": TAU,
+        "step": shape,
+        "prepare_s": prepare_s,
+        "cases": cases,
+        "target": {"wall_s": TARGET_S, "peak_rss_bytes": TARGET_BYTES},
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
+    }
 
 
 def _gib(value: float) -> str:
@@ -208,7 +252,18 @@ def main_audit(args: Any, console: Any) -> int:
     from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
 
     table = Table(title="audit_capture of one synthetic optimizer step (dp=4 x 2 micro-batches, float32), each in a fresh process")
-    for column in ("case", "tokens", "on disk", "audit s", "cpu user s", "cpu sys s", "peak RSS", "RSS after imports", "verdict", "expected"):
+    for column in (
+        "case",
+        "tokens",
+        "on disk",
+        "audit s",
+        "cpu user s",
+        "cpu sys s",
+        "peak RSS",
+        "RSS after imports",
+        "verdict",
+        "expected",
+    ):
         table.add_column(column, justify="right")
     try:
         record = run_audit_bench(args.tokens)
@@ -219,23 +274,38 @@ def main_audit(args: Any, console: Any) -> int:
         return EXIT_UNUSABLE
     tokens = record["step"]["tokens"]
     for case in record["cases"]:
-        table.add_row(case["case"], f"{tokens:,}", f"{case['disk_bytes'] / 1e6:,.1f} MB", f"{case['wall_s']:.2f}",
-                      f"{case['cpu_user_s']:.2f}", f"{case['cpu_system_s']:.2f}",
-                      _gib(case["peak_rss_bytes"]), _gib(case["rss_after_imports_bytes"]),
-                      case["verdict"] if case["as_expected"] else f"[red]{case['verdict']}[/]", case["expected"])
+        table.add_row(
+            case["case"],
+            f"{tokens:,}",
+            f"{case['disk_bytes'] / 1e6:,.1f} MB",
+            f"{case['wall_s']:.2f}",
+            f"{case['cpu_user_s']:.2f}",
+            f"{case['cpu_system_s']:.2f}",
+            _gib(case["peak_rss_bytes"]),
+            _gib(case["rss_after_imports_bytes"]),
+            case["verdict"] if case["as_expected"] else f"[red]{case['verdict']}[/]",
+            case["expected"],
+        )
     console.print(table)
     s = record["step"]
-    console.print(f"step: {s['rows_per_micro_batch']} rows x T = {s['T']} per micro-batch, N = {s['valid_count']:,} valid, "
-                  f"{s['trust_region_count']:,} trust-region, {s['trust_region_count'] - s['kept_trust_region_count']:,} masked "
-                  f"(m2 {s['m2_before']:.4f} -> {s['m2_after']:.4f}); planted: rank {s['planted_micro_batch']['rank']} micro-batch "
-                  f"{s['planted_micro_batch']['micro_batch']} selected alone ({s['planted_micro_batch']['tokens_changed']} tokens differ)",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"step: {s['rows_per_micro_batch']} rows x T = {s['T']} per micro-batch, N = {s['valid_count']:,} valid, "
+        f"{s['trust_region_count']:,} trust-region, {s['trust_region_count'] - s['kept_trust_region_count']:,} masked "
+        f"(m2 {s['m2_before']:.4f} -> {s['m2_after']:.4f}); planted: rank {s['planted_micro_batch']['rank']} micro-batch "
+        f"{s['planted_micro_batch']['micro_batch']} selected alone ({s['planted_micro_batch']['tokens_changed']} tokens differ)",
+        highlight=False,
+        soft_wrap=True,
+    )
     for case in record["cases"]:
         ok = case["wall_s"] < TARGET_S, case["peak_rss_bytes"] < TARGET_BYTES
-        console.print(f"observation ({case['case']}): {case['wall_s']:.2f} s {'<' if ok[0] else '>='} {TARGET_S:.0f} s, "
-                      f"peak RSS {_gib(case['peak_rss_bytes'])} {'<' if ok[1] else '>='} {_gib(TARGET_BYTES)}: "
-                      f"{'within' if all(ok) else 'outside'} the audit's target"
-                      + ("" if tokens == DEFAULT_TOKENS else f" (which is set for {DEFAULT_TOKENS:,} tokens)"), highlight=False, soft_wrap=True)
+        console.print(
+            f"observation ({case['case']}): {case['wall_s']:.2f} s {'<' if ok[0] else '>='} {TARGET_S:.0f} s, "
+            f"peak RSS {_gib(case['peak_rss_bytes'])} {'<' if ok[1] else '>='} {_gib(TARGET_BYTES)}: "
+            f"{'within' if all(ok) else 'outside'} the audit's target"
+            + ("" if tokens == DEFAULT_TOKENS else f" (which is set for {DEFAULT_TOKENS:,} tokens)"),
+            highlight=False,
+            soft_wrap=True,
+        )
     if args.json:
         write_json(record, args.json)
     return EXIT_EQUIVALENT if all(c["as_expected"] for c in record["cases"]) else EXIT_DIVERGENT

@@ -43,8 +43,18 @@ def measure(directory: str | None = None, rows: int = 256, columns: int = 4096, 
             logp = base.clone().requires_grad_()  # a fresh forward's logp, as in training
             loss = (logp * advantages).mean()
             start = time.perf_counter()
-            recorder.record(step=step, micro_batch=0, logp=logp, behavior_logp=behavior, advantages=advantages,
-                            mask=mask, keep=keep, loss=0.5, tau=0.04, metrics=metrics)
+            recorder.record(
+                step=step,
+                micro_batch=0,
+                logp=logp,
+                behavior_logp=behavior,
+                advantages=advantages,
+                mask=mask,
+                keep=keep,
+                loss=0.5,
+                tau=0.04,
+                metrics=metrics,
+            )
             recorder.watch_gradient(logp)
             recorded.append(time.perf_counter() - start)
             start = time.perf_counter()
@@ -54,8 +64,18 @@ def measure(directory: str | None = None, rows: int = 256, columns: int = 4096, 
         calls = 200_000
         start = time.perf_counter()
         for _ in range(calls):
-            recorder.record(step=1, micro_batch=0, logp=logp, behavior_logp=behavior, advantages=advantages,
-                            mask=mask, keep=keep, loss=0.5, tau=0.04, metrics=metrics)
+            recorder.record(
+                step=1,
+                micro_batch=0,
+                logp=logp,
+                behavior_logp=behavior,
+                advantages=advantages,
+                mask=mask,
+                keep=keep,
+                loss=0.5,
+                tau=0.04,
+                metrics=metrics,
+            )
         skipped = (time.perf_counter() - start) / calls
         start = time.perf_counter()
         for _ in range(calls):
@@ -67,8 +87,18 @@ def measure(directory: str | None = None, rows: int = 256, columns: int = 4096, 
             many = Recorder(Path(tmp) / f"manifest-{count}", rank=0, world_size=1, topology="dp=1")
             one, flag = torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool)
             for i in range(count):
-                many.record(step=i, micro_batch=0, logp=one, behavior_logp=one, advantages=one, mask=flag, keep=flag, loss=0.5, tau=0.04,
-                            metrics=metrics)
+                many.record(
+                    step=i,
+                    micro_batch=0,
+                    logp=one,
+                    behavior_logp=one,
+                    advantages=one,
+                    mask=flag,
+                    keep=flag,
+                    loss=0.5,
+                    tau=0.04,
+                    metrics=metrics,
+                )
             start = time.perf_counter()
             for _ in range(5):
                 many.write_manifest()

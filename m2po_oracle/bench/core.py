@@ -70,8 +70,12 @@ def forward_batch(tokens: int, *, device: str = "cpu", seed: int = 0, staleness:
     advantages = torch.where(torch.rand(tokens, generator=generator) < 0.5, 1.0, -1.0)
     rows = ROWS if tokens % ROWS == 0 else 1
     shape = (rows, tokens // rows)
-    return {"logp": logp.reshape(shape).to(device), "behavior_logp": behavior.float().reshape(shape).to(device),
-            "advantages": advantages.reshape(shape).to(device), "mask": torch.ones(shape, dtype=torch.bool, device=device)}
+    return {
+        "logp": logp.reshape(shape).to(device),
+        "behavior_logp": behavior.float().reshape(shape).to(device),
+        "advantages": advantages.reshape(shape).to(device),
+        "mask": torch.ones(shape, dtype=torch.bool, device=device),
+    }
 
 
 def _trust_region(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,8 +146,12 @@ def measure_size(tokens: int, *, repeats: int, device: str, tau: float) -> dict[
     result, counter = count_host_syncs(forward)
     fused_ran = fused.first_levels_run() > ran_before  # what the counted forward did, not what it should do
     torch_only, unfused_counter = count_host_syncs(unfused)
-    identical = (bool(torch.equal(methods["sort"](), radix)) and bool(torch.equal(result.keep.reshape(-1)[trust], radix))
-                 and bool(torch.equal(torch_only.keep, result.keep)) and bool(torch.equal(torch_only.loss, result.loss)))
+    identical = (
+        bool(torch.equal(methods["sort"](), radix))
+        and bool(torch.equal(result.keep.reshape(-1)[trust], radix))
+        and bool(torch.equal(torch_only.keep, result.keep))
+        and bool(torch.equal(torch_only.loss, result.loss))
+    )
     times: dict[str, list[float]] = {name: [] for name in METHODS}
     for repeat in range(repeats):
         # Rotate the order so drift on a shared machine hits every method alike.
@@ -157,7 +165,9 @@ def measure_size(tokens: int, *, repeats: int, device: str, tau: float) -> dict[
     medians = {name: statistics.median(values) for name, values in times.items()}
     bests = {name: min(values) for name, values in times.items()}
     return {
-        "tokens": tokens, "candidates": m2.numel(), "identical": identical,
+        "tokens": tokens,
+        "candidates": m2.numel(),
+        "identical": identical,
         "median_ms": {name: medians[name] * 1e3 for name in METHODS},
         "best_ms": {name: bests[name] * 1e3 for name in METHODS},
         "sort_over_radix": medians["sort"] / medians["radix"],
@@ -169,14 +179,17 @@ def measure_size(tokens: int, *, repeats: int, device: str, tau: float) -> dict[
         "passes_over_selection": bests["passes"] / bests["radix"],
         "unfused_over_forward": bests["unfused"] / bests["forward"],
         "fused": fused_ran,
-        "syncs_per_forward": counter.total, "syncs": dict(counter.syncs),
-        "syncs_per_unfused_forward": unfused_counter.total, "unfused_syncs": dict(unfused_counter.syncs),
+        "syncs_per_forward": counter.total,
+        "syncs": dict(counter.syncs),
+        "syncs_per_unfused_forward": unfused_counter.total,
+        "unfused_syncs": dict(unfused_counter.syncs),
         "operators_per_forward": sum(counter.operators.values()),
     }
 
 
-def run_bench(sizes: list[int], *, repeats: int = 7, device: str = "cpu", tau: float = 0.04,
-              on_size: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run_bench(
+    sizes: list[int], *, repeats: int = 7, device: str = "cpu", tau: float = 0.04, on_size: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 2 for s in sizes):
         raise ValueError(f"sizes: expected token counts >= 2, got {sizes!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -188,10 +201,18 @@ def run_bench(sizes: list[int], *, repeats: int = 7, device: str = "cpu", tau: f
         if on_size is not None:
             on_size(rows[-1])
     return {
-        "schema": SCHEMA, "device": device, "tau": tau, "repeats": repeats, "rows": rows,
-        "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "platform": platform.platform(),
-                        "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
-                        "fused_passes": "built" if fused.built() else f"not used: {fused.why_not_built()}"},
+        "schema": SCHEMA,
+        "device": device,
+        "tau": tau,
+        "repeats": repeats,
+        "rows": rows,
+        "environment": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+            "fused_passes": "built" if fused.built() else f"not used: {fused.why_not_built()}",
+        },
     }
 
 
@@ -210,7 +231,10 @@ def bench_across_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     if payload.get("ties"):
         m2[: m2.numel() // 4] = 0.0625  # a block of exact ties straddling the cut
     tau = payload["tau"]
-    methods = {"histogram": lambda: kept_candidates_across(m2, tau, group), "all_gather": lambda: kept_candidates_across_by_gathering(m2, tau, group)}
+    methods = {
+        "histogram": lambda: kept_candidates_across(m2, tau, group),
+        "all_gather": lambda: kept_candidates_across_by_gathering(m2, tau, group),
+    }
     results, traffic = {}, {}
     for name, method in methods.items():
         ctx.counter.reset()
@@ -218,16 +242,22 @@ def bench_across_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
         traffic[name] = ctx.counter.snapshot()
     times: dict[str, list[float]] = {name: [] for name in methods}
     for repeat in range(payload["repeats"]):
-        for name in list(methods)[repeat % 2:] + list(methods)[: repeat % 2]:
+        for name in list(methods)[repeat % 2 :] + list(methods)[: repeat % 2]:
             dist.barrier(group=group)
             started = time.perf_counter()
             methods[name]()
             times[name].append(time.perf_counter() - started)
-    return {"identical": bool(torch.equal(results["histogram"], results["all_gather"])), "kept": int(results["histogram"].sum()),
-            "median_ms": {name: statistics.median(v) * 1e3 if v else None for name, v in times.items()}, "traffic": traffic}
+    return {
+        "identical": bool(torch.equal(results["histogram"], results["all_gather"])),
+        "kept": int(results["histogram"].sum()),
+        "median_ms": {name: statistics.median(v) * 1e3 if v else None for name, v in times.items()},
+        "traffic": traffic,
+    }
 
 
-def run_bench_across(world_size: int, tokens_per_rank: int, *, repeats: int = 5, tau: float = 0.04, ties: bool = False, timeout_s: float = 600.0) -> dict[str, Any]:
+def run_bench_across(
+    world_size: int, tokens_per_rank: int, *, repeats: int = 5, tau: float = 0.04, ties: bool = False, timeout_s: float = 600.0
+) -> dict[str, Any]:
     from m2po_oracle.distributed.topology import Topology
     from m2po_oracle.distributed.world import World
 
@@ -237,9 +267,15 @@ def run_bench_across(world_size: int, tokens_per_rank: int, *, repeats: int = 5,
         forward = world.run(syncs_across_ranks, {"tokens": tokens_per_rank, "seed": 0, "tau": tau, "ties": ties})
     per_rank = [o.value for o in outcomes]
     slowest = {name: max(r["median_ms"][name] for r in per_rank) if repeats else None for name in ("histogram", "all_gather")}
-    return {"world_size": world_size, "tokens_per_rank": tokens_per_rank, "identical": all(r["identical"] for r in per_rank),
-            "median_ms": slowest, "traffic_rank0": per_rank[0]["traffic"], "per_rank": per_rank,
-            "forward_syncs": [{"rank": o.rank, "syncs": o.value["syncs"], "collectives": o.value["collectives"]} for o in forward]}
+    return {
+        "world_size": world_size,
+        "tokens_per_rank": tokens_per_rank,
+        "identical": all(r["identical"] for r in per_rank),
+        "median_ms": slowest,
+        "traffic_rank0": per_rank[0]["traffic"],
+        "per_rank": per_rank,
+        "forward_syncs": [{"rank": o.rank, "syncs": o.value["syncs"], "collectives": o.value["collectives"]} for o in forward],
+    }
 
 
 def rank_batch(payload: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
@@ -264,8 +300,15 @@ def syncs_across_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     batch = rank_batch(payload, ctx.rank)
     logp = batch["logp"].clone().requires_grad_(True)
     ctx.counter.reset()
-    result, syncs = count_host_syncs(lambda: m2po_loss(logp, batch["behavior_logp"], batch["advantages"], batch["mask"], tau=payload["tau"],
-                                                       group=ctx.groups["dp"]))
+    result, syncs = count_host_syncs(
+        lambda: m2po_loss(logp, batch["behavior_logp"], batch["advantages"], batch["mask"], tau=payload["tau"], group=ctx.groups["dp"])
+    )
     collectives = {name: entry["calls"] for name, entry in ctx.counter.snapshot().items()}
-    return {"syncs": syncs.total, "by_operator": dict(syncs.syncs), "collectives": sum(collectives.values()), "by_collective": collectives,
-            "operators": sum(syncs.operators.values()), "kept": result.keep.reshape(-1).tolist() if payload.get("keep") else None}
+    return {
+        "syncs": syncs.total,
+        "by_operator": dict(syncs.syncs),
+        "collectives": sum(collectives.values()),
+        "by_collective": collectives,
+        "operators": sum(syncs.operators.values()),
+        "kept": result.keep.reshape(-1).tolist() if payload.get("keep") else None,
+    }

@@ -17,12 +17,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Operators that read a device value or a data-dependent size on the host. ``nonzero_static``
 #: is absent: its size is given, so it needs no read.
-WOULD_SYNC = frozenset({
-    "aten::_local_scalar_dense",  # .item(), int(t), float(t), bool(t)
-    "aten::nonzero", "aten::masked_select", "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_consecutive",
-    "aten::unique_dim", "aten::repeat_interleave", "aten::bincount", "aten::histc", "aten::masked_scatter",
-    "aten::_assert_async", "aten::equal", "aten::allclose", "aten::is_nonzero",
-})
+WOULD_SYNC = frozenset(
+    {
+        "aten::_local_scalar_dense",  # .item(), int(t), float(t), bool(t)
+        "aten::nonzero",
+        "aten::masked_select",
+        "aten::unique",
+        "aten::_unique",
+        "aten::_unique2",
+        "aten::unique_consecutive",
+        "aten::unique_dim",
+        "aten::repeat_interleave",
+        "aten::bincount",
+        "aten::histc",
+        "aten::masked_scatter",
+        "aten::_assert_async",
+        "aten::equal",
+        "aten::allclose",
+        "aten::is_nonzero",
+    }
+)
 #: Indexing operators that sync when an index is boolean (its True count is the output size).
 _INDEXING = frozenset({"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"})
 
@@ -37,10 +51,17 @@ def _device_to_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     name = func._schema.name
     if name == "aten::_to_copy":
         source, target = args[0], kwargs.get("device")
-        return isinstance(source, torch.Tensor) and source.device.type != "cpu" and target is not None and torch.device(target).type == "cpu"
+        return (
+            isinstance(source, torch.Tensor) and source.device.type != "cpu" and target is not None and torch.device(target).type == "cpu"
+        )
     if name == "aten::copy_":
         target, source = args[0], args[1]
-        return isinstance(source, torch.Tensor) and source.device.type != "cpu" and target.device.type == "cpu" and not kwargs.get("non_blocking", False)
+        return (
+            isinstance(source, torch.Tensor)
+            and source.device.type != "cpu"
+            and target.device.type == "cpu"
+            and not kwargs.get("non_blocking", False)
+        )
     return False
 
 

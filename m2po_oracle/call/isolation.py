@@ -39,8 +39,14 @@ def _forkserver() -> Any:
     return _context
 
 
-def _serve(spec: str, adapter: str | None, bindings: tuple[str, ...], capture: bool, rejecting: tuple[str, ...],
-           connection: multiprocessing.connection.Connection) -> None:
+def _serve(
+    spec: str,
+    adapter: str | None,
+    bindings: tuple[str, ...],
+    capture: bool,
+    rejecting: tuple[str, ...],
+    connection: multiprocessing.connection.Connection,
+) -> None:
     # Ctrl-C reaches the whole process group: the parent writes the partial report and
     # stops this worker; a traceback from here would only clutter the terminal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -110,8 +116,16 @@ class InProcess:
 class Isolated:
     """A runner: ``measure(batch, *, dtype, device)`` in a worker process, with a timeout."""
 
-    def __init__(self, spec: str, *, timeout_s: float = 60.0, adapter: str | None = None, bindings: tuple[str, ...] = (), capture: bool = True,
-                 rejecting: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        spec: str,
+        *,
+        timeout_s: float = 60.0,
+        adapter: str | None = None,
+        bindings: tuple[str, ...] = (),
+        capture: bool = True,
+        rejecting: tuple[str, ...] = (),
+    ) -> None:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
             raise ValueError(f"timeout_s: expected a number > 0, got {timeout_s!r}")
         self.spec = spec
@@ -130,7 +144,12 @@ class Isolated:
         Raises :class:`ImplementationLoadError` if the spec cannot be loaded there."""
         context = _forkserver()
         parent, child = context.Pipe()
-        process = context.Process(target=_serve, args=(self.spec, self.adapter, self.bindings, self.capture, self.rejecting, child), daemon=True, name=f"m2po-impl:{self.spec}")
+        process = context.Process(
+            target=_serve,
+            args=(self.spec, self.adapter, self.bindings, self.capture, self.rejecting, child),
+            daemon=True,
+            name=f"m2po-impl:{self.spec}",
+        )
         process.start()
         child.close()
         if not parent.poll(STARTUP_TIMEOUT_S):
@@ -140,7 +159,9 @@ class Isolated:
             kind, detail = parent.recv()
         except EOFError:
             self._kill(process)
-            raise ImplementationLoadError(f"impl: the worker for {self.spec!r} died while loading it (exit code {process.exitcode})") from None
+            raise ImplementationLoadError(
+                f"impl: the worker for {self.spec!r} died while loading it (exit code {process.exitcode})"
+            ) from None
         if kind == "load_error":
             self._kill(process)
             raise ImplementationLoadError(detail)

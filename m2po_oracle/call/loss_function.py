@@ -49,10 +49,16 @@ class LossFunctionRunner:
         self.call = call
         self.output = CapturedOutput()
         self.isolated = isinstance(caller, Isolated)
-        refuse_unhonoured("a loss function run in a worker" if self.isolated else "a loss function run in this process (--in-process)",
-                          ISOLATED_HONOURS if self.isolated else IN_PROCESS_HONOURS, options,
-                          {"timeout": "no timeout can stop a call in this process; drop --in-process",
-                           "in_process": "--in-process and a worker exclude each other", "capture": CAPTURE_NEEDS_A_STEP})
+        refuse_unhonoured(
+            "a loss function run in a worker" if self.isolated else "a loss function run in this process (--in-process)",
+            ISOLATED_HONOURS if self.isolated else IN_PROCESS_HONOURS,
+            options,
+            {
+                "timeout": "no timeout can stop a call in this process; drop --in-process",
+                "in_process": "--in-process and a worker exclude each other",
+                "capture": CAPTURE_NEEDS_A_STEP,
+            },
+        )
 
     @property
     def health(self) -> CallHealth:
@@ -82,8 +88,11 @@ class LossFunctionRunner:
         skipped = self._not_run()
         if not skipped:
             return outcome
-        return dataclasses.replace(outcome, checked=tuple(c for c in outcome.checked if c not in skipped),
-                                   mismatches=tuple(m for m in outcome.mismatches if m.check not in skipped))
+        return dataclasses.replace(
+            outcome,
+            checked=tuple(c for c in outcome.checked if c not in skipped),
+            mismatches=tuple(m for m in outcome.mismatches if m.check not in skipped),
+        )
 
     def validation(self) -> list[ProbeResult]:
         return [self.caller.probe(p.name, dtype=self.options.dtype, device=self.options.device) for p in PROBES]
@@ -106,9 +115,18 @@ class LossFunctionRunner:
 
         adapter = ADAPTERS[self.options.adapter]
         bindings = self.options.bind
-        return {"adapter": {"name": adapter.name, "signature": adapter.signature, "checked": list(adapter.checked),
-                            "supplies": sorted(adapter.supplies_with(bindings)), "builds": dict(adapter.builds), "not_run": self._not_run(), "bindings": list(bindings),
-                            "call": self.call}}
+        return {
+            "adapter": {
+                "name": adapter.name,
+                "signature": adapter.signature,
+                "checked": list(adapter.checked),
+                "supplies": sorted(adapter.supplies_with(bindings)),
+                "builds": dict(adapter.builds),
+                "not_run": self._not_run(),
+                "bindings": list(bindings),
+                "call": self.call,
+            }
+        }
 
     def start(self) -> None:
         if self.isolated:

@@ -78,7 +78,9 @@ def load_implementation(spec: str, *, also_known: Sequence[str] = ()) -> Impleme
         try:
             fn = registered[spec].load()
         except Exception as error:
-            raise LoadError(f"impl: loading the registered implementation {spec!r} ({registered[spec].value}) failed: {_describe(error)}") from error
+            raise LoadError(
+                f"impl: loading the registered implementation {spec!r} ({registered[spec].value}) failed: {_describe(error)}"
+            ) from error
         if not callable(fn):
             raise LoadError(f"impl: the registered implementation {spec!r} is a {type(fn).__name__}, not a callable")
         return fn

@@ -85,8 +85,10 @@ def refuse_unhonoured(runner_name: str, honours: frozenset[str], options: RunOpt
 
 
 #: Why a run that calls a loss function alone refuses ``--capture``.
-CAPTURE_NEEDS_A_STEP = ("a single-process run has no training step to capture: record your own trainer with "
-                        "m2po_oracle.capture.Recorder; --capture records --impl trainer and --topology runs")
+CAPTURE_NEEDS_A_STEP = (
+    "a single-process run has no training step to capture: record your own trainer with "
+    "m2po_oracle.capture.Recorder; --capture records --impl trainer and --topology runs"
+)
 
 
 class CaptureFailed(BaseException):
@@ -176,6 +178,7 @@ class Runner(Protocol):
     #: Whether one example costs a model or a world (a minimal example then serves every
     #: check it fails instead of a new search per check).
     costly_examples: bool
+
     #: Step-level deviations the runner's outcomes name (``explained_by``), with descriptions.
     @property
     def variant_descriptions(self) -> dict[str, str]: ...  # read only: a class or an instance attribute

@@ -107,8 +107,11 @@ class Capture:
         for rank, manifest in self.manifests.items():
             noted = (manifest.get("parameter_gradients") or {}).get(str(step))
             if isinstance(noted, Mapping):
-                out[rank] = {name: {"numel": entry.get("numel"), "norm": None if entry.get("norm") is None else float(decode_number(entry["norm"]))}
-                             for name, entry in noted.items() if isinstance(entry, Mapping)}
+                out[rank] = {
+                    name: {"numel": entry.get("numel"), "norm": None if entry.get("norm") is None else float(decode_number(entry["norm"]))}
+                    for name, entry in noted.items()
+                    if isinstance(entry, Mapping)
+                }
         return out
 
     def __getitem__(self, key: tuple[int, int, int]) -> dict[str, Any]:
@@ -138,8 +141,11 @@ def _load_tensors(path: Path, names: tuple[str, ...], crc32: int | None = None) 
     except OSError as error:
         raise CaptureError(path, f"record file cannot be read: {error}") from None
     if crc32 is not None and zlib.crc32(data) != crc32:
-        raise CaptureError(path, f"CRC-32 {zlib.crc32(data):#010x} differs from the manifest's {crc32:#010x}: "
-                                 "the file changed after it was written (corrupt or overwritten)")
+        raise CaptureError(
+            path,
+            f"CRC-32 {zlib.crc32(data):#010x} differs from the manifest's {crc32:#010x}: "
+            "the file changed after it was written (corrupt or overwritten)",
+        )
     try:
         tensors = load(data)
     except Exception as error:
@@ -157,7 +163,9 @@ def _parse_manifest(path: Path, problems: list[tuple[str, str]]) -> dict[str, An
         return None
 
 
-def _check_file(path: Path, names: tuple[str, ...], described: Mapping[str, Any], header: dict[str, str], where: str) -> list[tuple[str, str]]:
+def _check_file(
+    path: Path, names: tuple[str, ...], described: Mapping[str, Any], header: dict[str, str], where: str
+) -> list[tuple[str, str]]:
     """Problems of one tensor file, from its header alone (safe_open checks that the data covers the file)."""
     if not path.is_file():
         return [(str(path), f"listed in {where} but the file is missing")]
@@ -242,7 +250,12 @@ def inspect_capture(directory: str | os.PathLike[str]) -> tuple[list[tuple[str, 
             problems.append((str(paths[rank]), f"rank {rank} is outside [0, world_size) = [0, {world_size})"))
     for rank in range(world_size):
         if rank not in paths:
-            problems.append((str(root / manifest_name(rank)), f"manifest is missing: world_size = {world_size} needs one manifest per rank 0..{world_size - 1}"))
+            problems.append(
+                (
+                    str(root / manifest_name(rank)),
+                    f"manifest is missing: world_size = {world_size} needs one manifest per rank 0..{world_size - 1}",
+                )
+            )
 
     infos: dict[tuple[int, int, int], RecordInfo] = {}
     for rank, manifest in sorted(manifests.items()):
@@ -273,11 +286,18 @@ def inspect_capture(directory: str | os.PathLike[str]) -> tuple[list[tuple[str, 
                     problems += _check_file(grad_path, (GRAD,), {GRAD: grad}, header, f"{where} grad")
             try:
                 info = RecordInfo(
-                    rank=rank, step=step, micro_batch=micro_batch, path=path, grad_path=grad_path,
-                    loss=float(decode_number(entry["loss"])), tau=float(decode_number(entry["tau"])),
+                    rank=rank,
+                    step=step,
+                    micro_batch=micro_batch,
+                    path=path,
+                    grad_path=grad_path,
+                    loss=float(decode_number(entry["loss"])),
+                    tau=float(decode_number(entry["tau"])),
                     metrics={key: decode_number(value) for key, value in dict(entry.get("metrics") or {}).items()},
-                    tensors=dict(described), device=entry.get("device"),
-                    crc32=_checksum(entry.get("crc32")), grad_crc32=_checksum(grad.get("crc32")) if isinstance(grad, Mapping) else None,
+                    tensors=dict(described),
+                    device=entry.get("device"),
+                    crc32=_checksum(entry.get("crc32")),
+                    grad_crc32=_checksum(grad.get("crc32")) if isinstance(grad, Mapping) else None,
                 )
             except (KeyError, TypeError, ValueError) as error:
                 problems.append((str(paths[rank]), f"{where}: loss, tau or metrics are not numbers ({error!r})"))

@@ -73,8 +73,16 @@ _TOPOLOGY_FORM = "'dp=N,cp=N,tp=N' (keys in any order, a missing key means 1, N 
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 # torch dtype name -> safetensors header code, to compare a file's header with its manifest.
 SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
 }
 
 
@@ -137,10 +145,7 @@ def _parse_topology(topology: object, world_size: int) -> str:
         sizes[match.group(1)] = int(match.group(2))
     dp, cp, tp = (sizes.get(axis, 1) for axis in _AXES)
     if dp * cp * tp != world_size:
-        raise ValueError(
-            f"topology {topology!r} has dp*cp*tp = {dp}*{cp}*{tp} = {dp * cp * tp} ranks, "
-            f"expected world_size = {world_size}"
-        )
+        raise ValueError(f"topology {topology!r} has dp*cp*tp = {dp}*{cp}*{tp} = {dp * cp * tp} ranks, expected world_size = {world_size}")
     return f"dp={dp},cp={cp},tp={tp}"
 
 
@@ -447,12 +452,12 @@ class Recorder:
         micro_batch = _integer("micro_batch", micro_batch, 0)
         if (step, micro_batch) in self._records:
             raise ValueError(
-                f"step={step}, micro_batch={micro_batch} is already recorded by rank {self.rank}; "
-                f"expected each (step, micro_batch) once"
+                f"step={step}, micro_batch={micro_batch} is already recorded by rank {self.rank}; expected each (step, micro_batch) once"
             )
         tensors = {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages, "mask": mask, "keep": keep}
-        tensors.update({name: value for name, value in (("selection_logp", selection_logp), ("rollout_logp", rollout_logp))
-                        if value is not None})
+        tensors.update(
+            {name: value for name, value in (("selection_logp", selection_logp), ("rollout_logp", rollout_logp)) if value is not None}
+        )
         _check_tensors(tensors if grad is None else {**tensors, GRAD: grad})
         if grad is not None and not grad.is_floating_point():
             raise ValueError(f"grad must be a floating-point tensor, got dtype {grad.dtype}")
@@ -570,8 +575,7 @@ class Recorder:
                 if not parameter.requires_grad:
                     continue
                 grad = parameter.grad
-                norms[name] = {"numel": parameter.numel(),
-                               "norm": None if grad is None else _encode(float(grad.detach().double().norm()))}
+                norms[name] = {"numel": parameter.numel(), "norm": None if grad is None else _encode(float(grad.detach().double().norm()))}
         except (TypeError, ValueError):
             raise ValueError("named_parameters must be model.named_parameters() or a mapping of str to tensors") from None
         with self._lock:

@@ -16,8 +16,9 @@ def audit(args: argparse.Namespace, console: Console) -> int:
     """audit DIR: per step verdict, failing checks and diagnosis; exit 0 / 1 / 2 as compare."""
     from m2po_oracle.audit import audit_capture
 
-    report = audit_capture(args.directory, steps=set(args.step) if args.step else None, rollout_atol=args.rollout_atol,
-                           policy_atol=args.policy_atol)
+    report = audit_capture(
+        args.directory, steps=set(args.step) if args.step else None, rollout_atol=args.rollout_atol, policy_atol=args.policy_atol
+    )
     record = report.to_json()
     capture = record["capture"]
     if args.step and not record["steps"] and not capture["refused"]:
@@ -75,8 +76,10 @@ def _print_audit_table(say: Any, table: dict[str, Any], rows: int = 8) -> None:
     for t in table["tokens"][:rows]:
         grad = "not captured" if t["grad"] is None else f"{t['grad']:.6g}"
         compared = f", {t['compared']['what']}: {t['compared']['captured']!r} vs {t['compared']['expected']!r}" if "compared" in t else ""
-        say(f"    row {t['row']} position {t['position']} (rank {t['rank']}, micro-batch {t['micro_batch']}): d {t['d']:.6g}, "
+        say(
+            f"    row {t['row']} position {t['position']} (rank {t['rank']}, micro-batch {t['micro_batch']}): d {t['d']:.6g}, "
             f"A {t['advantage']:.6g}, keep {t['keep']} (Algorithm 1: {t['algorithm_1_keeps']}), grad {grad} "
-            f"(expected {t['expected_grad']:.6g}){compared}")
+            f"(expected {t['expected_grad']:.6g}){compared}"
+        )
     for value in table["values"][:rows]:
         say(f"    {value['where']}: {value['name']} = {value['captured']!r}, expected {value['expected']!r}")

@@ -24,31 +24,67 @@ def bench(args: argparse.Namespace, console: Console) -> int:
     try:
         exponents = list(range(12, 25, 2)) if args.scaling else [int(x) for x in args.sizes.split(",")]
     except ValueError:
-        Console(stderr=True).print(f"error: --sizes: expected comma-separated integers (log2 of token counts), got {args.sizes!r}", highlight=False, markup=False)
+        Console(stderr=True).print(
+            f"error: --sizes: expected comma-separated integers (log2 of token counts), got {args.sizes!r}", highlight=False, markup=False
+        )
         return EXIT_UNUSABLE
     if any(not 1 <= e <= 30 for e in exponents):
-        Console(stderr=True).print(f"error: --sizes: expected log2 token counts between 1 and 30, got {exponents}", highlight=False, markup=False)
+        Console(stderr=True).print(
+            f"error: --sizes: expected log2 token counts between 1 and 30, got {exponents}", highlight=False, markup=False
+        )
         return EXIT_UNUSABLE
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = f"{args.repeats} interleaved repeats"
-    selection = Table(title=f"selection on {args.device}, {torch.get_num_threads()} thread(s): {repeats} (medians)",
-                      caption="identical: sort's, radix's and both forwards' masks agree, and the two forwards' losses")
+    selection = Table(
+        title=f"selection on {args.device}, {torch.get_num_threads()} thread(s): {repeats} (medians)",
+        caption="identical: sort's, radix's and both forwards' masks agree, and the two forwards' losses",
+    )
     for column in ("tokens", "candidates", "sort ms", "radix ms", "floor ms", "sort / radix", "radix / floor", "identical"):
         selection.add_column(column, justify="right")
     forward = Table(title=f"core.m2po_loss forward on {args.device}: {repeats} (bests; selection = radix's best)")
-    for column in ("tokens", "forward ms", "forward / selection", "sort / forward", "fused", "unfused ms", "unfused / forward",
-                   "passes ms", "passes / selection", "forward / passes", "syncs / forward", "syncs / unfused"):
+    for column in (
+        "tokens",
+        "forward ms",
+        "forward / selection",
+        "sort / forward",
+        "fused",
+        "unfused ms",
+        "unfused / forward",
+        "passes ms",
+        "passes / selection",
+        "forward / passes",
+        "syncs / forward",
+        "syncs / unfused",
+    ):
         forward.add_column(column, justify="right")
 
     def show(row):
         m, b = row["median_ms"], row["best_ms"]
-        selection.add_row(f"{row['tokens']:,}", f"{row['candidates']:,}", f"{m['sort']:.2f}", f"{m['radix']:.2f}", f"{m['floor']:.3f}",
-                          f"{row['sort_over_radix']:.1f}x", f"{row['radix_over_floor']:.1f}x", "yes" if row["identical"] else "[red]NO[/]")
-        forward.add_row(f"{row['tokens']:,}", f"{b['forward']:.2f}", f"{row['forward_over_selection']:.2f}x", f"{row['sort_over_forward']:.1f}x",
-                        "yes" if row["fused"] else "no", f"{b['unfused']:.2f}", f"{row['unfused_over_forward']:.2f}x", f"{b['passes']:.2f}",
-                        f"{row['passes_over_selection']:.2f}x", f"{row['forward_over_passes']:.2f}x", str(row["syncs_per_forward"]),
-                        str(row["syncs_per_unfused_forward"]))
+        selection.add_row(
+            f"{row['tokens']:,}",
+            f"{row['candidates']:,}",
+            f"{m['sort']:.2f}",
+            f"{m['radix']:.2f}",
+            f"{m['floor']:.3f}",
+            f"{row['sort_over_radix']:.1f}x",
+            f"{row['radix_over_floor']:.1f}x",
+            "yes" if row["identical"] else "[red]NO[/]",
+        )
+        forward.add_row(
+            f"{row['tokens']:,}",
+            f"{b['forward']:.2f}",
+            f"{row['forward_over_selection']:.2f}x",
+            f"{row['sort_over_forward']:.1f}x",
+            "yes" if row["fused"] else "no",
+            f"{b['unfused']:.2f}",
+            f"{row['unfused_over_forward']:.2f}x",
+            f"{b['passes']:.2f}",
+            f"{row['passes_over_selection']:.2f}x",
+            f"{row['forward_over_passes']:.2f}x",
+            str(row["syncs_per_forward"]),
+            str(row["syncs_per_unfused_forward"]),
+        )
 
     try:
         record = run_bench([1 << e for e in exponents], repeats=args.repeats, device=args.device, on_size=show)
@@ -66,10 +102,14 @@ def bench(args: argparse.Namespace, console: Console) -> int:
         sent = {name: sum(v["bytes"] for v in t.values()) for name, t in across["traffic_rank0"].items()}
         calls = {name: sum(v["calls"] for v in t.values()) for name, t in across["traffic_rank0"].items()}
         m = across["median_ms"]
-        console.print(f"{args.ranks} ranks x {1 << max(exponents):,} tokens (gloo): histogram rounds {m['histogram']:.1f} ms, "
-                      f"{calls['histogram']} collectives, {sent['histogram']:,} bytes/rank; all-gather {m['all_gather']:.1f} ms, "
-                      f"{calls['all_gather']} collectives, {sent['all_gather']:,} bytes/rank; ratio {m['all_gather'] / m['histogram']:.1f}x; "
-                      f"identical: {'yes' if across['identical'] else 'NO'}", highlight=False, soft_wrap=True)
+        console.print(
+            f"{args.ranks} ranks x {1 << max(exponents):,} tokens (gloo): histogram rounds {m['histogram']:.1f} ms, "
+            f"{calls['histogram']} collectives, {sent['histogram']:,} bytes/rank; all-gather {m['all_gather']:.1f} ms, "
+            f"{calls['all_gather']} collectives, {sent['all_gather']:,} bytes/rank; ratio {m['all_gather'] / m['histogram']:.1f}x; "
+            f"identical: {'yes' if across['identical'] else 'NO'}",
+            highlight=False,
+            soft_wrap=True,
+        )
         per_rank = ", ".join(f"rank {r['rank']}: {r['syncs']} with {r['collectives']} collectives" for r in across["forward_syncs"])
         console.print(f"distributed m2po_loss forward, would-sync operators per rank: {per_rank}", highlight=False, soft_wrap=True)
     if args.json:

@@ -14,8 +14,17 @@ def list_checks(console: Console) -> int:
 
     table = Table("check", "runs for", "asserts")
     for name, description in ALL_CHECKS.items():
-        runs_for = ("every run" if name == "call" else "a loss function" if name in CHECKS else "--topology" if name in DISTRIBUTED_CHECKS
-                    else "m2po-oracle audit" if name in AUDIT_CHECKS else "--impl trainer")
+        runs_for = (
+            "every run"
+            if name == "call"
+            else "a loss function"
+            if name in CHECKS
+            else "--topology"
+            if name in DISTRIBUTED_CHECKS
+            else "m2po-oracle audit"
+            if name in AUDIT_CHECKS
+            else "--impl trainer"
+        )
         table.add_row(name, runs_for, description)
     console.print(table)
     return EXIT_EQUIVALENT
@@ -58,9 +67,13 @@ def list_adapters(console: Console) -> int:
     say()
     prefixes = ", ".join(repr(p) for p in METRIC_PREFIXES)
     aliases = ", ".join(f"{k} -> {v}" for k, v in METRIC_ALIASES.items())
-    say(f"Metric names mapped from a returned mapping: our names (m2_before, m2_after, masked_fraction, trust_region_fraction, valid_count, "
-        f"trust_region_count, kept_trust_region_count) after any 'prefix/' and {prefixes}; {aliases}. Other keys are not read.")
-    say("--bind KEY=VALUE (repeatable): KEY a role -> where it goes (a parameter name, a 0-based position, or PARAMETER.ATTRIBUTE); "
+    say(
+        f"Metric names mapped from a returned mapping: our names (m2_before, m2_after, masked_fraction, trust_region_fraction, valid_count, "
+        f"trust_region_count, kept_trust_region_count) after any 'prefix/' and {prefixes}; {aliases}. Other keys are not read."
+    )
+    say(
+        "--bind KEY=VALUE (repeatable): KEY a role -> where it goes (a parameter name, a 0-based position, or PARAMETER.ATTRIBUTE); "
         "KEY a constant -> its value; KEY an output (loss, keep, per_token_loss, metrics or a metric name) -> where it is in the return "
-        "(an index, a key, or a path such as 4.M2_after); any other KEY -> an extra keyword argument. Values are Python literals, else strings.")
+        "(an index, a key, or a path such as 4.M2_after); any other KEY -> an extra keyword argument. Values are Python literals, else strings."
+    )
     return EXIT_EQUIVALENT

@@ -40,7 +40,7 @@ def run_or_replay(args: argparse.Namespace, console: Console) -> int:
                 setattr(args, kind, path)
         args.impl = args.impl or project.impl
         if args.impl is None:
-            raise UsageError("--impl: required (or impl = \"module:function\" under [tool.m2po-oracle] in pyproject.toml)")
+            raise UsageError('--impl: required (or impl = "module:function" under [tool.m2po-oracle] in pyproject.toml)')
         if args.command != "compare":  # capture = DIR in pyproject.toml is for compare: a replay must not refuse or add to it
             args.values.pop("capture", None)
         run_options = options.run_options({k: v for k, v in args.values.items() if k in {o.name for o in options.COMPARE_OPTIONS}})
@@ -101,7 +101,9 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
     except UsageError as error:
         say_error(str(error))
         return EXIT_UNUSABLE
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as progress:
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True
+    ) as progress:
         task = progress.add_task(f"checking {args.impl}", total=runner.options.examples)
         report = run_compare(runner, on_example=lambda _: progress.advance(task), exploration=exploration, started=args.started)
     record = report.to_json()
@@ -113,8 +115,12 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
     if report.interrupted:
         _write_reports(args, record, console, quiet=True)
         written = " ".join(str(p) for p in (args.json, args.html) if p is not None)
-        Console(stderr=True).print(f"interrupted after {report.examples} {report.example_unit} ({report.duration_s:.1f} s)"
-                                   + (f"; partial report: {written}" if written else ""), highlight=False, soft_wrap=True)
+        Console(stderr=True).print(
+            f"interrupted after {report.examples} {report.example_unit} ({report.duration_s:.1f} s)"
+            + (f"; partial report: {written}" if written else ""),
+            highlight=False,
+            soft_wrap=True,
+        )
         return EXIT_INTERRUPTED
     print_report(console, record, args.impl, every_line=args.verbosity > 0)
     _write_reports(args, record, console)
@@ -167,7 +173,12 @@ def _replay(args: argparse.Namespace, runner, console: Console) -> int:
         outcome = runner.run_battery(example)
         if outcome.mismatches:
             status = EXIT_DIVERGENT
-            console.print(format_mismatches(list(outcome.mismatches), batch=outcome.batch, where=f"for {args.impl!r}"), highlight=False, markup=False, soft_wrap=True)
+            console.print(
+                format_mismatches(list(outcome.mismatches), batch=outcome.batch, where=f"for {args.impl!r}"),
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
+            )
             if outcome.explained_by:
                 console.print(f"explained by: {', '.join(outcome.explained_by)}", highlight=False)
         else:

@@ -125,7 +125,7 @@ def _option_value(where: str, key: str, option: Option, value: Any) -> Any:
             return tuple(f"{k}={v if isinstance(v, str) else repr(v)}" for k, v in value.items())
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return tuple(value)
-        raise UsageError(f"{where}: {key}: expected a list of \"KEY=VALUE\" strings or a table, got {value!r}")
+        raise UsageError(f'{where}: {key}: expected a list of "KEY=VALUE" strings or a table, got {value!r}')
     if isinstance(value, (bool, list, dict)):
         raise UsageError(f"{where}: {key}: expected {option.help.split(';')[0]!r} as a value, got {value!r}")
     if option.name == "validation_errors" and isinstance(value, list):
@@ -151,7 +151,13 @@ def _accepted(where: str, value: Any) -> tuple[Accepted, ...]:
         extra = set(entry) - {"deviation", "reason", "link"}
         if extra:
             raise UsageError(f"{where}: accept[{i}]: unknown key(s) {sorted(extra)}; known: deviation, reason, link")
-        found.append(Accepted(validate_deviation(f"{where}: accept[{i}]", str(entry["deviation"])), str(entry.get("reason", "")), str(entry.get("link", ""))))
+        found.append(
+            Accepted(
+                validate_deviation(f"{where}: accept[{i}]", str(entry["deviation"])),
+                str(entry.get("reason", "")),
+                str(entry.get("link", "")),
+            )
+        )
     return tuple(found)
 
 
@@ -160,7 +166,10 @@ def validate_deviation(where: str, name: str) -> str:
     known = known_deviations()
     if name not in known:
         close = difflib.get_close_matches(name, known, n=3)
-        raise UsageError(f"{where}: unknown deviation {name!r}" + (f"; closest: {', '.join(close)}" if close else "; see m2po_oracle.explain.deviations.VARIANTS"))
+        raise UsageError(
+            f"{where}: unknown deviation {name!r}"
+            + (f"; closest: {', '.join(close)}" if close else "; see m2po_oracle.explain.deviations.VARIANTS")
+        )
     return name
 
 
@@ -183,7 +192,15 @@ def exploration_from(values: dict[str, Any], project: ProjectConfig, available: 
     from m2po_oracle.compare.explore import Exploration
     from m2po_oracle.compare.search import select_checks
 
-    accept = tuple(project.accept) + tuple(a for a in accepted_from_cli(values.get("accept")) if a.deviation not in {p.deviation for p in project.accept})
-    return Exploration(shrink=not values.get("no_shrink"), max_failures=values.get("max_failures"),
-                       checks=select_checks(available, values.get("checks")), skip_validation=bool(values.get("skip_validation")),
-                       database=values.get("hypothesis_database"), accept=accept, strict_accept=project.strict)
+    accept = tuple(project.accept) + tuple(
+        a for a in accepted_from_cli(values.get("accept")) if a.deviation not in {p.deviation for p in project.accept}
+    )
+    return Exploration(
+        shrink=not values.get("no_shrink"),
+        max_failures=values.get("max_failures"),
+        checks=select_checks(available, values.get("checks")),
+        skip_validation=bool(values.get("skip_validation")),
+        database=values.get("hypothesis_database"),
+        accept=accept,
+        strict_accept=project.strict,
+    )

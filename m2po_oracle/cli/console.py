@@ -32,11 +32,21 @@ def print_capture(console: Console, record: dict[str, Any]) -> None:
     if capture:
         import shlex
 
-        console.print(f"capture: {capture['directory']} ({capture['steps']} steps): {shlex.join(['m2po-oracle', 'audit', capture['directory']])}",
-                      highlight=False, markup=False, soft_wrap=True)
+        console.print(
+            f"capture: {capture['directory']} ({capture['steps']} steps): {shlex.join(['m2po-oracle', 'audit', capture['directory']])}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
 
 
-VERDICT_COLOURS = {"equivalent": "green", "equivalent-with-accepted": "green", "divergent": "red", "accepted-deviation-fixed": "red", "unusable": "red"}
+VERDICT_COLOURS = {
+    "equivalent": "green",
+    "equivalent-with-accepted": "green",
+    "divergent": "red",
+    "accepted-deviation-fixed": "red",
+    "unusable": "red",
+}
 
 
 def print_verdict(console: Console, record: dict[str, Any]) -> None:
@@ -52,14 +62,20 @@ def print_accepted(console: Console, record: dict[str, Any]) -> None:
             say(f"accepted: {accepted['deviation']}{why}{link}: explains {', '.join(accepted['checks'])}")
         else:
             fate = "the run fails: remove it from accept" if record["strict_accept"] else "strict = false: reported only"
-            say(f"accepted deviation {accepted['deviation']} no longer shows on these {record['examples']} {record['example_unit']}: fixed? {fate}")
+            say(
+                f"accepted deviation {accepted['deviation']} no longer shows on these {record['examples']} {record['example_unit']}: fixed? {fate}"
+            )
 
 
 def print_output(console: Console, record: dict[str, Any], every_line: bool = False) -> None:
     output = record["implementation_output"]
     if not output["lines"]:
         return
-    console.print(f"the implementation printed {output['lines']} line(s) (captured; --show-output lets them through); the first:", highlight=False, soft_wrap=True)
+    console.print(
+        f"the implementation printed {output['lines']} line(s) (captured; --show-output lets them through); the first:",
+        highlight=False,
+        soft_wrap=True,
+    )
     for line in output["first_lines"] if every_line else output["first_lines"][:5]:
         console.print(f"  | {line}", highlight=False, markup=False, soft_wrap=True)
 
@@ -80,15 +96,29 @@ def print_validation(console: Console, record: dict[str, Any]) -> None:
         console.print(f"validation: no invalid-input probe could run{skipped}", highlight=False, soft_wrap=True)
     elif not warnings:
         also = f"; {', '.join(warned)} allowed with a warning, as required" if warned else ""
-        console.print(f"validation: all {len(ran) - len(warned)} invalid-input probes{run} were rejected (fails closed){also}{skipped}",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"validation: all {len(ran) - len(warned)} invalid-input probes{run} were rejected (fails closed){also}{skipped}",
+            highlight=False,
+            soft_wrap=True,
+        )
     else:
-        label = ("counted as divergence (--strict-validation)" if validation["strict"] else
-                 "warnings; the verdict is unchanged (use --strict-validation to count them)")
-        console.print(f"validation: {len(warnings)} of {len(ran)} probes{run} were not handled as required{skipped}, {label}:", highlight=False, soft_wrap=True)
+        label = (
+            "counted as divergence (--strict-validation)"
+            if validation["strict"]
+            else "warnings; the verdict is unchanged (use --strict-validation to count them)"
+        )
+        console.print(
+            f"validation: {len(warnings)} of {len(ran)} probes{run} were not handled as required{skipped}, {label}:",
+            highlight=False,
+            soft_wrap=True,
+        )
         for p in warnings:
-            console.print(f"  - {p['probe']} ({p['description']}): {p['status']} (expected: {p['expected']}): {p['message']}", highlight=False, markup=False,
-                          soft_wrap=True)
+            console.print(
+                f"  - {p['probe']} ({p['description']}): {p['status']} (expected: {p['expected']}): {p['message']}",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
+            )
     for p in not_run:
         console.print(f"  - {p['probe']} ({p['description']}): not run: {p['message']}", highlight=False, markup=False, soft_wrap=True)
 
@@ -102,10 +132,18 @@ def print_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
     for m in diagnosis.get("matches", []):
         say(f"  - {m['variant']}: {m['description']} [{m['source']}] ({m.get('evidence', '')})")
     for residual in diagnosis.get("residuals", []):
-        features = ", ".join(f"{f['feature']} {f['residual']}/{f['of']} (vs {f['explained']}/{f['explained_of']} explained)"
-                             for f in residual.get("features", [])) or "no feature of the list"
-        contradicted = (f", {residual['contradicted']} of them contradicted (Algorithm 1 reproduces the port there, the explanation does not)"
-                        if residual.get("contradicted") else "")
+        features = (
+            ", ".join(
+                f"{f['feature']} {f['residual']}/{f['of']} (vs {f['explained']}/{f['explained_of']} explained)"
+                for f in residual.get("features", [])
+            )
+            or "no feature of the list"
+        )
+        contradicted = (
+            f", {residual['contradicted']} of them contradicted (Algorithm 1 reproduces the port there, the explanation does not)"
+            if residual.get("contradicted")
+            else ""
+        )
         if residual.get("float32_fits"):
             against = " + ".join(residual.get("explanation") or []) or "Algorithm 1"
             contradicted += f"; {residual['float32_fits']} within float32 rounding of {against}'s values"
@@ -129,7 +167,9 @@ def print_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
             if c.get("check"):  # the explanation's own share, below the threshold that names it
                 say(f"  - {c['variant']}: {c['description']}")
             else:
-                say(f"  - {c['variant']} alone reproduces {c['agreed']} of the {c['of']} divergent examples; first difference: {c['first_difference']}")
+                say(
+                    f"  - {c['variant']} alone reproduces {c['agreed']} of the {c['of']} divergent examples; first difference: {c['first_difference']}"
+                )
 
 
 def _say(console: Console) -> Any:
@@ -143,8 +183,12 @@ def _counterexample_text(c: dict[str, Any], unexplained: set[str]) -> str:
 
     checks = c.get("checks") or [c["check"]]
     cause = f"{c['cause']}: " if c.get("cause") else "unexplained: " if c["check"] in unexplained else ""
-    return format_mismatches([mismatch_from_json(m) for m in c["mismatches"]], batch=Batch.from_dict(c["batch"]),
-                             where=f"(minimal batch for {cause}{', '.join(checks)})", replay=c["replay"])
+    return format_mismatches(
+        [mismatch_from_json(m) for m in c["mismatches"]],
+        batch=Batch.from_dict(c["batch"]),
+        where=f"(minimal batch for {cause}{', '.join(checks)})",
+        replay=c["replay"],
+    )
 
 
 def print_report(console: Console, record: dict[str, Any], impl: str, every_line: bool = False) -> None:
@@ -160,32 +204,53 @@ def print_report(console: Console, record: dict[str, Any], impl: str, every_line
     adapter = record.get("adapter")
     if adapter:
         skipped = [check for check in adapter.get("not_run", {}) if not check.startswith("metrics.")]
-        say(f"adapter {adapter['name']} ({adapter['signature']}): checks {', '.join(adapter['checked'])}"
+        say(
+            f"adapter {adapter['name']} ({adapter['signature']}): checks {', '.join(adapter['checked'])}"
             + (f"; not run (the adapter, not the port, decides them): {', '.join(skipped)}" if skipped else "")
-            + (f"; call: {adapter['call']}" if adapter.get("call") else ""))
+            + (f"; call: {adapter['call']}" if adapter.get("call") else "")
+        )
         if adapter.get("metrics_read"):
             say(f"metrics read from the port: {metric_sources_text(adapter['metrics_read'])}")
     if record["verdict"] == "unusable":
-        console.print(f"[bold red]unusable[/]: no call returned a usable result on {record['examples']} {unit}; no check other than 'call' ran",
-                      soft_wrap=True)
+        console.print(
+            f"[bold red]unusable[/]: no call returned a usable result on {record['examples']} {unit}; no check other than 'call' ran",
+            soft_wrap=True,
+        )
     if record["stopped_early"]:
-        console.print(f"stopped early after {record['examples']} of {options['examples']} {unit}: {record['stopped_early']}", highlight=False, soft_wrap=True)
+        console.print(
+            f"stopped early after {record['examples']} of {options['examples']} {unit}: {record['stopped_early']}",
+            highlight=False,
+            soft_wrap=True,
+        )
     coverage = record["coverage"]
     families = ", ".join(f"{name} {count}" for name, count in coverage["families"].items())
     features = ", ".join(f"{name} {count}" for name, count in coverage["features"].items())
-    table = Table(title=f"{impl} vs Algorithm 1 ({record['examples']} {unit}, {options['dtype']}, seed {options['seed']})",
-                  caption=(f"exercised: {unit} that could have failed the check; failure rate: observed, and its one-sided 95% "
-                           f"Clopper-Pearson upper bound\nfamilies: {families or '-'}\nfeatures (of {coverage['judged']} judged): {features}"))
-    for column, justify in (("check", "left"), ("result", "left"), (f"failing {unit}", "right"), (f"{unit} checked", "right"), ("exercised", "right"),
-                            ("failure rate (95%)", "right"), ("explained by", "left")):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]  # rich's JustifyMethod is a Literal of these
+    table = Table(
+        title=f"{impl} vs Algorithm 1 ({record['examples']} {unit}, {options['dtype']}, seed {options['seed']})",
+        caption=(
+            f"exercised: {unit} that could have failed the check; failure rate: observed, and its one-sided 95% "
+            f"Clopper-Pearson upper bound\nfamilies: {families or '-'}\nfeatures (of {coverage['judged']} judged): {features}"
+        ),
+    )
+    for column in ("check", "result"):
+        table.add_column(column)
+    for column in (f"failing {unit}", f"{unit} checked", "exercised", "failure rate (95%)"):
+        table.add_column(column, justify="right")
+    table.add_column("explained by")
     labels = {"fail": "[red]FAIL[/]", "pass": "[green]pass[/]", "not run": "[yellow]not run[/]"}
     diagnosis = record["diagnosis"]
     by_check, unexplained = diagnosis.get("by_check", {}), set(diagnosis.get("unexplained", ()))
     for c in record["checks"]:
         explained = " + ".join(by_check.get(c["name"], ())) or ("[yellow]unexplained[/]" if c["name"] in unexplained else "")
-        table.add_row(c["name"], labels[c["status"]], str(c["failures"]), str(c["ran"]), str(c["exercised"]),
-                      rate_text(c["failures"], c["exercised"], c["failure_rate_upper_95"]), explained)
+        table.add_row(
+            c["name"],
+            labels[c["status"]],
+            str(c["failures"]),
+            str(c["ran"]),
+            str(c["exercised"]),
+            rate_text(c["failures"], c["exercised"], c["failure_rate_upper_95"]),
+            explained,
+        )
     console.print(table)
     print_diagnosis(console, diagnosis)
     for c in record["counterexamples"]:
@@ -205,8 +270,9 @@ def print_quiet(console: Console, record: dict[str, Any]) -> None:
         if c["status"] == "fail":
             say(f"FAIL {c['name']}: {c['failures']} of {record['examples']} ({' + '.join(by_check.get(c['name'], ())) or 'unexplained'})")
     if record["verdict"] == "unusable":  # the one thing to read: why no call returned a result
-        why = record["load_error"] or next((m["summary"].splitlines()[-1] for c in record["counterexamples"] for m in c["mismatches"]
-                                            if m["check"] == "call"), "")
+        why = record["load_error"] or next(
+            (m["summary"].splitlines()[-1] for c in record["counterexamples"] for m in c["mismatches"] if m["check"] == "call"), ""
+        )
         say(f"  {why}")
     print_accepted(console, record)
     print_verdict(console, record)

@@ -32,13 +32,16 @@ if TYPE_CHECKING:
 
 #: Production trainers behind the trainer contract, by name (``trainer:NAME[:CONTROL]``): a
 #: factory taking the control's name. Named as strings: the integrations room sits above.
-INTEGRATED_TRAINERS = {"trl": "m2po_oracle.integrations.trl_step:trl_trainer",
-                       "swift": "m2po_oracle.integrations.swift_step:swift_trainer"}
+INTEGRATED_TRAINERS = {"trl": "m2po_oracle.integrations.trl_step:trl_trainer", "swift": "m2po_oracle.integrations.swift_step:swift_trainer"}
 #: What each needs installed: (the distribution, what it is, how to install it).
 INTEGRATED_REQUIRES = {
     "trl": ("trl", "the trl package", "pip install -c constraints.txt -e '.[trl]'"),
-    "swift": ("ms-swift", "ms-swift 4.6, which is not installed in this environment (it needs trl<1 and transformers<5.20, so it lives "
-              "in an environment of its own)", "python3 -m venv .venv-swift && .venv-swift/bin/pip install -e '.[swift]' -c constraints-swift.txt"),
+    "swift": (
+        "ms-swift",
+        "ms-swift 4.6, which is not installed in this environment (it needs trl<1 and transformers<5.20, so it lives "
+        "in an environment of its own)",
+        "python3 -m venv .venv-swift && .venv-swift/bin/pip install -e '.[swift]' -c constraints-swift.txt",
+    ),
 }
 
 
@@ -114,5 +117,7 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Loss
     described = call.describe_call() if call is not None else None
     if options.in_process:
         return LossFunctionRunner(spec, InProcess(fn, capture=capture, rejecting=rejecting), options, call=described)
-    isolated = Isolated(spec, timeout_s=options.timeout, adapter=options.adapter, bindings=options.bind, capture=capture, rejecting=rejecting)
+    isolated = Isolated(
+        spec, timeout_s=options.timeout, adapter=options.adapter, bindings=options.bind, capture=capture, rejecting=rejecting
+    )
     return LossFunctionRunner(spec, isolated, options, call=described)

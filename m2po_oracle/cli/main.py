@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     args.started = started
     # Off a terminal (CI logs, pipes) rich would wrap at 80 columns: tables and messages keep their lines.
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 200)
-    commands = {"checks": lambda: list_checks(console), "adapters": lambda: list_adapters(console), "selftest": lambda: selftest(args, console),
-                "bench": lambda: bench(args, console), "audit": lambda: audit(args, console)}
+    commands = {
+        "checks": lambda: list_checks(console),
+        "adapters": lambda: list_adapters(console),
+        "selftest": lambda: selftest(args, console),
+        "bench": lambda: bench(args, console),
+        "audit": lambda: audit(args, console),
+    }
     return commands.get(args.command, lambda: run_or_replay(args, console))()

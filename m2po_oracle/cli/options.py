@@ -71,42 +71,94 @@ COMPARE_OPTIONS: tuple[Option, ...] = (
     Option("examples", "number of generated batches (training steps for the trainer) to try (default 500)", positive_int),
     Option("seed", "seed of the batch generator: same seed, same batches (default 0)", int),
     Option("dtype", "dtype of the input tensors given to the implementation (default float64)", str, None, DTYPE_CHOICES),
-    Option("compute_dtype", "dtype the implementation computes its selection in (sets the rounding band; default: --dtype)", str, None, DTYPE_CHOICES),
+    Option(
+        "compute_dtype",
+        "dtype the implementation computes its selection in (sets the rounding band; default: --dtype)",
+        str,
+        None,
+        DTYPE_CHOICES,
+    ),
     Option("tau", "use this budget for every batch instead of drawing it", nonnegative_seconds),
     Option("device", "torch device for the input tensors (default cpu)", str),
-    Option("timeout", "per-call timeout in seconds; the implementation runs in a worker process and a call past it is a finding (default 60)",
-           _positive_seconds),
+    Option(
+        "timeout",
+        "per-call timeout in seconds; the implementation runs in a worker process and a call past it is a finding (default 60)",
+        _positive_seconds,
+    ),
     # No argparse choices: the names live in the adapter table (m2po_oracle.adapters), and
     # open_runner refuses an unknown one with the closest matches.
-    Option("adapter", "the port's signature family when it is not the contract's (m2po-oracle adapters lists them: mask_only, "
-           "mask_function, masked_loss, per_token_loss, policy_loss, verl_release, clip_kernel, packed; group with --topology)", str),
-    Option("bind", "KEY=VALUE for the adapter's call, repeatable: where a role goes (budget=M2_budget, budget=config.policy_loss.m2_budget), "
-           "where an output is in the return (loss=0, keep=1, m2_after=4.M2_after), or an extra keyword argument (miniclip_low=None); "
-           "values are Python literals, else strings", str, repeat=True),
+    Option(
+        "adapter",
+        "the port's signature family when it is not the contract's (m2po-oracle adapters lists them: mask_only, "
+        "mask_function, masked_loss, per_token_loss, policy_loss, verl_release, clip_kernel, packed; group with --topology)",
+        str,
+    ),
+    Option(
+        "bind",
+        "KEY=VALUE for the adapter's call, repeatable: where a role goes (budget=M2_budget, budget=config.policy_loss.m2_budget), "
+        "where an output is in the return (loss=0, keep=1, m2_after=4.M2_after), or an extra keyword argument (miniclip_low=None); "
+        "values are Python literals, else strings",
+        str,
+        repeat=True,
+    ),
     Option("topology", "run distributed: ranks as dp=N,cp=N,tp=N (Megatron order); the implementation takes parallel=", _topology),
     Option("backend", "collective backend of a distributed run (default gloo)", str, None, ("gloo", "nccl")),
-    Option("strict_validation", "count silently accepted invalid input (see 'validation' in the report) as a divergence", bool, False, switch=True),
-    Option("validation_errors", "comma-separated exception class names that also count as a deliberate refusal of invalid input "
-           "(ValueError and TypeError always do)", str),
-    Option("in_process", "call the implementation in this process (faster; no timeout, a crash or hang takes the tool down)", bool, False, switch=True),
+    Option(
+        "strict_validation",
+        "count silently accepted invalid input (see 'validation' in the report) as a divergence",
+        bool,
+        False,
+        switch=True,
+    ),
+    Option(
+        "validation_errors",
+        "comma-separated exception class names that also count as a deliberate refusal of invalid input "
+        "(ValueError and TypeError always do)",
+        str,
+    ),
+    Option(
+        "in_process",
+        "call the implementation in this process (faster; no timeout, a crash or hang takes the tool down)",
+        bool,
+        False,
+        switch=True,
+    ),
     Option("show_output", "let the implementation's stdout/stderr through instead of capturing it per call", bool, False, switch=True),
-    Option("capture", "write what every step fed its loss to DIR as a capture (m2po_oracle.capture) for `m2po-oracle audit DIR`; "
-           "trainer and distributed runs only", str, metavar="DIR"),
+    Option(
+        "capture",
+        "write what every step fed its loss to DIR as a capture (m2po_oracle.capture) for `m2po-oracle audit DIR`; "
+        "trainer and distributed runs only",
+        str,
+        metavar="DIR",
+    ),
 )
 
 
 #: How a compare run explores and judges (``compare.Exploration``), shared by the CLI and the
 #: plugin like the options above; none of them changes how the implementation is called.
 RUN_SETTINGS: tuple[Option, ...] = (
-    Option("accept", "a deviation the project accepts (a diagnosis name, e.g. clamped_log_ratio), repeatable: failures it alone explains give "
-           "verdict equivalent-with-accepted (exit 0); if it no longer shows, the run fails (exit 1) unless strict = false in pyproject.toml",
-           str, repeat=True),
+    Option(
+        "accept",
+        "a deviation the project accepts (a diagnosis name, e.g. clamped_log_ratio), repeatable: failures it alone explains give "
+        "verdict equivalent-with-accepted (exit 0); if it no longer shows, the run fails (exit 1) unless strict = false in pyproject.toml",
+        str,
+        repeat=True,
+    ),
     Option("checks", "run only the checks matching these comma-separated glob patterns, e.g. 'selection.*,loss' (call always runs)", str),
-    Option("max_failures", "stop exploring after N failing examples (-x: 1); the counterexamples and diagnosis cover what was found", positive_int),
-    Option("no_shrink", "report each check's first failing example as generated instead of shrinking it (faster)", bool, False, switch=True),
+    Option(
+        "max_failures",
+        "stop exploring after N failing examples (-x: 1); the counterexamples and diagnosis cover what was found",
+        positive_int,
+    ),
+    Option(
+        "no_shrink", "report each check's first failing example as generated instead of shrinking it (faster)", bool, False, switch=True
+    ),
     Option("skip_validation", "do not run the invalid-input probes (reported as skipped, never as passed)", bool, False, switch=True),
-    Option("hypothesis_database", "a folder for a Hypothesis example database: this run's failing examples are replayed first on the next run",
-           str),
+    Option(
+        "hypothesis_database",
+        "a folder for a Hypothesis example database: this run's failing examples are replayed first on the next run",
+        str,
+    ),
 )
 
 
@@ -135,8 +187,9 @@ def add_to_pytest(group: Any, options: tuple[Option, ...] = COMPARE_OPTIONS, pre
         elif option.repeat:
             group.addoption(flag, dest=dest, action="append", type=option.type, default=None, help=option.help)
         else:
-            group.addoption(flag, dest=dest, type=option.type, default=option.default, choices=option.choices, metavar=option.metavar,
-                            help=option.help)
+            group.addoption(
+                flag, dest=dest, type=option.type, default=option.default, choices=option.choices, metavar=option.metavar, help=option.help
+            )
 
 
 def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...] = COMPARE_OPTIONS) -> None:
@@ -144,8 +197,22 @@ def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...]
         if option.switch:
             parser.add_argument(option.flag, dest=option.name, action="store_true", help=option.help)
         elif option.repeat:
-            parser.add_argument(option.flag, dest=option.name, action="append", type=option.type, default=None,
-                                metavar="NAME" if option.name == "accept" else "KEY=VALUE", help=option.help)
+            parser.add_argument(
+                option.flag,
+                dest=option.name,
+                action="append",
+                type=option.type,
+                default=None,
+                metavar="NAME" if option.name == "accept" else "KEY=VALUE",
+                help=option.help,
+            )
         else:
-            parser.add_argument(option.flag, dest=option.name, type=option.type, default=option.default, choices=option.choices,
-                                metavar=option.metavar, help=option.help)
+            parser.add_argument(
+                option.flag,
+                dest=option.name,
+                type=option.type,
+                default=option.default,
+                choices=option.choices,
+                metavar=option.metavar,
+                help=option.help,
+            )

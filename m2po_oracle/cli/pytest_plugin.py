@@ -29,12 +29,19 @@ if TYPE_CHECKING:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("m2po-oracle", "check an M2PO implementation against Algorithm 1")
-    group.addoption("--m2po-impl", dest="m2po_impl", default=None, metavar="SPEC",
-                    help="implementation to check: built-in name, module:function or file.py:function")
+    group.addoption(
+        "--m2po-impl",
+        dest="m2po_impl",
+        default=None,
+        metavar="SPEC",
+        help="implementation to check: built-in name, module:function or file.py:function",
+    )
     options.add_to_pytest(group)
     options.add_to_pytest(group, options.RUN_SETTINGS)
     group.addoption("--m2po-json", dest="m2po_json", default=None, metavar="PATH", help="write the JSON report of the battery here")
-    group.addoption("--m2po-html", dest="m2po_html", default=None, metavar="PATH", help="write the HTML report of the battery here (a CI artifact)")
+    group.addoption(
+        "--m2po-html", dest="m2po_html", default=None, metavar="PATH", help="write the HTML report of the battery here (a CI artifact)"
+    )
 
 
 def _project(config: pytest.Config) -> Any:
@@ -79,8 +86,13 @@ def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, report
     beyond_adapter = (report.adapter or {}).get("not_run", {})  # checks on what the adapter, not the port, decides
     for name, tally in report.tallies.items():
         if tally.status == "not run":
-            why = ("no call returned a result" if name != "call" and not report.usable else
-                   f"adapter {cast('dict[str, Any]', report.adapter)['name']}: {beyond_adapter[name]}" if name in beyond_adapter else "no generated example exercised it")  # not_run: an adapter's
+            why = (
+                "no call returned a result"
+                if name != "call" and not report.usable
+                else f"adapter {cast('dict[str, Any]', report.adapter)['name']}: {beyond_adapter[name]}"
+                if name in beyond_adapter
+                else "no generated example exercised it"
+            )  # not_run: an adapter's
             items[name] = {"status": "skip", "message": f"not run on {report.examples} {report.example_unit}: {why}"}
             continue
         if not tally.failures:
@@ -89,25 +101,37 @@ def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, report
         message = f"failed on {tally.failures} of {report.examples} {report.example_unit}"
         explained = by_check.get(name, ())
         if explained and set(explained) <= set(accepted):  # a strict xfail: the project accepts this deviation
-            reasons = "; ".join(f"{n}: {accepted[n].reason or 'accepted'}" + (f" ({accepted[n].link})" if accepted[n].link else "") for n in explained)
+            reasons = "; ".join(
+                f"{n}: {accepted[n].reason or 'accepted'}" + (f" ({accepted[n].link})" if accepted[n].link else "") for n in explained
+            )
             items[name] = {"status": "xfail", "message": f"{message}, explained by accepted deviation(s) {reasons}"}
             continue
         if explained:
             message += f" (explained by {' + '.join(explained)})"
         for counterexample in report.counterexamples:
             if name in (counterexample.checks or (counterexample.check,)):
-                message += "\n" + format_mismatches(list(counterexample.mismatches), batch=counterexample.batch, where=f"(minimal batch for {name})",
-                                                    replay=counterexample.replay)
+                message += "\n" + format_mismatches(
+                    list(counterexample.mismatches),
+                    batch=counterexample.batch,
+                    where=f"(minimal batch for {name})",
+                    replay=counterexample.replay,
+                )
                 break
         items[name] = {"status": "fail", "message": message}
     for name, a in accepted.items():
         shows = report.accepted_shown[name]
         if shows:
-            items[f"accept:{name}"] = {"status": "xfail", "message": f"accepted deviation {name} ({a.reason or 'accepted'}) explains {', '.join(shows)}"}
+            items[f"accept:{name}"] = {
+                "status": "xfail",
+                "message": f"accepted deviation {name} ({a.reason or 'accepted'}) explains {', '.join(shows)}",
+            }
         else:
             fixed = f"accepted deviation {name} no longer shows on {report.examples} {report.example_unit}"
-            items[f"accept:{name}"] = ({"status": "fail", "message": f"{fixed}: fixed? remove it from accept (or set strict = false)"} if report.strict_accept
-                                       else {"status": "pass", "message": "", "warnings": [f"{fixed} (strict = false)"]})
+            items[f"accept:{name}"] = (
+                {"status": "fail", "message": f"{fixed}: fixed? remove it from accept (or set strict = false)"}
+                if report.strict_accept
+                else {"status": "pass", "message": "", "warnings": [f"{fixed} (strict = false)"]}
+            )
     if report.validation_not_run:
         items["validation"] = {"status": "skip", "message": f"validation not run: {report.validation_not_run}"}
     elif report.validation and not any(p.ran for p in report.validation):
@@ -117,8 +141,11 @@ def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, report
     else:
         problems = [f"- {p.probe} ({p.description}): {p.status}: {p.message}" for p in report.validation_warnings]
         failing = bool(problems) and report.strict_validation
-        items["validation"] = {"status": "fail" if failing else "pass", "message": "invalid input not rejected:\n" + "\n".join(problems) if failing else "",
-                               "warnings": problems}
+        items["validation"] = {
+            "status": "fail" if failing else "pass",
+            "message": "invalid input not rejected:\n" + "\n".join(problems) if failing else "",
+            "warnings": problems,
+        }
     return {"checks": list(report.tallies) + [f"accept:{n}" for n in accepted], "items": items, "verdict": report.verdict}
 
 
@@ -147,13 +174,17 @@ class _SharedRun:
 
     def get(self) -> dict[str, Any]:
         if self._outcomes is None:
-            self._outcomes = self._shared() if hasattr(self.config, "workerinput") else item_outcomes(self.spec, self.values, self.project, self.reports)
+            self._outcomes = (
+                self._shared() if hasattr(self.config, "workerinput") else item_outcomes(self.spec, self.values, self.project, self.reports)
+            )
         return self._outcomes
 
     def _shared(self) -> dict[str, Any]:
         run_id = self.config.workerinput.get("testrunuid", "run")  # type: ignore[attr-defined]  # pytest-xdist sets it on a worker's config; pytest's Config does not declare it
         accept = [a.to_json() for a in self.project.accept] + [self.project.strict]
-        key = hashlib.sha256(json.dumps([self.spec, {k: str(v) for k, v in self.values.items()}, accept], sort_keys=True).encode()).hexdigest()[:16]
+        key = hashlib.sha256(
+            json.dumps([self.spec, {k: str(v) for k, v in self.values.items()}, accept], sort_keys=True).encode()
+        ).hexdigest()[:16]
         path = Path(tempfile.gettempdir()) / f"m2po-oracle-{run_id}-{key}.json"
         with open(f"{path}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker runs the battery; the rest wait for its file
@@ -209,10 +240,15 @@ def _declared_checks(spec: str, values: dict[str, Any], project: Any) -> tuple[s
     from m2po_oracle.compare.search import select_checks
     from m2po_oracle.judge.checks import CHECKS
 
-    accepted = tuple(f"accept:{a.deviation}" for a in project.accept) + tuple(f"accept:{n}" for n in values.get("accept") or ()
-                                                                                if n not in {a.deviation for a in project.accept})
+    accepted = tuple(f"accept:{a.deviation}" for a in project.accept) + tuple(
+        f"accept:{n}" for n in values.get("accept") or () if n not in {a.deviation for a in project.accept}
+    )
     try:
-        declared = tuple(open_runner(spec, options.run_options({k: v for k, v in values.items() if k in {o.name for o in options.COMPARE_OPTIONS}})).checks)
+        declared = tuple(
+            open_runner(
+                spec, options.run_options({k: v for k, v in values.items() if k in {o.name for o in options.COMPARE_OPTIONS}})
+            ).checks
+        )
     except Exception:  # reported by every item when the run cannot start
         return tuple(CHECKS) + accepted
     try:

@@ -61,7 +61,11 @@ class SelftestRow:
         them), and every failing check explained on every failing example: a planted deviation
         is all there is, so a residual means the diagnosis's account of it is wrong somewhere."""
         expected = set((self.variant or self.control).split(" + "))
-        return not self.unexplained and not self.partly_explained and any(expected == set(names) for names in (self.diagnosis, *self.alternatives))
+        return (
+            not self.unexplained
+            and not self.partly_explained
+            and any(expected == set(names) for names in (self.diagnosis, *self.alternatives))
+        )
 
     @property
     def status(self) -> str:
@@ -76,28 +80,50 @@ def _distributed_targets() -> list[SelftestTarget]:
     from m2po_oracle.distributed.runner import DistributedRunner
     from m2po_oracle.distributed.topology import Topology
 
-    return [SelftestTarget(f"distributed:{spec}", DESCRIPTIONS[spec.split(":", 1)[1]], spec.split(":", 1)[1],
-                           lambda spec=spec, topology=topology: DistributedRunner(spec, Topology.parse(topology)), shrink=False)  # type: ignore[misc]  # mypy cannot type a lambda with defaulted parameters as Callable[[], Runner]
-            for spec, topology in CONTROL_TOPOLOGIES.items()]
+    return [
+        SelftestTarget(
+            f"distributed:{spec}",
+            DESCRIPTIONS[spec.split(":", 1)[1]],
+            spec.split(":", 1)[1],
+            # mypy cannot type a lambda with defaulted parameters as Callable[[], Runner]
+            lambda spec=spec, topology=topology: DistributedRunner(spec, Topology.parse(topology)),  # type: ignore[misc]
+            shrink=False,
+        )
+        for spec, topology in CONTROL_TOPOLOGIES.items()
+    ]
 
 
 def _trainer_targets() -> list[SelftestTarget]:
     from m2po_oracle.trainer.controls import TRAINER_CONTROLS
     from m2po_oracle.trainer.runner import TrainerRunner
 
-    return [SelftestTarget(f"trainer:{c.name}", c.description, c.variant, lambda c=c: TrainerRunner(c.name), shrink=False) for c in TRAINER_CONTROLS]  # type: ignore[misc]  # mypy cannot type a lambda with defaulted parameters as Callable[[], Runner]
+    return [
+        # mypy cannot type a lambda with defaulted parameters as Callable[[], Runner]
+        SelftestTarget(f"trainer:{c.name}", c.description, c.variant, lambda c=c: TrainerRunner(c.name), shrink=False)  # type: ignore[misc]
+        for c in TRAINER_CONTROLS
+    ]
 
 
 def select_controls(names: list[str] | None, *, trainer: bool = False, distributed: bool = False) -> list[SelftestTarget]:
     """The loss-function controls (and with ``trainer`` / ``distributed`` those too), or those named."""
-    targets = [SelftestTarget(c.name, c.bug, " + ".join(c.variants), lambda c=c: in_process_runner(c.fn, f"control:{c.name}", adapter=c.adapter),  # type: ignore[misc]  # mypy cannot type a lambda with defaulted parameters as Callable[[], Runner]
-                              quick_examples=QUICK_EXAMPLES.get(c.name)) for c in NEGATIVE_CONTROLS + COMPOSITE_CONTROLS]
+    targets = [
+        SelftestTarget(
+            c.name,
+            c.bug,
+            " + ".join(c.variants),
+            lambda c=c: in_process_runner(c.fn, f"control:{c.name}", adapter=c.adapter),  # type: ignore[misc]  # mypy cannot type a lambda with defaulted parameters as Callable[[], Runner]
+            quick_examples=QUICK_EXAMPLES.get(c.name),
+        )
+        for c in NEGATIVE_CONTROLS + COMPOSITE_CONTROLS
+    ]
     if trainer or any(n.startswith("trainer:") for n in names or ()):
         targets += _trainer_targets()
     if distributed or any(n.startswith("distributed:") for n in names or ()):
         targets += _distributed_targets()
     if not names:
-        return [t for t in targets if (trainer or not t.name.startswith("trainer:")) and (distributed or not t.name.startswith("distributed:"))]
+        return [
+            t for t in targets if (trainer or not t.name.startswith("trainer:")) and (distributed or not t.name.startswith("distributed:"))
+        ]
     known = {t.name: t for t in targets}
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -129,9 +155,17 @@ class _Settings(TypedDict):
     quick: bool
 
 
-def run_selftest(controls: list[SelftestTarget], *, examples: int = 500, seed: int = 0, seeds: int = 1,
-                 on_row: Callable[[SelftestRow], None] | None = None, shrink: bool = True, quick: bool = False,
-                 jobs: int = 1) -> list[SelftestRow]:
+def run_selftest(
+    controls: list[SelftestTarget],
+    *,
+    examples: int = 500,
+    seed: int = 0,
+    seeds: int = 1,
+    on_row: Callable[[SelftestRow], None] | None = None,
+    shrink: bool = True,
+    quick: bool = False,
+    jobs: int = 1,
+) -> list[SelftestRow]:
     """``shrink=False`` skips the minimal counterexamples (catching and naming need none);
     ``quick`` runs each control at its ``quick_examples`` (else ``examples``), unshrunk.
     ``jobs`` > 1 runs the controls in that many fresh processes at once (rows still in the
@@ -197,7 +231,7 @@ def _first_failure(runner: Any, control: SelftestTarget, examples: int, seed: in
 
 
 def spread(first_failures: tuple[int | None, ...]) -> str:
-    """"min / median / max" of the first failing example over seeds ("-" for a seed that escaped)."""
+    """ "min / median / max" of the first failing example over seeds ("-" for a seed that escaped)."""
     import statistics
 
     caught = [n for n in first_failures if n is not None]

@@ -24,19 +24,37 @@ def selftest(args: argparse.Namespace, console: Console) -> int:
     seeds = f"seeds {seed}..{seed + args.seeds - 1}" if args.seeds > 1 else f"seed {seed}"
     each = "each at its own number of examples (--quick)" if args.quick else f"{examples} examples each"
     table = Table(title=f"selftest: {len(controls)} negative controls, {each}, {seeds}")
-    columns = ("control", "status", "first failing example" + (" (min / median / max)" if args.seeds > 1 else ""), "caught by", "diagnosis", "seconds")
+    columns = (
+        "control",
+        "status",
+        "first failing example" + (" (min / median / max)" if args.seeds > 1 else ""),
+        "caught by",
+        "diagnosis",
+        "seconds",
+    )
     for column in columns:
         table.add_column(column)
     with console.status("running the battery against the negative controls") as status:
+
         def show(row):
             status.update(f"{row.control}: {row.status}")
             first = spread(row.first_failures) if args.seeds > 1 else str(row.examples_needed or "-")
             named = " + ".join(row.diagnosis) or "-"
             # Why a row is MISDIAGNOSED although it names the planted deviation: a check left over.
-            named += "".join(f"; {label}: {', '.join(checks)}" for label, checks in
-                             (("unexplained", row.unexplained), ("only partly explained", row.partly_explained)) if checks)
-            table.add_row(row.control, row.status if row.status != "ok" else "[green]ok[/]", first,
-                          ", ".join(row.caught_by) or "-", named, f"{row.seconds:.1f}")
+            named += "".join(
+                f"; {label}: {', '.join(checks)}"
+                for label, checks in (("unexplained", row.unexplained), ("only partly explained", row.partly_explained))
+                if checks
+            )
+            table.add_row(
+                row.control,
+                row.status if row.status != "ok" else "[green]ok[/]",
+                first,
+                ", ".join(row.caught_by) or "-",
+                named,
+                f"{row.seconds:.1f}",
+            )
+
         started = time.perf_counter()
         rows = run_selftest(controls, examples=examples, seed=seed, seeds=args.seeds, on_row=show, quick=args.quick, jobs=args.jobs)
         wall = time.perf_counter() - started

@@ -113,9 +113,14 @@ class Evidence:
     def findings(self) -> list[Finding]:
         if not self.non_finite:
             return []
-        return [Finding("non_finite_result", tuple(sorted(self.non_finite_checks)),
-                        f"the loss or gradient is NaN or infinite on {self.non_finite} example(s) whose inputs are finite on every valid "
-                        "token: a finding of its own (not a padding leak: padding is probed apart)")]
+        return [
+            Finding(
+                "non_finite_result",
+                tuple(sorted(self.non_finite_checks)),
+                f"the loss or gradient is NaN or infinite on {self.non_finite} example(s) whose inputs are finite on every valid "
+                "token: a finding of its own (not a padding leak: padding is probed apart)",
+            )
+        ]
 
 
 def _finite_on_valid(batch: Batch, result: M2POResult) -> bool:
@@ -133,8 +138,13 @@ def _finite_on_valid(batch: Batch, result: M2POResult) -> bool:
     return grad_finite or not bool(np.all(np.isfinite(expected.grad[batch.valid])))
 
 
-def explore_and_judge(runner: Runner, report: CompareReport, exploration: Exploration, on_example: Callable[[BatteryOutcome], None] | None,
-                       until_first_failure: bool = False) -> None:
+def explore_and_judge(
+    runner: Runner,
+    report: CompareReport,
+    exploration: Exploration,
+    on_example: Callable[[BatteryOutcome], None] | None,
+    until_first_failure: bool = False,
+) -> None:
     options = runner.options
     strategy = runner.strategy()
     tallies = report.tallies
@@ -175,7 +185,9 @@ def explore_and_judge(runner: Runner, report: CompareReport, exploration: Explor
             raise StopExploring(f"stopped after {failing_examples} failing example(s) (--max-failures {exploration.max_failures})")
         health = runner.health
         if health.timeouts >= MAX_TIMEOUTS:
-            raise StopExploring(f"{health.timeouts} calls timed out (--timeout {options.timeout:g} s): every further call would likely wait it out too")
+            raise StopExploring(
+                f"{health.timeouts} calls timed out (--timeout {options.timeout:g} s): every further call would likely wait it out too"
+            )
         if report.examples >= MAX_DEAD_CALLS and health.crashes >= report.examples:
             raise StopExploring(f"the implementation's process died on each of the first {health.crashes} calls")
         return False
@@ -196,7 +208,9 @@ def explore_and_judge(runner: Runner, report: CompareReport, exploration: Explor
     hung = runner.health.timeouts >= MAX_TIMEOUTS
     supplied = supplied_fields(runner)
     diagnose_failures(runner, report, evidence, supplied)
-    report.counterexamples = counterexamples_of(runner, report, strategy, exploration.shrink and not runner.health.timeouts, supplied, checks)
+    report.counterexamples = counterexamples_of(
+        runner, report, strategy, exploration.shrink and not runner.health.timeouts, supplied, checks
+    )
     if database:
         database.save(c.example for c in report.counterexamples)
     if exploration.skip_validation:
@@ -223,13 +237,23 @@ def diagnose_failures(runner: Runner, report: CompareReport, evidence: Evidence,
     # observations carry; other behavioural failures need no observation.
     padding = "padding_immunity" in report.failing_checks
     observations = evidence.failing + evidence.passing if evidence.failing or padding else []
-    report.diagnosis = diagnose(observations, report.failing_checks, dtype=report.dtype, divergent=bool(report.failing_checks),
-                                compute_dtype=report.compute_dtype, supplied=supplied, prefer=frozenset(a.deviation for a in report.accepted),
-                                step_explanations={c: names for c, names in evidence.step_by_check.items() if names},
-                                step_descriptions=runner.variant_descriptions, step_source=runner.variant_source, findings=evidence.findings(),
-                                beyond_sample=(evidence.more_failing + evidence.more_passing) if evidence.failing else (),
-                                replay=runner.replay_command,
-                                call_failure_taus=evidence.call_failure_taus, leaks_alone=leak_probe(runner) if padding else None)
+    report.diagnosis = diagnose(
+        observations,
+        report.failing_checks,
+        dtype=report.dtype,
+        divergent=bool(report.failing_checks),
+        compute_dtype=report.compute_dtype,
+        supplied=supplied,
+        prefer=frozenset(a.deviation for a in report.accepted),
+        step_explanations={c: names for c, names in evidence.step_by_check.items() if names},
+        step_descriptions=runner.variant_descriptions,
+        step_source=runner.variant_source,
+        findings=evidence.findings(),
+        beyond_sample=(evidence.more_failing + evidence.more_passing) if evidence.failing else (),
+        replay=runner.replay_command,
+        call_failure_taus=evidence.call_failure_taus,
+        leaks_alone=leak_probe(runner) if padding else None,
+    )
 
 
 def leak_probe(runner: Runner) -> Callable[[Batch], bool | None] | None:

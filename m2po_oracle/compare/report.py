@@ -33,18 +33,33 @@ MAX_TOKENS = 512
 
 
 def mismatch_json(m: Mismatch) -> dict[str, Any]:
-    return {"check": m.check, "summary": m.summary, "field": m.field, "index": list(m.index) if m.index is not None else None,
-            "actual": number(m.actual), "expected": number(m.expected), "details": list(m.details)}
+    return {
+        "check": m.check,
+        "summary": m.summary,
+        "field": m.field,
+        "index": list(m.index) if m.index is not None else None,
+        "actual": number(m.actual),
+        "expected": number(m.expected),
+        "details": list(m.details),
+    }
 
 
 def mismatch_from_json(data: dict[str, Any]) -> Mismatch:
     """A mismatch as :func:`mismatch_json` wrote it (non-finite values back to floats)."""
+
     def value(v: Any) -> Any:
         return float(v) if v in ("nan", "inf", "-inf") else v
 
     index = data.get("index")
-    return Mismatch(data["check"], data["summary"], data.get("field", ""), tuple(index) if index is not None else None,
-                    value(data.get("actual")), value(data.get("expected")), tuple(data.get("details", ())))
+    return Mismatch(
+        data["check"],
+        data["summary"],
+        data.get("field", ""),
+        tuple(index) if index is not None else None,
+        value(data.get("actual")),
+        value(data.get("expected")),
+        tuple(data.get("details", ())),
+    )
 
 
 def tolerances_json() -> list[dict[str, Any]]:
@@ -59,7 +74,9 @@ def _fields(result: M2POResult | None) -> dict[str, Any]:
     return out
 
 
-def counterexample_json(check: str, batch: Batch, actual: M2POResult | None, mismatches: tuple[Mismatch, ...], replay: str, compute_dtype: str) -> dict[str, Any]:
+def counterexample_json(
+    check: str, batch: Batch, actual: M2POResult | None, mismatches: tuple[Mismatch, ...], replay: str, compute_dtype: str
+) -> dict[str, Any]:
     """One minimal counterexample with its token table and M2 removal curve.
 
     ``batch`` is what the implementation received. Per token: ``expected_keep`` is
@@ -77,18 +94,22 @@ def counterexample_json(check: str, batch: Batch, actual: M2POResult | None, mis
     for flat, index in enumerate(np.ndindex(*batch.shape)):
         if flat >= MAX_TOKENS:
             break
-        tokens.append({
-            "index": list(index),
-            "valid": bool(batch.valid[index]),
-            "log_ratio": number(d[index]) if batch.valid[index] else None,
-            "advantage": number(batch.advantages[index]),
-            "m2": number(m2[index]) if batch.valid[index] else None,
-            "trust_region": bool(trust[index]),
-            "expected_keep": bool(algorithm.keep[index]),
-            "actual_keep": bool(actual.keep[index]) if actual is not None else None,
-            "expected_grad": number(cast(np.ndarray, on_actual_mask.grad)[index]) if on_actual_mask is not None else number(algorithm.grad[index]),  # the oracle's grad is set
-            "actual_grad": number(actual.grad[index]) if actual is not None and actual.grad is not None else None,
-        })
+        tokens.append(
+            {
+                "index": list(index),
+                "valid": bool(batch.valid[index]),
+                "log_ratio": number(d[index]) if batch.valid[index] else None,
+                "advantage": number(batch.advantages[index]),
+                "m2": number(m2[index]) if batch.valid[index] else None,
+                "trust_region": bool(trust[index]),
+                "expected_keep": bool(algorithm.keep[index]),
+                "actual_keep": bool(actual.keep[index]) if actual is not None else None,
+                "expected_grad": number(cast(np.ndarray, on_actual_mask.grad)[index])
+                if on_actual_mask is not None
+                else number(algorithm.grad[index]),  # the oracle's grad is set
+                "actual_grad": number(actual.grad[index]) if actual is not None and actual.grad is not None else None,
+            }
+        )
     bounds = selection_bounds(batch, compute_dtype)
     implementation_kept = int((actual.keep & trust).sum()) if actual is not None else None
     return {
@@ -207,8 +228,12 @@ class CompareReport:
     def _explained_by_accepted(self, failing: list[str]) -> bool:
         """Every failing check is explained, on every failing example (no residual), by accepted deviations only."""
         by_check, accepted, shares = self.diagnosis.by_check, [a.deviation for a in self.accepted], self.diagnosis.shares
-        return bool(accepted) and all(by_check.get(c) and all(any(_accepts(a, n) for a in accepted) for n in by_check[c])
-                                      and (c not in shares or shares[c].share == 1.0) for c in failing)
+        return bool(accepted) and all(
+            by_check.get(c)
+            and all(any(_accepts(a, n) for a in accepted) for n in by_check[c])
+            and (c not in shares or shares[c].share == 1.0)
+            for c in failing
+        )
 
     @property
     def verdict(self) -> str:
@@ -225,38 +250,69 @@ class CompareReport:
 
     @property
     def exit_status(self) -> int:
-        return {"equivalent": 0, "equivalent-with-accepted": 0, "divergent": 1, "accepted-deviation-fixed": 1, "unusable": 2,
-                "interrupted": 130}[self.verdict]
+        return {
+            "equivalent": 0,
+            "equivalent-with-accepted": 0,
+            "divergent": 1,
+            "accepted-deviation-fixed": 1,
+            "unusable": 2,
+            "interrupted": 130,
+        }[self.verdict]
 
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
             "verdict": self.verdict,
             "implementation": self.impl,
-            "options": {"examples": self.examples_requested or self.examples, "seed": self.seed, "dtype": self.dtype, "compute_dtype": self.compute_dtype,
-                        "tau": self.tau, "device": self.device, "strict_validation": self.strict_validation},
+            "options": {
+                "examples": self.examples_requested or self.examples,
+                "seed": self.seed,
+                "dtype": self.dtype,
+                "compute_dtype": self.compute_dtype,
+                "tau": self.tau,
+                "device": self.device,
+                "strict_validation": self.strict_validation,
+            },
             "examples": self.examples,
             "example_unit": self.example_unit,
             "duration_s": round(self.duration_s, 3),
             "stopped_early": self.stopped_early,
             "load_error": self.load_error,
             "checks": [
-                {"name": name, "description": ALL_CHECKS[name], "status": t.status, "failures": t.failures, "ran": t.ran,
-                 "first_failure_at": t.first_failure_at, "exercised": t.exercised, "failure_rate_upper_95": t.failure_rate_upper_95}
+                {
+                    "name": name,
+                    "description": ALL_CHECKS[name],
+                    "status": t.status,
+                    "failures": t.failures,
+                    "ran": t.ran,
+                    "first_failure_at": t.first_failure_at,
+                    "exercised": t.exercised,
+                    "failure_rate_upper_95": t.failure_rate_upper_95,
+                }
                 for name, t in self.tallies.items()
             ],
             "coverage": self.coverage.to_json(self.tallies),
             "counterexamples": [
-                {**counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype), "cause": c.cause,
-                 "checks": list(c.checks or (c.check,)), **({"ranks": list(c.ranks)} if c.ranks else {}),
-                 **({"trainer_case": c.case} if c.case else {})}
+                {
+                    **counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype),
+                    "cause": c.cause,
+                    "checks": list(c.checks or (c.check,)),
+                    **({"ranks": list(c.ranks)} if c.ranks else {}),
+                    **({"trainer_case": c.case} if c.case else {}),
+                }
                 for c in self.counterexamples
             ],
             "diagnosis": self.diagnosis.to_json(),
-            "accepted": [{**a.to_json(), "shown": bool(self.accepted_shown[a.deviation]), "checks": self.accepted_shown[a.deviation]}
-                         for a in self.accepted],
+            "accepted": [
+                {**a.to_json(), "shown": bool(self.accepted_shown[a.deviation]), "checks": self.accepted_shown[a.deviation]}
+                for a in self.accepted
+            ],
             "strict_accept": self.strict_accept,
-            "validation": {"strict": self.strict_validation, "not_run": self.validation_not_run, "probes": [p.to_json() for p in self.validation]},
+            "validation": {
+                "strict": self.strict_validation,
+                "not_run": self.validation_not_run,
+                "probes": [p.to_json() for p in self.validation],
+            },
             "implementation_output": self.output,
             **({"topology": self.topology, "collectives_per_step": self.collectives} if self.topology else {}),
             **({"adapter": self._adapter_json()} if self.adapter else {}),
@@ -264,7 +320,6 @@ class CompareReport:
             "tolerances": tolerances_json(),
             "environment": environment(),
         }
-
 
     def _adapter_json(self) -> dict[str, Any]:
         """The adapter as described, with what this run observed: ``metrics_read`` (each
@@ -291,13 +346,31 @@ def environment() -> dict[str, Any]:
         revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         revision = None
-    return {"m2po_oracle": __version__, "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-            "hypothesis": hypothesis.__version__, "platform": platform.platform(), "git_revision": revision}
+    return {
+        "m2po_oracle": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "hypothesis": hypothesis.__version__,
+        "platform": platform.platform(),
+        "git_revision": revision,
+    }
 
 
 def load_error_report(spec: str, error: str, options: RunOptions) -> CompareReport:
     """The report of a run whose implementation could not be loaded (verdict unusable)."""
-    report = CompareReport(spec, options.dtype, options.effective_compute_dtype, options.seed, 0, {}, tau=options.tau, device=options.device,
-                           strict_validation=options.strict_validation, examples_requested=options.examples, load_error=error,
-                           validation_not_run="the implementation could not be loaded")
+    report = CompareReport(
+        spec,
+        options.dtype,
+        options.effective_compute_dtype,
+        options.seed,
+        0,
+        {},
+        tau=options.tau,
+        device=options.device,
+        strict_validation=options.strict_validation,
+        examples_requested=options.examples,
+        load_error=error,
+        validation_not_run="the implementation could not be loaded",
+    )
     return report

@@ -23,7 +23,11 @@ def in_process_runner(fn: Implementation, impl: str, **option_values: Any) -> Ru
     from m2po_oracle.call.loss_function import LossFunctionRunner
 
     options = RunOptions.from_values({k: v for k, v in option_values.items() if v is not None})
-    return LossFunctionRunner(impl, InProcess(fn, capture=not options.show_output, rejecting=options.rejecting), options.but(in_process=True, given=options.given | {"in_process"}))
+    return LossFunctionRunner(
+        impl,
+        InProcess(fn, capture=not options.show_output, rejecting=options.rejecting),
+        options.but(in_process=True, given=options.given | {"in_process"}),
+    )
 
 
 def select_checks(available: tuple[str, ...] | list[str], patterns: str | None) -> tuple[str, ...] | None:
@@ -45,9 +49,17 @@ def select_checks(available: tuple[str, ...] | list[str], patterns: str | None) 
     return tuple(c for c in available if c in chosen or c == "call")
 
 
-def run_compare(target: Runner | Implementation, impl: str | None = None, *, shrink: bool = True,
-                on_example: Callable[[BatteryOutcome], None] | None = None, until_first_failure: bool = False,
-                exploration: Exploration | None = None, started: float | None = None, **option_values: Any) -> CompareReport:
+def run_compare(
+    target: Runner | Implementation,
+    impl: str | None = None,
+    *,
+    shrink: bool = True,
+    on_example: Callable[[BatteryOutcome], None] | None = None,
+    until_first_failure: bool = False,
+    exploration: Exploration | None = None,
+    started: float | None = None,
+    **option_values: Any,
+) -> CompareReport:
     """Try the runner's examples; for each failing check, shrink a minimal one.
 
     ``target`` is a :class:`Runner` (from ``launch.open_runner``) or a plain loss-function
@@ -63,13 +75,28 @@ def run_compare(target: Runner | Implementation, impl: str | None = None, *, shr
         if option_values:
             runner.options = runner.options.but(**option_values)
     else:
-        runner = in_process_runner(target, cast(str, impl or getattr(target, "__name__", "implementation")), **option_values)  # impl, or the callable's name
+        runner = in_process_runner(
+            target, cast(str, impl or getattr(target, "__name__", "implementation")), **option_values
+        )  # impl, or the callable's name
     options = runner.options
     started = time.perf_counter() if started is None else started
     selected = exploration.checks or tuple(runner.checks)
-    report = CompareReport(runner.spec, options.dtype, options.effective_compute_dtype, options.seed, 0, {n: CheckTally(n) for n in selected},
-                           tau=options.tau, device=options.device, strict_validation=options.strict_validation, example_unit=runner.example_unit,
-                           examples_requested=options.examples, accepted=exploration.accept, strict_accept=exploration.strict_accept, **_describe(runner))
+    report = CompareReport(
+        runner.spec,
+        options.dtype,
+        options.effective_compute_dtype,
+        options.seed,
+        0,
+        {n: CheckTally(n) for n in selected},
+        tau=options.tau,
+        device=options.device,
+        strict_validation=options.strict_validation,
+        example_unit=runner.example_unit,
+        examples_requested=options.examples,
+        accepted=exploration.accept,
+        strict_accept=exploration.strict_accept,
+        **_describe(runner),
+    )
     try:
         explore_and_judge(runner, report, exploration, on_example, until_first_failure)
     except KeyboardInterrupt:
@@ -85,5 +112,3 @@ def run_compare(target: Runner | Implementation, impl: str | None = None, *, shr
 def _describe(runner: Runner) -> dict[str, Any]:
     described = runner.describe()
     return {"topology": described.get("topology"), "adapter": described.get("adapter")}
-
-

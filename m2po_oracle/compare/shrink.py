@@ -24,7 +24,11 @@ def battery_of(runner: Runner, example: Any, checks: tuple[str, ...] | None) -> 
     outcome = runner.run_battery(example)
     if checks is None:
         return outcome
-    return replace(outcome, mismatches=tuple(m for m in outcome.mismatches if m.check in checks), checked=tuple(c for c in outcome.checked if c in checks))
+    return replace(
+        outcome,
+        mismatches=tuple(m for m in outcome.mismatches if m.check in checks),
+        checked=tuple(c for c in outcome.checked if c in checks),
+    )
 
 
 def causes_of(report: CompareReport, value_variants: set[str]) -> list[tuple[str | None, tuple[str, ...], tuple[str, ...]]]:
@@ -43,15 +47,22 @@ def causes_of(report: CompareReport, value_variants: set[str]) -> list[tuple[str
     return [(cause, names, tuple(checks)) for cause, (names, checks) in groups.items()] + plan
 
 
-def counterexamples_of(runner: Runner, report: CompareReport, strategy: Any, shrink: bool, supplied: frozenset[str] | None,
-                     checks_run: tuple[str, ...] | None = None) -> list[Counterexample]:
+def counterexamples_of(
+    runner: Runner,
+    report: CompareReport,
+    strategy: Any,
+    shrink: bool,
+    supplied: frozenset[str] | None,
+    checks_run: tuple[str, ...] | None = None,
+) -> list[Counterexample]:
     """One counterexample per distinct cause: each explained group of checks is shrunk on
     examples where its deviations alone reproduce the port (when any does), every other
     failing check on its own."""
     from m2po_oracle.explain.deviations import VARIANTS
 
-    value_variants = {v.name for v in VARIANTS if not v.is_behavioural} | {n for names in report.diagnosis.by_check.values()
-                                                                          for n in names if "(" in n}  # fitted values of known ones
+    value_variants = {v.name for v in VARIANTS if not v.is_behavioural} | {
+        n for names in report.diagnosis.by_check.values() for n in names if "(" in n
+    }  # fitted values of known ones
     found: list[Counterexample] = []
     # A step runner's example costs a model or a world: a minimal input already found for one
     # check also serves every other check it fails, instead of a new search per check.
@@ -75,7 +86,9 @@ def counterexamples_of(runner: Runner, report: CompareReport, strategy: Any, shr
     return found
 
 
-def shows_alone(report: CompareReport, names: tuple[str, ...], checks: tuple[str, ...], supplied: frozenset[str] | None) -> Callable[[BatteryOutcome], bool]:
+def shows_alone(
+    report: CompareReport, names: tuple[str, ...], checks: tuple[str, ...], supplied: frozenset[str] | None
+) -> Callable[[BatteryOutcome], bool]:
     """Whether an outcome fails one of ``checks`` and these deviations alone reproduce it."""
     from m2po_oracle.explain.evidence import Judge, merge
 
@@ -87,19 +100,37 @@ def shows_alone(report: CompareReport, names: tuple[str, ...], checks: tuple[str
             return False
         judge = Judge([Observation(outcome.batch, result)], dtype=report.dtype, compute_dtype=report.compute_dtype, supplied=supplied)
         return not judge.differences(dev, 0)
+
     return shows
 
 
-def counterexample_of(runner: Runner, check: str, example: Any, outcome: BatteryOutcome, cause: str | None = None,
-                    checks: tuple[str, ...] = ()) -> Counterexample:
+def counterexample_of(
+    runner: Runner, check: str, example: Any, outcome: BatteryOutcome, cause: str | None = None, checks: tuple[str, ...] = ()
+) -> Counterexample:
     shown = set(checks or (check,))
     mismatches = tuple(m for m in outcome.mismatches if m.check in shown) or outcome.mismatches
-    return Counterexample(check, outcome.batch, mismatches, runner.replay_command(example), outcome.measurement.result, outcome.ranks, outcome.case,
-                          cause, tuple(c for c in (checks or (check,)) if c in outcome.failed_checks) or (check,), example)
+    return Counterexample(
+        check,
+        outcome.batch,
+        mismatches,
+        runner.replay_command(example),
+        outcome.measurement.result,
+        outcome.ranks,
+        outcome.case,
+        cause,
+        tuple(c for c in (checks or (check,)) if c in outcome.failed_checks) or (check,),
+        example,
+    )
 
 
-def shrink_to_minimal(runner: Runner, checks: set[str], fallback: Any, strategy: Any,
-            shows: Callable[[BatteryOutcome], bool] | None = None, checks_run: tuple[str, ...] | None = None) -> tuple[Any, BatteryOutcome]:
+def shrink_to_minimal(
+    runner: Runner,
+    checks: set[str],
+    fallback: Any,
+    strategy: Any,
+    shows: Callable[[BatteryOutcome], bool] | None = None,
+    checks_run: tuple[str, ...] | None = None,
+) -> tuple[Any, BatteryOutcome]:
     """Replay the same search with "one of these checks fails" (and, given ``shows``, "the
     cause shows alone") as the goal; Hypothesis shrinks it."""
 
@@ -107,8 +138,12 @@ def shrink_to_minimal(runner: Runner, checks: set[str], fallback: Any, strategy:
         options = runner.options
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return find(strategy, lambda example: goal(battery_of(runner, example, checks_run)), settings=search_settings(options.examples),
-                        random=random.Random(options.seed))
+            return find(
+                strategy,
+                lambda example: goal(battery_of(runner, example, checks_run)),
+                settings=search_settings(options.examples),
+                random=random.Random(options.seed),
+            )
 
     example = fallback
     for goal in ([shows] if shows is not None else []) + [lambda outcome: bool(checks & set(outcome.failed_checks))]:

@@ -141,11 +141,13 @@ def _failure_message(records: list[_RankRecord], failed: list[int], group: Any) 
     first = records[failed[0]]
     argument = _ARGUMENTS[first.code - 1] if first.code <= len(_ARGUMENTS) else "input"
     how = "missing" if first.message == MISSING_BEHAVIOR_LOGP else "invalid"
-    detail = first.message[len(argument) + 2:] if first.message.startswith(f"{argument}: ") else first.message
+    detail = first.message[len(argument) + 2 :] if first.message.startswith(f"{argument}: ") else first.message
     size = len(records)
     which = f"; ranks {_global_ranks(group, failed)}" if len(failed) > 1 else ""
-    return (f"{argument}: {how} on {_rank_name(group, failed[0])} ({len(failed)} of {size} ranks failed validation{which}; "
-            f"every rank refuses the step): {detail}")
+    return (
+        f"{argument}: {how} on {_rank_name(group, failed[0])} ({len(failed)} of {size} ranks failed validation{which}; "
+        f"every rank refuses the step): {detail}"
+    )
 
 
 def _disagreement_message(records: list[_RankRecord], group: Any) -> str:

@@ -98,7 +98,9 @@ def _below(keys: torch.Tensor, prefix: int, fixed_bits: int) -> torch.Tensor:
 GROUP_DIGIT_BITS = 12
 
 
-def kept_candidates_across(m2: torch.Tensor, tau: float, group: ProcessGroup | None, candidates: torch.Tensor | None = None) -> torch.Tensor:
+def kept_candidates_across(
+    m2: torch.Tensor, tau: float, group: ProcessGroup | None, candidates: torch.Tensor | None = None
+) -> torch.Tensor:
     """Algorithm 1's kept set over the candidates of every rank of ``group``, without
     moving any candidate and without reading any value on the host: per 12-bit digit,
     counts and sums per bucket are all-reduced (six rounds whatever the data, bytes
@@ -142,7 +144,7 @@ def kept_candidates_across(m2: torch.Tensor, tau: float, group: ProcessGroup | N
     mine = torch.count_nonzero(tied).reshape(1)
     by_rank = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(by_rank, mine, group=group)
-    lower = torch.cat([*by_rank[:dist.get_rank(group)], torch.zeros_like(mine)]).sum()
+    lower = torch.cat([*by_rank[: dist.get_rank(group)], torch.zeros_like(mine)]).sum()
     kept = (keys < torch.where(state.refining, state.prefix, state.threshold)) | (tied & (torch.cumsum(tied, 0) <= fits - lower))
     return kept if candidates is None else kept & candidates
 
@@ -185,24 +187,37 @@ class Descent:
     @classmethod
     def start(cls, device: torch.device) -> Descent:
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        return cls(torch.zeros((), dtype=torch.int64, device=device), zero, zero,
-                   torch.full((), _INT64_MAX, dtype=torch.int64, device=device), torch.ones((), dtype=torch.bool, device=device), zero)
+        return cls(
+            torch.zeros((), dtype=torch.int64, device=device),
+            zero,
+            zero,
+            torch.full((), _INT64_MAX, dtype=torch.int64, device=device),
+            torch.ones((), dtype=torch.bool, device=device),
+            zero,
+        )
 
     @classmethod
-    def after_first_level(cls, crossing: int, kept_sum: float, kept_count: float, tied_count: float,
-                          device: torch.device | str = "cpu") -> Descent:
+    def after_first_level(
+        cls, crossing: int, kept_sum: float, kept_count: float, tied_count: float, device: torch.device | str = "cpu"
+    ) -> Descent:
         """The state ``Descent.start(device).step(...)`` reaches at level 0, from its numbers
         found elsewhere (the fused CPU pass): the crossing bucket (BUCKETS: nothing
         crosses), the sum and count of the values below it (all of them when nothing
         crosses) and the count in bucket min(crossing, BUCKETS - 1)."""
         f64: _Float64 = {"dtype": torch.float64, "device": device}
         crosses = crossing < BUCKETS
-        return cls(torch.tensor(crossing if crosses else 0, dtype=torch.int64, device=device), torch.tensor(kept_sum, **f64),
-                   torch.tensor(kept_count, **f64), torch.full((), _INT64_MAX, dtype=torch.int64, device=device),
-                   torch.tensor(crosses, device=device), torch.tensor(tied_count, **f64))
+        return cls(
+            torch.tensor(crossing if crosses else 0, dtype=torch.int64, device=device),
+            torch.tensor(kept_sum, **f64),
+            torch.tensor(kept_count, **f64),
+            torch.full((), _INT64_MAX, dtype=torch.int64, device=device),
+            torch.tensor(crosses, device=device),
+            torch.tensor(tied_count, **f64),
+        )
 
-    def step(self, sums: torch.Tensor, counts: torch.Tensor, tau: float, level: int, *, bits: int = DIGIT_BITS,
-             fixed_bits: int | None = None) -> tuple[Descent, torch.Tensor]:
+    def step(
+        self, sums: torch.Tensor, counts: torch.Tensor, tau: float, level: int, *, bits: int = DIGIT_BITS, fixed_bits: int | None = None
+    ) -> tuple[Descent, torch.Tensor]:
         """One level from its histogram (``1 << bits`` sums and counts of the alive values,
         whose top ``fixed_bits`` key bits, default ``DIGIT_BITS * level``, are ``prefix``);
         also returns the level's crossing bucket (``1 << bits`` when nothing crosses)."""
@@ -329,7 +344,9 @@ def _at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return values.gather(0, index.reshape(1)).reshape(())
 
 
-def _tied_fits(kept_sum: torch.Tensor, kept_count: torch.Tensor, value: torch.Tensor, count: torch.Tensor, tau: float, n: int) -> torch.Tensor:
+def _tied_fits(
+    kept_sum: torch.Tensor, kept_count: torch.Tensor, value: torch.Tensor, count: torch.Tensor, tau: float, n: int
+) -> torch.Tensor:
     """The largest r in [0, count] with (kept_sum + r * value) / (kept_count + r) <= tau.
 
     The mean is non-decreasing in r (``value`` is at least every kept value), so a grid of
@@ -348,5 +365,3 @@ def _tied_fits(kept_sum: torch.Tensor, kept_count: torch.Tensor, value: torch.Te
         hi = torch.where(last < TIE_GRID, _at(r, (last + 1).clamp(max=TIE_GRID)) - 1, hi)
         lo = _at(r, last)
     return lo
-
-

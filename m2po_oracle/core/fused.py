@@ -37,7 +37,10 @@ def _load() -> tuple[Any, str | None]:
     except ImportError as error:
         return None, f"{error} (built without a C compiler? reinstall with one: pip install -e .)"
     if getattr(extension, "INTERFACE", None) != INTERFACE:
-        return None, f"{extension.__file__} has interface {getattr(extension, 'INTERFACE', None)}, this module calls {INTERFACE}: rebuild (pip install -e .)"
+        return (
+            None,
+            f"{extension.__file__} has interface {getattr(extension, 'INTERFACE', None)}, this module calls {INTERFACE}: rebuild (pip install -e .)",
+        )
     source = Path(__file__).with_name("fused_c.c")
     if source.exists() and source.stat().st_mtime > Path(extension.__file__).stat().st_mtime:
         return None, f"{source} changed after {extension.__file__} was built: rebuild (pip install -e .)"
@@ -68,7 +71,9 @@ def enabled() -> bool:
     """Whether the core uses the fused passes where they apply."""
     setting = os.environ.get("M2PO_ORACLE_FUSED", "1")
     if setting not in ("0", "1"):
-        raise ValueError(f"M2PO_ORACLE_FUSED: expected 0 (the torch operators only) or 1 (the fused passes where they apply), got {setting!r}")
+        raise ValueError(
+            f"M2PO_ORACLE_FUSED: expected 0 (the torch operators only) or 1 (the fused passes where they apply), got {setting!r}"
+        )
     return built() and setting == "1" and not getattr(_STATE, "off", False)
 
 
@@ -92,10 +97,14 @@ def applies(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.T
     """Whether the fused passes take these 1-d tensors: enabled, every one on the CPU and
     contiguous, the three float ones of one supported dtype, the masks bool."""
     tensors = (logp, behavior_logp, advantages, *masks)
-    return (enabled() and logp.dtype in DTYPE_CODES and behavior_logp.dtype == logp.dtype == advantages.dtype
-            and all(m.dtype == torch.bool for m in masks) and all(t.device.type == "cpu" and t.dim() == 1
-                                                                   and t.is_contiguous() for t in tensors)
-            and len({t.numel() for t in tensors}) == 1)
+    return (
+        enabled()
+        and logp.dtype in DTYPE_CODES
+        and behavior_logp.dtype == logp.dtype == advantages.dtype
+        and all(m.dtype == torch.bool for m in masks)
+        and all(t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous() for t in tensors)
+        and len({t.numel() for t in tensors}) == 1
+    )
 
 
 def _require(condition: bool, what: str) -> None:
@@ -107,15 +116,29 @@ def _check_tokens(n: int, dtype: torch.dtype | None = None, **tensors: torch.Ten
     """Every tensor 1-d, contiguous, on the CPU, of ``n`` elements (and ``dtype`` if given):
     the extension reads and writes raw memory, so nothing reaches it unchecked."""
     for name, tensor in tensors.items():
-        _require(isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.dim() == 1 and tensor.is_contiguous()
-                 and tensor.numel() == n, f"{name}: expected a contiguous 1-d CPU tensor of {n} elements, got "
-                 f"{tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
+        _require(
+            isinstance(tensor, torch.Tensor)
+            and tensor.device.type == "cpu"
+            and tensor.dim() == 1
+            and tensor.is_contiguous()
+            and tensor.numel() == n,
+            f"{name}: expected a contiguous 1-d CPU tensor of {n} elements, got "
+            f"{tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__}",
+        )
         if dtype is not None:
             _require(tensor.dtype == dtype, f"{name}: expected dtype {dtype}, got {tensor.dtype}")
 
 
-def first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                sums: torch.Tensor, counts: torch.Tensor, trust: torch.Tensor, bucket: torch.Tensor) -> tuple[int, int, bool]:
+def first_level(
+    logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    sums: torch.Tensor,
+    counts: torch.Tensor,
+    trust: torch.Tensor,
+    bucket: torch.Tensor,
+) -> tuple[int, int, bool]:
     """The first radix level over every token in one pass: per bucket (M2's top 16 bits)
     the candidates' M2 summed in index order into ``sums`` and counted into ``counts``
     (float64, BUCKETS each, overwritten), ``trust`` (bool) and ``bucket`` (int16) written
@@ -132,13 +155,24 @@ def first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: tor
     if cells is None:
         cells = _STATE.cells = torch.empty(BUCKETS + BANK, 2, dtype=torch.float64)
     _STATE.first_levels = first_levels_run() + 1
-    return _extension.first_level(logp.data_ptr(), behavior_logp.data_ptr(), advantages.data_ptr(), mask.data_ptr(), n,
-                                  DTYPE_CODES[logp.dtype], cells.data_ptr(), sums.data_ptr(), counts.data_ptr(), trust.data_ptr(),
-                                  bucket.data_ptr())
+    return _extension.first_level(
+        logp.data_ptr(),
+        behavior_logp.data_ptr(),
+        advantages.data_ptr(),
+        mask.data_ptr(),
+        n,
+        DTYPE_CODES[logp.dtype],
+        cells.data_ptr(),
+        sums.data_ptr(),
+        counts.data_ptr(),
+        trust.data_ptr(),
+        bucket.data_ptr(),
+    )
 
 
-def finish(bucket: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, *, crossing: int | None, size: int,
-           keep: torch.Tensor) -> torch.Tensor:
+def finish(
+    bucket: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, *, crossing: int | None, size: int, keep: torch.Tensor
+) -> torch.Tensor:
     """The selection's pass over every token once the first level's cut is known: writes
     ``keep`` = mask and (not a candidate, or a candidate whose bucket is below ``crossing``)
     and returns the positions, in index order, of the ``size`` candidates still to decide:
@@ -150,15 +184,17 @@ def finish(bucket: torch.Tensor, trust: torch.Tensor, mask: torch.Tensor, *, cro
     positions = torch.empty(size, dtype=torch.int64)
     # Every candidate to decide: none is below bucket 0 (a candidate's M2 is >= +0).
     below, alive = (0, -1) if crossing is None else (crossing, crossing)
-    found = _extension.finish(bucket.data_ptr(), trust.data_ptr(), mask.data_ptr(), n, below, alive, crossing is None, keep.data_ptr(),
-                              positions.data_ptr(), size)
+    found = _extension.finish(
+        bucket.data_ptr(), trust.data_ptr(), mask.data_ptr(), n, below, alive, crossing is None, keep.data_ptr(), positions.data_ptr(), size
+    )
     if found != size:
         raise RuntimeError(f"fused finish: {found} candidates to decide where the first level counted {size}")
     return positions
 
 
-def loss_terms(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
-               ratio: torch.Tensor, weight: torch.Tensor) -> None:
+def loss_terms(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor, ratio: torch.Tensor, weight: torch.Tensor
+) -> None:
     """The loss's terms before ``exp``: ``ratio`` = logp - behavior_logp and ``weight`` = A
     in the compute precision (float64 for float64 inputs, else float32), both +0 where
     ``keep`` is False."""
@@ -168,9 +204,16 @@ def loss_terms(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torc
     _check_tokens(n, torch.bool, keep=keep)
     compute = torch.float64 if logp.dtype == torch.float64 else torch.float32
     _check_tokens(n, compute, ratio=ratio, weight=weight)
-    _extension.loss_terms(logp.data_ptr(), behavior_logp.data_ptr(), advantages.data_ptr(), keep.data_ptr(), n,
-                          DTYPE_CODES[logp.dtype], ratio.data_ptr(), weight.data_ptr())
-
+    _extension.loss_terms(
+        logp.data_ptr(),
+        behavior_logp.data_ptr(),
+        advantages.data_ptr(),
+        keep.data_ptr(),
+        n,
+        DTYPE_CODES[logp.dtype],
+        ratio.data_ptr(),
+        weight.data_ptr(),
+    )
 
 
 @dataclass(frozen=True)
@@ -198,8 +241,16 @@ def first_cut(sums: torch.Tensor, counts: torch.Tensor, tau: float) -> FirstCut:
     return FirstCut(*_extension.first_cut(sums.data_ptr(), counts.data_ptr(), tau))
 
 
-def sorted_cut(logp: torch.Tensor, behavior_logp: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, *,
-               kept_sum: float, kept_count: float, tau: float) -> tuple[int, float]:
+def sorted_cut(
+    logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    positions: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    kept_sum: float,
+    kept_count: float,
+    tau: float,
+) -> tuple[int, float]:
     """The crossing bucket's cut by sorting, in one call: the M2 of the tokens at
     ``positions`` (the candidates still to decide, in index order) as the core computes
     it, then the cut ``fast_selection.cut_of_crossing_bucket`` makes by sorting them (it
@@ -217,5 +268,16 @@ def sorted_cut(logp: torch.Tensor, behavior_logp: torch.Tensor, positions: torch
         _require(isinstance(value, float), f"{name}: expected a float, got {type(value).__name__}")
     pairs = torch.empty(4 * size, dtype=torch.int64)  # (key, index) pairs, twice: the sort's two buffers
     # The extension checks every position against n before it writes (a ValueError naming positions).
-    return _extension.sorted_cut(logp.data_ptr(), behavior_logp.data_ptr(), DTYPE_CODES[logp.dtype], n, positions.data_ptr(),
-                                 size, kept_sum, kept_count, tau, pairs.data_ptr(), keep.data_ptr())
+    return _extension.sorted_cut(
+        logp.data_ptr(),
+        behavior_logp.data_ptr(),
+        DTYPE_CODES[logp.dtype],
+        n,
+        positions.data_ptr(),
+        size,
+        kept_sum,
+        kept_count,
+        tau,
+        pairs.data_ptr(),
+        keep.data_ptr(),
+    )

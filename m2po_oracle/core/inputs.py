@@ -12,8 +12,10 @@ import torch
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-MISSING_BEHAVIOR_LOGP = ("behavior_logp: required (the rollout engine's log-probs of the sampled tokens); "
-                          "M2PO fails closed rather than fall back to a recomputed policy")
+MISSING_BEHAVIOR_LOGP = (
+    "behavior_logp: required (the rollout engine's log-probs of the sampled tokens); "
+    "M2PO fails closed rather than fall back to a recomputed policy"
+)
 
 
 def validate_inputs(logp, behavior_logp, advantages, mask, tau) -> None:
@@ -70,14 +72,18 @@ def check_group(group: Any) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialised; pass group=None for single-process selection")
     if not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"group: expected a torch.distributed.ProcessGroup (the pure data-parallel group) or None, got {type(group).__name__}")
+        raise ValueError(
+            f"group: expected a torch.distributed.ProcessGroup (the pure data-parallel group) or None, got {type(group).__name__}"
+        )
 
 
 def validate_micro_batches(micro_batches: Any, tau: Any, *, finite: bool = True) -> None:
     """Every local check of :func:`select_micro_batches`, in its order (first failure raised);
     ``finite=False`` leaves out the finite-values checks (the only ones that read values)."""
     if not isinstance(micro_batches, Sequence) or not micro_batches:
-        raise ValueError(f"micro_batches: expected a non-empty sequence of (logp, behavior_logp, advantages, mask), got {type(micro_batches).__name__}")
+        raise ValueError(
+            f"micro_batches: expected a non-empty sequence of (logp, behavior_logp, advantages, mask), got {type(micro_batches).__name__}"
+        )
     for i, parts in enumerate(micro_batches):
         if len(parts) != 4:
             raise ValueError(f"micro_batches[{i}]: expected (logp, behavior_logp, advantages, mask), got {len(parts)} items")

@@ -40,8 +40,9 @@ class CoreResult:
     kept_trust_region_count: torch.Tensor
 
 
-def select_tokens(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                  tau: float = 0.04, group: Any = None) -> Selection:
+def select_tokens(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, tau: float = 0.04, group: Any = None
+) -> Selection:
     """Algorithm 1's selection for one optimizer batch.
 
     With ``group`` (a pure data-parallel ProcessGroup) every rank passes its own tokens and
@@ -57,8 +58,12 @@ def select_tokens(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
         return replace(flat, keep=flat.keep.reshape(mask.shape))
     validate_structure(logp, behavior_logp, advantages, mask, tau)
     with torch.no_grad():
-        flat = select_local(*(x.detach().reshape(-1) for x in (logp, behavior_logp, advantages, mask)), float(tau),  # type: ignore[call-arg, arg-type]  # mypy: an unpacked iterable of unknown length may fill every parameter (it holds four here)
-                             lambda: validate_finite(logp, behavior_logp, advantages, mask))
+        # mypy: an unpacked iterable of unknown length may fill every parameter (it holds four here)
+        flat = select_local(  # type: ignore[call-arg]
+            *(x.detach().reshape(-1) for x in (logp, behavior_logp, advantages, mask)),  # type: ignore[arg-type]
+            float(tau),
+            lambda: validate_finite(logp, behavior_logp, advantages, mask),
+        )
     return replace(flat, keep=flat.keep.reshape(mask.shape))
 
 
@@ -98,8 +103,9 @@ def select_micro_batches(micro_batches: Sequence[Sequence[torch.Tensor]], *, tau
             flats_d.append(d.reshape(-1))
             flats_a.append(a.reshape(-1))
         with torch.no_grad():
-            whole = select_across(torch.cat(flats_d), torch.cat(flats_a), torch.cat([parts[3].reshape(-1) for parts in micro_batches]),
-                                   float(tau), group)
+            whole = select_across(
+                torch.cat(flats_d), torch.cat(flats_a), torch.cat([parts[3].reshape(-1) for parts in micro_batches]), float(tau), group
+            )
     parts, start = [], 0
     for shape in (parts[3].shape for parts in micro_batches):
         end = start + math.prod(shape)
@@ -120,8 +126,9 @@ class _KeptRatioLoss(torch.autograd.Function):
     a page fault per 4 KiB: half the forward's time at 16M tokens)."""
 
     @staticmethod
-    def forward(ctx: Any, logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
-                denominator: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor, denominator: torch.Tensor
+    ) -> torch.Tensor:
         total = torch.zeros((), dtype=denominator.dtype, device=keep.device)
         for _, _, ratio, weight in _kept_terms(logp, behavior_logp, advantages, keep, denominator.dtype):
             total += ratio.mul_(weight).sum()
@@ -140,8 +147,9 @@ class _KeptRatioLoss(torch.autograd.Function):
         return gradient.to(logp.dtype), None, None, None, None
 
 
-def _kept_terms(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
-                compute_dtype: torch.dtype) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+def _kept_terms(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor, compute_dtype: torch.dtype
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """The loss's terms chunk by chunk (the whole batch in one chunk off the CPU): each
     chunk's bounds, exp of the log-ratio where kept (exp(+0) = 1 elsewhere) and A where kept
     (+0 elsewhere), in the compute dtype, in the thread's scratch (valid until the next chunk)."""
@@ -170,8 +178,9 @@ def _kept_terms(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: tor
         yield start, end, r.exp_(), w
 
 
-def loss_from_selection(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
-                        valid_count: torch.Tensor | int) -> torch.Tensor:
+def loss_from_selection(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor, valid_count: torch.Tensor | int
+) -> torch.Tensor:
     """``-(1/N) * sum(keep * exp(logp - behavior_logp) * advantages)`` with the given global N.
 
     ``keep`` may be a part of a selection (a micro-batch, a context-parallel shard): only

@@ -50,8 +50,15 @@ def select_across(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     kept = kept_candidates_across(m2, tau, group, candidates=trust)
     zero = torch.zeros((), dtype=torch.float64, device=d.device)
     # Global counts and sums for N and the metrics: one all-reduce of five numbers.
-    totals = torch.stack([valid_count.double(), torch.count_nonzero(trust).double(), torch.count_nonzero(kept).double(),
-                          torch.where(trust, m2, zero).sum(), torch.where(kept, m2, zero).sum()])
+    totals = torch.stack(
+        [
+            valid_count.double(),
+            torch.count_nonzero(trust).double(),
+            torch.count_nonzero(kept).double(),
+            torch.where(trust, m2, zero).sum(),
+            torch.where(kept, m2, zero).sum(),
+        ]
+    )
     dist.all_reduce(totals, group=group)
     global_valid, trust_count, kept_count, total, kept_total = (totals[i] for i in range(5))
     valid_denominator = global_valid.clamp(min=1)
@@ -133,8 +140,9 @@ def _first_level(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: to
     return _FirstLevel(sums[:BUCKETS], counts[:BUCKETS], trust, bucket, trust_count, checksum)
 
 
-def _first_level_fused(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
-                       ) -> tuple[_FirstLevel, int, int, bool]:
+def _first_level_fused(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> tuple[_FirstLevel, int, int, bool]:
     """:func:`_first_level` in one fused pass (``fused.first_level``): the same histogram,
     trust region and buckets, to the last bit; the verdict comes back as a flag, not a sum.
     Also returns, on the host already, the candidate and valid-token counts and the verdict."""
@@ -142,8 +150,12 @@ def _first_level_fused(logp: torch.Tensor, behavior_logp: torch.Tensor, advantag
     sums, counts = torch.empty(BUCKETS, dtype=torch.float64), torch.empty(BUCKETS, dtype=torch.float64)
     trust, bucket = token_buffers(mask.device, n)
     candidates, valid, finite = fused.first_level(logp, behavior_logp, advantages, mask, sums, counts, trust, bucket)
-    return _FirstLevel(sums, counts, trust, bucket, torch.tensor(candidates),
-                       torch.tensor(0.0 if finite else math.nan, dtype=torch.float64)), candidates, valid, finite
+    return (
+        _FirstLevel(sums, counts, trust, bucket, torch.tensor(candidates), torch.tensor(0.0 if finite else math.nan, dtype=torch.float64)),
+        candidates,
+        valid,
+        finite,
+    )
 
 
 def _m2_at(logp: torch.Tensor, behavior_logp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -153,8 +165,14 @@ def _m2_at(logp: torch.Tensor, behavior_logp: torch.Tensor, index: torch.Tensor)
 
 
 @torch.no_grad()
-def select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float,
-                  on_invalid: Callable[[], None]) -> Selection:
+def select_local(
+    logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    tau: float,
+    on_invalid: Callable[[], None],
+) -> Selection:
     """Single-process selection over 1-d detached inputs, with one host synchronisation:
     the fail-closed verdict (``on_invalid`` raises, naming the argument and the token).
 
@@ -200,8 +218,14 @@ def select_local(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: to
     return _selection(keep, mask, valid_count, first.trust_count, cut.kept_count, candidate_sum, kept_sum)
 
 
-def _select_fused(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float,
-                  on_invalid: Callable[[], None]) -> Selection:
+def _select_fused(
+    logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    tau: float,
+    on_invalid: Callable[[], None],
+) -> Selection:
     """:func:`select_local` through the fused CPU passes (``m2po_oracle.core.fused``), with the
     same results to the last bit: the first level and its cut, the finish's pass over every
     token and a crossing bucket of up to SORT_AT_MOST values each one call, whose numbers
@@ -212,8 +236,13 @@ def _select_fused(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     level = fused.first_cut(first.sums, first.counts, tau)
     crossing_size = level.tied_count if level.crossing < BUCKETS else 0
     small = candidates <= fast_selection.SMALL  # as kept_candidates selects so few: the same result to the last bit
-    keep, alive = _undecided(first, mask, size=candidates if small else int(crossing_size),
-                             crossing=None if small else min(level.crossing, _ABOVE_EVERY_BUCKET), fuse=True)
+    keep, alive = _undecided(
+        first,
+        mask,
+        size=candidates if small else int(crossing_size),
+        crossing=None if small else min(level.crossing, _ABOVE_EVERY_BUCKET),
+        fuse=True,
+    )
     if small:
         cut, kept_sum, candidate_sum = _sorted_finish(_m2_at(logp, behavior_logp, alive), alive, candidates, tau, keep)
         kept_count = cut.kept_count
@@ -228,8 +257,9 @@ def _select_fused(logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: t
     return _selection(keep, mask, torch.tensor(valid), first.trust_count, kept_count, candidate_sum, kept_sum)
 
 
-def _undecided(first: _FirstLevel, mask: torch.Tensor, *, size: int, crossing: torch.Tensor | int | None, fuse: bool
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def _undecided(
+    first: _FirstLevel, mask: torch.Tensor, *, size: int, crossing: torch.Tensor | int | None, fuse: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The keep mask of every token but ``alive``: the ``size`` candidates still to decide,
     in index order, those in bucket ``crossing`` (an int with the fused passes, a 0-d tensor
     without), or every candidate where it is None. Candidates below the crossing bucket are
@@ -249,8 +279,9 @@ def _undecided(first: _FirstLevel, mask: torch.Tensor, *, size: int, crossing: t
     return keep, alive
 
 
-def _select_few(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, tau: float,
-                on_invalid: Callable[[], None]) -> Selection:
+def _select_few(
+    d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, tau: float, on_invalid: Callable[[], None]
+) -> Selection:
     """:func:`select_local` for at most SMALL tokens, from float64 d and A (padding
     zeroed; both overwritten): every candidate sorted, as its own small-candidate branch
     finishes (the same result to the last bit), without the first radix level, whose
@@ -270,8 +301,9 @@ def _select_few(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, v
     return _selection(keep, mask, valid_count, trust_count, cut.kept_count, candidate_sum, kept_sum)
 
 
-def _sorted_finish(values: torch.Tensor, alive: torch.Tensor, count: int, tau: float, into: torch.Tensor
-                   ) -> tuple[fast_selection.DeviceCut, torch.Tensor, torch.Tensor]:
+def _sorted_finish(
+    values: torch.Tensor, alive: torch.Tensor, count: int, tau: float, into: torch.Tensor
+) -> tuple[fast_selection.DeviceCut, torch.Tensor, torch.Tensor]:
     """As kept_candidates selects a few candidates (``alive``, in index order, with M2
     ``values``): all sorted, no bucket sums. Writes which of them are kept into ``into``
     at ``alive``; returns the cut, and the kept and candidate M2 sums."""
@@ -280,8 +312,15 @@ def _sorted_finish(values: torch.Tensor, alive: torch.Tensor, count: int, tau: f
     return cut, torch.where(cut.kept, values, 0.0).sum(), values.sum()
 
 
-def _selection(keep: torch.Tensor, mask: torch.Tensor, valid_count: torch.Tensor, trust_count: torch.Tensor,
-               kept_count: torch.Tensor, candidate_sum: torch.Tensor, kept_sum: torch.Tensor) -> Selection:
+def _selection(
+    keep: torch.Tensor,
+    mask: torch.Tensor,
+    valid_count: torch.Tensor,
+    trust_count: torch.Tensor,
+    kept_count: torch.Tensor,
+    candidate_sum: torch.Tensor,
+    kept_sum: torch.Tensor,
+) -> Selection:
     """The selection's record from its keep mask, counts and sums."""
     kept_count = kept_count.to(torch.int64)
     valid_denominator = valid_count.clamp(min=1).double()

@@ -45,7 +45,9 @@ def pad_for_cp(batch: Batch, cp: int) -> Batch:
     if target == width:
         return batch
     pad = lambda a, v: np.concatenate([a, np.full((a.shape[0], target - width), v, dtype=a.dtype)], axis=1)  # noqa: E731
-    return Batch(pad(batch.logp, np.nan), pad(batch.behavior_logp, np.nan), pad(batch.advantages, np.nan), pad(batch.valid, False), batch.tau)
+    return Batch(
+        pad(batch.logp, np.nan), pad(batch.behavior_logp, np.nan), pad(batch.advantages, np.nan), pad(batch.valid, False), batch.tau
+    )
 
 
 def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +72,14 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
     try:
         fn = load_distributed_implementation(spec, payload.get("adapter"))
         tensors = to_tensors(local, dtype, ctx.device)
-        raw = fn(tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"], tau=batch.tau, parallel=ParallelState.of_rank(ctx))
+        raw = fn(
+            tensors["logp"],
+            tensors["behavior_logp"],
+            tensors["advantages"],
+            tensors["mask"],
+            tau=batch.tau,
+            parallel=ParallelState.of_rank(ctx),
+        )
         result, _ = normalise_result(raw, tensors["logp"], local.shape)
     except Exception as error:
         # Raised to the world, which ends the step at once: the other ranks are likely
@@ -117,9 +126,19 @@ def _record_shard(recorder: Any, step: int, parallel: Any, tensors: dict[str, An
     columns = parallel.shard_columns(logp.shape[1])
     # normalise_result took d loss / d logp in logp's dtype and widened it: narrowing back is exact.
     grad = None if result.grad is None else torch.from_numpy(result.grad)[:, columns].to(logp.dtype)
-    recorder.record(step=step, micro_batch=0, logp=parallel.shard(logp), behavior_logp=parallel.shard(tensors["behavior_logp"]),
-                    advantages=parallel.shard(tensors["advantages"]), mask=parallel.shard(tensors["mask"]),
-                    keep=torch.from_numpy(result.keep)[:, columns], loss=result.loss, tau=tau, metrics=result.reported(), grad=grad)
+    recorder.record(
+        step=step,
+        micro_batch=0,
+        logp=parallel.shard(logp),
+        behavior_logp=parallel.shard(tensors["behavior_logp"]),
+        advantages=parallel.shard(tensors["advantages"]),
+        mask=parallel.shard(tensors["mask"]),
+        keep=torch.from_numpy(result.keep)[:, columns],
+        loss=result.loss,
+        tau=tau,
+        metrics=result.reported(),
+        grad=grad,
+    )
 
 
 def _as_one_rank(ctx: RankContext, fn: Any, batch: Batch, dtype: str) -> M2POResult | str:
@@ -140,8 +159,9 @@ def _as_one_rank(ctx: RankContext, fn: Any, batch: Batch, dtype: str) -> M2PORes
         return f"{type(error).__name__}: {error}"
 
 
-def _split_invariance(batch: Batch, topology: Topology, keep: np.ndarray, loss: float, grad: np.ndarray, outcomes: list[RankOutcome],
-                      dtype: str) -> list[Mismatch]:
+def _split_invariance(
+    batch: Batch, topology: Topology, keep: np.ndarray, loss: float, grad: np.ndarray, outcomes: list[RankOutcome], dtype: str
+) -> list[Mismatch]:
     """The assembled step against the same implementation on one rank: splitting the
     optimizer batch must change neither the mask (up to ties), the loss sum nor the gradient."""
     single = (outcomes[0].value or {}).get("single")
@@ -153,18 +173,53 @@ def _split_invariance(batch: Batch, topology: Topology, keep: np.ndarray, loss: 
     found = []
     if not same_up_to_ties(single.keep, keep, valid_m2(batch)):
         index = tuple(int(i) for i in np.argwhere(single.keep != keep)[0])
-        found.append(Mismatch("distributed.split_invariance", f"{label}: keep differs at {int((single.keep != keep).sum())} token(s), first at index {index} "
-                              "(the selection depends on the split)", "keep", index, bool(keep[index]), bool(single.keep[index])))
+        found.append(
+            Mismatch(
+                "distributed.split_invariance",
+                f"{label}: keep differs at {int((single.keep != keep).sum())} token(s), first at index {index} "
+                "(the selection depends on the split)",
+                "keep",
+                index,
+                bool(keep[index]),
+                bool(single.keep[index]),
+            )
+        )
     scale = float(np.abs(single.grad).sum()) if single.grad is not None else 0.0
     mismatch = compare_values("distributed.split_invariance", "loss", loss, single.loss, tolerance(dtype, "loss"), scale=scale)
     if mismatch:
-        found.append(Mismatch(mismatch.check, f"{label}: the rank losses sum to {loss!r}, one rank computes {single.loss!r}", "loss", None, loss, single.loss,
-                              mismatch.details))
+        found.append(
+            Mismatch(
+                mismatch.check,
+                f"{label}: the rank losses sum to {loss!r}, one rank computes {single.loss!r}",
+                "loss",
+                None,
+                loss,
+                single.loss,
+                mismatch.details,
+            )
+        )
     elif single.grad is not None and np.array_equal(single.keep, keep):
         grad_tol = tolerance(dtype, "gradient")
-        mismatch = compare_values("distributed.split_invariance", "grad", grad, single.grad, grad_tol, scale=float(np.abs(single.grad).max(initial=0)) * grad_tol.rtol)
+        mismatch = compare_values(
+            "distributed.split_invariance",
+            "grad",
+            grad,
+            single.grad,
+            grad_tol,
+            scale=float(np.abs(single.grad).max(initial=0)) * grad_tol.rtol,
+        )
         if mismatch:
-            found.append(Mismatch(mismatch.check, f"{label}: {mismatch.summary}", mismatch.field, mismatch.index, mismatch.actual, mismatch.expected, mismatch.details))
+            found.append(
+                Mismatch(
+                    mismatch.check,
+                    f"{label}: {mismatch.summary}",
+                    mismatch.field,
+                    mismatch.index,
+                    mismatch.actual,
+                    mismatch.expected,
+                    mismatch.details,
+                )
+            )
     return found
 
 
@@ -194,17 +249,25 @@ class DistributedStep:
         for o in self.outcomes:
             value = o.value or {}
             result = value.get("result")
-            out.append({
-                "rank": o.rank, "coords": {"dp": o.coords.dp, "cp": o.coords.cp, "tp": o.coords.tp}, "rows": list(value.get("rows", [])),
-                "keep": result.keep.astype(int).tolist() if result is not None else None,
-                "loss": number(result.loss) if result is not None else None,
-                "metrics": {k: number(v) for k, v in result.reported().items()} if result is not None else {},
-                "collectives": o.collectives, "error": value.get("error") or o.error, "stack": o.stack,
-            })
+            out.append(
+                {
+                    "rank": o.rank,
+                    "coords": {"dp": o.coords.dp, "cp": o.coords.cp, "tp": o.coords.tp},
+                    "rows": list(value.get("rows", [])),
+                    "keep": result.keep.astype(int).tolist() if result is not None else None,
+                    "loss": number(result.loss) if result is not None else None,
+                    "metrics": {k: number(v) for k, v in result.reported().items()} if result is not None else {},
+                    "collectives": o.collectives,
+                    "error": value.get("error") or o.error,
+                    "stack": o.stack,
+                }
+            )
         return out
 
 
-def check_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome], dtype: str, compute_dtype: str | None = None) -> DistributedStep:
+def check_step(
+    batch: Batch, topology: Topology, outcomes: list[RankOutcome], dtype: str, compute_dtype: str | None = None
+) -> DistributedStep:
     step = DistributedStep(batch, outcomes)
     results = {o.rank: o.value["result"] for o in outcomes}
     rows = {o.rank: slice(*o.value["rows"]) for o in outcomes}
@@ -218,10 +281,17 @@ def check_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome], dt
             a, b = results[reference.rank].keep, results[other.rank].keep
             if not np.array_equal(a, b):
                 index = tuple(int(i) for i in np.argwhere(a != b)[0])
-                step.mismatches.append(Mismatch("distributed.replica_masks_identical",
-                                                f"{_where(reference)} and {_where(other)} hold replicas of DP rank {dp_rank} but keep different masks "
-                                                f"({int((a != b).sum())} token(s) differ, first at local index {index})",
-                                                field="keep", index=index, actual=bool(b[index]), expected=bool(a[index])))
+                step.mismatches.append(
+                    Mismatch(
+                        "distributed.replica_masks_identical",
+                        f"{_where(reference)} and {_where(other)} hold replicas of DP rank {dp_rank} but keep different masks "
+                        f"({int((a != b).sum())} token(s) differ, first at local index {index})",
+                        field="keep",
+                        index=index,
+                        actual=bool(b[index]),
+                        expected=bool(a[index]),
+                    )
+                )
 
     keep = np.zeros(batch.shape, dtype=bool)
     grad = np.zeros(batch.shape)
@@ -233,34 +303,73 @@ def check_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome], dt
             loss += results[o.rank].loss
             grad[rows[o.rank]] += results[o.rank].grad
     for m in check_selection(batch, keep, compute_dtype or dtype):
-        step.mismatches.append(Mismatch("distributed.global_selection", f"[{m.check}] {m.summary}", m.field, m.index, m.actual, m.expected, m.details))
+        step.mismatches.append(
+            Mismatch("distributed.global_selection", f"[{m.check}] {m.summary}", m.field, m.index, m.actual, m.expected, m.details)
+        )
 
     expected = oracle.evaluate_with_mask(batch, keep)
     assert expected.grad is not None  # the oracle's result always has its gradient
     scale = float(np.abs(expected.grad).sum())
     mismatch = compare_values("distributed.loss_sum", "loss", loss, expected.loss, tolerance(dtype, "loss"), scale=scale)
     if mismatch:
-        step.mismatches.append(Mismatch(mismatch.check, f"the losses of ranks with tp=0 sum to {loss!r}, the global loss is {expected.loss!r}", "loss",
-                                        None, loss, expected.loss, mismatch.details))
+        step.mismatches.append(
+            Mismatch(
+                mismatch.check,
+                f"the losses of ranks with tp=0 sum to {loss!r}, the global loss is {expected.loss!r}",
+                "loss",
+                None,
+                loss,
+                expected.loss,
+                mismatch.details,
+            )
+        )
     grad_tol = tolerance(dtype, "gradient")
     for o in outcomes:
         columns = np.zeros(batch.shape[1], dtype=bool)
         columns[cp_token_indices(batch.shape[1], topology.cp, o.coords.cp)] = True
         want = np.where(columns[None, :], expected.grad[rows[o.rank]], 0.0)
-        mismatch = compare_values("distributed.shard_gradient", "grad", results[o.rank].grad, want, grad_tol, scale=float(np.abs(want).max(initial=0)) * grad_tol.rtol)
+        mismatch = compare_values(
+            "distributed.shard_gradient",
+            "grad",
+            results[o.rank].grad,
+            want,
+            grad_tol,
+            scale=float(np.abs(want).max(initial=0)) * grad_tol.rtol,
+        )
         if mismatch:
-            step.mismatches.append(Mismatch(mismatch.check, f"{_where(o)}: {mismatch.summary} (local index within rows {rows[o.rank].start}..{rows[o.rank].stop - 1})",
-                                            mismatch.field, mismatch.index, mismatch.actual, mismatch.expected, mismatch.details))
+            step.mismatches.append(
+                Mismatch(
+                    mismatch.check,
+                    f"{_where(o)}: {mismatch.summary} (local index within rows {rows[o.rank].start}..{rows[o.rank].stop - 1})",
+                    mismatch.field,
+                    mismatch.index,
+                    mismatch.actual,
+                    mismatch.expected,
+                    mismatch.details,
+                )
+            )
         reported = results[o.rank]
         for name in METRIC_FIELDS + COUNT_FIELDS:
             value = getattr(reported, name)
             if value is None:
                 continue
             want_value = getattr(expected, name)
-            bad = value != want_value if name in COUNT_FIELDS else compare_values("distributed.metrics", name, value, want_value, tolerance(dtype, "metric")) is not None
+            bad = (
+                value != want_value
+                if name in COUNT_FIELDS
+                else compare_values("distributed.metrics", name, value, want_value, tolerance(dtype, "metric")) is not None
+            )
             if bad:
-                step.mismatches.append(Mismatch("distributed.metrics", f"{_where(o)} reports {name} = {value!r}; the optimizer batch's is {want_value!r}",
-                                                name, None, value, want_value))
+                step.mismatches.append(
+                    Mismatch(
+                        "distributed.metrics",
+                        f"{_where(o)} reports {name} = {value!r}; the optimizer batch's is {want_value!r}",
+                        name,
+                        None,
+                        value,
+                        want_value,
+                    )
+                )
     step.mismatches.extend(_split_invariance(batch, topology, keep, loss, grad, outcomes, dtype))
     metrics = {name: getattr(results[0], name) for name in METRIC_FIELDS + COUNT_FIELDS}
     step.result = M2POResult(loss=loss, keep=keep, grad=grad, **metrics)
@@ -275,4 +384,3 @@ def as_measurement(step: DistributedStep, dtype: str) -> Measurement:
     if step.result is None:
         return Measurement(step.batch, dtype, None, Finding("raised", step.mismatches[0].summary if step.mismatches else "no result"))
     return Measurement(step.batch, dtype, step.result)
-

@@ -89,7 +89,9 @@ def _first_difference(variant: str, batch: Batch, topology: Topology, outcomes: 
             if not same_up_to_ties(oracle.m2po(own).keep, keep, np.where(own.valid, d * d, np.nan)):
                 return f"rank {o.rank}: its mask is not Algorithm 1 on its own {'rows' if variant == 'per_rank_selection_global_n' else 'CP shard'} alone"
             want = np.zeros(local.shape)
-            on_own = cast(np.ndarray, oracle.evaluate_with_mask(own, keep).grad) * int(own.valid.sum()) / max(n_global, 1)  # the oracle's grad is set
+            on_own = (
+                cast(np.ndarray, oracle.evaluate_with_mask(own, keep).grad) * int(own.valid.sum()) / max(n_global, 1)
+            )  # the oracle's grad is set
             if variant == "per_rank_selection_global_n":
                 want[:, columns] = on_own[:, columns]
             else:
@@ -102,10 +104,15 @@ def _first_difference(variant: str, batch: Batch, topology: Topology, outcomes: 
             if variant == "kept_count_denominator":
                 denominator = sum(int((r.value["result"].keep).sum()) for r in outcomes if r.coords.cp == 0 and r.coords.tp == 0)
             else:
-                denominator = sum(int(_sub(batch, slice(*r.value["rows"]), _shard_columns(batch, topology, o.coords.cp)).valid.sum())
-                                  for r in outcomes if r.coords.cp == o.coords.cp and r.coords.tp == 0)
+                denominator = sum(
+                    int(_sub(batch, slice(*r.value["rows"]), _shard_columns(batch, topology, o.coords.cp)).valid.sum())
+                    for r in outcomes
+                    if r.coords.cp == o.coords.cp and r.coords.tp == 0
+                )
             want = np.zeros(local.shape)
-            want[:, columns] = cast(np.ndarray, oracle.evaluate_with_mask(local, keep).grad)[:, columns] * int(local.valid.sum()) / max(denominator, 1)  # the oracle's grad is set
+            want[:, columns] = (
+                cast(np.ndarray, oracle.evaluate_with_mask(local, keep).grad)[:, columns] * int(local.valid.sum()) / max(denominator, 1)
+            )  # the oracle's grad is set
             if compare_values("diagnosis", "grad", result.grad, want, grad_tol, float(np.abs(want).max(initial=0)) * grad_tol.rtol):
                 return f"rank {o.rank}: gradient is not the one with denominator {denominator}"
             continue
@@ -118,7 +125,11 @@ def _first_difference(variant: str, batch: Batch, topology: Topology, outcomes: 
                 return f"rank {o.rank} reports no counts: a double count cannot be told from its loss alone"
             if result.valid_count is not None and result.valid_count != topology.cp * n_global:
                 return f"rank {o.rank}: valid_count {result.valid_count}, the double count is {topology.cp * n_global}"
-            doubled = Batch(*(np.concatenate([a] * topology.cp) for a in (batch.logp, batch.behavior_logp, batch.advantages, batch.valid)), batch.tau)  # type: ignore[call-arg, arg-type]  # mypy: an unpacked iterable of unknown length may fill every parameter (it holds four here)
+            # mypy: an unpacked iterable of unknown length may fill every parameter (it holds four here)
+            doubled = Batch(  # type: ignore[call-arg]
+                *(np.concatenate([a] * topology.cp) for a in (batch.logp, batch.behavior_logp, batch.advantages, batch.valid)),  # type: ignore[arg-type]
+                batch.tau,
+            )
             expected = oracle.m2po(doubled)
             if result.kept_trust_region_count is not None and result.kept_trust_region_count != expected.kept_trust_region_count:
                 return f"rank {o.rank}: kept {result.kept_trust_region_count} trust-region tokens, the double count keeps {expected.kept_trust_region_count}"
@@ -130,5 +141,12 @@ def diagnose_step(batch: Batch, topology: Topology, outcomes: list[RankOutcome],
     """The distributed variants that reproduce this step (empty if none or if a rank failed)."""
     if any(not (o.value or {}).get("result") for o in outcomes):
         return []
-    return [{"variant": name, "description": DESCRIPTIONS[name], "source": "docs/explanation/algorithm.md §3 / production PR (distributed scope)"}
-            for name in DESCRIPTIONS if _first_difference(name, batch, topology, outcomes, dtype) is None]
+    return [
+        {
+            "variant": name,
+            "description": DESCRIPTIONS[name],
+            "source": "docs/explanation/algorithm.md §3 / production PR (distributed scope)",
+        }
+        for name in DESCRIPTIONS
+        if _first_difference(name, batch, topology, outcomes, dtype) is None
+    ]

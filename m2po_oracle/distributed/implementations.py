@@ -55,8 +55,9 @@ def _result(selection: Any, keep: torch.Tensor, loss: torch.Tensor) -> dict[str,
     return {"loss": loss, "keep": keep, **{f.name: getattr(selection, f.name) for f in fields(selection) if f.name != "keep"}}
 
 
-def _select_then_shard_loss(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState, group: Any,
-                            local_denominator: bool = False) -> dict[str, Any]:
+def _select_then_shard_loss(
+    logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState, group: Any, local_denominator: bool = False
+) -> dict[str, Any]:
     """Select on the reconstructed tensors over ``group``, then this rank's CP-shard loss
     (with the selection's N, or with the shard's own valid count)."""
     selection = select_tokens(logp, behavior_logp, advantages, mask, tau=tau, group=group)
@@ -80,8 +81,9 @@ def dp_cp_group_double_count(logp, behavior_logp, advantages, mask, *, tau: floa
 
 def local_denominator(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
     """Control: the right global mask, but the loss divides by this rank's own valid count."""
-    return _select_then_shard_loss(logp, behavior_logp, advantages, mask, tau=tau, parallel=parallel, group=parallel.dp_group,
-                                   local_denominator=True)
+    return _select_then_shard_loss(
+        logp, behavior_logp, advantages, mask, tau=tau, parallel=parallel, group=parallel.dp_group, local_denominator=True
+    )
 
 
 def local_shard_selection(logp, behavior_logp, advantages, mask, *, tau: float, parallel: ParallelState) -> dict[str, Any]:
@@ -119,8 +121,7 @@ def micro_batched_core(logp, behavior_logp, advantages, mask, *, tau: float, par
 
 def _row(x: Any, i: int) -> Any:
     # A probe's bad argument (None) is passed on as is, for the core to refuse.
-    return x[i:i + 1] if isinstance(x, torch.Tensor) else x
-
+    return x[i : i + 1] if isinstance(x, torch.Tensor) else x
 
 
 def _global_count(count: torch.Tensor, group: Any) -> torch.Tensor:
@@ -235,5 +236,7 @@ def load_distributed_implementation(spec: str, adapter: tuple[str, tuple[str, ..
     if ":" not in spec or spec.startswith("control:"):
         close = difflib.get_close_matches(spec, DISTRIBUTED_BUILTINS, n=3, cutoff=0.5)
         hint = f"closest matches: {', '.join(close)}" if close else f"built-in distributed names: {', '.join(DISTRIBUTED_BUILTINS)}"
-        raise LoadError(f"impl: unknown distributed implementation {spec!r} (expected a built-in name or module:function taking parallel=); {hint}")
+        raise LoadError(
+            f"impl: unknown distributed implementation {spec!r} (expected a built-in name or module:function taking parallel=); {hint}"
+        )
     return load_attribute(spec)

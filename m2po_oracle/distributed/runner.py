@@ -39,11 +39,18 @@ def step_mismatches(error: WorldError, world_size: int, timeout_s: float) -> tup
     is shown first with its own exception; ranks only stuck waiting for it are not blamed."""
     raised = [o for o in error.outcomes if o.error]
     if raised:
-        return [Mismatch("call", f"{_where(o)} raised: {_last_line(cast(str, o.error))}", details=(cast(str, o.error),)) for o in raised], False  # raised: error is set
+        return [
+            Mismatch("call", f"{_where(o)} raised: {_last_line(cast(str, o.error))}", details=(cast(str, o.error),)) for o in raised
+        ], False  # raised: error is set
     hung = [o for o in error.outcomes if o.stack]
     where = ", ".join(_where(o) for o in hung)
-    return [Mismatch("call", f"timeout: {where} did not finish within {timeout_s:g} s ({len(hung)} of {world_size} ranks)",
-                     details=tuple(o.stack or "" for o in hung))], True
+    return [
+        Mismatch(
+            "call",
+            f"timeout: {where} did not finish within {timeout_s:g} s ({len(hung)} of {world_size} ranks)",
+            details=tuple(o.stack or "" for o in hung),
+        )
+    ], True
 
 
 def _where(o: RankOutcome) -> str:
@@ -65,8 +72,16 @@ class DistributedRunner:
     variant_descriptions = DESCRIPTIONS
     variant_source = "docs/explanation/algorithm.md §3 / production PR (distributed scope)"
 
-    def __init__(self, spec: str, topology: Topology, *, backend: str = "gloo", timeout_s: float = 60.0, options: RunOptions | None = None,
-                 world: Any = None) -> None:
+    def __init__(
+        self,
+        spec: str,
+        topology: Topology,
+        *,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        options: RunOptions | None = None,
+        world: Any = None,
+    ) -> None:
         self.options = options or RunOptions(topology=topology, backend=backend, timeout=timeout_s)
         from m2po_oracle.adapters import ADAPTERS
 
@@ -74,18 +89,31 @@ class DistributedRunner:
         # others wrap single-process signatures.
         self.adapter = ADAPTERS.get(self.options.adapter or "")
         distributed = self.adapter is not None and self.adapter.distributed
-        refuse_unhonoured(f"a distributed run ({topology})", DISTRIBUTED_HONOURS | ({"adapter", "bind"} if distributed else set()), self.options,
-                          {"adapter": "the distributed contract takes parallel=; adapters wrap single-process signatures "
-                                      f"(--adapter {', '.join(n for n, a in ADAPTERS.items() if a.distributed)} adapts a port taking group=)",
-                           "bind": "--bind shapes a distributed adapter's call (--adapter group)",
-                           "in_process": "every rank is a process of its own", "show_output": "rank output is not captured"})
+        refuse_unhonoured(
+            f"a distributed run ({topology})",
+            DISTRIBUTED_HONOURS | ({"adapter", "bind"} if distributed else set()),
+            self.options,
+            {
+                "adapter": "the distributed contract takes parallel=; adapters wrap single-process signatures "
+                f"(--adapter {', '.join(n for n, a in ADAPTERS.items() if a.distributed)} adapts a port taking group=)",
+                "bind": "--bind shapes a distributed adapter's call (--adapter group)",
+                "in_process": "every rank is a process of its own",
+                "show_output": "rank output is not captured",
+            },
+        )
         if distributed and topology.cp > 1:
             assert self.adapter is not None  # distributed: an adapter was found
-            raise UsageError(f"adapter {self.adapter.name}: a port taking group= computes its loss over its whole rows, but with cp={topology.cp} "
-                             f"a rank's share is its context-parallel shard; use cp=1 ({topology} asked), or the parallel= contract")
-        self._adapter_payload = (cast("Adapter", self.adapter).name, tuple(self.options.bind)) if distributed else None  # distributed: an adapter was found
+            raise UsageError(
+                f"adapter {self.adapter.name}: a port taking group= computes its loss over its whole rows, but with cp={topology.cp} "
+                f"a rank's share is its context-parallel shard; use cp=1 ({topology} asked), or the parallel= contract"
+            )
+        self._adapter_payload = (
+            (cast("Adapter", self.adapter).name, tuple(self.options.bind)) if distributed else None
+        )  # distributed: an adapter was found
         if "device" in self.options.given and self.options.device.split(":")[0] != BACKEND_DEVICE[backend]:
-            raise UsageError(f"device: the {backend} backend places every rank on {BACKEND_DEVICE[backend]}, got --device {self.options.device!r}")
+            raise UsageError(
+                f"device: the {backend} backend places every rank on {BACKEND_DEVICE[backend]}, got --device {self.options.device!r}"
+            )
         self.spec, self.topology = spec, topology
         self.world = world if world is not None else World(topology, backend=backend, timeout_s=timeout_s)
         self.health = CallHealth()
@@ -121,8 +149,14 @@ class DistributedRunner:
     def run_battery(self, example: Batch) -> BatteryOutcome:
         step = self.step(example, capture_step=self.capture.next_step() if self.capture is not None else None)
         explained = tuple(v["variant"] for v in step.explained_by) if step.mismatches else None
-        return BatteryOutcome(step.batch, as_measurement(step, self.options.dtype), tuple(step.mismatches), tuple(step.ranks_json()), explained,
-                              checked=checks_ran(step))
+        return BatteryOutcome(
+            step.batch,
+            as_measurement(step, self.options.dtype),
+            tuple(step.mismatches),
+            tuple(step.ranks_json()),
+            explained,
+            checked=checks_ran(step),
+        )
 
     def validation(self) -> list[ProbeResult]:
         from m2po_oracle.distributed.validation import run_collective_probes
@@ -132,9 +166,14 @@ class DistributedRunner:
     def replay_command(self, example: Batch) -> str:
         o = self.options
         bindings = tuple(part for binding in o.bind for part in ("--bind", binding)) if self._adapter_payload else ()
-        return replay_command(self.spec, example.to_json(), dtype=o.dtype, compute_dtype=o.compute_dtype,
-                              adapter=self._adapter_payload[0] if self._adapter_payload else None,
-                              extra=("--topology", str(self.topology), "--backend", self.world.backend, *bindings))
+        return replay_command(
+            self.spec,
+            example.to_json(),
+            dtype=o.dtype,
+            compute_dtype=o.compute_dtype,
+            adapter=self._adapter_payload[0] if self._adapter_payload else None,
+            extra=("--topology", str(self.topology), "--backend", self.world.backend, *bindings),
+        )
 
     def parse_example(self, data: dict[str, Any]) -> Batch:
         return Batch.from_dict(data)
@@ -152,9 +191,19 @@ class DistributedRunner:
 
             a, bindings = self.adapter, self.options.bind
             assert a is not None  # an adapter payload is made from an adapter only
-            call = load_distributed_implementation(self.spec, self._adapter_payload).bound_call.describe_call()  # loaded (and cached) by open_runner
-            described["adapter"] = {"name": a.name, "signature": a.signature, "checked": list(a.checked), "supplies": sorted(a.supplies_with(bindings)),
-                                    "builds": dict(a.builds), "not_run": a.not_run(bindings), "bindings": list(bindings), "call": call}
+            call = load_distributed_implementation(
+                self.spec, self._adapter_payload
+            ).bound_call.describe_call()  # loaded (and cached) by open_runner
+            described["adapter"] = {
+                "name": a.name,
+                "signature": a.signature,
+                "checked": list(a.checked),
+                "supplies": sorted(a.supplies_with(bindings)),
+                "builds": dict(a.builds),
+                "not_run": a.not_run(bindings),
+                "bindings": list(bindings),
+                "call": call,
+            }
         return described
 
     def start(self) -> None:

@@ -169,13 +169,9 @@ def cp_token_indices(seq_len: int, cp_size: int, cp_rank: int) -> np.ndarray:
     if cp_size == 1:
         return np.arange(seq_len, dtype=np.int64)
     if seq_len % (2 * cp_size):
-        raise ValueError(
-            f"seq_len must be a multiple of 2 * cp_size = {2 * cp_size} for context parallelism, got seq_len = {seq_len}"
-        )
+        raise ValueError(f"seq_len must be a multiple of 2 * cp_size = {2 * cp_size} for context parallelism, got seq_len = {seq_len}")
     chunk = seq_len // (2 * cp_size)
-    return np.concatenate(
-        [np.arange(first * chunk, (first + 1) * chunk), np.arange(second * chunk, (second + 1) * chunk)]
-    ).astype(np.int64)
+    return np.concatenate([np.arange(first * chunk, (first + 1) * chunk), np.arange(second * chunk, (second + 1) * chunk)]).astype(np.int64)
 
 
 def _sequence_array(name: str, x: object) -> np.ndarray:

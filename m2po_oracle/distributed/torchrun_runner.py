@@ -23,7 +23,9 @@ class TorchrunRunner(DistributedRunner):
 
     def __init__(self, context: Any, spec: str, options: RunOptions) -> None:
         self.context = context
-        super().__init__(spec, context.topology, backend=context.backend, timeout_s=options.timeout, options=options, world=_TorchrunWorld(context))
+        super().__init__(
+            spec, context.topology, backend=context.backend, timeout_s=options.timeout, options=options, world=_TorchrunWorld(context)
+        )
 
 
 class _TorchrunWorld:

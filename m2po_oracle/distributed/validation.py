@@ -34,6 +34,7 @@ Corrupt = Callable[[dict[str, Any]], None]  # edits the keyword arguments (with 
 def _set_tau(value: float) -> Corrupt:
     def corrupt(kwargs: dict[str, Any]) -> None:
         kwargs["tau"] = value
+
     return corrupt
 
 
@@ -51,12 +52,27 @@ class CollectiveProbe:
 
 #: Shared corruptions come from the single-process battery, so the two cannot drift apart.
 COLLECTIVE_PROBES: tuple[CollectiveProbe, ...] = (
-    CollectiveProbe("behavior_logp_missing", "behavior_logp is None on one rank (its rollout log-probs missing)", "behavior_logp",
-                    local_probe("behavior_logp_missing").corrupt, rank=1),
-    CollectiveProbe("nan_logp_on_valid_token", "NaN in logp on a valid token of one rank", "logp",
-                    local_probe("nan_logp_on_valid_token").corrupt, rank=0),
-    CollectiveProbe("nan_advantage_on_valid_token", "NaN advantage on a valid token of one rank", "advantages",
-                    local_probe("nan_advantage_on_valid_token").corrupt, rank=1),
+    CollectiveProbe(
+        "behavior_logp_missing",
+        "behavior_logp is None on one rank (its rollout log-probs missing)",
+        "behavior_logp",
+        local_probe("behavior_logp_missing").corrupt,
+        rank=1,
+    ),
+    CollectiveProbe(
+        "nan_logp_on_valid_token",
+        "NaN in logp on a valid token of one rank",
+        "logp",
+        local_probe("nan_logp_on_valid_token").corrupt,
+        rank=0,
+    ),
+    CollectiveProbe(
+        "nan_advantage_on_valid_token",
+        "NaN advantage on a valid token of one rank",
+        "advantages",
+        local_probe("nan_advantage_on_valid_token").corrupt,
+        rank=1,
+    ),
     CollectiveProbe("negative_tau", "tau = -0.1 on one rank", "tau", local_probe("negative_tau").corrupt, rank=0),
     CollectiveProbe("nan_tau", "tau = NaN on one rank", "tau", local_probe("nan_tau").corrupt, rank=1),
     CollectiveProbe("tau_differs", "tau = 0.0 on one rank, 0.04 on the others (both valid alone)", "tau", _set_tau(0.0), rank=1),
@@ -71,7 +87,6 @@ def collective_probe(name: str) -> CollectiveProbe:
 
 
 # --- the rank handler ---
-
 
 
 def bad_rank(p: CollectiveProbe, topology: Any) -> int:
@@ -120,14 +135,26 @@ def rank_probe(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _outcome(status: str, kind: str, message: str, started: float, ctx: RankContext) -> dict[str, Any]:
-    return {"status": status, "type": kind, "message": message, "seconds": time.perf_counter() - started,
-            "collectives": ctx.counter.snapshot()}
+    return {
+        "status": status,
+        "type": kind,
+        "message": message,
+        "seconds": time.perf_counter() - started,
+        "collectives": ctx.counter.snapshot(),
+    }
 
 
 # --- running the battery and reducing the ranks' outcomes ---
 
-def run_collective_probes(world: World, spec: str, *, dtype: str = "float64",
-                          probes: tuple[CollectiveProbe, ...] = COLLECTIVE_PROBES, adapter: tuple[str, tuple[str, ...]] | None = None) -> list[ProbeResult]:
+
+def run_collective_probes(
+    world: World,
+    spec: str,
+    *,
+    dtype: str = "float64",
+    probes: tuple[CollectiveProbe, ...] = COLLECTIVE_PROBES,
+    adapter: tuple[str, tuple[str, ...]] | None = None,
+) -> list[ProbeResult]:
     """Every probe through ``world`` (restarted after a hang or a dead rank); never raises
     because of the implementation. ``adapter``: (name, bindings) of a distributed adapter."""
     results = []
@@ -141,20 +168,22 @@ def run_collective_probes(world: World, spec: str, *, dtype: str = "float64",
 
 
 def reduce_outcomes(p: CollectiveProbe, outcomes: list[RankOutcome], world: World) -> ProbeResult:
-    """"rejected" only if every rank refused with the same error naming the bad rank and the
+    """ "rejected" only if every rank refused with the same error naming the bad rank and the
     argument; "hung" if a rank was still running at the deadline; "crashed" if a rank died,
     raised anything else, or the ranks disagree; "accepted" if every rank returned a result."""
+
     def result(status: str, message: str) -> ProbeResult:
         return ProbeResult(p.name, p.description, status, message)
 
     hung = [o.rank for o in outcomes if o.stack]
     if hung:
-        return result("hung", f"ranks {hung} of {len(outcomes)} were still running after {world.timeout_s:g} s ("
-                              f"{_statuses(outcomes)})")
+        return result("hung", f"ranks {hung} of {len(outcomes)} were still running after {world.timeout_s:g} s ({_statuses(outcomes)})")
     dead = [o for o in outcomes if o.error]
     if dead:
         assert dead[0].error is not None  # dead: the ranks with an error
-        return result("crashed", f"ranks {[o.rank for o in dead]} failed outside the implementation: {dead[0].error.strip().splitlines()[-1]}")
+        return result(
+            "crashed", f"ranks {[o.rank for o in dead]} failed outside the implementation: {dead[0].error.strip().splitlines()[-1]}"
+        )
     values = [o.value for o in outcomes]
     statuses = {v["status"] for v in values}
     if statuses == {"accepted"}:
@@ -164,7 +193,9 @@ def reduce_outcomes(p: CollectiveProbe, outcomes: list[RankOutcome], world: Worl
     return _reduce_rejections(p, outcomes, world, result)
 
 
-def _reduce_rejections(p: CollectiveProbe, outcomes: list[RankOutcome], world: World, result: Callable[[str, str], ProbeResult]) -> ProbeResult:
+def _reduce_rejections(
+    p: CollectiveProbe, outcomes: list[RankOutcome], world: World, result: Callable[[str, str], ProbeResult]
+) -> ProbeResult:
     for o in outcomes:
         peers = world.topology.group_of(o.rank, "dp")
         same = {(outcomes[r].value["type"], outcomes[r].value["message"]) for r in peers}

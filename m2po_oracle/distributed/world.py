@@ -66,8 +66,17 @@ class CollectiveCounter:
             self.calls, self.bytes = calls, sent
 
 
-_COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "all_to_all_single",
-            "all_gather_object", "broadcast_object_list")
+_COUNTED = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_to_all_single",
+    "all_gather_object",
+    "broadcast_object_list",
+)
 
 
 def _install_counter(counter: CollectiveCounter) -> None:
@@ -89,7 +98,11 @@ def _install_counter(counter: CollectiveCounter) -> None:
         def counted(*args: Any, _original: Callable = original, _name: str = name, **kwargs: Any) -> Any:
             counter.calls[_name] += 1
             # Bytes this rank contributes: the input tensor of the collective.
-            sent = args[1] if _name in ("all_gather", "all_gather_into_tensor", "all_to_all_single") and len(args) > 1 else (args[0] if args else None)
+            sent = (
+                args[1]
+                if _name in ("all_gather", "all_gather_into_tensor", "all_to_all_single") and len(args) > 1
+                else (args[0] if args else None)
+            )
             counter.bytes[_name] += size_of(sent)
             return _original(*args, **kwargs)
 
@@ -212,8 +225,12 @@ class World:
         store = os.path.join(self._directory, "store")
         for rank in range(self.topology.world_size):
             parent, child = context.Pipe()
-            process = context.Process(target=_rank_main, name=f"m2po-rank:{rank}", daemon=True,
-                                      args=(rank, self.topology, self.backend, store, self._stack_path(rank), child, self.timeout_s))
+            process = context.Process(
+                target=_rank_main,
+                name=f"m2po-rank:{rank}",
+                daemon=True,
+                args=(rank, self.topology, self.backend, store, self._stack_path(rank), child, self.timeout_s),
+            )
             process.start()
             child.close()
             self._processes.append(process)
@@ -250,7 +267,9 @@ class World:
             limit = min(deadline, first_error_at + 3.0) if first_error_at else deadline
             if now >= limit:
                 break
-            ready = cast("list[multiprocessing.connection.Connection]", multiprocessing.connection.wait(list(pending.values()), timeout=limit - now))  # of the Connections given
+            ready = cast(
+                "list[multiprocessing.connection.Connection]", multiprocessing.connection.wait(list(pending.values()), timeout=limit - now)
+            )  # of the Connections given
             for connection in ready:
                 rank = next(r for r, c in pending.items() if c is connection)
                 try:
@@ -272,7 +291,13 @@ class World:
             coords = self.topology.coords(rank)
             if rank in pending:
                 stack = Path(self._stack_path(rank)).read_text() if Path(self._stack_path(rank)).exists() else ""
-                outcomes.append(RankOutcome(rank, coords, stack=stack or f"rank {rank}: no stack dump (process {'alive' if self._processes[rank].is_alive() else 'dead'})"))
+                outcomes.append(
+                    RankOutcome(
+                        rank,
+                        coords,
+                        stack=stack or f"rank {rank}: no stack dump (process {'alive' if self._processes[rank].is_alive() else 'dead'})",
+                    )
+                )
                 continue
             kind, value = replies[rank]
             if kind == "error":
@@ -325,6 +350,7 @@ def _describe(what: str, failed: list[RankOutcome], topology: Topology) -> str:
 
 
 # --- handlers used by the harness's own checks (must be importable module-level functions) ---
+
 
 def smoke(ctx: RankContext, payload: Any) -> dict[str, Any]:
     """all_reduce(rank + 1) over the world and every group kind: the values prove the groups."""

@@ -69,12 +69,24 @@ PRECISION_OPTIONS = {"float32_selection": "--compute-dtype float32", "float32_me
 # --- values a port picks itself, fitted from the data ------------------------------------
 
 
-def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], *, dtype: str, divergent: bool,
-             compute_dtype: str | None = None, supplied: frozenset[str] | None = None,
-             step_explanations: dict[str, set[str]] | None = None, step_descriptions: dict[str, str] | None = None, step_source: str = "",
-             findings: Sequence[Finding] = (), prefer: frozenset[str] = frozenset(),
-             beyond_sample: Iterable[Observation] = (), replay: Any = None, call_failure_taus: Sequence[float] = (),
-             leaks_alone: Callable[[Batch], bool | None] | None = None) -> Diagnosis:
+def diagnose(
+    observations: Iterable[Observation],
+    failed_checks: Iterable[str],
+    *,
+    dtype: str,
+    divergent: bool,
+    compute_dtype: str | None = None,
+    supplied: frozenset[str] | None = None,
+    step_explanations: dict[str, set[str]] | None = None,
+    step_descriptions: dict[str, str] | None = None,
+    step_source: str = "",
+    findings: Sequence[Finding] = (),
+    prefer: frozenset[str] = frozenset(),
+    beyond_sample: Iterable[Observation] = (),
+    replay: Any = None,
+    call_failure_taus: Sequence[float] = (),
+    leaks_alone: Callable[[Batch], bool | None] | None = None,
+) -> Diagnosis:
     """The diagnosis of a run (its JSON schema in ``report``).
 
     The search runs on ``observations``; the shares count those and ``beyond_sample`` (the
@@ -100,8 +112,10 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         # probes (it reads padding, e.g. column 0's advantage) explains more than a leak; then
         # the one naming the deviations the project accepts (the examples cannot tell them apart).
         pads = "padding_immunity" in failed
-        ranked = sorted([explanation.components, *explanation.alternatives],
-                        key=lambda names: (pads and not reads_padding(judge, names), -len({variant(n).base for n in names} & prefer)))
+        ranked = sorted(
+            [explanation.components, *explanation.alternatives],
+            key=lambda names: (pads and not reads_padding(judge, names), -len({variant(n).base for n in names} & prefer)),
+        )
         explanation = replace(explanation, components=ranked[0], alternatives=ranked[1:])
     dev = merge(explanation.components) or ALGORITHM_1
 
@@ -147,8 +161,9 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
             if measured is not None and measured.residual:  # what its failing examples share, though nothing known explains them
                 unexplained_left[check] = Left(measured.residual, explanation.components)
 
-    residuals = residuals_of(judge, left, compute_dtype or dtype, replay) + residuals_of(judge, unexplained_left, compute_dtype or dtype, replay,
-                                                                                         unexplained=True)
+    residuals = residuals_of(judge, left, compute_dtype or dtype, replay) + residuals_of(
+        judge, unexplained_left, compute_dtype or dtype, replay, unexplained=True
+    )
     components = list(dict.fromkeys(n for names in by_check.values() for n in names))
     # An adapter that builds the loss and gradient itself leaves what a deviation does to
     # them unobserved: the evidence says so rather than let its description claim it.
@@ -159,12 +174,19 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         known = _known(name)
         if known is not None:
             counted = [shares[c] for c in explained if c in shares]
-            evidence = (f"every one of the {len(call_failure_taus)} calls that raised had tau == 0" if known.behaviour_check == "call" else
-                        (leak.text() if leak is not None else "NaN/inf padding made the loss or gradient NaN/inf (check padding_immunity failed)")
-                        if known.behaviour_check == "padding_immunity" else
-                        f"check {known.behaviour_check} failed" if known.is_behavioural else
-                        "reproduces " + "; ".join(f"{field_of(c) or c} on {share_text(shares[c])}" for c in explained if c in shares)
-                        if counted else f"reproduces the port under the padding probes ({', '.join(explained)})")
+            evidence = (
+                f"every one of the {len(call_failure_taus)} calls that raised had tau == 0"
+                if known.behaviour_check == "call"
+                else (
+                    leak.text() if leak is not None else "NaN/inf padding made the loss or gradient NaN/inf (check padding_immunity failed)"
+                )
+                if known.behaviour_check == "padding_immunity"
+                else f"check {known.behaviour_check} failed"
+                if known.is_behavioural
+                else "reproduces " + "; ".join(f"{field_of(c) or c} on {share_text(shares[c])}" for c in explained if c in shares)
+                if counted
+                else f"reproduces the port under the padding probes ({', '.join(explained)})"
+            )
             unobserved = loss_effects(known.deviation) if unseen_loss and not known.is_behavioural else []
             if unobserved:
                 evidence += f"; not observed: {', '.join(unobserved)} (the adapter builds the loss and gradient)"
@@ -172,7 +194,7 @@ def diagnose(observations: Iterable[Observation], failed_checks: Iterable[str], 
         else:
             matches.append(Match(name, (step_descriptions or {}).get(name, ""), step_source, "reproduces every failing step", explained))
     partial = any(share.share < 1 for share in shares.values())
-    status = ("no_known_variant" if not by_check else "partly_explained" if unexplained else "mostly_explained" if partial else "matched")
+    status = "no_known_variant" if not by_check else "partly_explained" if unexplained else "mostly_explained" if partial else "matched"
     return Diagnosis(
         status,
         examples_compared=len(observations),
@@ -237,7 +259,9 @@ def _cover(explanations: dict[str, set[str]], order: list[str]) -> tuple[dict[st
         chosen.append(best)
         for check in covers[best] - set(choice):
             choice[check] = best
-    alternatives: list[tuple[str, ...]] = [(n,) for n in everyone if n not in chosen and any(covers[n] == {c for c, v in choice.items() if v == m} for m in chosen)]
+    alternatives: list[tuple[str, ...]] = [
+        (n,) for n in everyone if n not in chosen and any(covers[n] == {c for c, v in choice.items() if v == m} for m in chosen)
+    ]
     return choice, alternatives
 
 
@@ -260,10 +284,21 @@ def _responsible(judge: Judge, components: tuple[str, ...], field_name: str, rep
 def _closest(judge: Judge, names: Sequence[str], exclude: set[str], by_check: dict[str, Share]) -> list[Lead]:
     """Leads for what is unexplained: the explanation's share on each check below the
     threshold, then the single variants that agree on the most divergent examples."""
-    rows = [Lead(" + ".join(c.components), f"reproduces {check} on {c.explained} of {c.failing} failing examples"
-                 + (f" and contradicts {c.contradicted}" if c.contradicted else "") + f": short of the naming rule (at least {NAMED_SHARE:.0%} "
-                 f"of the failing examples, at most {CONTRADICTION_BOUND:g} contradicted per reproduced one)", "", c.explained, c.of, "", check=check)
-            for check, c in by_check.items()]
+    rows = [
+        Lead(
+            " + ".join(c.components),
+            f"reproduces {check} on {c.explained} of {c.failing} failing examples"
+            + (f" and contradicts {c.contradicted}" if c.contradicted else "")
+            + f": short of the naming rule (at least {NAMED_SHARE:.0%} "
+            f"of the failing examples, at most {CONTRADICTION_BOUND:g} contradicted per reproduced one)",
+            "",
+            c.explained,
+            c.of,
+            "",
+            check=check,
+        )
+        for check, c in by_check.items()
+    ]
     divergent = [i for i in judge.sample if judge.differences(ALGORITHM_1, i)]
     singles: list[Lead] = []
     for name in names:
@@ -283,11 +318,23 @@ def _hints(by_check: dict[str, list[str]]) -> list[Hint]:
     hints = []
     precision = [c for c, names in by_check.items() if names and set(names) <= set(PRECISION_OPTIONS)]
     if precision:
-        hints.append(Hint(tuple(precision), f"every failure of {', '.join(precision)} fits the rounding of float32 arithmetic", "--compute-dtype float32"))
+        hints.append(
+            Hint(
+                tuple(precision),
+                f"every failure of {', '.join(precision)} fits the rounding of float32 arithmetic",
+                "--compute-dtype float32",
+            )
+        )
     epsilon = [c for c, names in by_check.items() if names == ["denominator_epsilon"]]
     if epsilon:
-        hints.append(Hint(tuple(epsilon), f"every failure of {', '.join(epsilon)} fits an epsilon of 1e-8 in the denominator "
-                          "(N + 1e-8: a relative change of 1e-8 / N, below float32's tolerance)", "--dtype float32"))
+        hints.append(
+            Hint(
+                tuple(epsilon),
+                f"every failure of {', '.join(epsilon)} fits an epsilon of 1e-8 in the denominator "
+                "(N + 1e-8: a relative change of 1e-8 / N, below float32's tolerance)",
+                "--dtype float32",
+            )
+        )
     return hints
 
 
@@ -305,6 +352,10 @@ def summary(status: str, by_check: dict[str, list[str]], unexplained: list[str],
         parts.append(f"{', '.join(checks)} by {' + '.join(names)}" + (f" ({', '.join(counts)})" if counts else ""))
     if unexplained:
         parts.append(f"{', '.join(unexplained)} unexplained")
-    lead = {"matched": "explained", "mostly_explained": "mostly explained", "partly_explained": "partly explained",
-            "no_known_variant": "no known deviation explains it"}.get(status, status)
+    lead = {
+        "matched": "explained",
+        "mostly_explained": "mostly explained",
+        "partly_explained": "partly explained",
+        "no_known_variant": "no known deviation explains it",
+    }.get(status, status)
     return f"{lead}: {'; '.join(parts)}" if parts else lead

@@ -82,8 +82,15 @@ def in_order(name: str) -> int:
 class Judge:
     """Which fields of which observation a deviation reproduces (memoised)."""
 
-    def __init__(self, observations: Sequence[Observation], *, dtype: str, compute_dtype: str | None, supplied: frozenset[str] | None,
-                 sample: int | None = None) -> None:
+    def __init__(
+        self,
+        observations: Sequence[Observation],
+        *,
+        dtype: str,
+        compute_dtype: str | None,
+        supplied: frozenset[str] | None,
+        sample: int | None = None,
+    ) -> None:
         self.observations = list(observations)
         self.dtype, self.compute_dtype, self.supplied = dtype, compute_dtype or dtype, supplied
         self.fields = [self._fields(o.result, supplied) for o in self.observations]
@@ -168,7 +175,9 @@ class Judge:
 
     def _keep_difference(self, dev: Deviation, i: int) -> str | None:
         batch, actual = self.observations[i].batch, self.observations[i].result
-        if dev.selection_kind == "mask" and all(getattr(dev, k) == getattr(ALGORITHM_1, k) for k in SELECTION_KNOBS if k != "selection_dtype"):
+        if dev.selection_kind == "mask" and all(
+            getattr(dev, k) == getattr(ALGORITHM_1, k) for k in SELECTION_KNOBS if k != "selection_dtype"
+        ):
             # Algorithm 1's own selection: any admissible outcome (ties, rounding near tau) reproduces it.
             wrong = check_selection(batch, actual.keep, coarser(self.compute_dtype, dev.selection_dtype))
             return f"keep: {wrong[0].summary}" if wrong else None

@@ -114,10 +114,16 @@ def _improve(judge: Judge, names: frozenset[str], candidates: Sequence[str]) -> 
         return names
     for _ in range(MAX_COMPONENTS):
         trials = [names - {n} for n in names]
-        trials += [(names - {n}) | {other} for n in names for other in candidates if other not in names and merge((names - {n}) | {other}) is not None
-                   and merge({n, other}) is None]  # conflicting: the same knob set another way
+        trials += [
+            (names - {n}) | {other}
+            for n in names
+            for other in candidates
+            if other not in names and merge((names - {n}) | {other}) is not None and merge({n, other}) is None
+        ]  # conflicting: the same knob set another way
         trials += [names | {other} for other in candidates if other not in names and len(names) < MAX_COMPONENTS]
-        scored = [(score, t) for t in trials if (dev := merge(t)) is not None and (score := judge.score_all(dev, at_least=best + 1)) is not None]
+        scored = [
+            (score, t) for t in trials if (dev := merge(t)) is not None and (score := judge.score_all(dev, at_least=best + 1)) is not None
+        ]
         if not scored:
             break
         best, names = max(scored, key=lambda st: (st[0], -_preference(st[1])[0]))

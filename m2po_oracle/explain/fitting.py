@@ -59,7 +59,9 @@ def refit_on_grids(judge: Judge, names: frozenset[str]) -> frozenset[str]:
         rest = names - {name}
         scored: list[tuple[int, int, frozenset[str]]] = []
         for value in grid:
-            trial = rest | {fitted_name(known.base, value) if value != getattr(variant(known.base).deviation, known.parameter) else known.base}
+            trial = rest | {
+                fitted_name(known.base, value) if value != getattr(variant(known.base).deviation, known.parameter) else known.base
+            }
             dev = merge(trial)
             if dev is not None:
                 scored.append((judge.score(dev), -len(scored), trial))
@@ -75,7 +77,7 @@ def _simplest_in(lower: float, upper: float, default: float) -> float | None:
     if lower <= default < upper or default == lower == upper:
         return default
     for decimals in range(1, 7):
-        scale = 10.0 ** decimals
+        scale = 10.0**decimals
         candidate = math.ceil(lower * scale - 1e-9) / scale
         if candidate < upper:
             return round(candidate, decimals)
@@ -130,7 +132,7 @@ def _round_values_in(lower: float, upper: float, default: float, most: int = 12)
     """The default (when inside), then the numbers of one, then two decimals in [lower, upper)."""
     found = [default] if lower <= default < upper else []
     for decimals in (1, 2):
-        scale = 10 ** decimals
+        scale = 10**decimals
         start = math.ceil(lower * scale - 1e-9)
         stop = upper * scale if math.isfinite(upper) else start + most
         found += [round(k / scale, decimals) for k in range(start, math.ceil(stop - 1e-9)) if round(k / scale, decimals) not in found]

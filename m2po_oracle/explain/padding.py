@@ -46,18 +46,27 @@ class PaddingLeak:
     def text(self) -> str:
         what = "the loss" if self.where == "loss" else f"the gradient at {self.where} {self.index}"
         padding = f"with {self.fill}" if " " in self.fill else f"with padding set to {self.fill}"
-        text = (f"{padding}, {what} is {self.value!r} where the zero-padded run is finite "
-                f"(on {self.examples} example(s))")
+        text = f"{padding}, {what} is {self.value!r} where the zero-padded run is finite (on {self.examples} example(s))"
         if self.inputs is not None:
-            text += "; " + (f"padding in {self.inputs[0]} alone does it" if len(self.inputs) == 1 else
-                            f"padding in any one of {', '.join(self.inputs)} alone does it" if self.inputs else
-                            "no one input's padding alone does it")
+            text += "; " + (
+                f"padding in {self.inputs[0]} alone does it"
+                if len(self.inputs) == 1
+                else f"padding in any one of {', '.join(self.inputs)} alone does it"
+                if self.inputs
+                else "no one input's padding alone does it"
+            )
         return text
 
     def to_json(self) -> dict[str, Any]:
-        return {"fill": self.fill, "where": self.where, "index": list(self.index) if self.index is not None else None,
-                "value": repr(self.value), "examples": self.examples, "inputs": list(self.inputs) if self.inputs is not None else None,
-                "text": self.text()}
+        return {
+            "fill": self.fill,
+            "where": self.where,
+            "index": list(self.index) if self.index is not None else None,
+            "value": repr(self.value),
+            "examples": self.examples,
+            "inputs": list(self.inputs) if self.inputs is not None else None,
+            "text": self.text(),
+        }
 
 
 def padding_leak(observations: Sequence[Observation], leaks_alone: Callable[[Batch], bool | None] | None = None) -> PaddingLeak | None:
@@ -77,8 +86,11 @@ def padding_leak(observations: Sequence[Observation], leaks_alone: Callable[[Bat
     inputs: tuple[str, ...] | None = None
     if leaks_alone is not None:
         # Only the inputs whose padding the probe set (NaN != 0 holds, so NaN padding counts).
-        answers = {name: leaks_alone(probe.batch.padding_only_in(name)) for name in PADDED_INPUTS
-                   if np.any(getattr(probe.batch, name)[~probe.batch.valid] != 0)}
+        answers = {
+            name: leaks_alone(probe.batch.padding_only_in(name))
+            for name in PADDED_INPUTS
+            if np.any(getattr(probe.batch, name)[~probe.batch.valid] != 0)
+        }
         if None not in answers.values():
             inputs = tuple(name for name, leaks in answers.items() if leaks)
     return PaddingLeak(probe.fill, where, index, value, len(leaking), inputs)
@@ -94,4 +106,8 @@ def reads_padding(judge: Judge, components: tuple[str, ...]) -> list[str]:
     dev = merge(components) or ALGORITHM_1
     if any(probe_judge.differences(dev, i) for i in range(len(probes))):
         return []
-    return [n for n in components if any(probe_judge.differences(merge(c for c in components if c != n) or ALGORITHM_1, i) for i in range(len(probes)))]
+    return [
+        n
+        for n in components
+        if any(probe_judge.differences(merge(c for c in components if c != n) or ALGORITHM_1, i) for i in range(len(probes)))
+    ]

@@ -31,8 +31,14 @@ class Share:
     components: tuple[str, ...]  # the deviations it is explained by
 
     def to_json(self) -> dict[str, Any]:
-        return {"explained": self.explained, "failing": self.failing, "contradicted": self.contradicted, "of": self.of, "share": self.share,
-                "components": list(self.components)}
+        return {
+            "explained": self.explained,
+            "failing": self.failing,
+            "contradicted": self.contradicted,
+            "of": self.of,
+            "share": self.share,
+            "components": list(self.components),
+        }
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,14 @@ class Feature:
     description: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"feature": self.feature, "residual": self.residual, "of": self.of, "explained": self.explained,
-                "explained_of": self.explained_of, "description": self.description}
+        return {
+            "feature": self.feature,
+            "residual": self.residual,
+            "of": self.of,
+            "explained": self.explained,
+            "explained_of": self.explained_of,
+            "description": self.description,
+        }
 
 
 @dataclass(frozen=True)
@@ -78,9 +90,17 @@ class Residual:
     counterexample: ResidualExample
 
     def to_json(self) -> dict[str, Any]:
-        return {"checks": list(self.checks), "unexplained": self.unexplained, "count": self.count, "contradicted": self.contradicted,
-                "features": [f.to_json() for f in self.features], "shared": list(self.shared), "float32_fits": self.float32_fits,
-                "explanation": list(self.explanation), "counterexample": self.counterexample.to_json()}
+        return {
+            "checks": list(self.checks),
+            "unexplained": self.unexplained,
+            "count": self.count,
+            "contradicted": self.contradicted,
+            "features": [f.to_json() for f in self.features],
+            "shared": list(self.shared),
+            "float32_fits": self.float32_fits,
+            "explanation": list(self.explanation),
+            "counterexample": self.counterexample.to_json(),
+        }
 
 
 @dataclass(frozen=True)
@@ -96,8 +116,13 @@ class Match:
     unobserved: tuple[str, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"variant": self.variant, "description": self.description, "source": self.source, "evidence": self.evidence,
-                               "checks": list(self.checks)}
+        out: dict[str, Any] = {
+            "variant": self.variant,
+            "description": self.description,
+            "source": self.source,
+            "evidence": self.evidence,
+            "checks": list(self.checks),
+        }
         if self.unobserved is not None:
             out["unobserved"] = list(self.unobserved)
         return out
@@ -117,7 +142,13 @@ class Lead:
     check: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"variant": self.variant, "description": self.description, "source": self.source, "agreed": self.agreed, "of": self.of}
+        out: dict[str, Any] = {
+            "variant": self.variant,
+            "description": self.description,
+            "source": self.source,
+            "agreed": self.agreed,
+            "of": self.of,
+        }
         if self.check is not None:
             out["check"] = self.check
         out["first_difference"] = self.first_difference
@@ -190,8 +221,12 @@ class Diagnosis:
 
     def to_json(self) -> dict[str, Any]:
         if self.status == "not_run":
-            return {"status": self.status, "examples_compared": self.examples_compared, "matches": [m.to_json() for m in self.matches],
-                    "closest": [c.to_json() for c in self.closest]}
+            return {
+                "status": self.status,
+                "examples_compared": self.examples_compared,
+                "matches": [m.to_json() for m in self.matches],
+                "closest": [c.to_json() for c in self.closest],
+            }
         out: dict[str, Any] = {
             "status": self.status,
             "examples_compared": self.examples_compared,

@@ -54,7 +54,9 @@ class Measured:
 
     def share(self, components: tuple[str, ...]) -> Share:
         """The share as the report states it, explained by ``components``."""
-        return Share(self.explained, self.failing, self.contradicted, self.of, self.explained / self.of if self.of else 0.0, tuple(components))
+        return Share(
+            self.explained, self.failing, self.contradicted, self.of, self.explained / self.of if self.of else 0.0, tuple(components)
+        )
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,13 @@ def share_of(judge: Judge, dev: Deviation, field_name: str, check: str) -> Measu
     judged = [i for i in range(len(judge.observations)) if field_name in judge.fields[i]]
     failing = [i for i in judged if check in judge.observations[i].failed]
     reproduced = judge.reproduced(dev, field_name, failing)
-    contradicted = [i for i in judged if check not in judge.observations[i].failed and field_name in judge.differences(dev, i)
-                    and field_name not in judge.differences(ALGORITHM_1, i)]
+    contradicted = [
+        i
+        for i in judged
+        if check not in judge.observations[i].failed
+        and field_name in judge.differences(dev, i)
+        and field_name not in judge.differences(ALGORITHM_1, i)
+    ]
     residual = sorted(set(failing) - set(reproduced)) + contradicted
     return Measured(field_name, reproduced, len(failing), len(contradicted), residual)
 
@@ -119,25 +126,31 @@ def residuals_of(judge: Judge, left: dict[str, Left], compute_dtype: str, replay
         explained = [i for i, o in enumerate(judge.observations) if set(checks) & o.failed and i not in indices]
         counts = {name: sum(name in features(i) for i in indices) for name in coverage.FEATURES if name != "nan_padding"}
         elsewhere = {name: sum(name in features(i) for i in explained) for name in counts}
-        shown = sorted((n for n in counts if counts[n]), key=lambda n: (-counts[n] / len(indices) + elsewhere[n] / max(len(explained), 1), n))
+        shown = sorted(
+            (n for n in counts if counts[n]), key=lambda n: (-counts[n] / len(indices) + elsewhere[n] / max(len(explained), 1), n)
+        )
         smallest = min(indices, key=lambda i: (int(judge.observations[i].batch.valid.size), i))
         observation = judge.observations[smallest]
         example = observation.example if observation.example is not None else observation.batch
         against = left[checks[0]].components
         dev = merge(against) or ALGORITHM_1
         first = next((text for f, text in judge.differences(dev, smallest).items() if f in field_names), "")
-        residuals.append(Residual(
-            checks=tuple(checks),
-            unexplained=unexplained,
-            count=len(indices),
-            contradicted=sum(1 for i in indices if not set(checks) & judge.observations[i].failed),
-            features=tuple(Feature(n, counts[n], len(indices), elsewhere[n], len(explained), coverage.FEATURES[n].when)
-                           for n in shown[:RESIDUAL_FEATURES_SHOWN]),
-            shared=tuple(n for n in shown if counts[n] == len(indices)),
-            float32_fits=_float32_fits(judge, dev, indices, field_names),
-            explanation=tuple(against),  # what the residual is measured against ((): Algorithm 1)
-            counterexample=ResidualExample(observation.batch, first, replay(example) if replay is not None else None),
-        ))
+        residuals.append(
+            Residual(
+                checks=tuple(checks),
+                unexplained=unexplained,
+                count=len(indices),
+                contradicted=sum(1 for i in indices if not set(checks) & judge.observations[i].failed),
+                features=tuple(
+                    Feature(n, counts[n], len(indices), elsewhere[n], len(explained), coverage.FEATURES[n].when)
+                    for n in shown[:RESIDUAL_FEATURES_SHOWN]
+                ),
+                shared=tuple(n for n in shown if counts[n] == len(indices)),
+                float32_fits=_float32_fits(judge, dev, indices, field_names),
+                explanation=tuple(against),  # what the residual is measured against ((): Algorithm 1)
+                counterexample=ResidualExample(observation.batch, first, replay(example) if replay is not None else None),
+            )
+        )
     return residuals
 
 

@@ -76,7 +76,11 @@ def _select_scope(m2: np.ndarray, candidate: np.ndarray, fixed: np.ndarray, tau:
     order = oracle.sorted_candidates(m2, candidate)
     values = m2.ravel()[order]
     tau = tau * dev.budget_scale
-    if dev.noop_margin and values.size and (math.fsum(values) + math.fsum(m2[fixed])) / (values.size + int(fixed.sum())) <= tau + dev.noop_margin:
+    if (
+        dev.noop_margin
+        and values.size
+        and (math.fsum(values) + math.fsum(m2[fixed])) / (values.size + int(fixed.sum())) <= tau + dev.noop_margin
+    ):
         return np.zeros(m2.shape, dtype=bool)  # "already within budget", tested with the port's margin
     if dev.selection_dtype == "float32":
         f32 = np.float32
@@ -137,6 +141,7 @@ def _statistic_log_ratio(batch: Batch, dev: Deviation) -> np.ndarray:
 
 
 # --- the clip family (algorithm.md §4) ----------------------------------------------------
+
 
 def harmful(d: np.ndarray, batch: Batch, dev: Deviation) -> np.ndarray:
     """Fact 1: A > +1e-12 and r > 1 + 1e-12, or A < -1e-12 and r < 1 - 1e-12 (the sign of A
@@ -207,8 +212,14 @@ def _denominator(batch: Batch, keep: np.ndarray, dev: Deviation) -> float:
         return valid + dev.denominator_epsilon
     per_row = batch.valid.sum(axis=1)
     non_empty = int(np.count_nonzero(per_row))
-    counts = {"valid": valid, "kept": int(keep.sum()), "padded": batch.valid.size, "seq_mean_token_sum": non_empty,
-              "seq_mean_token_sum_norm": non_empty * batch.valid.shape[1], "valid_empty_rows_as_one": int(np.maximum(per_row, 1).sum())}
+    counts = {
+        "valid": valid,
+        "kept": int(keep.sum()),
+        "padded": batch.valid.size,
+        "seq_mean_token_sum": non_empty,
+        "seq_mean_token_sum_norm": non_empty * batch.valid.shape[1],
+        "valid_empty_rows_as_one": int(np.maximum(per_row, 1).sum()),
+    }
     return float(max(counts[dev.denominator], 1))
 
 
@@ -274,9 +285,13 @@ def _metrics(batch: Batch, d: np.ndarray, keep: np.ndarray, dev: Deviation, clip
     if clip is not None:  # facts 2 and 7: M2 over the candidates, and after: the capped mean (0 without candidates)
         v = clip.candidate_m2
         metrics["m2_before"] = math.fsum(v) / v.size if v.size else 0.0
-        metrics["m2_after"] = (math.fsum(np.minimum(v, clip.cap_squared) if clip.cap_squared is not None else v) / v.size) if v.size else 0.0
+        metrics["m2_after"] = (
+            (math.fsum(np.minimum(v, clip.cap_squared) if clip.cap_squared is not None else v) / v.size) if v.size else 0.0
+        )
     if dev.metrics_dtype == "float32":
-        metrics = cast(Metrics, {k: (float(np.float32(v)) if isinstance(v, float) else v) for k, v in metrics.items()})  # the same keys, each its type
+        metrics = cast(
+            Metrics, {k: (float(np.float32(v)) if isinstance(v, float) else v) for k, v in metrics.items()}
+        )  # the same keys, each its type
     return metrics
 
 

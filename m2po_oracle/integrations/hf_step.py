@@ -79,24 +79,44 @@ def quiet(trainer: Any) -> None:
         trainer.remove_callback(printer)
 
 
-def step_record(records: list[dict[str, Any]], rollout: Any, *, logged: dict[str, Any], grads: dict[str, torch.Tensor], policy: Any,
-                params_before: dict[str, torch.Tensor], split: tuple[int, ...], tau: float) -> Any:
+def step_record(
+    records: list[dict[str, Any]],
+    rollout: Any,
+    *,
+    logged: dict[str, Any],
+    grads: dict[str, torch.Tensor],
+    policy: Any,
+    params_before: dict[str, torch.Tensor],
+    split: tuple[int, ...],
+    tau: float,
+) -> Any:
     """The step's :class:`~m2po_oracle.trainer.grpo.StepRecord` from its captured micro-batches
     (in row order), each widened to the rollout's width (a framework pads a micro-batch to its
     longest row); ``logged``: the log entry holding the selection's metrics."""
     from m2po_oracle.trainer.grpo import StepRecord
 
     if sum(int(r["mask"].shape[0]) for r in records) != rollout.rows:
-        raise RuntimeError(f"step record: the capture holds {sum(int(r['mask'].shape[0]) for r in records)} rows in "
-                           f"{len(records)} micro-batch(es); the rollout has {rollout.rows}")
+        raise RuntimeError(
+            f"step record: the capture holds {sum(int(r['mask'].shape[0]) for r in records)} rows in "
+            f"{len(records)} micro-batch(es); the rollout has {rollout.rows}"
+        )
     width = int(rollout.completion_ids.shape[1])
     pad = lambda t, fill: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)  # noqa: E731
     cat = lambda name, fill: torch.cat([pad(r[name], fill) for r in records])  # noqa: E731
     params = dict(policy.named_parameters())
     return StepRecord(
-        logp=cat("logp", 0.0), behavior_logp=cat("behavior_logp", float("nan")), advantages=cat("advantages", 0.0), valid=cat("mask", False),
-        keep=cat("keep", False), loss=float(sum(r["loss"] for r in records)),
+        logp=cat("logp", 0.0),
+        behavior_logp=cat("behavior_logp", float("nan")),
+        advantages=cat("advantages", 0.0),
+        valid=cat("mask", False),
+        keep=cat("keep", False),
+        loss=float(sum(r["loss"] for r in records)),
         metrics={name: float(logged[METRIC_PREFIX + name]) for name in LOGGED_METRICS if METRIC_PREFIX + name in logged},
-        token_grad=cat("grad", 0.0), param_grads={n: grads.get(n, torch.zeros_like(p)).detach().cpu() for n, p in params.items()},
-        params_before=params_before, params_after={n: p.detach().cpu().clone() for n, p in params.items()}, split=split,
-        tau=float(tau), kl_term=0.0)
+        token_grad=cat("grad", 0.0),
+        param_grads={n: grads.get(n, torch.zeros_like(p)).detach().cpu() for n, p in params.items()},
+        params_before=params_before,
+        params_after={n: p.detach().cpu().clone() for n, p in params.items()},
+        split=split,
+        tau=float(tau),
+        kl_term=0.0,
+    )

@@ -53,9 +53,11 @@ def check_window_fits_the_generation_batch(args: Any) -> None:
     ga = int(option(args, "gradient_accumulation_steps", 1))
     spg = int(option(args, "steps_per_generation", None) or ga)
     if spg % ga:
-        raise ValueError(f"steps_per_generation: must be a multiple of gradient_accumulation_steps ({ga}) so that every optimizer batch "
-                         f"lies inside one buffered generation batch (M2PO selects over the whole window before its first micro-batch); "
-                         f"got {spg}")
+        raise ValueError(
+            f"steps_per_generation: must be a multiple of gradient_accumulation_steps ({ga}) so that every optimizer batch "
+            f"lies inside one buffered generation batch (M2PO selects over the whole window before its first micro-batch); "
+            f"got {spg}"
+        )
 
 
 @dataclass
@@ -90,8 +92,9 @@ LOGGED_METRICS = ("m2_before", "m2_after", "masked_fraction", "trust_region_frac
 METRIC_PREFIX = "m2po/"
 
 
-def select_window(inputs: list[tuple[torch.Tensor, ...]], tau: float, *, group: Any = None, per_micro_batch: bool = False,
-                  per_rank: bool = False) -> list[Any]:
+def select_window(
+    inputs: list[tuple[torch.Tensor, ...]], tau: float, *, group: Any = None, per_micro_batch: bool = False, per_rank: bool = False
+) -> list[Any]:
     """One selection over the window's micro-batches ``(logp, behavior_logp, advantages, mask)``
     (across ``group``); ``per_micro_batch``/``per_rank`` plant the scope bugs of the negative
     controls: each micro-batch, or each rank, selected alone, the window's N kept (as a natural
@@ -110,11 +113,13 @@ def buffered_window(trainer: Any, model: Any, position: int, dropout_hint: str) 
     on another forward than the loss pass's; ``dropout_hint`` says how to turn it off)."""
     stochastic = stochastic_layers(trainer.accelerator.unwrap_model(model))
     if stochastic:
-        raise ValueError("disable_dropout: the mask prepass must be deterministic, but the policy has stochastic layers: "
-                         f"{', '.join(stochastic)}; {dropout_hint}")
+        raise ValueError(
+            "disable_dropout: the mask prepass must be deterministic, but the policy has stochastic layers: "
+            f"{', '.join(stochastic)}; {dropout_hint}"
+        )
     size = trainer.current_gradient_accumulation_steps
     first = position - position % size
-    return size, trainer._buffered_inputs[first:first + size]
+    return size, trainer._buffered_inputs[first : first + size]
 
 
 def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -122,13 +127,24 @@ def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tens
     return (advantages[:, None] if advantages.dim() == 1 else advantages).expand_as(like).to(like.dtype)
 
 
-def open_window(trainer: Any, size: int, prepass: list[torch.Tensor], behavior: list[torch.Tensor], advantages: list[torch.Tensor],
-                masks: list[torch.Tensor], sampler: list[torch.Tensor | None], *, group: Any = None, per_rank: bool = False) -> Window:
+def open_window(
+    trainer: Any,
+    size: int,
+    prepass: list[torch.Tensor],
+    behavior: list[torch.Tensor],
+    advantages: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    sampler: list[torch.Tensor | None],
+    *,
+    group: Any = None,
+    per_rank: bool = False,
+) -> Window:
     """The window's one selection (with the trainer's planted scope fault, if any), its
     record, and its metrics logged; counts the trainer's windows."""
     per_micro_batch = trainer.m2po_faults.per_micro_batch_mask
-    selections = select_window(list(zip(prepass, behavior, advantages, masks)), trainer.m2po_tau, group=group,
-                               per_micro_batch=per_micro_batch, per_rank=per_rank)
+    selections = select_window(
+        list(zip(prepass, behavior, advantages, masks)), trainer.m2po_tau, group=group, per_micro_batch=per_micro_batch, per_rank=per_rank
+    )
     window = Window(trainer._windows_started, size, behavior, advantages, masks, prepass, selections, sampler)
     trainer._windows_started += 1
     log_window_metrics(trainer._metrics["train"], selections, per_micro_batch)
@@ -154,11 +170,23 @@ def micro_batch_share(logp: torch.Tensor, window: Window, micro: int, *, own_den
     return loss_from_selection(logp, behavior, advantages, selection.keep, selection.valid_count)
 
 
-def record_micro_batch(recorder: Any, window: Window, micro: int, logp: torch.Tensor, loss: torch.Tensor, tau: float,
-                       rollout_logp: torch.Tensor | None) -> None:
+def record_micro_batch(
+    recorder: Any, window: Window, micro: int, logp: torch.Tensor, loss: torch.Tensor, tau: float, rollout_logp: torch.Tensor | None
+) -> None:
     """One micro-batch into a capture (``m2po_oracle.capture.Recorder``), its gradient watched."""
     selection = window.selections[micro]
-    recorder.record(step=window.index, micro_batch=micro, logp=logp, behavior_logp=window.behavior[micro], advantages=window.advantages[micro],
-                    mask=window.masks[micro], keep=selection.keep, loss=float(loss.detach()), tau=tau, metrics=selection_metrics(selection),
-                    selection_logp=window.prepass[micro], rollout_logp=rollout_logp)
+    recorder.record(
+        step=window.index,
+        micro_batch=micro,
+        logp=logp,
+        behavior_logp=window.behavior[micro],
+        advantages=window.advantages[micro],
+        mask=window.masks[micro],
+        keep=selection.keep,
+        loss=float(loss.detach()),
+        tau=tau,
+        metrics=selection_metrics(selection),
+        selection_logp=window.prepass[micro],
+        rollout_logp=rollout_logp,
+    )
     recorder.watch_gradient(logp)

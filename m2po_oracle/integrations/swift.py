@@ -106,7 +106,6 @@ def tau_from_environment(environ: Any = None) -> float:
     return tau
 
 
-
 def check_m2po_args(args: Any, *, world_size: int = 1, sequence_parallel_size: int = 1, collective: bool = False) -> None:
     """Refuse, naming the ms-swift option, every setting under which the step would not compute
     Algorithm 1's objective; warn for ``beta != 0``. ``collective``: the trainer selects once
@@ -115,56 +114,84 @@ def check_m2po_args(args: Any, *, world_size: int = 1, sequence_parallel_size: i
     check_window_fits_the_generation_batch(args)
     loss_type = option(args, "loss_type", "dapo")
     if loss_type != "dapo":
-        raise ValueError(f"loss_type: M2PO divides the masked sum by N, the optimizer batch's valid tokens before masking (ms-swift's "
-                         f"window-normalised 'dapo'); loss_type={loss_type!r} asks for another normaliser that M2PO would ignore "
-                         "(pass --loss_type dapo)")
+        raise ValueError(
+            f"loss_type: M2PO divides the masked sum by N, the optimizer batch's valid tokens before masking (ms-swift's "
+            f"window-normalised 'dapo'); loss_type={loss_type!r} asks for another normaliser that M2PO would ignore "
+            "(pass --loss_type dapo)"
+        )
     if option(args, "importance_sampling_level", "token") != "token":
-        raise ValueError(f"importance_sampling_level: M2PO is defined on token-level ratios; got "
-                         f"{option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)")
+        raise ValueError(
+            f"importance_sampling_level: M2PO is defined on token-level ratios; got "
+            f"{option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)"
+        )
     if option(args, "rollout_importance_sampling_mode", None) is not None:
-        raise ValueError(f"rollout_importance_sampling_mode: an extra rollout importance-sampling correction "
-                         f"({option(args, 'rollout_importance_sampling_mode')!r}) on top of M2PO corrects the same ratio twice; "
-                         "M2PO's ratio is already taken against the behaviour log-probs (leave it unset)")
+        raise ValueError(
+            f"rollout_importance_sampling_mode: an extra rollout importance-sampling correction "
+            f"({option(args, 'rollout_importance_sampling_mode')!r}) on top of M2PO corrects the same ratio twice; "
+            "M2PO's ratio is already taken against the behaviour log-probs (leave it unset)"
+        )
     if option(args, "top_entropy_quantile", 1.0) < 1.0:
-        raise ValueError(f"top_entropy_quantile: an entropy mask (got {option(args, 'top_entropy_quantile')}) drops tokens Algorithm 1 "
-                         "keeps; M2PO's mask is its only mask (set it to 1.0)")
+        raise ValueError(
+            f"top_entropy_quantile: an entropy mask (got {option(args, 'top_entropy_quantile')}) drops tokens Algorithm 1 "
+            "keeps; M2PO's mask is its only mask (set it to 1.0)"
+        )
     if option(args, "off_policy_sequence_mask_delta", None) is not None:
-        raise ValueError(f"off_policy_sequence_mask_delta: an off-policy sequence mask (got "
-                         f"{option(args, 'off_policy_sequence_mask_delta')}) drops sequences Algorithm 1 keeps; M2PO's mask is its only "
-                         "mask (leave it unset)")
+        raise ValueError(
+            f"off_policy_sequence_mask_delta: an off-policy sequence mask (got "
+            f"{option(args, 'off_policy_sequence_mask_delta')}) drops sequences Algorithm 1 keeps; M2PO's mask is its only "
+            "mask (leave it unset)"
+        )
     if option(args, "overlong_filter", False):
-        raise ValueError("overlong_filter: dropping truncated completions from the loss is a mask Algorithm 1 does not have, and it "
-                         "would change N (set it to False)")
+        raise ValueError(
+            "overlong_filter: dropping truncated completions from the loss is a mask Algorithm 1 does not have, and it "
+            "would change N (set it to False)"
+        )
     if option(args, "use_liger_kernel", False):
-        raise ValueError("use_liger_kernel: Liger's fused GRPO loss computes ms-swift's clipped objective, not M2PO's; it would bypass "
-                         "the M2PO loss (set it to False)")
+        raise ValueError(
+            "use_liger_kernel: Liger's fused GRPO loss computes ms-swift's clipped objective, not M2PO's; it would bypass "
+            "the M2PO loss (set it to False)"
+        )
     if option(args, "async_generate", False):
-        raise ValueError("async_generate: completions sampled asynchronously come from weights older than those ms-swift computes "
-                         "old_per_token_logps with, so the behaviour log-probs would not be the sampler's (set it to False)")
+        raise ValueError(
+            "async_generate: completions sampled asynchronously come from weights older than those ms-swift computes "
+            "old_per_token_logps with, so the behaviour log-probs would not be the sampler's (set it to False)"
+        )
     if (option(args, "sdar_loss_coef", 0.0) or 0.0) > 0:
-        raise ValueError(f"sdar_loss_coef: a distillation term (got {option(args, 'sdar_loss_coef')}) is added to the loss; Algorithm 1 "
-                         "has none (set it to 0)")
+        raise ValueError(
+            f"sdar_loss_coef: a distillation term (got {option(args, 'sdar_loss_coef')}) is added to the loss; Algorithm 1 "
+            "has none (set it to 0)"
+        )
     for name, neutral in (("top_p", 1.0), ("repetition_penalty", 1.0)):
         value = option(args, name, neutral)
         if value is not None and value != neutral:
-            raise ValueError(f"{name}: the sampler must draw from the full distribution (got {name}={value!r}); ms-swift's recomputed "
-                             "behaviour log-probs apply only the temperature, so they would not be the sampler's")
+            raise ValueError(
+                f"{name}: the sampler must draw from the full distribution (got {name}={value!r}); ms-swift's recomputed "
+                "behaviour log-probs apply only the temperature, so they would not be the sampler's"
+            )
     top_k = option(args, "top_k", -1)
     if top_k not in (None, -1, 0):
-        raise ValueError(f"top_k: the sampler must draw from the full distribution (got top_k={top_k!r}); ms-swift's recomputed behaviour "
-                         "log-probs apply only the temperature, so they would not be the sampler's (set it to -1)")
+        raise ValueError(
+            f"top_k: the sampler must draw from the full distribution (got top_k={top_k!r}); ms-swift's recomputed behaviour "
+            "log-probs apply only the temperature, so they would not be the sampler's (set it to -1)"
+        )
     if world_size > 1 and not collective:
-        raise ValueError(f"nproc_per_node: without a selection across the data-parallel group, each of the {world_size} processes would "
-                         "select over its own window only (run one process, or select with core.select_micro_batches(..., group=))")
+        raise ValueError(
+            f"nproc_per_node: without a selection across the data-parallel group, each of the {world_size} processes would "
+            "select over its own window only (run one process, or select with core.select_micro_batches(..., group=))"
+        )
     if sequence_parallel_size > 1:
-        raise ValueError(f"sequence_parallel_size: the window's micro-batches are sequence shards here (got {sequence_parallel_size}); "
-                         "this integration selects over whole sequences of one process (set it to 1)")
+        raise ValueError(
+            f"sequence_parallel_size: the window's micro-batches are sequence shards here (got {sequence_parallel_size}); "
+            "this integration selects over whole sequences of one process (set it to 1)"
+        )
     beta = float(option(args, "beta", 0.0) or 0.0)
     if beta != 0:
-        warnings.warn(f"beta={beta}: a non-zero KL coefficient adds beta * KL to the M2PO objective (the reference experiments use beta=0; "
-                      "pass --beta 0)", M2POKLWarning, stacklevel=3)
-
-
+        warnings.warn(
+            f"beta={beta}: a non-zero KL coefficient adds beta * KL to the M2PO objective (the reference experiments use beta=0; "
+            "pass --beta 0)",
+            M2POKLWarning,
+            stacklevel=3,
+        )
 
 
 class M2POSwiftGRPOTrainer(GRPOTrainer):
@@ -187,8 +214,12 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         if training_args is None:
             raise ValueError("args: M2POSwiftGRPOTrainer needs ms-swift's GRPOConfig (its options decide whether M2PO can run)")
         # One selection across the data-parallel group (_start_window): more than one process is allowed.
-        check_m2po_args(training_args, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                        sequence_parallel_size=int(option(training_args, "sequence_parallel_size", 1) or 1), collective=True)
+        check_m2po_args(
+            training_args,
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            sequence_parallel_size=int(option(training_args, "sequence_parallel_size", 1) or 1),
+            collective=True,
+        )
         if kwargs.get("chord_sft_dataset") is not None:
             raise ValueError("chord_sft_dataset: CHORD adds a supervised term to the loss; Algorithm 1 has none (leave it unset)")
         self._capture_directory = os.environ.get("M2PO_CAPTURE") or None
@@ -198,8 +229,9 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         self._windows_started = 0
         super().__init__(*args, **kwargs)
         if self._has_teacher_explicit():
-            raise ValueError("teacher_model: OPD-RL adds the teacher's KL to the advantages; Algorithm 1's advantages are the rewards' "
-                             "(leave it unset)")
+            raise ValueError(
+                "teacher_model: OPD-RL adds the teacher's KL to the advantages; Algorithm 1's advantages are the rewards' (leave it unset)"
+            )
         if not self.args.use_vllm and float(self.args.temperature) == 1.0:
             # ms-swift asks its own engine for no log-probs (it asks vLLM only); asking for them
             # puts the sampler's log-probs in rollout_per_token_logps, which the capture records
@@ -220,8 +252,13 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
             from m2po_oracle.capture.recorder import Recorder
 
             world = self.accelerator.num_processes
-            self._recorder = Recorder(self._capture_directory, rank=self.accelerator.process_index, world_size=world,
-                                      topology=f"dp={world},cp=1,tp=1", every=self._capture_every)
+            self._recorder = Recorder(
+                self._capture_directory,
+                rank=self.accelerator.process_index,
+                world_size=world,
+                topology=f"dp={world},cp=1,tp=1",
+                every=self._capture_every,
+            )
         return self._recorder
 
     def _logps(self, model: Any, micro: dict[str, Any]) -> torch.Tensor:
@@ -236,13 +273,17 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
             sampled = grpo_batch.rollout_per_token_logps
             if sampled is None or bool(torch.isnan(sampled[mask]).any()):
                 engine = "vLLM engine" if self.args.use_vllm else "rollout engine outside the trainer"
-                raise ValueError(f"behavior_logp: the {engine} returned no log-probs (or NaN) for some sampled tokens; M2PO fails closed "
-                                 "rather than fall back to log-probs recomputed by the trainer")
+                raise ValueError(
+                    f"behavior_logp: the {engine} returned no log-probs (or NaN) for some sampled tokens; M2PO fails closed "
+                    "rather than fall back to log-probs recomputed by the trainer"
+                )
             return sampled
         old = grpo_batch.old_per_token_logps
         if old is None:
-            raise ValueError("behavior_logp: ms-swift computed no old_per_token_logps for this generation batch; M2PO fails closed rather "
-                             "than take the current policy as the behaviour policy")
+            raise ValueError(
+                "behavior_logp: ms-swift computed no old_per_token_logps for this generation batch; M2PO fails closed rather "
+                "than take the current policy as the behaviour policy"
+            )
         return old
 
     def _start_window(self, model: Any, position: int) -> Window:
@@ -252,8 +293,10 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
             for micro in buffered:
                 grpo_batch = micro["grpo_batch"]
                 if grpo_batch.teacher_per_token_logps is not None:
-                    raise ValueError("teacher_prompt: the batch carries an on-policy self-distillation teacher (OPD-RL), whose KL "
-                                     "ms-swift adds to the advantages; Algorithm 1's advantages are the rewards' (drop teacher_prompt)")
+                    raise ValueError(
+                        "teacher_prompt: the batch carries an on-policy self-distillation teacher (OPD-RL), whose KL "
+                        "ms-swift adds to the advantages; Algorithm 1's advantages are the rewards' (drop teacher_prompt)"
+                    )
                 logps = self._logps(model, micro).detach()
                 mask = grpo_batch.completion_mask.bool()
                 prepass.append(logps)
@@ -261,18 +304,31 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
                 advantages.append(token_advantages(grpo_batch.advantages, logps))
                 masks.append(mask)
                 sampler.append(grpo_batch.rollout_per_token_logps)
-        return open_window(self, size, prepass, behavior, advantages, masks, sampler, group=dp_group(self.accelerator),
-                           per_rank=self.m2po_faults.per_rank_selection)
+        return open_window(
+            self,
+            size,
+            prepass,
+            behavior,
+            advantages,
+            masks,
+            sampler,
+            group=dp_group(self.accelerator),
+            per_rank=self.m2po_faults.per_rank_selection,
+        )
 
     def _compute_loss_and_metrics(self, model: Any, model_inputs: dict[str, Any], grpo_batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         if not self.model.training:
-            raise ValueError("eval_strategy: M2POSwiftGRPOTrainer does not evaluate (M2PO's selection is defined on a training optimizer "
-                             "batch); pass --eval_strategy no")
+            raise ValueError(
+                "eval_strategy: M2POSwiftGRPOTrainer does not evaluate (M2PO's selection is defined on a training optimizer "
+                "batch); pass --eval_strategy no"
+            )
         position = self._step % self.args.steps_per_generation
         buffered = self._buffered_inputs
         if buffered is None or buffered[position]["grpo_batch"] is not grpo_batch:
-            raise RuntimeError("M2POSwiftGRPOTrainer: the micro-batch is not the buffered one ms-swift's _prepare_inputs hands over; this "
-                               "ms-swift version buffers differently from 4.6")
+            raise RuntimeError(
+                "M2POSwiftGRPOTrainer: the micro-batch is not the buffered one ms-swift's _prepare_inputs hands over; this "
+                "ms-swift version buffers differently from 4.6"
+            )
         micro = position % self.current_gradient_accumulation_steps
         if micro == 0 or self._window is None:
             self._window = self._start_window(model, position)
@@ -286,12 +342,21 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
             # ms-swift's own k3 estimator, over the valid tokens, divided by the window's N.
             safe = torch.clamp(grpo_batch.ref_per_token_logps - logp, min=-20, max=20)
             per_token_kl = -safe if self.m2po_faults.kl_k1_estimator else torch.clamp(torch.exp(safe) - safe - 1, min=-10, max=10)
-            share = share + self.beta * torch.where(mask, per_token_kl, torch.zeros_like(per_token_kl)).sum() / selection.valid_count.clamp(min=1)
+            share = share + self.beta * torch.where(mask, per_token_kl, torch.zeros_like(per_token_kl)).sum() / selection.valid_count.clamp(
+                min=1
+            )
         recorder = self._recording()
         if recorder is not None:
             sampler = window.sampler[micro]
-            record_micro_batch(recorder, window, micro, logp, share, self.m2po_tau,
-                               None if sampler is None else torch.where(mask, sampler.to(logp.dtype), torch.nan))
+            record_micro_batch(
+                recorder,
+                window,
+                micro,
+                logp,
+                share,
+                self.m2po_tau,
+                None if sampler is None else torch.where(mask, sampler.to(logp.dtype), torch.nan),
+            )
         # The HF Trainer divides every micro-batch's loss by the accumulation steps before backward;
         # the share is already the window's (N is the window's), so that division is undone here.
         loss = share.to(logp.dtype) * self.current_gradient_accumulation_steps
@@ -309,8 +374,10 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         return output
 
     def _compute_loss_chunked(self, *args: Any, **kwargs: Any) -> Any:
-        raise ValueError("dynamic_num_samples: ms-swift computes this batch in chunks of a varying number of samples (multi-turn "
-                         "rollouts); M2PO's window is fixed micro-batches here (use single-turn rollouts)")
+        raise ValueError(
+            "dynamic_num_samples: ms-swift computes this batch in chunks of a varying number of samples (multi-turn "
+            "rollouts); M2PO's window is fixed micro-batches here (use single-turn rollouts)"
+        )
 
     def compute_liger_loss(self, *args: Any, **kwargs: Any) -> Any:
         raise ValueError("use_liger_kernel: Liger's fused GRPO loss would bypass the M2PO loss (set it to False)")

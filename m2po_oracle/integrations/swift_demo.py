@@ -78,9 +78,20 @@ def demo_model(seed: int) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, tie_word_embeddings=False, attention_dropout=0.0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
@@ -107,16 +118,48 @@ def swift_arguments(setup: DemoSetup, model: Path, dataset: Path, output_dir: Pa
     from m2po_oracle.integrations.swift import PLUGIN_FILE
 
     options: dict[str, Any] = dict(
-        rlhf_type="grpo", model=str(model), model_type="llama", template="default", check_model="false", use_vllm="false",
-        dataset=str(dataset), reward_funcs=REWARD_NAME, external_plugins=[str(PLUGIN_FILE), str(REWARD_PLUGIN)],
-        output_dir=str(output_dir), loss_type="dapo", beta=0, num_generations=setup.num_generations,
-        per_device_train_batch_size=setup.per_device_train_batch_size, gradient_accumulation_steps=setup.gradient_accumulation_steps,
-        steps_per_generation=setup.steps_per_generation, num_iterations=setup.num_iterations,
-        max_completion_length=setup.max_completion_length, learning_rate=setup.learning_rate, max_steps=setup.steps,
-        max_grad_norm=setup.max_grad_norm, temperature=1.0, top_k=-1, top_p=1.0, repetition_penalty=1.0, seed=setup.seed,
-        data_seed=setup.seed, torch_dtype="float32", tuner_type="full", logging_steps=1, save_strategy="no", eval_strategy="no",
-        split_dataset_ratio=0, dataloader_num_workers=0, dataset_num_proc=1, lr_scheduler_type="constant", warmup_ratio=0,
-        report_to="none", use_cpu="true", gradient_checkpointing="false", log_completions="false")
+        rlhf_type="grpo",
+        model=str(model),
+        model_type="llama",
+        template="default",
+        check_model="false",
+        use_vllm="false",
+        dataset=str(dataset),
+        reward_funcs=REWARD_NAME,
+        external_plugins=[str(PLUGIN_FILE), str(REWARD_PLUGIN)],
+        output_dir=str(output_dir),
+        loss_type="dapo",
+        beta=0,
+        num_generations=setup.num_generations,
+        per_device_train_batch_size=setup.per_device_train_batch_size,
+        gradient_accumulation_steps=setup.gradient_accumulation_steps,
+        steps_per_generation=setup.steps_per_generation,
+        num_iterations=setup.num_iterations,
+        max_completion_length=setup.max_completion_length,
+        learning_rate=setup.learning_rate,
+        max_steps=setup.steps,
+        max_grad_norm=setup.max_grad_norm,
+        temperature=1.0,
+        top_k=-1,
+        top_p=1.0,
+        repetition_penalty=1.0,
+        seed=setup.seed,
+        data_seed=setup.seed,
+        torch_dtype="float32",
+        tuner_type="full",
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        split_dataset_ratio=0,
+        dataloader_num_workers=0,
+        dataset_num_proc=1,
+        lr_scheduler_type="constant",
+        warmup_ratio=0,
+        report_to="none",
+        use_cpu="true",
+        gradient_checkpointing="false",
+        log_completions="false",
+    )
     options.update(overrides)
     argv: list[str] = []
     for name, value in options.items():
@@ -139,7 +182,10 @@ def _save_inputs(trainer: Any, directory: str) -> None:
         tensors = {name: value.detach().cpu().contiguous() for name, value in model_inputs.items() if isinstance(value, torch.Tensor)}
         tensors["completion_mask"] = grpo_batch.completion_mask.detach().cpu().contiguous()
         tensors["logits_to_keep"] = torch.tensor(int(grpo_batch.logits_to_keep))
-        save_file(tensors, os.path.join(directory, f"rank{trainer.accelerator.process_index}-step{trainer.state.global_step}-mb{micro}.safetensors"))
+        save_file(
+            tensors,
+            os.path.join(directory, f"rank{trainer.accelerator.process_index}-step{trainer.state.global_step}-mb{micro}.safetensors"),
+        )
         return compute(model, model_inputs, grpo_batch)
 
     trainer._compute_loss_and_metrics = saving
@@ -164,8 +210,14 @@ def _rlhf(argv: list[str], save_inputs: str | None) -> Any:
     return SavingInputs(argv).main()
 
 
-def run(setup: DemoSetup, capture: str | None, fault: str | None = None, scratch: str | None = None, save_inputs: str | None = None,
-        **overrides: Any) -> list[str]:
+def run(
+    setup: DemoSetup,
+    capture: str | None,
+    fault: str | None = None,
+    scratch: str | None = None,
+    save_inputs: str | None = None,
+    **overrides: Any,
+) -> list[str]:
     """Build the model and data in ``scratch`` and run ``swift rlhf`` in this process; returns its arguments."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("MODELSCOPE_OFFLINE", "1")
@@ -195,12 +247,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=DemoSetup.steps, help="optimizer steps (default %(default)s)")
     parser.add_argument("--tau", type=float, default=DemoSetup.tau, help="M2PO's budget (default %(default)s)")
     parser.add_argument("--seed", type=int, default=DemoSetup.seed)
-    parser.add_argument("--fault", choices=[f.name for f in fields(SwiftFaults)], help="plant one of the integration's bugs (a negative control)")
-    parser.add_argument("--swift-option", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                        help="override one swift rlhf option (e.g. --swift-option loss_type grpo, which M2PO refuses)")
+    parser.add_argument(
+        "--fault", choices=[f.name for f in fields(SwiftFaults)], help="plant one of the integration's bugs (a negative control)"
+    )
+    parser.add_argument(
+        "--swift-option",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "VALUE"),
+        help="override one swift rlhf option (e.g. --swift-option loss_type grpo, which M2PO refuses)",
+    )
     parser.add_argument("--save-inputs", metavar="DIR", help="also write every micro-batch's model inputs to DIR (to recompute gradients)")
-    parser.add_argument("--prepare", metavar="DIR",
-                        help="only write the model, tokenizer and prompts to DIR and print the swift rlhf command that trains on them")
+    parser.add_argument(
+        "--prepare",
+        metavar="DIR",
+        help="only write the model, tokenizer and prompts to DIR and print the swift rlhf command that trains on them",
+    )
     args = parser.parse_args(argv)
     setup = DemoSetup(steps=args.steps, tau=args.tau, seed=args.seed)
     overrides = dict(args.swift_option)

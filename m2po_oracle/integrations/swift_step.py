@@ -51,24 +51,42 @@ import torch
 
 #: The planted bugs ``trainer:swift:NAME`` runs, with what must catch them and name them.
 SWIFT_CONTROLS: dict[str, dict[str, Any]] = {
-    "per_micro_batch_mask": {"description": "the mask is selected within each micro-batch ms-swift hands _compute_loss_and_metrics",
-                             "caught_by": ("trainer.accumulation",), "diagnosed_as": "per_micro_batch_mask"},
-    "per_micro_batch_denominator": {"description": "each micro-batch divides by its own valid count, then by the accumulation steps",
-                                    "caught_by": ("trainer.accumulation", "gradient"), "diagnosed_as": "per_micro_batch_denominator"},
-    "current_policy_as_behavior": {"description": "the prepass's log-probs (the current policy) are used as behaviour log-probs",
-                                   "caught_by": ("trainer.behavior_logp",), "diagnosed_as": "current_policy_as_behavior"},
-    "optimizer_step_per_micro_batch": {"description": "the wrapped optimizer steps after every micro-batch, past accelerate's accumulation guard",
-                                       "caught_by": ("trainer.optimizer_step",), "diagnosed_as": "optimizer_step_per_micro_batch"},
+    "per_micro_batch_mask": {
+        "description": "the mask is selected within each micro-batch ms-swift hands _compute_loss_and_metrics",
+        "caught_by": ("trainer.accumulation",),
+        "diagnosed_as": "per_micro_batch_mask",
+    },
+    "per_micro_batch_denominator": {
+        "description": "each micro-batch divides by its own valid count, then by the accumulation steps",
+        "caught_by": ("trainer.accumulation", "gradient"),
+        "diagnosed_as": "per_micro_batch_denominator",
+    },
+    "current_policy_as_behavior": {
+        "description": "the prepass's log-probs (the current policy) are used as behaviour log-probs",
+        "caught_by": ("trainer.behavior_logp",),
+        "diagnosed_as": "current_policy_as_behavior",
+    },
+    "optimizer_step_per_micro_batch": {
+        "description": "the wrapped optimizer steps after every micro-batch, past accelerate's accumulation guard",
+        "caught_by": ("trainer.optimizer_step",),
+        "diagnosed_as": "optimizer_step_per_micro_batch",
+    },
     # Its steps run with a KL term (beta), without which the bug cannot show.
-    "kl_k1_estimator": {"description": "the KL term uses the k1 estimator logp - ref_logp instead of ms-swift's k3", "caught_by": ("trainer.kl_term",),
-                        "diagnosed_as": "kl_k1_estimator", "beta": 0.1},
+    "kl_k1_estimator": {
+        "description": "the KL term uses the k1 estimator logp - ref_logp instead of ms-swift's k3",
+        "caught_by": ("trainer.kl_term",),
+        "diagnosed_as": "kl_k1_estimator",
+        "beta": 0.1,
+    },
 }
 
 #: The dtype ms-swift's step computes in, and why: what ``--dtype`` must be (and what a run
 #: without ``--dtype`` takes).
 SWIFT_COMPUTE_DTYPE = "float32"
-SWIFT_COMPUTE_DTYPE_WHY = ("ms-swift collates the engine's log-probs into float32 (rollout_per_token_logps) whatever the model's "
-                           "dtype, and the step loads the case's policy with --torch_dtype float32")
+SWIFT_COMPUTE_DTYPE_WHY = (
+    "ms-swift collates the engine's log-probs into float32 (rollout_per_token_logps) whatever the model's "
+    "dtype, and the step loads the case's policy with --torch_dtype float32"
+)
 #: The template the step registers: the prompt's tokens, then the completion's, nothing else.
 TEMPLATE = "m2po_trainer_case"
 #: The case's reward, registered as an ms-swift ORM under this name.
@@ -121,20 +139,38 @@ def _case_trainer_class() -> Any:
                 row = len(answered)
                 asked = request.messages[-1]["content"]
                 if row >= rollout.rows:
-                    raise RuntimeError(f"rollout: the engine got request {row} ({asked!r}) of a step with {rollout.rows} rows; ms-swift asked "
-                                       "for more completions than the case's generation batch holds")
+                    raise RuntimeError(
+                        f"rollout: the engine got request {row} ({asked!r}) of a step with {rollout.rows} rows; ms-swift asked "
+                        "for more completions than the case's generation batch holds"
+                    )
                 prompt = as_text(rollout.prompt_ids[row].tolist())
                 if asked != prompt:
-                    raise RuntimeError(f"rollout: request {row} asks for {asked!r}, but the case's row {row} has prompt {prompt!r}; ms-swift "
-                                       "no longer hands the engine the dataset's rows in order (the step pins that order)")
+                    raise RuntimeError(
+                        f"rollout: request {row} asks for {asked!r}, but the case's row {row} has prompt {prompt!r}; ms-swift "
+                        "no longer hands the engine the dataset's rows in order (the step pins that order)"
+                    )
                 length = int(valid[row].sum())
                 ids = rollout.completion_ids[row, :length].tolist()
-                logprobs = None if behaviour is None else {"content": [{"token": f"t{t}", "logprob": float(lp)}
-                                                                        for t, lp in zip(ids, behaviour[row, :length].double().tolist())]}
+                logprobs = (
+                    None
+                    if behaviour is None
+                    else {
+                        "content": [
+                            {"token": f"t{t}", "logprob": float(lp)} for t, lp in zip(ids, behaviour[row, :length].double().tolist())
+                        ]
+                    }
+                )
                 ended = ids[-1] == EOS_ID  # else the completion ran to max_completion_length
-                choice = ChatCompletionResponseChoice(index=0, message=ChatMessage(role="assistant", content=as_text(ids)),
-                                                      finish_reason="stop" if ended else "length", logprobs=logprobs, token_ids=ids)
-                usage = UsageInfo(prompt_tokens=len(rollout.prompt_ids[row]), completion_tokens=length, total_tokens=len(rollout.prompt_ids[row]) + length)
+                choice = ChatCompletionResponseChoice(
+                    index=0,
+                    message=ChatMessage(role="assistant", content=as_text(ids)),
+                    finish_reason="stop" if ended else "length",
+                    logprobs=logprobs,
+                    token_ids=ids,
+                )
+                usage = UsageInfo(
+                    prompt_tokens=len(rollout.prompt_ids[row]), completion_tokens=length, total_tokens=len(rollout.prompt_ids[row]) + length
+                )
                 outputs.append(RolloutOutput(response=ChatCompletionResponse(model="m2po-trainer-case", choices=[choice], usage=usage)))
                 answered.append(row)
             return outputs
@@ -242,15 +278,55 @@ class SwiftStep:
         config = self.config
         rows = rollout.rows
         options: dict[str, Any] = dict(
-            rlhf_type="grpo", model=model, model_type="llama", template=TEMPLATE, check_model="false", use_vllm="false", dataset=dataset,
-            reward_funcs=REWARD, output_dir=output_dir, loss_type="dapo", beta=config.beta, num_generations=rollout.group_size,
-            per_device_train_batch_size=rows // k, gradient_accumulation_steps=k, steps_per_generation=k, num_iterations=1,
-            max_completion_length=int(rollout.completion_ids.shape[1]), learning_rate=config.lr, max_steps=1, max_grad_norm=0,
-            temperature=1.0, top_k=-1, top_p=1.0, repetition_penalty=1.0, seed=0, data_seed=0, torch_dtype="float32", tuner_type="full",
-            logging_steps=1, save_strategy="no", eval_strategy="no", split_dataset_ratio=0, dataloader_num_workers=0, dataset_num_proc=1,
-            lr_scheduler_type="constant", warmup_ratio=0, optim="adamw_torch", weight_decay=0, adam_beta1=0.9, adam_beta2=0.999,
-            adam_epsilon=1e-8, dataset_shuffle="false", train_dataloader_shuffle="false", report_to="none", use_cpu="true",
-            gradient_checkpointing="false", log_completions="false", attn_impl="eager")
+            rlhf_type="grpo",
+            model=model,
+            model_type="llama",
+            template=TEMPLATE,
+            check_model="false",
+            use_vllm="false",
+            dataset=dataset,
+            reward_funcs=REWARD,
+            output_dir=output_dir,
+            loss_type="dapo",
+            beta=config.beta,
+            num_generations=rollout.group_size,
+            per_device_train_batch_size=rows // k,
+            gradient_accumulation_steps=k,
+            steps_per_generation=k,
+            num_iterations=1,
+            max_completion_length=int(rollout.completion_ids.shape[1]),
+            learning_rate=config.lr,
+            max_steps=1,
+            max_grad_norm=0,
+            temperature=1.0,
+            top_k=-1,
+            top_p=1.0,
+            repetition_penalty=1.0,
+            seed=0,
+            data_seed=0,
+            torch_dtype="float32",
+            tuner_type="full",
+            logging_steps=1,
+            save_strategy="no",
+            eval_strategy="no",
+            split_dataset_ratio=0,
+            dataloader_num_workers=0,
+            dataset_num_proc=1,
+            lr_scheduler_type="constant",
+            warmup_ratio=0,
+            optim="adamw_torch",
+            weight_decay=0,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_epsilon=1e-8,
+            dataset_shuffle="false",
+            train_dataloader_shuffle="false",
+            report_to="none",
+            use_cpu="true",
+            gradient_checkpointing="false",
+            log_completions="false",
+            attn_impl="eager",
+        )
         if reference is not None:
             options["ref_model"] = reference
         # The seed's fail-closed settings, in ms-swift's words (the integration refuses them).
@@ -275,9 +351,11 @@ class SwiftStep:
         if self.config.rollout_backend == "deployment" and self.config.behavior_logp_source != "rollout":
             # An engine outside the trainer: the integration always takes its log-probs (the
             # trainer's weights are not the sampler's). The seed's setting has no ms-swift counterpart.
-            raise ValueError("behavior_logp_source: with an engine outside the trainer the integration always uses the engine's log-probs; "
-                             "recomputing them with the trainer's weights is not an ms-swift option (this adapter refuses it rather than "
-                             "ignore it)")
+            raise ValueError(
+                "behavior_logp_source: with an engine outside the trainer the integration always uses the engine's log-probs; "
+                "recomputing them with the trainer's weights is not an ms-swift option (this adapter refuses it rather than "
+                "ignore it)"
+            )
         _register()
         rows = rollout.rows
         parts = tuple(split) if split is not None else (rows,)
@@ -313,8 +391,12 @@ class SwiftStep:
                     out.write(json.dumps({"messages": [{"role": "user", "content": prompt}]}) + "\n")
             capture = scratch / "capture"
             argv = self._arguments(rollout, k, scratch / "model", dataset, scratch / "output", reference)
-            plugin = {"M2PO_TAU": repr(float(self.config.tau)), "M2PO_CAPTURE": str(capture), "M2PO_CAPTURE_EVERY": "1",
-                      "M2PO_SWIFT_FAULT": self.fault}
+            plugin = {
+                "M2PO_TAU": repr(float(self.config.tau)),
+                "M2PO_CAPTURE": str(capture),
+                "M2PO_CAPTURE_EVERY": "1",
+                "M2PO_SWIFT_FAULT": self.fault,
+            }
             with _environment(plugin), _trainer_factory_builds(TRAINER_PATH), _random_state_kept():
                 Run(argv).main()
             trainer = seen["trainer"]
@@ -326,8 +408,16 @@ class SwiftStep:
             for name, p in policy.named_parameters():
                 p.copy_(trained[name].detach().to(p.device, p.dtype))
         logged: dict[str, Any] = next((entry for entry in trainer.state.log_history if "m2po/masked_fraction" in entry), {})
-        return step_record(records, rollout, logged=logged, grads=grads, policy=policy, params_before=params_before,
-                           split=(rows // k,) * k, tau=self.config.tau)
+        return step_record(
+            records,
+            rollout,
+            logged=logged,
+            grads=grads,
+            policy=policy,
+            params_before=params_before,
+            split=(rows // k,) * k,
+            tau=self.config.tau,
+        )
 
 
 def swift_trainer(control: str | None = None) -> Any:

@@ -68,48 +68,70 @@ class TRLFaults:
     kl_k1_estimator: bool = False  # the KL term uses k1, logp - ref_logp, instead of TRL's k3
 
 
-
 def check_m2po_args(args: Any) -> None:
     """Refuse, naming the option, every GRPOConfig setting under which TRL's step would not
     compute Algorithm 1's objective; warn for ``beta != 0``."""
     check_window_fits_the_generation_batch(args)
     loss_type = option(args, "loss_type", "dapo")
     if loss_type != "dapo":
-        raise ValueError(f"loss_type: M2PO divides the masked sum by N, the optimizer batch's valid tokens before masking (TRL's 'dapo' "
-                         f"normaliser, its default); loss_type={loss_type!r} asks for another normaliser that M2PO would ignore (set 'dapo')")
+        raise ValueError(
+            f"loss_type: M2PO divides the masked sum by N, the optimizer batch's valid tokens before masking (TRL's 'dapo' "
+            f"normaliser, its default); loss_type={loss_type!r} asks for another normaliser that M2PO would ignore (set 'dapo')"
+        )
     if option(args, "importance_sampling_level", "token") != "token":
-        raise ValueError(f"importance_sampling_level: M2PO is defined on token-level ratios; got "
-                         f"{option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)")
+        raise ValueError(
+            f"importance_sampling_level: M2PO is defined on token-level ratios; got "
+            f"{option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)"
+        )
     if option(args, "use_vllm", False) and option(args, "vllm_importance_sampling_correction", False):
-        raise ValueError("vllm_importance_sampling_correction: an extra rollout importance-sampling correction on top of M2PO corrects the "
-                         "same ratio twice; M2PO's ratio is already taken against the engine's log-probs (set it to False)")
+        raise ValueError(
+            "vllm_importance_sampling_correction: an extra rollout importance-sampling correction on top of M2PO corrects the "
+            "same ratio twice; M2PO's ratio is already taken against the engine's log-probs (set it to False)"
+        )
     if option(args, "use_transformers_continuous_batching", False):
-        raise ValueError("use_transformers_continuous_batching: this generation path returns no log-probs of the sampled tokens and casts the "
-                         "model it samples with; M2PO fails closed rather than trust log-probs it cannot check (use regular generation)")
+        raise ValueError(
+            "use_transformers_continuous_batching: this generation path returns no log-probs of the sampled tokens and casts the "
+            "model it samples with; M2PO fails closed rather than trust log-probs it cannot check (use regular generation)"
+        )
     if option(args, "top_entropy_quantile", 1.0) < 1.0:
-        raise ValueError(f"top_entropy_quantile: an entropy mask (got {option(args, 'top_entropy_quantile')}) drops tokens Algorithm 1 keeps; "
-                         "M2PO's mask is its only mask (set it to 1.0)")
+        raise ValueError(
+            f"top_entropy_quantile: an entropy mask (got {option(args, 'top_entropy_quantile')}) drops tokens Algorithm 1 keeps; "
+            "M2PO's mask is its only mask (set it to 1.0)"
+        )
     if option(args, "off_policy_mask_threshold", None) is not None:
-        raise ValueError(f"off_policy_mask_threshold: an off-policy sequence mask (got {option(args, 'off_policy_mask_threshold')}) drops "
-                         "sequences Algorithm 1 keeps; M2PO's mask is its only mask (set it to None)")
+        raise ValueError(
+            f"off_policy_mask_threshold: an off-policy sequence mask (got {option(args, 'off_policy_mask_threshold')}) drops "
+            "sequences Algorithm 1 keeps; M2PO's mask is its only mask (set it to None)"
+        )
     if option(args, "entropy_coef", 0.0) or option(args, "use_adaptive_entropy", False):
-        raise ValueError(f"entropy_coef: an entropy bonus (entropy_coef={option(args, 'entropy_coef')}) adds a term Algorithm 1 does not have "
-                         "(set it to 0)")
+        raise ValueError(
+            f"entropy_coef: an entropy bonus (entropy_coef={option(args, 'entropy_coef')}) adds a term Algorithm 1 does not have "
+            "(set it to 0)"
+        )
     if option(args, "use_liger_kernel", False) or option(args, "use_liger_loss", False):
-        raise ValueError("use_liger_kernel: Liger's fused GRPO loss computes TRL's clipped objective, not M2PO's; it would bypass the "
-                         "M2PO loss (set it to False)")
+        raise ValueError(
+            "use_liger_kernel: Liger's fused GRPO loss computes TRL's clipped objective, not M2PO's; it would bypass the "
+            "M2PO loss (set it to False)"
+        )
     for name, neutral in (("top_p", 1.0), ("top_k", 0), ("repetition_penalty", 1.0)):
         value = option(args, name, neutral)
         if value is not None and value != neutral and not (name == "top_k" and value in (None, 0)):
-            raise ValueError(f"{name}: the sampler must draw from the full distribution (got {name}={value!r}); TRL's recomputed behaviour "
-                             "log-probs apply only the temperature, so they would not be the sampler's")
+            raise ValueError(
+                f"{name}: the sampler must draw from the full distribution (got {name}={value!r}); TRL's recomputed behaviour "
+                "log-probs apply only the temperature, so they would not be the sampler's"
+            )
     if option(args, "min_p", None) is not None:
-        raise ValueError(f"min_p: the sampler must draw from the full distribution (got min_p={option(args, 'min_p')!r}); TRL's recomputed "
-                         "behaviour log-probs apply only the temperature, so they would not be the sampler's")
+        raise ValueError(
+            f"min_p: the sampler must draw from the full distribution (got min_p={option(args, 'min_p')!r}); TRL's recomputed "
+            "behaviour log-probs apply only the temperature, so they would not be the sampler's"
+        )
     beta = float(option(args, "beta", 0.0) or 0.0)
     if beta != 0:
-        warnings.warn(f"beta={beta}: a non-zero KL coefficient adds beta * KL to the M2PO objective (the reference experiments use beta=0)",
-                      M2POKLWarning, stacklevel=3)
+        warnings.warn(
+            f"beta={beta}: a non-zero KL coefficient adds beta * KL to the M2PO objective (the reference experiments use beta=0)",
+            M2POKLWarning,
+            stacklevel=3,
+        )
 
 
 class M2POGRPOTrainer(GRPOTrainer):
@@ -122,8 +144,15 @@ class M2POGRPOTrainer(GRPOTrainer):
 
     args: GRPOConfig  # TRL's Trainer declares TrainingArguments; a GRPOTrainer's are its GRPOConfig
 
-    def __init__(self, *args: Any, m2po_tau: float = 0.04, capture: str | Path | None = None, capture_every: int = 1,
-                 faults: TRLFaults | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        m2po_tau: float = 0.04,
+        capture: str | Path | None = None,
+        capture_every: int = 1,
+        faults: TRLFaults | None = None,
+        **kwargs: Any,
+    ) -> None:
         if isinstance(m2po_tau, bool) or not isinstance(m2po_tau, (int, float)) or not math.isfinite(m2po_tau) or m2po_tau < 0:
             raise ValueError(f"m2po_tau: expected a finite number >= 0, got {m2po_tau!r}")
         training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
@@ -142,13 +171,18 @@ class M2POGRPOTrainer(GRPOTrainer):
 
     # --- generation: the sampler's log-probs down TRL's own channel -----------------------------
 
-    def _generate_single_turn(self, prompt_ids: Any, images: Any, multimodal_fields: Any, num_generations: Any,
-                              has_tool_images: bool = False) -> Any:
+    def _generate_single_turn(
+        self, prompt_ids: Any, images: Any, multimodal_fields: Any, num_generations: Any, has_tool_images: bool = False
+    ) -> Any:
         if self.use_vllm or self.use_transformers_continuous_batching:
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
             if self.use_vllm and logprobs is None:
-                raise ValueError("behavior_logp: the vLLM engine returned no log-probs of the sampled tokens; M2PO fails closed rather "
-                                 "than fall back to log-probs recomputed by the trainer")
+                raise ValueError(
+                    "behavior_logp: the vLLM engine returned no log-probs of the sampled tokens; M2PO fails closed rather "
+                    "than fall back to log-probs recomputed by the trainer"
+                )
             return completion_ids, logprobs
         model = self.accelerator.unwrap_model(self.model_wrapped)
         seen: dict[str, Any] = {}
@@ -170,8 +204,10 @@ class M2POGRPOTrainer(GRPOTrainer):
             return completion_ids, None
         # scores are the logits the sampler drew from (after temperature): [rows, steps, vocab].
         sampled_from = torch.log_softmax(torch.stack(scores, dim=1).double(), dim=-1).cpu()
-        sampler = [sampled_from[row, : len(ids)].gather(-1, torch.tensor(ids, dtype=torch.long)[:, None])[:, 0].tolist()
-                   for row, ids in enumerate(completion_ids)]
+        sampler = [
+            sampled_from[row, : len(ids)].gather(-1, torch.tensor(ids, dtype=torch.long)[:, None])[:, 0].tolist()
+            for row, ids in enumerate(completion_ids)
+        ]
         return completion_ids, sampler
 
     # --- the loss --------------------------------------------------------------------------
@@ -186,8 +222,13 @@ class M2POGRPOTrainer(GRPOTrainer):
             from m2po_oracle.capture.recorder import Recorder
 
             world = self.accelerator.num_processes
-            self._recorder = Recorder(self._capture_directory, rank=self.accelerator.process_index, world_size=world,
-                                      topology=f"dp={world},cp=1,tp=1", every=self._capture_every)
+            self._recorder = Recorder(
+                self._capture_directory,
+                rank=self.accelerator.process_index,
+                world_size=world,
+                topology=f"dp={world},cp=1,tp=1",
+                every=self._capture_every,
+            )
         return self._recorder
 
     def _logps(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -212,8 +253,10 @@ class M2POGRPOTrainer(GRPOTrainer):
             sampled = inputs.get("sampling_per_token_logps")
             if sampled is None or bool(torch.isnan(sampled[mask]).any()):
                 engine = "vLLM engine" if self.use_vllm else "rollout_func"
-                raise ValueError(f"behavior_logp: the {engine} returned no log-probs (or NaN) for some sampled tokens; M2PO fails closed "
-                                 "rather than fall back to log-probs recomputed by the trainer")
+                raise ValueError(
+                    f"behavior_logp: the {engine} returned no log-probs (or NaN) for some sampled tokens; M2PO fails closed "
+                    "rather than fall back to log-probs recomputed by the trainer"
+                )
             return sampled
         old = inputs.get("old_per_token_logps")
         # TRL computes none when the window was generated by the current policy (on-policy).
@@ -231,19 +274,24 @@ class M2POGRPOTrainer(GRPOTrainer):
                 advantages.append(token_advantages(micro["advantages"], logps))
                 masks.append(mask)
                 sampler.append(micro.get("sampling_per_token_logps"))
-        return open_window(self, size, prepass, behavior, advantages, masks, sampler, group=self._dp_group(),
-                           per_rank=self.m2po_faults.per_rank_selection)
+        return open_window(
+            self, size, prepass, behavior, advantages, masks, sampler, group=self._dp_group(), per_rank=self.m2po_faults.per_rank_selection
+        )
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         assert self.model is not None  # a GRPOTrainer is made with its model
         if not self.model.training:
-            raise ValueError("eval_strategy: M2POGRPOTrainer does not evaluate (M2PO's selection is defined on a training optimizer batch "
-                             "and TRL's eval batches are neither buffered nor accumulated); set eval_strategy='no'")
+            raise ValueError(
+                "eval_strategy: M2POGRPOTrainer does not evaluate (M2PO's selection is defined on a training optimizer batch "
+                "and TRL's eval batches are neither buffered nor accumulated); set eval_strategy='no'"
+            )
         assert self.args.steps_per_generation is not None  # GRPOConfig.__post_init__ sets it
         position = self._step % self.args.steps_per_generation
         if self._buffered_inputs is None or self._buffered_inputs[position] is not inputs:
-            raise RuntimeError("M2POGRPOTrainer: the micro-batch is not the buffered one TRL's _prepare_inputs hands over; this TRL version "
-                               "buffers differently from 1.16")
+            raise RuntimeError(
+                "M2POGRPOTrainer: the micro-batch is not the buffered one TRL's _prepare_inputs hands over; this TRL version "
+                "buffers differently from 1.16"
+            )
         micro = position % self.current_gradient_accumulation_steps
         if micro == 0 or self._window is None:
             self._window = self._start_window(model, position)
@@ -256,11 +304,15 @@ class M2POGRPOTrainer(GRPOTrainer):
         if self.beta != 0.0:
             reference = inputs["ref_per_token_logps"]
             per_token_kl = logp - reference if self.m2po_faults.kl_k1_estimator else torch.exp(reference - logp) - (reference - logp) - 1
-            loss = loss + self.beta * torch.where(mask, per_token_kl, torch.zeros_like(per_token_kl)).sum() / selection.valid_count.clamp(min=1)
+            loss = loss + self.beta * torch.where(mask, per_token_kl, torch.zeros_like(per_token_kl)).sum() / selection.valid_count.clamp(
+                min=1
+            )
         recorder = self._recording()
         if recorder is not None:
             sampler = window.sampler[micro]
-            record_micro_batch(recorder, window, micro, logp, loss, self.m2po_tau, None if sampler is None else torch.where(mask, sampler, torch.nan))
+            record_micro_batch(
+                recorder, window, micro, logp, loss, self.m2po_tau, None if sampler is None else torch.where(mask, sampler, torch.nan)
+            )
         return loss.to(logps.dtype)
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:

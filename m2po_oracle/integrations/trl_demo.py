@@ -60,9 +60,19 @@ def tiny_llama(seed: int) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "eager"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -76,7 +86,9 @@ def prompts(count: int, seed: int) -> Any:
     from datasets import Dataset
 
     rng = random.Random(seed)
-    return Dataset.from_dict({"prompt": [" ".join(f"t{rng.randrange(3, VOCAB_SIZE)}" for _ in range(rng.randrange(3, 6))) for _ in range(count)]})
+    return Dataset.from_dict(
+        {"prompt": [" ".join(f"t{rng.randrange(3, VOCAB_SIZE)}" for _ in range(rng.randrange(3, 6))) for _ in range(count)]}
+    )
 
 
 def multiple_of_three(completions: list[str], completion_ids: list[list[int]], **_: Any) -> list[float]:
@@ -87,27 +99,55 @@ def multiple_of_three(completions: list[str], completion_ids: list[list[int]], *
 def grpo_config(setup: DemoSetup, output_dir: str, **overrides: Any) -> Any:
     from trl import GRPOConfig
 
-    options: dict[str, Any] = dict(output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, report_to="none", disable_dropout=True,
-                   gradient_checkpointing=False, per_device_train_batch_size=setup.per_device_train_batch_size,
-                   gradient_accumulation_steps=setup.gradient_accumulation_steps, steps_per_generation=setup.steps_per_generation,
-                   num_iterations=setup.num_iterations, num_generations=setup.num_generations, max_completion_length=setup.max_completion_length,
-                   learning_rate=setup.learning_rate, max_steps=setup.steps, logging_steps=1, save_strategy="no", seed=setup.seed,
-                   max_grad_norm=setup.max_grad_norm, temperature=1.0, top_k=0, top_p=1.0, dataloader_num_workers=0, lr_scheduler_type="constant",
-                   warmup_steps=0)
+    options: dict[str, Any] = dict(
+        output_dir=output_dir,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to="none",
+        disable_dropout=True,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=setup.per_device_train_batch_size,
+        gradient_accumulation_steps=setup.gradient_accumulation_steps,
+        steps_per_generation=setup.steps_per_generation,
+        num_iterations=setup.num_iterations,
+        num_generations=setup.num_generations,
+        max_completion_length=setup.max_completion_length,
+        learning_rate=setup.learning_rate,
+        max_steps=setup.steps,
+        logging_steps=1,
+        save_strategy="no",
+        seed=setup.seed,
+        max_grad_norm=setup.max_grad_norm,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        dataloader_num_workers=0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+    )
     options.update(overrides)
     return GRPOConfig(**options)
 
 
-def build_trainer(setup: DemoSetup, output_dir: str, *, capture: str | None = None, faults: Any = None, model: Any = None,
-                  **overrides: Any) -> Any:
+def build_trainer(
+    setup: DemoSetup, output_dir: str, *, capture: str | None = None, faults: Any = None, model: Any = None, **overrides: Any
+) -> Any:
     """An ``M2POGRPOTrainer`` over the toy model, tokenizer, prompts and reward."""
     from m2po_oracle.integrations.trl import M2POGRPOTrainer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     dataset = prompts(setup.prompts_per_generation * max(setup.steps, 1) * 4, setup.seed)
-    return M2POGRPOTrainer(model=model if model is not None else tiny_llama(setup.seed), reward_funcs=multiple_of_three,
-                           args=grpo_config(setup, output_dir, **overrides), train_dataset=dataset, processing_class=tokenizer(),
-                           m2po_tau=setup.tau, capture=capture, faults=faults)
+    return M2POGRPOTrainer(
+        model=model if model is not None else tiny_llama(setup.seed),
+        reward_funcs=multiple_of_three,
+        args=grpo_config(setup, output_dir, **overrides),
+        train_dataset=dataset,
+        processing_class=tokenizer(),
+        m2po_tau=setup.tau,
+        capture=capture,
+        faults=faults,
+    )
 
 
 def train(setup: DemoSetup = DemoSetup(), *, capture: str | None = None, faults: Any = None, output_dir: str | None = None) -> Any:
@@ -128,8 +168,10 @@ def _save_inputs(trainer: Any, directory: str) -> None:
     def saving(model: Any, inputs: dict[str, Any]) -> Any:
         micro = trainer._step % trainer.current_gradient_accumulation_steps
         names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-        save_file({name: inputs[name].detach().cpu().contiguous() for name in names},
-                  os.path.join(directory, f"rank{trainer.accelerator.process_index}-step{trainer.state.global_step}-mb{micro}.safetensors"))
+        save_file(
+            {name: inputs[name].detach().cpu().contiguous() for name in names},
+            os.path.join(directory, f"rank{trainer.accelerator.process_index}-step{trainer.state.global_step}-mb{micro}.safetensors"),
+        )
         return compute_loss(model, inputs)
 
     trainer._compute_loss = saving
@@ -145,10 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=DemoSetup.seed)
     fault_names = [f.name for f in fields(TRLFaults)]
     parser.add_argument("--fault", choices=fault_names, help="plant one of the integration's bugs (a negative control)")
-    parser.add_argument("--max-grad-norm", type=float, default=DemoSetup.max_grad_norm, help="gradient clipping (0: off; default %(default)s)")
-    parser.add_argument("--save-inputs", metavar="DIR",
-                        help="also write each micro-batch's token ids and masks to DIR (safetensors), so that a test can recompute "
-                             "the step's parameter gradient from the capture")
+    parser.add_argument(
+        "--max-grad-norm", type=float, default=DemoSetup.max_grad_norm, help="gradient clipping (0: off; default %(default)s)"
+    )
+    parser.add_argument(
+        "--save-inputs",
+        metavar="DIR",
+        help="also write each micro-batch's token ids and masks to DIR (safetensors), so that a test can recompute "
+        "the step's parameter gradient from the capture",
+    )
     args = parser.parse_args(argv)
     setup = DemoSetup(steps=args.steps, tau=args.tau, seed=args.seed, max_grad_norm=args.max_grad_norm)
     faults = TRLFaults(**{args.fault: True}) if args.fault else None
@@ -167,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         world += f" on {dist.get_backend()}, model wrapped as {type(trainer.model_wrapped).__name__}"
-    print(f"rank {accelerator.process_index} of {world}: captured {trainer.state.global_step} optimizer steps in {args.capture}; "
-          f"audit: m2po-oracle audit {args.capture}")
+    print(
+        f"rank {accelerator.process_index} of {world}: captured {trainer.state.global_step} optimizer steps in {args.capture}; "
+        f"audit: m2po-oracle audit {args.capture}"
+    )
     return 0
 
 

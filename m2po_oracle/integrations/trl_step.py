@@ -49,18 +49,35 @@ from m2po_oracle.integrations.trl import M2POGRPOTrainer, TRLFaults
 
 #: The planted bugs ``trainer:trl:NAME`` runs, with what must catch them and name them.
 TRL_CONTROLS: dict[str, dict[str, Any]] = {
-    "per_micro_batch_mask": {"description": "the mask is selected within each micro-batch TRL hands _compute_loss",
-                             "caught_by": ("trainer.accumulation",), "diagnosed_as": "per_micro_batch_mask"},
-    "per_micro_batch_denominator": {"description": "each micro-batch divides by its own valid count, then by the accumulation steps",
-                                    "caught_by": ("trainer.accumulation", "gradient"), "diagnosed_as": "per_micro_batch_denominator"},
-    "current_policy_as_behavior": {"description": "the prepass's log-probs (the current policy) are used as behaviour log-probs",
-                                   "caught_by": ("trainer.behavior_logp",), "diagnosed_as": "current_policy_as_behavior"},
-    "optimizer_step_per_micro_batch": {"description": "the wrapped optimizer steps after every micro-batch, past accelerate's accumulation guard",
-                                       "caught_by": ("trainer.optimizer_step",), "diagnosed_as": "optimizer_step_per_micro_batch"},
+    "per_micro_batch_mask": {
+        "description": "the mask is selected within each micro-batch TRL hands _compute_loss",
+        "caught_by": ("trainer.accumulation",),
+        "diagnosed_as": "per_micro_batch_mask",
+    },
+    "per_micro_batch_denominator": {
+        "description": "each micro-batch divides by its own valid count, then by the accumulation steps",
+        "caught_by": ("trainer.accumulation", "gradient"),
+        "diagnosed_as": "per_micro_batch_denominator",
+    },
+    "current_policy_as_behavior": {
+        "description": "the prepass's log-probs (the current policy) are used as behaviour log-probs",
+        "caught_by": ("trainer.behavior_logp",),
+        "diagnosed_as": "current_policy_as_behavior",
+    },
+    "optimizer_step_per_micro_batch": {
+        "description": "the wrapped optimizer steps after every micro-batch, past accelerate's accumulation guard",
+        "caught_by": ("trainer.optimizer_step",),
+        "diagnosed_as": "optimizer_step_per_micro_batch",
+    },
     # Its steps run with a KL term (beta), without which the bug cannot show.
-    "kl_k1_estimator": {"description": "the KL term uses the k1 estimator logp - ref_logp instead of TRL's k3", "caught_by": ("trainer.kl_term",),
-                        "diagnosed_as": "kl_k1_estimator", "beta": 0.1},
+    "kl_k1_estimator": {
+        "description": "the KL term uses the k1 estimator logp - ref_logp instead of TRL's k3",
+        "caught_by": ("trainer.kl_term",),
+        "diagnosed_as": "kl_k1_estimator",
+        "beta": 0.1,
+    },
 }
+
 
 def _reward(completions: list[Any], completion_ids: list[list[int]], **_: Any) -> list[float]:
     """The case's reward in TRL's reward-function signature."""
@@ -94,18 +111,50 @@ class TRLStep:
         config = self.config
         rows = rollout.rows
         options: dict[str, Any] = dict(
-            output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, report_to="none", disable_dropout=True, gradient_checkpointing=False,
-            per_device_train_batch_size=rows // k, gradient_accumulation_steps=k, steps_per_generation=k, num_iterations=1,
-            num_generations=rollout.group_size, max_completion_length=int(rollout.completion_ids.shape[1]), learning_rate=config.lr,
-            max_steps=1, logging_steps=1, save_strategy="no", max_grad_norm=0.0, lr_scheduler_type="constant", warmup_steps=0,
-            optim="adamw_torch", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, shuffle_dataset=False,
-            scale_rewards="group", beta=config.beta, temperature=1.0, top_k=0, top_p=1.0, dataloader_num_workers=0, seed=0,
-            log_completions=False)
+            output_dir=output_dir,
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            report_to="none",
+            disable_dropout=True,
+            gradient_checkpointing=False,
+            per_device_train_batch_size=rows // k,
+            gradient_accumulation_steps=k,
+            steps_per_generation=k,
+            num_iterations=1,
+            num_generations=rollout.group_size,
+            max_completion_length=int(rollout.completion_ids.shape[1]),
+            learning_rate=config.lr,
+            max_steps=1,
+            logging_steps=1,
+            save_strategy="no",
+            max_grad_norm=0.0,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            optim="adamw_torch",
+            weight_decay=0.0,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_epsilon=1e-8,
+            shuffle_dataset=False,
+            scale_rewards="group",
+            beta=config.beta,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            dataloader_num_workers=0,
+            seed=0,
+            log_completions=False,
+        )
         # The seed's fail-closed settings, in TRL's words.
         if config.importance_sampling_level != "token":
             options["importance_sampling_level"] = config.importance_sampling_level
         if config.rollout_importance_sampling_mode is not None:  # TRL's rollout-IS correction lives in its vLLM path
-            options.update(use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=config.rollout_importance_sampling_mode.replace("tis", "truncate"))
+            options.update(
+                use_vllm=True,
+                vllm_importance_sampling_correction=True,
+                vllm_importance_sampling_mode=config.rollout_importance_sampling_mode.replace("tis", "truncate"),
+            )
         return options
 
     def _rollout_func(self, rollout: Any) -> Any:
@@ -118,7 +167,8 @@ class TRLStep:
             out: dict[str, Any] = {
                 "prompt_ids": [rollout.prompt_ids[r].tolist() for r in rows],
                 "completion_ids": [rollout.completion_ids[r, : lengths[r]].tolist() for r in rows],
-                "logprobs": None if behaviour is None else [behaviour[r, : lengths[r]].double().tolist() for r in rows]}
+                "logprobs": None if behaviour is None else [behaviour[r, : lengths[r]].double().tolist() for r in rows],
+            }
             return out
 
         return rollout_func
@@ -133,8 +183,10 @@ class TRLStep:
         if self.config.rollout_backend == "deployment" and self.config.behavior_logp_source != "rollout":
             # TRL has no setting that recomputes an external engine's log-probs for the loss: the
             # integration always takes the engine's. The seed's setting has no TRL counterpart.
-            raise ValueError("behavior_logp_source: TRL's rollout_func path always uses the engine's log-probs; recomputing them with the "
-                             "trainer's weights is not a TRL option (this adapter refuses it rather than ignore it)")
+            raise ValueError(
+                "behavior_logp_source: TRL's rollout_func path always uses the engine's log-probs; recomputing them with the "
+                "trainer's weights is not a TRL option (this adapter refuses it rather than ignore it)"
+            )
         rows = rollout.rows
         parts = tuple(split) if split is not None else (rows,)
         k = equal_split(rows, len(parts))
@@ -162,9 +214,17 @@ class TRLStep:
 
             from trl import GRPOConfig
 
-            trainer = M2POGRPOTrainer(model=policy, reward_funcs=_reward, args=GRPOConfig(**self._options(rollout, k, scratch)),
-                                      train_dataset=dataset, processing_class=case_tokenizer(policy.config.vocab_size), rollout_func=rows_of_group,
-                                      m2po_tau=self.config.tau, capture=capture, faults=self.faults)
+            trainer = M2POGRPOTrainer(
+                model=policy,
+                reward_funcs=_reward,
+                args=GRPOConfig(**self._options(rollout, k, scratch)),
+                train_dataset=dataset,
+                processing_class=case_tokenizer(policy.config.vocab_size),
+                rollout_func=rows_of_group,
+                m2po_tau=self.config.tau,
+                capture=capture,
+                faults=self.faults,
+            )
             grads: dict[str, torch.Tensor] = {}
             trainer.add_callback(KeepGradients(trainer, grads))
             quiet(trainer)
@@ -172,8 +232,9 @@ class TRLStep:
                 trainer.train()
             records = [record for _, record in load_capture(capture).records(step=0)]
         logged = next((entry for entry in trainer.state.log_history if f"{METRIC_PREFIX}masked_fraction" in entry), {})
-        return step_record(records, rollout, logged=logged, grads=grads, policy=policy, params_before=params_before, split=(b,) * k,
-                           tau=self.config.tau)
+        return step_record(
+            records, rollout, logged=logged, grads=grads, policy=policy, params_before=params_before, split=(b,) * k, tau=self.config.tau
+        )
 
 
 #: The dtype TRL's step computes its log-probs in, and why: what ``--dtype`` must be (and what

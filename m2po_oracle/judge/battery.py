@@ -70,14 +70,24 @@ def _failed_call(check: str, label: str, other: Measurement) -> list[Mismatch]:
 def _keep_mismatch(check: str, label: str, expected: np.ndarray, actual: np.ndarray, how: str) -> Mismatch:
     diff = np.flatnonzero(expected.ravel() != actual.ravel())
     index = tuple(int(i) for i in np.unravel_index(diff[0], expected.shape))
-    return Mismatch(check, f"{label}: keep differs {how} at {diff.size} token(s), first at index {index}", field="keep", index=index,
-                    actual=bool(actual[index]), expected=bool(expected[index]))
+    return Mismatch(
+        check,
+        f"{label}: keep differs {how} at {diff.size} token(s), first at index {index}",
+        field="keep",
+        index=index,
+        actual=bool(actual[index]),
+        expected=bool(expected[index]),
+    )
 
 
 def _relabel(check: str, label: str, mismatch: Mismatch | None) -> list[Mismatch]:
     if mismatch is None:
         return []
-    return [Mismatch(check, f"{label}: {mismatch.summary}", mismatch.field, mismatch.index, mismatch.actual, mismatch.expected, mismatch.details)]
+    return [
+        Mismatch(
+            check, f"{label}: {mismatch.summary}", mismatch.field, mismatch.index, mismatch.actual, mismatch.expected, mismatch.details
+        )
+    ]
 
 
 def _determinism(first: Measurement, again: Measurement) -> list[Mismatch]:
@@ -99,8 +109,10 @@ def _determinism(first: Measurement, again: Measurement) -> list[Mismatch]:
 
 def _padding_differs(drawn: Batch, zeroed: Batch) -> bool:
     invalid = ~drawn.valid
-    return any(not np.array_equal(a[invalid], b[invalid]) for a, b in
-               ((drawn.logp, zeroed.logp), (drawn.behavior_logp, zeroed.behavior_logp), (drawn.advantages, zeroed.advantages)))
+    return any(
+        not np.array_equal(a[invalid], b[invalid])
+        for a, b in ((drawn.logp, zeroed.logp), (drawn.behavior_logp, zeroed.behavior_logp), (drawn.advantages, zeroed.advantages))
+    )
 
 
 #: Padding positions listed at most in a drawn-padding failure's details.
@@ -116,7 +128,9 @@ def _drawn_padding(drawn: Batch) -> tuple[str, ...]:
         at = [tuple(int(i) for i in index) for index in np.argwhere(~drawn.valid & (values != 0.0))]
         if at:
             shown = ", ".join(f"{index}: {float(values[index])!r}" for index in at[:_PADDING_LISTED])
-            lines.append(f"the probe's padding {name}: {shown}" + (f", and {len(at) - _PADDING_LISTED} more" if len(at) > _PADDING_LISTED else ""))
+            lines.append(
+                f"the probe's padding {name}: {shown}" + (f", and {len(at) - _PADDING_LISTED} more" if len(at) > _PADDING_LISTED else "")
+            )
     return tuple(lines)
 
 
@@ -140,8 +154,12 @@ def _padding_mismatches(first: Measurement, probe: Measurement, label: str, dtyp
     if not same_up_to_ties(ref.keep, res.keep, valid_m2(seen)):
         return [_keep_mismatch("padding_immunity", label, ref.keep, res.keep, "beyond a tie choice")]
     expected = ref if np.array_equal(ref.keep, res.keep) else oracle.evaluate_with_mask(seen, res.keep)
-    found = _relabel("padding_immunity", label, compare_values("padding_immunity", "loss", res.loss, expected.loss, tolerance(dtype, "loss")))
-    found += _relabel("padding_immunity", label, compare_values("padding_immunity", "grad", res.grad, expected.grad, tolerance(dtype, "gradient")))
+    found = _relabel(
+        "padding_immunity", label, compare_values("padding_immunity", "loss", res.loss, expected.loss, tolerance(dtype, "loss"))
+    )
+    found += _relabel(
+        "padding_immunity", label, compare_values("padding_immunity", "grad", res.grad, expected.grad, tolerance(dtype, "gradient"))
+    )
     return found
 
 
@@ -164,7 +182,9 @@ class _InThisProcess:
         return measure(self.fn, batch, dtype=dtype, device=device)
 
 
-def run_battery(fn: Implementation | Caller, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> BatteryOutcome:
+def run_battery(
+    fn: Implementation | Caller, batch: Batch, *, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu"
+) -> BatteryOutcome:
     """Run every check on one batch. Never raises because of the implementation.
 
     ``fn`` is an implementation callable (called in this process) or a caller such as
@@ -194,7 +214,9 @@ def run_battery(fn: Implementation | Caller, batch: Batch, *, dtype: str = "floa
     if not nondeterministic and not batch.valid.all() and _finite(first.result):
         checked.append("padding_immunity")
         variants = [(DRAWN_PADDING, drawn)] if _padding_differs(drawn, batch) else []
-        fills = [(f"{fill}", batch.with_padding(fill)) for fill in PADDING_PROBES] + [(TRUST_REGION_PADDING, batch.with_trust_region_padding())]
+        fills = [(f"{fill}", batch.with_padding(fill)) for fill in PADDING_PROBES] + [
+            (TRUST_REGION_PADDING, batch.with_trust_region_padding())
+        ]
         for label, probed in variants + fills:
             probe = caller.measure(probed, dtype=dtype, device=device)
             probes.append(probe)
@@ -212,8 +234,15 @@ def run_battery(fn: Implementation | Caller, batch: Batch, *, dtype: str = "floa
     return BatteryOutcome(first.batch, first, tuple(found), checked=tuple(checked), padding_probes=tuple(changed))
 
 
-def replay_command(impl: str, example_json: str, *, dtype: str = "float64", compute_dtype: str | None = None, adapter: str | None = None,
-                   extra: tuple[str, ...] = ()) -> str:
+def replay_command(
+    impl: str,
+    example_json: str,
+    *,
+    dtype: str = "float64",
+    compute_dtype: str | None = None,
+    adapter: str | None = None,
+    extra: tuple[str, ...] = (),
+) -> str:
     """The one ``m2po-oracle replay`` command for an example (its JSON: a batch or a trainer
     case) under the options that shape a call; ``extra`` (e.g. the topology) follows the spec."""
     parts = ["m2po-oracle", "replay", "--impl", _portable(impl), *extra]
@@ -234,10 +263,18 @@ def _portable(impl: str) -> str:
     return impl
 
 
-def assert_battery_passes(fn: Implementation, batch: Batch, *, impl: str, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu") -> BatteryOutcome:
+def assert_battery_passes(
+    fn: Implementation, batch: Batch, *, impl: str, dtype: str = "float64", compute_dtype: str | None = None, device: str = "cpu"
+) -> BatteryOutcome:
     """Run the battery and raise AssertionError with the full failure message if any check fails."""
     outcome = run_battery(fn, batch, dtype=dtype, compute_dtype=compute_dtype, device=device)
     if outcome.mismatches:
-        raise AssertionError(format_mismatches(list(outcome.mismatches), batch=batch, where=f"for implementation {impl!r} ({dtype})",
-                                               replay=replay_command(impl, batch.to_json(), dtype=dtype, compute_dtype=compute_dtype)))
+        raise AssertionError(
+            format_mismatches(
+                list(outcome.mismatches),
+                batch=batch,
+                where=f"for implementation {impl!r} ({dtype})",
+                replay=replay_command(impl, batch.to_json(), dtype=dtype, compute_dtype=compute_dtype),
+            )
+        )
     return outcome

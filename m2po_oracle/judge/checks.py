@@ -46,7 +46,7 @@ TRAINER_CHECKS: dict[str, str] = {
     "trainer.accumulation": "with k micro-batches the mask, loss and accumulated gradient are those of the same step in one micro-batch",
     "trainer.optimizer_step": "the parameters after the step are one optimizer step from the parameters before, with the reported gradient",
     "trainer.kl_term": "with beta != 0, loss and d loss / d logp are Algorithm 1's plus beta * KL, KL the k3 estimator "
-                       "exp(ref - logp) - (ref - logp) - 1 over the valid tokens / N against the reference model",
+    "exp(ref - logp) - (ref - logp) - 1 over the valid tokens / N against the reference model",
 }
 #: The checks of a recorded step (``m2po-oracle audit``), judged on the optimizer batch the
 #: records put back together (``m2po_oracle.audit`` says how each reads the files).

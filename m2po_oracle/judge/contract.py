@@ -100,7 +100,13 @@ def _field(result: Any, name: str) -> Any:
 
 
 def _same(before: torch.Tensor, after: torch.Tensor) -> bool:
-    return before.shape == after.shape and before.dtype == after.dtype and bool(torch.equal(before.nan_to_num(0.5, 1.5, -1.5), after.nan_to_num(0.5, 1.5, -1.5)) and torch.equal(before.isnan(), after.isnan()))
+    return (
+        before.shape == after.shape
+        and before.dtype == after.dtype
+        and bool(
+            torch.equal(before.nan_to_num(0.5, 1.5, -1.5), after.nan_to_num(0.5, 1.5, -1.5)) and torch.equal(before.isnan(), after.isnan())
+        )
+    )
 
 
 def _scalar(value: Any, name: str) -> float:
@@ -171,7 +177,9 @@ def _preview(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def measure(fn: Implementation, batch: Batch, *, dtype: str = "float64", device: str | torch.device = "cpu", capture: bool = True) -> Measurement:
+def measure(
+    fn: Implementation, batch: Batch, *, dtype: str = "float64", device: str | torch.device = "cpu", capture: bool = True
+) -> Measurement:
     """Call ``fn`` on ``batch`` under the contract and record everything it did.
 
     With ``capture`` what it prints to ``sys.stdout``/``sys.stderr`` is kept in the
@@ -198,10 +206,14 @@ def with_printed(measurement: Measurement, first_lines: tuple[str, ...], lines: 
     """``measurement`` carrying more printed output: its first lines (kept) and a count."""
     if not lines:
         return measurement
-    return dataclasses.replace(measurement, output=(measurement.output + first_lines)[:OUTPUT_LINES_KEPT], output_lines=measurement.output_lines + lines)
+    return dataclasses.replace(
+        measurement, output=(measurement.output + first_lines)[:OUTPUT_LINES_KEPT], output_lines=measurement.output_lines + lines
+    )
 
 
-def _call(fn: Implementation, tensors: dict[str, torch.Tensor], snapshot: dict[str, torch.Tensor], seen: Batch, batch: Batch, dtype: str) -> Measurement:
+def _call(
+    fn: Implementation, tensors: dict[str, torch.Tensor], snapshot: dict[str, torch.Tensor], seen: Batch, batch: Batch, dtype: str
+) -> Measurement:
     try:
         raw = fn(tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"], tau=batch.tau)
     except (Exception, SystemExit) as error:  # the implementation's failure is a finding, not ours

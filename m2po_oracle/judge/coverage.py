@@ -127,8 +127,17 @@ def facts(batch: Batch, compute_dtype: str = "float64", drawn: Any = None) -> Fa
     trust = oracle.trust_region(d, batch.advantages, batch.valid)
     expected = oracle.m2po(batch)
     bounds = selection_bounds(batch, compute_dtype)
-    return Facts(batch, expected, trust, bounds.sorted_m2, int((expected.keep & trust).sum()), bounds.k_min, bounds.k_max, bounds.tie_rtol,
-                 nan_padding=_nan_padding(drawn))
+    return Facts(
+        batch,
+        expected,
+        trust,
+        bounds.sorted_m2,
+        int((expected.keep & trust).sum()),
+        bounds.k_min,
+        bounds.k_max,
+        bounds.tie_rtol,
+        nan_padding=_nan_padding(drawn),
+    )
 
 
 def _nan_padding(drawn: Any) -> bool:
@@ -170,16 +179,21 @@ EXERCISED: dict[str, Rule] = {
     "selection.keep_only_valid": Rule("some padding (a token outside the loss mask)", lambda f: f.padding),
     "selection.only_trust_region_masked": Rule("a valid token outside the trust region", lambda f: f.valid_outside_trust),
     # kept > k_max is impossible when k_max is every candidate.
-    "selection.budget": Rule("a cut: Algorithm 1 must remove a trust-region token (beyond the rounding band)", lambda f: f.k_max < f.candidates),
+    "selection.budget": Rule(
+        "a cut: Algorithm 1 must remove a trust-region token (beyond the rounding band)", lambda f: f.k_max < f.candidates
+    ),
     # kept < k_min is impossible when k_min is 0: a cut that removes every candidate does not
     # exercise it, a batch that needs no cut does (removing anything there is not minimal).
-    "selection.minimal": Rule("Algorithm 1 must keep a trust-region token (beyond the rounding band): removing one too many fails",
-                              lambda f: f.k_min >= 1),
+    "selection.minimal": Rule(
+        "Algorithm 1 must keep a trust-region token (beyond the rounding band): removing one too many fails", lambda f: f.k_min >= 1
+    ),
     # Keeping the largest and removing the smallest candidate fails it wherever two M2 differ:
     # also where Algorithm 1 keeps all or none (a port with a wrong count or trust region
     # removes some candidates there, in the wrong order).
-    "selection.largest_removed_first": Rule("two trust-region tokens of different M2 (beyond the compute dtype's tie tolerance)",
-                                            lambda f: f.candidates >= 2 and bool(f.sorted_m2[-1] > f.sorted_m2[0] * (1.0 + f.tie_rtol))),
+    "selection.largest_removed_first": Rule(
+        "two trust-region tokens of different M2 (beyond the compute dtype's tie tolerance)",
+        lambda f: f.candidates >= 2 and bool(f.sorted_m2[-1] > f.sorted_m2[0] * (1.0 + f.tie_rtol)),
+    ),
     "loss": TERM,
     "gradient": TERM,
     "metrics.m2_before": NON_EMPTY_TRUST_REGION,
@@ -197,15 +211,19 @@ EXERCISED: dict[str, Rule] = {
 #: Features of an example, counted apart (over the examples whose call returned a result).
 FEATURES: dict[str, Rule] = {
     "cut": Rule("Algorithm 1 removes at least one trust-region token", lambda f: f.kept < f.candidates),
-    "ties_at_cut": Rule("the last kept and the first removed candidate have equal M2 (any choice among them is admissible)",
-                        lambda f: f.ties_at_cut),
-    "exact_boundary": Rule("the mean M2 of the kept candidates equals tau exactly (dyadic: <= keeps, < would remove one more)",
-                           lambda f: f.exact_boundary),
+    "ties_at_cut": Rule(
+        "the last kept and the first removed candidate have equal M2 (any choice among them is admissible)", lambda f: f.ties_at_cut
+    ),
+    "exact_boundary": Rule(
+        "the mean M2 of the kept candidates equals tau exactly (dyadic: <= keeps, < would remove one more)", lambda f: f.exact_boundary
+    ),
     "empty_trust_region": Rule("no trust-region token", lambda f: f.candidates == 0),
     "all_masked": Rule("no valid token at all", lambda f: not bool(f.batch.valid.any())),
     "nan_padding": Rule("the drawn padding holds NaN (padding_immunity probes it; the other checks see 0)", lambda f: f.nan_padding),
     "empty_row": Rule("a row without any valid token (per-row aggregations count or drop it)", lambda f: f.empty_row),
-    "tiny_log_ratio": Rule(f"a valid token with 0 < |d| < {TINY_LOG_RATIO:g} (a margin in the candidate test flips it)", lambda f: f.tiny_log_ratio),
+    "tiny_log_ratio": Rule(
+        f"a valid token with 0 < |d| < {TINY_LOG_RATIO:g} (a margin in the candidate test flips it)", lambda f: f.tiny_log_ratio
+    ),
     "extreme_log_ratio": Rule(f"a valid token with |d| > {EXTREME_LOG_RATIO:g} (a clamp of d changes it)", lambda f: f.extreme_log_ratio),
 }
 

@@ -35,7 +35,7 @@ class FloatFormat:
 
     @property
     def unit_roundoff(self) -> float:
-        return 2.0 ** -self.precision_bits
+        return 2.0**-self.precision_bits
 
 
 FORMATS: dict[str, FloatFormat] = {
@@ -81,7 +81,9 @@ def tolerance(dtype: str, quantity: str) -> Tolerance:
     try:
         return TOLERANCES[(dtype, quantity)]
     except KeyError:
-        raise ValueError(f"tolerance: no entry for dtype {dtype!r} and quantity {quantity!r}; dtypes {sorted(FORMATS)}, quantities {QUANTITIES}") from None
+        raise ValueError(
+            f"tolerance: no entry for dtype {dtype!r} and quantity {quantity!r}; dtypes {sorted(FORMATS)}, quantities {QUANTITIES}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class Mismatch:
 
 # --- selection ---------------------------------------------------------------------------
 
+
 def representable(value: float, fmt: FloatFormat) -> bool:
     """True if ``value`` (a float64) is exactly a normal number or zero of ``fmt``."""
     if value == 0.0:
@@ -108,7 +111,7 @@ def representable(value: float, fmt: FloatFormat) -> bool:
     mantissa, exponent = math.frexp(value)
     if not fmt.min_exponent <= exponent <= fmt.max_exponent:
         return False
-    scaled = mantissa * 2.0 ** fmt.precision_bits
+    scaled = mantissa * 2.0**fmt.precision_bits
     return scaled == int(scaled)
 
 
@@ -187,8 +190,9 @@ def _selection_bounds(batch: Batch, d: np.ndarray, trust: np.ndarray, compute_dt
                 keep_clear[i], remove_clear[i] = decided, not decided
     k_min = int(np.argmin(keep_clear)) if not keep_clear.all() else int(means.size)
     k_max = int(np.argmax(remove_clear)) if remove_clear.any() else int(means.size)
-    return SelectionBounds(sorted_m2, means, band, k_min, max(k_min, k_max), tie_rtol=4.0 * u if compute_dtype != "float64" else 0.0,
-                           m2=m2, trust=trust)
+    return SelectionBounds(
+        sorted_m2, means, band, k_min, max(k_min, k_max), tie_rtol=4.0 * u if compute_dtype != "float64" else 0.0, m2=m2, trust=trust
+    )
 
 
 def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -203,10 +207,16 @@ def check_selection(batch: Batch, keep: np.ndarray, compute_dtype: str = "float6
     found: list[Mismatch] = []
     kept_padding = keep & ~valid
     if kept_padding.any():
-        found.append(_count_mismatch("selection.keep_only_valid", "padding tokens kept (keep True where mask is False)", kept_padding, keep, valid))
+        found.append(
+            _count_mismatch("selection.keep_only_valid", "padding tokens kept (keep True where mask is False)", kept_padding, keep, valid)
+        )
     masked_outside = valid & ~trust & ~keep
     if masked_outside.any():
-        found.append(_count_mismatch("selection.only_trust_region_masked", "tokens outside the trust region were masked", masked_outside, keep, valid))
+        found.append(
+            _count_mismatch(
+                "selection.only_trust_region_masked", "tokens outside the trust region were masked", masked_outside, keep, valid
+            )
+        )
 
     bounds = _selection_bounds(batch, d, trust, compute_dtype)
     # The candidates in flat index order; no index sort is needed: the properties below
@@ -219,20 +229,28 @@ def check_selection(batch: Batch, keep: np.ndarray, compute_dtype: str = "float6
     candidates = int(candidate_index.size)
     if kept_count > bounds.k_max:
         mean_kept = float(np.mean(np.sort(candidate_m2[kept_flat]))) if kept_count else 0.0  # in M2 order, as summed before
-        found.append(Mismatch(
-            "selection.budget",
-            f"kept {kept_count} of {candidates} trust-region tokens; Algorithm 1 keeps at most {bounds.k_max}: "
-            f"the mean M2 of the kept trust-region tokens is {mean_kept!r} > tau {batch.tau!r}",
-            field="kept trust-region tokens", actual=kept_count, expected=_range(bounds),
-        ))
+        found.append(
+            Mismatch(
+                "selection.budget",
+                f"kept {kept_count} of {candidates} trust-region tokens; Algorithm 1 keeps at most {bounds.k_max}: "
+                f"the mean M2 of the kept trust-region tokens is {mean_kept!r} > tau {batch.tau!r}",
+                field="kept trust-region tokens",
+                actual=kept_count,
+                expected=_range(bounds),
+            )
+        )
     elif kept_count < bounds.k_min:
         next_mean = float(bounds.prefix_means[kept_count])
-        found.append(Mismatch(
-            "selection.minimal",
-            f"kept {kept_count} of {candidates} trust-region tokens; Algorithm 1 keeps at least {bounds.k_min}: "
-            f"keeping the next-smallest removed token gives mean M2 {next_mean!r} <= tau {batch.tau!r}",
-            field="kept trust-region tokens", actual=kept_count, expected=_range(bounds),
-        ))
+        found.append(
+            Mismatch(
+                "selection.minimal",
+                f"kept {kept_count} of {candidates} trust-region tokens; Algorithm 1 keeps at least {bounds.k_min}: "
+                f"keeping the next-smallest removed token gives mean M2 {next_mean!r} <= tau {batch.tau!r}",
+                field="kept trust-region tokens",
+                actual=kept_count,
+                expected=_range(bounds),
+            )
+        )
     if 0 < kept_count < candidates:
         kept_m2 = candidate_m2[kept_flat]
         removed_m2 = candidate_m2[~kept_flat]
@@ -241,12 +259,17 @@ def check_selection(batch: Batch, keep: np.ndarray, compute_dtype: str = "float6
             # values, the highest index.
             kept_at = candidate_index[kept_flat][np.flatnonzero(kept_m2 == kept_m2.max())[-1]]
             removed_at = candidate_index[~kept_flat][np.flatnonzero(removed_m2 == removed_m2.min())[-1]]
-            found.append(Mismatch(
-                "selection.largest_removed_first",
-                f"kept trust-region token at {_index(kept_at, keep.shape)} with M2 {float(kept_m2.max())!r} while removing "
-                f"the token at {_index(removed_at, keep.shape)} with smaller M2 {float(removed_m2.min())!r}",
-                field="M2 of a kept token", index=_index(kept_at, keep.shape), actual=float(kept_m2.max()), expected=f"<= {float(removed_m2.min())!r}",
-            ))
+            found.append(
+                Mismatch(
+                    "selection.largest_removed_first",
+                    f"kept trust-region token at {_index(kept_at, keep.shape)} with M2 {float(kept_m2.max())!r} while removing "
+                    f"the token at {_index(removed_at, keep.shape)} with smaller M2 {float(removed_m2.min())!r}",
+                    field="M2 of a kept token",
+                    index=_index(kept_at, keep.shape),
+                    actual=float(kept_m2.max()),
+                    expected=f"<= {float(removed_m2.min())!r}",
+                )
+            )
     return found
 
 
@@ -271,14 +294,28 @@ def _range(bounds: SelectionBounds) -> int | str:
 
 def _count_mismatch(check: str, summary: str, wrong: np.ndarray, keep: np.ndarray, valid: np.ndarray) -> Mismatch:
     first = _index(int(np.flatnonzero(wrong)[0]), keep.shape)
-    return Mismatch(check, f"{summary}: {int(wrong.sum())} / {wrong.size} tokens, first at index {first}",
-                    field="keep", index=first, actual=bool(keep[first]), expected=bool(valid[first]) and not bool(keep[first]))
+    return Mismatch(
+        check,
+        f"{summary}: {int(wrong.sum())} / {wrong.size} tokens, first at index {first}",
+        field="keep",
+        index=first,
+        actual=bool(keep[first]),
+        expected=bool(valid[first]) and not bool(keep[first]),
+    )
 
 
 # --- values ------------------------------------------------------------------------------
 
-def compare_values(check: str, name: str, actual: np.ndarray | float | None, expected: np.ndarray | float | None, tol: Tolerance, scale: float = 0.0,
-                   allowance: np.ndarray | float = 0.0) -> Mismatch | None:
+
+def compare_values(
+    check: str,
+    name: str,
+    actual: np.ndarray | float | None,
+    expected: np.ndarray | float | None,
+    tol: Tolerance,
+    scale: float = 0.0,
+    allowance: np.ndarray | float = 0.0,
+) -> Mismatch | None:
     """Element-wise closeness with the PyTorch-style report of the worst element.
     ``allowance`` (per element or one value) widens the bound by an error the dtype itself
     is known to put into the expected value."""
@@ -310,14 +347,32 @@ def compare_values(check: str, name: str, actual: np.ndarray | float | None, exp
     at = f" at index {index}" if index is not None else ""
     act, exp = float(actual_array.ravel()[worst]) + 0.0, float(expected_array.ravel()[worst]) + 0.0  # + 0.0: never "-0.0"
     rel = float(difference.ravel()[worst]) / abs(exp) if exp else math.inf  # Python floats: an overflow is inf, not a warning
-    return Mismatch(check, f"{name} is not close: mismatched elements {int(bad.sum())} / {total}", field=name, index=index, actual=act, expected=exp,
-                    details=(f"greatest absolute difference {float(difference.ravel()[worst])!r}{at} (allowed {float(allowed.ravel()[worst])!r})",
-                             f"greatest relative difference {rel!r}{at} (rtol {tol.rtol}, atol {tol.atol}, scale {scale!r}"
-                             + (f", dtype rounding of exp(d) {float(np.broadcast_to(allowance, difference.shape).ravel()[worst])!r})" if np.any(allowance) else ")")))
+    return Mismatch(
+        check,
+        f"{name} is not close: mismatched elements {int(bad.sum())} / {total}",
+        field=name,
+        index=index,
+        actual=act,
+        expected=exp,
+        details=(
+            f"greatest absolute difference {float(difference.ravel()[worst])!r}{at} (allowed {float(allowed.ravel()[worst])!r})",
+            f"greatest relative difference {rel!r}{at} (rtol {tol.rtol}, atol {tol.atol}, scale {scale!r}"
+            + (
+                f", dtype rounding of exp(d) {float(np.broadcast_to(allowance, difference.shape).ravel()[worst])!r})"
+                if np.any(allowance)
+                else ")"
+            ),
+        ),
+    )
 
 
-SELECTION_CHECKS: tuple[str, ...] = ("selection.keep_only_valid", "selection.only_trust_region_masked", "selection.budget", "selection.minimal",
-                                     "selection.largest_removed_first")
+SELECTION_CHECKS: tuple[str, ...] = (
+    "selection.keep_only_valid",
+    "selection.only_trust_region_masked",
+    "selection.budget",
+    "selection.minimal",
+    "selection.largest_removed_first",
+)
 
 
 def checks_run_on(actual: M2POResult) -> tuple[str, ...]:
@@ -375,8 +430,15 @@ def m2_rounding(batch: Batch, keep: np.ndarray, dtype: str) -> dict[str, float]:
     return {"m2_before": mean(error), "m2_after": mean(error[kept])}
 
 
-def compare_fields(batch: Batch, actual: M2POResult, expected: M2POResult, dtype: str, compute_dtype: str | None = None,
-                   *, metrics_dtype: str | None = None) -> list[Mismatch]:
+def compare_fields(
+    batch: Batch,
+    actual: M2POResult,
+    expected: M2POResult,
+    dtype: str,
+    compute_dtype: str | None = None,
+    *,
+    metrics_dtype: str | None = None,
+) -> list[Mismatch]:
     """Loss, gradient, metrics and counts of ``actual`` against ``expected`` (both on the same
     mask). Loss and gradient are judged at the input dtype, widened by the rounding that
     dtype puts into exp(d); the metrics, derived from the selection arithmetic, at the
@@ -385,8 +447,9 @@ def compare_fields(batch: Batch, actual: M2POResult, expected: M2POResult, dtype
     allowance = exp_rounding(batch, expected.grad, dtype) if expected.grad is not None else np.zeros(batch.shape)
     with np.errstate(over="ignore", invalid="ignore"):
         term_scale = float(np.sum(np.abs(expected.grad))) if expected.grad is not None else 0.0  # = mean |kept term|, bounds |loss|
-    loss_mismatch = compare_values("loss", "loss", actual.loss, expected.loss, tolerance(dtype, "loss"), scale=term_scale,
-                                   allowance=float(np.sum(allowance)))
+    loss_mismatch = compare_values(
+        "loss", "loss", actual.loss, expected.loss, tolerance(dtype, "loss"), scale=term_scale, allowance=float(np.sum(allowance))
+    )
     if loss_mismatch:
         found.append(loss_mismatch)
     if actual.grad is not None and expected.grad is not None:
@@ -406,14 +469,24 @@ def compare_fields(batch: Batch, actual: M2POResult, expected: M2POResult, dtype
         value = getattr(actual, name)
         if value is None:
             continue
-        mismatch = compare_values(f"metrics.{name}", name, value, getattr(expected, name), metric_tol, allowance=m2_allowance.get(name, 0.0))
+        mismatch = compare_values(
+            f"metrics.{name}", name, value, getattr(expected, name), metric_tol, allowance=m2_allowance.get(name, 0.0)
+        )
         if mismatch:
             found.append(dataclasses.replace(mismatch, details=read_from(name) + mismatch.details))
     for name in COUNT_FIELDS:
         value = getattr(actual, name)
         if value is not None and value != getattr(expected, name):
-            found.append(Mismatch(f"metrics.{name}", f"{name}: {value} differs from Algorithm 1's {getattr(expected, name)}", field=name, actual=value,
-                                  expected=getattr(expected, name), details=read_from(name)))
+            found.append(
+                Mismatch(
+                    f"metrics.{name}",
+                    f"{name}: {value} differs from Algorithm 1's {getattr(expected, name)}",
+                    field=name,
+                    actual=value,
+                    expected=getattr(expected, name),
+                    details=read_from(name),
+                )
+            )
     return found
 
 
@@ -427,6 +500,7 @@ def compare_to_oracle(batch: Batch, actual: M2POResult, dtype: str, compute_dtyp
 
 
 # --- the one formatter -------------------------------------------------------------------
+
 
 def format_mismatches(mismatches: list[Mismatch], *, batch: Batch | None = None, where: str = "", replay: str = "") -> str:
     """The failure message: what differed, where, both values, the batch, how to replay."""

@@ -46,24 +46,42 @@ def _set(name: str, index: tuple[int, int], value: float) -> Callable[[dict[str,
         tensor = kwargs[name].detach().clone()
         tensor[index] = value
         kwargs[name] = tensor.requires_grad_(name == "logp")
+
     return corrupt
 
 
 def _replace(name: str, make: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], None]:
     def corrupt(kwargs: dict[str, Any]) -> None:
         kwargs[name] = make(kwargs)
+
     return corrupt
 
 
 PROBES: tuple[Probe, ...] = (
-    Probe("behavior_logp_missing", "behavior_logp is None (rollout log-probs missing)", _replace("behavior_logp", lambda kw: None), "behavior_logp"),
+    Probe(
+        "behavior_logp_missing",
+        "behavior_logp is None (rollout log-probs missing)",
+        _replace("behavior_logp", lambda kw: None),
+        "behavior_logp",
+    ),
     Probe("nan_logp_on_valid_token", "NaN in logp on a valid token", _set("logp", (0, 1), math.nan), "logp"),
-    Probe("inf_behavior_logp_on_valid_token", "-inf in behavior_logp on a valid token", _set("behavior_logp", (1, 0), -math.inf), "behavior_logp"),
+    Probe(
+        "inf_behavior_logp_on_valid_token",
+        "-inf in behavior_logp on a valid token",
+        _set("behavior_logp", (1, 0), -math.inf),
+        "behavior_logp",
+    ),
     Probe("nan_advantage_on_valid_token", "NaN advantage on a valid token", _set("advantages", (0, 2), math.nan), "advantages"),
     Probe("mask_not_boolean", "mask given as float 0/1 instead of bool", _replace("mask", lambda kw: kw["mask"].float()), "mask"),
-    Probe("shape_mismatch", "advantages with one column more than logp", _replace("advantages", lambda kw: torch.zeros(kw["logp"].shape[0], kw["logp"].shape[1] + 1, dtype=kw["logp"].dtype)), "advantages"),
+    Probe(
+        "shape_mismatch",
+        "advantages with one column more than logp",
+        _replace("advantages", lambda kw: torch.zeros(kw["logp"].shape[0], kw["logp"].shape[1] + 1, dtype=kw["logp"].dtype)),
+        "advantages",
+    ),
     Probe("negative_tau", "tau = -0.1", _replace("tau", lambda kw: -0.1), "tau"),
-    Probe("nan_tau", "tau = NaN", _replace("tau", lambda kw: math.nan), "tau"),)
+    Probe("nan_tau", "tau = NaN", _replace("tau", lambda kw: math.nan), "tau"),
+)
 
 
 @dataclass(frozen=True)
@@ -85,7 +103,13 @@ class ProbeResult:
         return self.status != "not run"
 
     def to_json(self) -> dict[str, str]:
-        return {"probe": self.probe, "description": self.description, "status": self.status, "expected": self.expected, "message": self.message}
+        return {
+            "probe": self.probe,
+            "description": self.description,
+            "status": self.status,
+            "expected": self.expected,
+            "message": self.message,
+        }
 
 
 def probe(name: str) -> Probe:
@@ -120,16 +144,27 @@ def classify(p: Probe | str, error: BaseException | None, also: tuple[str, ...] 
     """The probe's result for ``error`` (None: the call returned a result)."""
     p = probe(p) if isinstance(p, str) else p
     if error is None:
-        return ProbeResult(p.name, p.description, "accepted", "returned a result instead of raising: the invalid input was silently accepted")
+        return ProbeResult(
+            p.name, p.description, "accepted", "returned a result instead of raising: the invalid input was silently accepted"
+        )
     text = "; ".join([f"{type(error).__name__}: {error}", *getattr(error, "__notes__", ())])
     if isinstance(error, UnreadableReturn):  # raised after the port returned: it did not refuse
-        return ProbeResult(p.name, p.description, "accepted", "returned a result instead of raising (one its adapter could not read: "
-                           f"{error}): the invalid input was silently accepted")
+        return ProbeResult(
+            p.name,
+            p.description,
+            "accepted",
+            f"returned a result instead of raising (one its adapter could not read: {error}): the invalid input was silently accepted",
+        )
     if is_rejection(error, also):
         return ProbeResult(p.name, p.description, "rejected", text)
     if _named(error, REJECTING_EXCEPTIONS):
-        return ProbeResult(p.name, p.description, "crashed", f"crashed on invalid input (a {type(error).__name__} from an operation, "
-                           f"not a raise statement: {accidental_origin(error)}; not a deliberate refusal): {text}")
+        return ProbeResult(
+            p.name,
+            p.description,
+            "crashed",
+            f"crashed on invalid input (a {type(error).__name__} from an operation, "
+            f"not a raise statement: {accidental_origin(error)}; not a deliberate refusal): {text}",
+        )
     return ProbeResult(p.name, p.description, "crashed", f"crashed on invalid input (not a deliberate ValueError/TypeError): {text}")
 
 
@@ -162,8 +197,12 @@ def accidental_origin(error: BaseException) -> str | None:
 #: The adapter roles through which each probed argument reaches a port (ppo_kl and the log
 #: ratio are built from logp and behavior_logp, the config carries the budget). The mask is
 #: not listed: it shapes everything an adapter hands over (packing, lengths).
-_CARRIERS = {"logp": ("logp", "ppo_kl", "log_ratio"), "behavior_logp": ("behavior_logp", "ppo_kl", "log_ratio"),
-             "advantages": ("advantages",), "tau": ("budget", "config")}
+_CARRIERS = {
+    "logp": ("logp", "ppo_kl", "log_ratio"),
+    "behavior_logp": ("behavior_logp", "ppo_kl", "log_ratio"),
+    "advantages": ("advantages",),
+    "tau": ("budget", "config"),
+}
 
 
 def unreachable(fn: Implementation, p: Probe) -> str | None:
@@ -177,7 +216,9 @@ def unreachable(fn: Implementation, p: Probe) -> str | None:
     return f"the port takes no {p.argument} (its adapter, {call.family}, passes it no {passed}): this invalid input cannot reach it"
 
 
-def run_probe(fn: Implementation, name: str, *, dtype: str = "float64", device: str = "cpu", rejecting: tuple[str, ...] = ()) -> ProbeResult:
+def run_probe(
+    fn: Implementation, name: str, *, dtype: str = "float64", device: str = "cpu", rejecting: tuple[str, ...] = ()
+) -> ProbeResult:
     """Call ``fn`` once with the probe's invalid input; never raises because of ``fn``."""
     p = probe(name)
     why = unreachable(fn, p)
@@ -194,9 +235,13 @@ def run_probe(fn: Implementation, name: str, *, dtype: str = "float64", device: 
         control = None if isinstance(error, UnreadableReturn) else _fails_on_clean(fn, dtype, device)
         if control is not None:
             who = "the port" if getattr(fn, "bound_call", None) is not None else "the implementation"
-            return ProbeResult(p.name, p.description, "not run",
-                               f"{who} raises on the valid batch this probe starts from too ({control}), so its answer to the invalid "
-                               "input cannot be told from that failure")
+            return ProbeResult(
+                p.name,
+                p.description,
+                "not run",
+                f"{who} raises on the valid batch this probe starts from too ({control}), so its answer to the invalid "
+                "input cannot be told from that failure",
+            )
         return classify(p, error, rejecting)
     return classify(p, None)
 

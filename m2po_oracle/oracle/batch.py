@@ -24,6 +24,7 @@ def _decode(rows: list) -> np.ndarray:
 #: The float inputs padding fills, in the order reports name them.
 PADDED_INPUTS: tuple[str, ...] = ("logp", "behavior_logp", "advantages")
 
+
 @dataclass(frozen=True, eq=False)
 class Batch:
     """Inputs of Algorithm 1 for one optimizer batch, shape [B, T].
@@ -113,10 +114,13 @@ class Batch:
         behavior_logp = -1, A = 1, so d = 2**-6 and M2 = 2**-12 (exact down to bfloat16).
         A selection that lets padding compete keeps such tokens first and so keeps more valid
         ones; NaN/inf padding never competes and 0 or huge padding never changes the cut."""
+
         def fill(a: np.ndarray, value: float) -> np.ndarray:
             return np.where(self.valid, a, value)
 
-        return Batch(fill(self.logp, -1.0 + 2.0 ** -6), fill(self.behavior_logp, -1.0), fill(self.advantages, 1.0), self.valid.copy(), self.tau)
+        return Batch(
+            fill(self.logp, -1.0 + 2.0**-6), fill(self.behavior_logp, -1.0), fill(self.advantages, 1.0), self.valid.copy(), self.tau
+        )
 
     def with_finite_padding(self, value: float = 0.0) -> Batch:
         """The same batch with every NaN/inf at an invalid position set to ``value`` (finite

@@ -36,7 +36,7 @@ def fsum(values: np.ndarray) -> float:
     hi_sums = np.zeros(_BUCKETS, dtype=np.int64)
     lo_sums = np.zeros(_BUCKETS, dtype=np.int64)
     for start in range(0, x.size, _CHUNK):
-        bits = x[start:start + _CHUNK].view(np.int64)
+        bits = x[start : start + _CHUNK].view(np.int64)
         bucket = (bits >> 52) & 0xFFF  # sign and biased exponent: the magnitudes are added per bucket
         exponents = bucket & 0x7FF
         if int(exponents.max()) == 0x7FF:  # inf or nan: fsum's own rules

@@ -63,7 +63,6 @@ class M2POResult:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in names and getattr(self, f.name) is not None}
 
 
-
 @dataclass(frozen=True)
 class PaddingProbe:
     """One padding probe whose result differed from the zero-padded run's: what filled the

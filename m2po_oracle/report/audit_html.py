@@ -39,14 +39,30 @@ def _series(steps: list[Mapping[str, Any]], name: str, top: float) -> str:
 
 def _view(report: Mapping[str, Any], directory: str) -> dict[str, Any]:
     steps = [s for s in report.get("steps") or [] if isinstance(s, Mapping)]
-    m2_top = max([v for s in steps for v in (_value(s.get("metrics") or {}, k) for k in ("m2_before", "m2_after", "tau")) if v is not None] or [1.0])
+    m2_top = max(
+        [v for s in steps for v in (_value(s.get("metrics") or {}, k) for k in ("m2_before", "m2_after", "tau")) if v is not None] or [1.0]
+    )
     worst = next((s for s in steps if s.get("step") == report.get("worst_step")), None)
     replay = shlex.join(["m2po-oracle", "audit", directory, "--step", str(worst["step"])]) if worst else ""
-    markers = [{"x": MARGIN + (WIDTH - 2 * MARGIN) * (i / max(len(steps) - 1, 1)), "verdict": s.get("verdict", ""), "step": s.get("step")}
-               for i, s in enumerate(steps)]
-    return {"report": report, "steps": steps, "worst": worst, "replay": replay, "markers": markers, "m2_top": m2_top,
-            "m2_before": _series(steps, "m2_before", m2_top), "m2_after": _series(steps, "m2_after", m2_top), "tau": _series(steps, "tau", m2_top),
-            "masked": _series(steps, "masked_fraction", 1.0), "width": WIDTH, "height": HEIGHT, "margin": MARGIN}
+    markers = [
+        {"x": MARGIN + (WIDTH - 2 * MARGIN) * (i / max(len(steps) - 1, 1)), "verdict": s.get("verdict", ""), "step": s.get("step")}
+        for i, s in enumerate(steps)
+    ]
+    return {
+        "report": report,
+        "steps": steps,
+        "worst": worst,
+        "replay": replay,
+        "markers": markers,
+        "m2_top": m2_top,
+        "m2_before": _series(steps, "m2_before", m2_top),
+        "m2_after": _series(steps, "m2_after", m2_top),
+        "tau": _series(steps, "tau", m2_top),
+        "masked": _series(steps, "masked_fraction", 1.0),
+        "width": WIDTH,
+        "height": HEIGHT,
+        "margin": MARGIN,
+    }
 
 
 def render_audit_html(report: Mapping[str, Any]) -> str:

@@ -24,18 +24,45 @@ def _plot(rows: list[dict[str, Any]]) -> dict[str, Any]:
     series = []
     for m in methods:
         points = [(px(math.log2(r["tokens"])), py(math.log10(max(r["median_ms"][m], 1e-6)))) for r in rows]
-        series.append({"name": m, "colour": colours.get(m, "#1d2430"), "points": " ".join(f"{x:.1f},{y:.1f}" for x, y in points), "label_y": points[-1][1] + 4})
-    return {"width": width, "height": height, "left": left, "top": top, "inner_w": inner_w, "inner_h": inner_h, "series": series,
-            "xticks": [{"x": px(math.log2(r["tokens"])), "label": f"2^{round(math.log2(r['tokens']))}"} for r in rows],
-            "yticks": [{"y": py(v), "label": f"{10.0 ** v:g} ms"} for v in range(y0, y1 + 1)]}
+        series.append(
+            {
+                "name": m,
+                "colour": colours.get(m, "#1d2430"),
+                "points": " ".join(f"{x:.1f},{y:.1f}" for x, y in points),
+                "label_y": points[-1][1] + 4,
+            }
+        )
+    return {
+        "width": width,
+        "height": height,
+        "left": left,
+        "top": top,
+        "inner_w": inner_w,
+        "inner_h": inner_h,
+        "series": series,
+        "xticks": [{"x": px(math.log2(r["tokens"])), "label": f"2^{round(math.log2(r['tokens']))}"} for r in rows],
+        "yticks": [{"y": py(v), "label": f"{10.0**v:g} ms"} for v in range(y0, y1 + 1)],
+    }
 
 
 def render_bench_html(record: dict[str, Any]) -> str:
     env = record.get("environment", {})
-    return environment(strict=False).get_template("bench.html.j2").render(
-        device=record["device"], threads=env.get("threads"), repeats=record["repeats"], tau=record["tau"], rows=record["rows"],
-        plot=_plot(record["rows"]), torch=env.get("torch"), platform=env.get("platform"), gpu=env.get("gpu"),
-        fused_passes=env.get("fused_passes", "not recorded"))
+    return (
+        environment(strict=False)
+        .get_template("bench.html.j2")
+        .render(
+            device=record["device"],
+            threads=env.get("threads"),
+            repeats=record["repeats"],
+            tau=record["tau"],
+            rows=record["rows"],
+            plot=_plot(record["rows"]),
+            torch=env.get("torch"),
+            platform=env.get("platform"),
+            gpu=env.get("gpu"),
+            fused_passes=env.get("fused_passes", "not recorded"),
+        )
+    )
 
 
 def write_bench_html(record: dict[str, Any], path: pathlib.Path) -> None:

@@ -78,8 +78,14 @@ def removal_curve(raw: Any) -> dict[str, Any]:
         k = n - r
         value = as_float(means[k - 1]) if k - 1 < len(means) else None
         points.append((r, k, value))
-        info["rows"].append({"removed": r, "kept": k, "mean": fmt(means[k - 1]) if k - 1 < len(means) else "\u2014",
-                             "within": value is not None and tau is not None and value <= tau})
+        info["rows"].append(
+            {
+                "removed": r,
+                "kept": k,
+                "mean": fmt(means[k - 1]) if k - 1 < len(means) else "\u2014",
+                "within": value is not None and tau is not None and value <= tau,
+            }
+        )
 
     finite = [v for _, _, v in points if v is not None and math.isfinite(v)]
     if tau is not None and math.isfinite(tau):
@@ -153,8 +159,14 @@ def removal_curve(raw: Any) -> dict[str, Any]:
             continue
         assert value is not None  # y_of gives a y for a number only
         segments[-1].append((x_of(r), y))
-        markers.append({"x": rounded(x_of(r)), "y": rounded(y), "within": None if tau is None or math.isnan(tau) else value <= tau,
-                        "title": f"removed {r}, kept {k}: mean M2 {fmt(value)}"})
+        markers.append(
+            {
+                "x": rounded(x_of(r)),
+                "y": rounded(y),
+                "within": None if tau is None or math.isnan(tau) else value <= tau,
+                "title": f"removed {r}, kept {k}: mean M2 {fmt(value)}",
+            }
+        )
     polylines = [" ".join(f"{rounded(x)},{rounded(y)}" for x, y in seg) for seg in segments if len(seg) > 1]
 
     x_step = max(1, int(_nice_step(n, 8)))
@@ -166,27 +178,35 @@ def removal_curve(raw: Any) -> dict[str, Any]:
     oracle = None
     if kmin is not None and kmax is not None:
         a, b = sorted((clamped(n - kmax, 0, n), clamped(n - kmin, 0, n)))
-        oracle = {"x1": rounded(x_of(a)), "x2": rounded(x_of(b)), "band": a != b, "removed": a if a == b else f"{a}-{b}",
-                  "width": rounded(max(x_of(b) - x_of(a), 0.0))}
+        oracle = {
+            "x1": rounded(x_of(a)),
+            "x2": rounded(x_of(b)),
+            "band": a != b,
+            "removed": a if a == b else f"{a}-{b}",
+            "width": rounded(max(x_of(b) - x_of(a), 0.0)),
+        }
     impl = None
     if kimpl is not None:
         removed = n - kimpl
         impl = {"x": rounded(x_of(clamped(removed, 0, n))), "removed": removed, "outside": not 0 <= removed <= n}
 
-    info.update({
-        "width": _W, "height": _H,
-        "plot": {"left": _ML, "top": _MT, "right": _ML + _PW, "bottom": _MT + _PH, "width": _PW, "height": _PH},
-        "log": log,
-        "polylines": polylines,
-        "markers": markers if len(markers) <= _MAX_MARKERS else [],
-        "clipped": clipped[:_MAX_MARKERS],
-        "x_ticks": x_ticks,
-        "y_ticks": [(rounded(y_scaled(v)), label) for v, label in y_ticks],
-        "tau_y": rounded(tau_y) if tau_y is not None else None,
-        "tau_clipped": tau_clip,
-        "oracle": oracle,
-        "impl": impl,
-    })
+    info.update(
+        {
+            "width": _W,
+            "height": _H,
+            "plot": {"left": _ML, "top": _MT, "right": _ML + _PW, "bottom": _MT + _PH, "width": _PW, "height": _PH},
+            "log": log,
+            "polylines": polylines,
+            "markers": markers if len(markers) <= _MAX_MARKERS else [],
+            "clipped": clipped[:_MAX_MARKERS],
+            "x_ticks": x_ticks,
+            "y_ticks": [(rounded(y_scaled(v)), label) for v, label in y_ticks],
+            "tau_y": rounded(tau_y) if tau_y is not None else None,
+            "tau_clipped": tau_clip,
+            "oracle": oracle,
+            "impl": impl,
+        }
+    )
     return info
 
 

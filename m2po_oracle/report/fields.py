@@ -64,15 +64,22 @@ class Field:
 
     def __post_init__(self) -> None:
         if not _valid_type(self.type):
-            raise ValueError(f"{self.path}: type {self.type!r} is not made of {', '.join(SCALARS)}, "
-                             "'array of', 'map of' and 'or'")
+            raise ValueError(f"{self.path}: type {self.type!r} is not made of {', '.join(SCALARS)}, 'array of', 'map of' and 'or'")
         if is_map(self.type) != bool(self.keys):
             raise ValueError(f"{self.path}: a map type needs keys= (what its keys are), and only a map has keys")
 
 
 #: A dataclass field's annotation -> its JSON type (an annotation not here needs ``types=``).
-ANNOTATIONS = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "None": "null",
-               "Path": "string", "object": "any", "Any": "any"}
+ANNOTATIONS = {
+    "str": "string",
+    "int": "integer",
+    "float": "number",
+    "bool": "boolean",
+    "None": "null",
+    "Path": "string",
+    "object": "any",
+    "Any": "any",
+}
 
 
 def json_type(annotation: Any) -> str:
@@ -129,11 +136,20 @@ class FromDataclass:
         stray = [n for d in (self.meanings, self.types, self.when, self.keys) for n in d if n not in names]
         if unmeant or stray:
             parts = ([f"fields without a meaning: {unmeant}"] if unmeant else []) + (
-                [f"declared, but no field of the dataclass: {sorted(set(stray))}"] if stray else [])
+                [f"declared, but no field of the dataclass: {sorted(set(stray))}"] if stray else []
+            )
             raise ValueError(f"{self.prefix} ({self.source}): " + "; ".join(parts))
         annotations = {f.name: f.type for f in dataclasses.fields(cls)}
-        return tuple(Field(f"{self.prefix}.{name}", self.types.get(name) or json_type(annotations[name]),
-                           self.meanings[name], self.when.get(name, ""), self.keys.get(name, "")) for name in names)
+        return tuple(
+            Field(
+                f"{self.prefix}.{name}",
+                self.types.get(name) or json_type(annotations[name]),
+                self.meanings[name],
+                self.when.get(name, ""),
+                self.keys.get(name, ""),
+            )
+            for name in names
+        )
 
 
 Declared = Field | FromDataclass
@@ -195,7 +211,7 @@ class Schema:
                 found.append(f"{path}: declared {declared[path].type}, found {_short(wrong)}")
         for f in fields:
             parent = parent_of(f.path)
-            key = f.path[len(parent) + 1:] if parent else f.path
+            key = f.path[len(parent) + 1 :] if parent else f.path
             if not f.when and any(isinstance(v, Mapping) and key not in v for v in values.get(parent, ())):
                 found.append(f"{f.path}: missing (declared with no condition, `when`)")
         return found
@@ -252,8 +268,7 @@ def values_at(record: Any, containers: Mapping[str, str]) -> dict[str, list[Any]
 
 def key_paths(record: Any, containers: Mapping[str, str]) -> dict[str, list[Any]]:
     """Every key path of ``record`` (a map's values as ``{}``) -> the values at it."""
-    return {path: values for path, values in values_at(record, containers).items()
-            if path and not path.endswith(("[]", "{}"))}
+    return {path: values for path, values in values_at(record, containers).items() if path and not path.endswith(("[]", "{}"))}
 
 
 def conforms(value: Any, type_: str, non_finite: tuple[str, ...] = ()) -> bool:
@@ -274,8 +289,9 @@ def conforms(value: Any, type_: str, non_finite: tuple[str, ...] = ()) -> bool:
 
 def _scalar(value: Any, type_: str, non_finite: tuple[str, ...]) -> bool:
     if type_ == "number":
-        return ((isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
-                or (isinstance(value, str) and value in non_finite))
+        return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)) or (
+            isinstance(value, str) and value in non_finite
+        )
     if type_ == "any":
         return not isinstance(value, float) or math.isfinite(value)
     if type_ == "integer":

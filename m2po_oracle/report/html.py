@@ -76,7 +76,14 @@ _DIAGNOSIS_WORD = {
     "not_needed": "not needed",
     "not_run": "not run",
 }
-_DIAGNOSIS_CLASS = {"matched": "bad", "mostly_explained": "bad", "partly_explained": "warn", "no_known_variant": "warn", "not_needed": "ok", "not_run": "neutral"}
+_DIAGNOSIS_CLASS = {
+    "matched": "bad",
+    "mostly_explained": "bad",
+    "partly_explained": "warn",
+    "no_known_variant": "warn",
+    "not_needed": "ok",
+    "not_run": "neutral",
+}
 # The one line a report without a diagnosis to show gets instead of the explanation box.
 DIAGNOSIS_NOTE = {
     "not_needed": "No explanation needed: no divergence was found.",
@@ -97,11 +104,18 @@ def view(report: Mapping[str, Any]) -> dict[str, Any]:
     verdict = as_text(report.get("verdict"), "unknown")
     examples = report.get("examples", options.get("examples"))
     raw_checks = [as_mapping(check) for check in as_list(report.get("checks"))]
-    diagnosis = (_diagnosis(report.get("diagnosis"), [(as_text(c.get("name"), "?"), as_text(c.get("status"), "?")) for c in raw_checks])
-                 if "diagnosis" in report else None)
+    diagnosis = (
+        _diagnosis(report.get("diagnosis"), [(as_text(c.get("name"), "?"), as_text(c.get("status"), "?")) for c in raw_checks])
+        if "diagnosis" in report
+        else None
+    )
     anchors = diagnosis["anchors"] if diagnosis is not None else {}
     builds = as_mapping(as_mapping(report.get("adapter")).get("builds"))
-    counterexamples = [counterexample_view(i, cx, anchors, builds) for i, cx in enumerate(as_list(report.get("counterexamples")), start=1) if isinstance(cx, Mapping)]
+    counterexamples = [
+        counterexample_view(i, cx, anchors, builds)
+        for i, cx in enumerate(as_list(report.get("counterexamples")), start=1)
+        if isinstance(cx, Mapping)
+    ]
     first_cx: dict[str, str] = {}
     for cx in counterexamples:
         for name in [cx["check"], *cx["checks"]]:
@@ -121,17 +135,28 @@ def view(report: Mapping[str, Any]) -> dict[str, Any]:
         name = as_text(check.get("name"), "?")
         status = as_text(check.get("status"), "?")
         failed = status == "fail"
-        checks.append({"name": name, "description": as_text(check.get("description")), "status": status, "failed": failed,
-                       "status_class": _CHECK_CLASS.get(status, "neutral"), "failures": fmt(check.get("failures")),
-                       "ran": fmt(check.get("ran")), "anchor": first_cx.get(name),
-                       "exercised": fmt(check.get("exercised")) if "exercised" in check else "\u2014",
-                       "failure_rate": _failure_rate(check.get("failures"), check.get("exercised"), check.get("failure_rate_upper_95")),
-                       "exercised_when": as_text(as_mapping(as_mapping(report.get("coverage")).get("exercised_when")).get(name)),
-                       # Only a failing check has something to explain.
-                       "explained_by": [linked(n, anchors) for n in by_check.get(name, [])] if failed else [],
-                       # A check the adapter cannot run says why (and often which binding would run it).
-                       "not_run_reason": _not_run_reason(name, not_run_reasons, adapted=bool(report.get("adapter"))) if status == "not run" else None,
-                       "unexplained": failed and name in unexplained})
+        checks.append(
+            {
+                "name": name,
+                "description": as_text(check.get("description")),
+                "status": status,
+                "failed": failed,
+                "status_class": _CHECK_CLASS.get(status, "neutral"),
+                "failures": fmt(check.get("failures")),
+                "ran": fmt(check.get("ran")),
+                "anchor": first_cx.get(name),
+                "exercised": fmt(check.get("exercised")) if "exercised" in check else "\u2014",
+                "failure_rate": _failure_rate(check.get("failures"), check.get("exercised"), check.get("failure_rate_upper_95")),
+                "exercised_when": as_text(as_mapping(as_mapping(report.get("coverage")).get("exercised_when")).get(name)),
+                # Only a failing check has something to explain.
+                "explained_by": [linked(n, anchors) for n in by_check.get(name, [])] if failed else [],
+                # A check the adapter cannot run says why (and often which binding would run it).
+                "not_run_reason": _not_run_reason(name, not_run_reasons, adapted=bool(report.get("adapter")))
+                if status == "not run"
+                else None,
+                "unexplained": failed and name in unexplained,
+            }
+        )
     failed = sum(1 for c in checks if c["failed"])
     not_run = sum(1 for c in checks if c["status"] == "not run")
     topology = topology_text(report.get("topology")) if report.get("topology") is not None else None
@@ -151,18 +176,46 @@ def view(report: Mapping[str, Any]) -> dict[str, Any]:
             ("compute dtype", as_text(options.get("compute_dtype"), "\u2014")),
             (f"{as_text(report.get('example_unit'), 'batches')} tried", fmt(examples)),
             ("seed", fmt(options.get("seed"))),
-            ("tau", f"drawn per {'step' if report.get('example_unit') == 'steps' else 'batch'}" if options.get("tau") is None else fmt(options.get("tau"))),
+            (
+                "tau",
+                f"drawn per {'step' if report.get('example_unit') == 'steps' else 'batch'}"
+                if options.get("tau") is None
+                else fmt(options.get("tau")),
+            ),
             ("device", as_text(options.get("device"), "\u2014")),
             ("duration", duration_text(report.get("duration_s"))),
-            *([("capture", f"{as_text(capture.get('directory'))} ({fmt(capture.get('steps'))} steps): m2po-oracle audit {as_text(capture.get('directory'))}")]
-              if isinstance(capture := report.get("capture"), Mapping) else []),
-            *([("bindings", ", ".join(as_text(b) for b in as_list(adapter.get("bindings"))))]
-              if (adapter := as_mapping(report.get("adapter"))) and adapter.get("bindings") else []),
+            *(
+                [
+                    (
+                        "capture",
+                        f"{as_text(capture.get('directory'))} ({fmt(capture.get('steps'))} steps): m2po-oracle audit {as_text(capture.get('directory'))}",
+                    )
+                ]
+                if isinstance(capture := report.get("capture"), Mapping)
+                else []
+            ),
+            *(
+                [("bindings", ", ".join(as_text(b) for b in as_list(adapter.get("bindings"))))]
+                if (adapter := as_mapping(report.get("adapter"))) and adapter.get("bindings")
+                else []
+            ),
             # Last and full width: the call the adapter makes is a line of its own.
-            *([("adapter", f"{as_text(adapter.get('name'))}: {as_text(adapter.get('call'), as_text(adapter.get('signature')))}")] if adapter else []),
+            *(
+                [("adapter", f"{as_text(adapter.get('name'))}: {as_text(adapter.get('call'), as_text(adapter.get('signature')))}")]
+                if adapter
+                else []
+            ),
             # Which of the port's values each metric check judged (its own names, e.g. 'm2' read as m2_before).
-            *([("metrics read", ", ".join(f"{as_text(k)} \u2190 {as_text(v)}" for k, v in as_mapping(adapter.get("metrics_read")).items()))]
-              if adapter and as_mapping(adapter.get("metrics_read")) else []),
+            *(
+                [
+                    (
+                        "metrics read",
+                        ", ".join(f"{as_text(k)} \u2190 {as_text(v)}" for k, v in as_mapping(adapter.get("metrics_read")).items()),
+                    )
+                ]
+                if adapter and as_mapping(adapter.get("metrics_read"))
+                else []
+            ),
         ],
         "checks": checks,
         "checks_failed": failed,
@@ -179,7 +232,12 @@ def view(report: Mapping[str, Any]) -> dict[str, Any]:
         "validation": _validation(report.get("validation")) if "validation" in report else None,
         "collectives": collectives_view(report.get("collectives_per_step")) if "collectives_per_step" in report else None,
         "tolerances": [
-            {"dtype": as_text(t.get("dtype")), "quantity": as_text(t.get("quantity")), "rtol": fmt(t.get("rtol")), "atol": fmt(t.get("atol"))}
+            {
+                "dtype": as_text(t.get("dtype")),
+                "quantity": as_text(t.get("quantity")),
+                "rtol": fmt(t.get("rtol")),
+                "atol": fmt(t.get("atol")),
+            }
             for t in map(as_mapping, as_list(report.get("tolerances")))
         ],
         "environment": [(as_text(k), as_text(v, "\u2014")) for k, v in as_mapping(report.get("environment")).items()],
@@ -187,7 +245,7 @@ def view(report: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _failure_rate(failures: Any, exercised: Any, upper: Any) -> str:
-    """"< 0.6%" with no failure, "30% (< 42%)" with some, a dash where nothing was exercised
+    """ "< 0.6%" with no failure, "30% (< 42%)" with some, a dash where nothing was exercised
     (or the report predates the bound)."""
     n, f, bound = as_int(exercised), as_int(failures), as_float(upper)
     if n is None or n <= 0 or f is None or f < 0 or bound is None or not 0 <= bound <= 1:
@@ -205,10 +263,13 @@ def _coverage(raw: Any) -> dict[str, Any]:
     def counts(value: Any) -> list[tuple[str, str]]:
         return [(as_text(k), fmt(v)) for k, v in as_mapping(value).items()]
 
-    return {"examples": fmt(raw.get("examples")), "judged": fmt(raw.get("judged")),
-            "families": counts(raw.get("families")),
-            "features": [(name, count, as_text(descriptions.get(name))) for name, count in counts(raw.get("features"))],
-            "unmeasured": fmt(raw.get("unmeasured")) if raw.get("unmeasured") else None}
+    return {
+        "examples": fmt(raw.get("examples")),
+        "judged": fmt(raw.get("judged")),
+        "families": counts(raw.get("families")),
+        "features": [(name, count, as_text(descriptions.get(name))) for name, count in counts(raw.get("features"))],
+        "unmeasured": fmt(raw.get("unmeasured")) if raw.get("unmeasured") else None,
+    }
 
 
 def _cause_groups(counterexamples: list[dict[str, Any]], diagnosis: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -264,20 +325,34 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
 
     def entry(name: str) -> dict[str, Any]:
         m = matches.get(name, {})
-        return {"name": name, "anchor": anchors.get(name), "description": as_text(m.get("description")), "source": as_text(m.get("source")),
-                "evidence": as_text(m.get("evidence")), "checks": explains(name)}
+        return {
+            "name": name,
+            "anchor": anchors.get(name),
+            "description": as_text(m.get("description")),
+            "source": as_text(m.get("source")),
+            "evidence": as_text(m.get("evidence")),
+            "checks": explains(name),
+        }
 
     closest = []
     for c in map(as_mapping, as_list(d.get("closest"))):
         agreed = number_or_zero(c.get("agreed"))
         if agreed <= 0:  # a variant that agrees nowhere is no lead
             continue
-        closest.append({"variant": as_text(c.get("variant")), "description": as_text(c.get("description")), "source": as_text(c.get("source")),
-                        "agreed": fmt(c.get("agreed")), "agreed_n": agreed, "of": fmt(c.get("of")),
-                        "first_difference": as_text(c.get("first_difference"))})
+        closest.append(
+            {
+                "variant": as_text(c.get("variant")),
+                "description": as_text(c.get("description")),
+                "source": as_text(c.get("source")),
+                "agreed": fmt(c.get("agreed")),
+                "agreed_n": agreed,
+                "of": fmt(c.get("of")),
+                "first_difference": as_text(c.get("first_difference")),
+            }
+        )
     summary = as_text(d.get("summary")).strip()
     if summary.lower().startswith(word.lower() + ":"):  # the badge already says it
-        summary = summary[len(word) + 1:].strip()
+        summary = summary[len(word) + 1 :].strip()
     return {
         "status": status,
         "status_class": _DIAGNOSIS_CLASS.get(status, "neutral"),
@@ -286,7 +361,9 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
         "note": DIAGNOSIS_NOTE.get(status, ""),
         "summary": summary or _DIAGNOSIS_TEXT.get(status, "" if status in _DIAGNOSIS_WORD else "Diagnosis status not recognised."),
         "examples_compared": fmt(d.get("examples_compared")),
-        "examples_searched": fmt(d.get("examples_searched")) if d.get("examples_searched") not in (None, d.get("examples_compared")) else None,
+        "examples_searched": fmt(d.get("examples_searched"))
+        if d.get("examples_searched") not in (None, d.get("examples_compared"))
+        else None,
         "components": [entry(name) for name in components],
         "others": [entry(name) for name in described if name not in components],
         "by_check": by_check,
@@ -294,28 +371,58 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
         "anchors": anchors,
         "alternatives": [[linked(name, anchors) for name in as_names(alt)] for alt in as_list(d.get("alternatives")) if as_names(alt)],
         "alternatives_reason": as_text(d.get("alternatives_reason")) if d.get("alternatives_reason") else ALIKE,
-        "findings": [{"kind": as_text(f.get("kind")), "checks": as_names(f.get("checks")), "summary": as_text(f.get("summary"))}
-                     for f in map(as_mapping, as_list(d.get("findings")))],
-        "hints": [{"checks": as_names(h.get("checks")), "text": as_text(h.get("text")),
-                   "option": as_text(h.get("option")) if h.get("option") is not None else None}
-                  for h in map(as_mapping, as_list(d.get("hints")))],
+        "findings": [
+            {"kind": as_text(f.get("kind")), "checks": as_names(f.get("checks")), "summary": as_text(f.get("summary"))}
+            for f in map(as_mapping, as_list(d.get("findings")))
+        ],
+        "hints": [
+            {
+                "checks": as_names(h.get("checks")),
+                "text": as_text(h.get("text")),
+                "option": as_text(h.get("option")) if h.get("option") is not None else None,
+            }
+            for h in map(as_mapping, as_list(d.get("hints")))
+        ],
         "closest": closest,
-        "shares": [{"check": as_text(check), "explained": fmt(v.get("explained")), "of": fmt(v.get("of")),
-                    "percent": percent(number_or_zero(v.get("share"))), "partial": number_or_zero(v.get("share")) < 1,
-                    "contradicted": fmt(v.get("contradicted")) if v.get("contradicted") else None,
-                    "components": [linked(n, anchors) for n in as_names(v.get("components"))]}
-                   for check, v in ((c, as_mapping(v)) for c, v in as_mapping(d.get("shares")).items())],
-        "residuals": [{"checks": as_names(r.get("checks")), "count": fmt(r.get("count")), "unexplained": bool(r.get("unexplained")),
-                       "contradicted": fmt(r.get("contradicted")) if r.get("contradicted") else None,
-                       "float32_fits": fmt(r.get("float32_fits")) if r.get("float32_fits") else None,
-                       "against": " + ".join(as_names(r.get("explanation"))) or "Algorithm 1",
-                       "features": [{"feature": as_text(f.get("feature")), "residual": fmt(f.get("residual")), "of": fmt(f.get("of")),
-                                     "explained": fmt(f.get("explained")), "explained_of": fmt(f.get("explained_of")),
-                                     "description": as_text(f.get("description"))} for f in map(as_mapping, as_list(r.get("features")))],
-                       "difference": as_text(as_mapping(r.get("counterexample")).get("difference")),
-                       "replay": as_text(as_mapping(r.get("counterexample")).get("replay")),
-                       "batch": json.dumps(as_mapping(r.get("counterexample")).get("batch")) if as_mapping(r.get("counterexample")).get("batch") else ""}
-                      for r in map(as_mapping, as_list(d.get("residuals")))],
+        "shares": [
+            {
+                "check": as_text(check),
+                "explained": fmt(v.get("explained")),
+                "of": fmt(v.get("of")),
+                "percent": percent(number_or_zero(v.get("share"))),
+                "partial": number_or_zero(v.get("share")) < 1,
+                "contradicted": fmt(v.get("contradicted")) if v.get("contradicted") else None,
+                "components": [linked(n, anchors) for n in as_names(v.get("components"))],
+            }
+            for check, v in ((c, as_mapping(v)) for c, v in as_mapping(d.get("shares")).items())
+        ],
+        "residuals": [
+            {
+                "checks": as_names(r.get("checks")),
+                "count": fmt(r.get("count")),
+                "unexplained": bool(r.get("unexplained")),
+                "contradicted": fmt(r.get("contradicted")) if r.get("contradicted") else None,
+                "float32_fits": fmt(r.get("float32_fits")) if r.get("float32_fits") else None,
+                "against": " + ".join(as_names(r.get("explanation"))) or "Algorithm 1",
+                "features": [
+                    {
+                        "feature": as_text(f.get("feature")),
+                        "residual": fmt(f.get("residual")),
+                        "of": fmt(f.get("of")),
+                        "explained": fmt(f.get("explained")),
+                        "explained_of": fmt(f.get("explained_of")),
+                        "description": as_text(f.get("description")),
+                    }
+                    for f in map(as_mapping, as_list(r.get("features")))
+                ],
+                "difference": as_text(as_mapping(r.get("counterexample")).get("difference")),
+                "replay": as_text(as_mapping(r.get("counterexample")).get("replay")),
+                "batch": json.dumps(as_mapping(r.get("counterexample")).get("batch"))
+                if as_mapping(r.get("counterexample")).get("batch")
+                else "",
+            }
+            for r in map(as_mapping, as_list(d.get("residuals")))
+        ],
     }
 
 
@@ -344,9 +451,16 @@ def _validation(raw: Any) -> dict[str, Any]:
         status_class, note = _PROBE_CLASS.get(status, "neutral"), _PROBE_NOTE.get(status, status)
         if p.get("expected") == "warned" and status == "rejected":
             status_class, note = "warn", "refused a setting that should be allowed with a warning"
-        probes.append({"probe": as_text(p.get("probe")), "description": as_text(p.get("description")), "status": status,
-                       "status_class": status_class, "note": note,
-                       "message": as_text(p.get("message"))})
+        probes.append(
+            {
+                "probe": as_text(p.get("probe")),
+                "description": as_text(p.get("description")),
+                "status": status,
+                "status_class": status_class,
+                "note": note,
+                "message": as_text(p.get("message")),
+            }
+        )
     strict = v.get("strict")
     return {
         "strict": "yes" if strict is True else "no" if strict is False else fmt(strict),
@@ -371,5 +485,3 @@ def _not_run_reason(check: str, reasons: Mapping[str, Any], *, adapted: bool) ->
 
 
 # --- removal curve -------------------------------------------------------------------------
-
-

@@ -48,7 +48,7 @@ def _bytes(value: Any) -> str:
     n = as_int(value)
     if n is None:
         return fmt(value)
-    if abs(n) >= 1024 ** 6:  # beyond PiB: a hand-edited report; float() could overflow
+    if abs(n) >= 1024**6:  # beyond PiB: a hand-edited report; float() could overflow
         return f"{n} B"
     size, unit = float(abs(n)), "B"
     for next_unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
@@ -78,14 +78,18 @@ def collectives_view(raw: Any) -> dict[str, Any]:
             totals[kind][0] += calls
         if size is not None:
             totals[kind][1] += size
-        return {"calls": fmt(stats.get("calls")), "bytes": _bytes(stats.get("bytes")),
-                "exact": f"{size} bytes" if size is not None else ""}
+        return {"calls": fmt(stats.get("calls")), "bytes": _bytes(stats.get("bytes")), "exact": f"{size} bytes" if size is not None else ""}
 
     rows = []
     for entry in entries[:_MAX_RANKS]:
         stats = {as_text(k): v for k, v in as_mapping(entry.get("collectives")).items()}
-        rows.append({"rank": fmt(entry.get("rank")), "coords": _coords(entry.get("coords")),
-                     "cells": [cell(stats.get(kind), kind) for kind in kinds]})
+        rows.append(
+            {
+                "rank": fmt(entry.get("rank")),
+                "coords": _coords(entry.get("coords")),
+                "cells": [cell(stats.get(kind), kind) for kind in kinds],
+            }
+        )
     for entry in entries[_MAX_RANKS:]:  # counted in the totals even when not drawn
         stats = {as_text(k): v for k, v in as_mapping(entry.get("collectives")).items()}
         for kind in kinds:
@@ -152,9 +156,14 @@ def ranks_view(raw: Any, number: int, padding: Set[tuple[int, int]] = frozenset(
     """
     entries = as_list(raw)
     ranks = [e for e in entries if isinstance(e, Mapping)]
-    info: dict[str, Any] = {"malformed": not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or len(ranks) != len(entries),
-                            "rows": [], "groups": [], "truncated": False, "hidden": max(len(ranks) - _MAX_RANKS, 0),
-                            "limit": f"{_MASK_ROWS} rows \u00d7 {_MASK_COLS} tokens"}
+    info: dict[str, Any] = {
+        "malformed": not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or len(ranks) != len(entries),
+        "rows": [],
+        "groups": [],
+        "truncated": False,
+        "hidden": max(len(ranks) - _MAX_RANKS, 0),
+        "limit": f"{_MASK_ROWS} rows \u00d7 {_MASK_COLS} tokens",
+    }
     masks = [_mask(r.get("keep")) for r in ranks]
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(ranks):
@@ -180,9 +189,14 @@ def ranks_view(raw: Any, number: int, padding: Set[tuple[int, int]] = frozenset(
         mask = masks[i]
         error, stack = r.get("error"), r.get("stack")
         row: dict[str, Any] = {
-            "rank": fmt(r.get("rank")), "coords": _coords(r.get("coords")), "rows": _rows_text(r.get("rows")),
-            "loss": r.get("loss"), "diverges": i in label, "variant": label.get(i, ""),
-            "error": as_text(error) if error is not None else None, "stack": as_text(stack) if stack is not None else None,
+            "rank": fmt(r.get("rank")),
+            "coords": _coords(r.get("coords")),
+            "rows": _rows_text(r.get("rows")),
+            "loss": r.get("loss"),
+            "diverges": i in label,
+            "variant": label.get(i, ""),
+            "error": as_text(error) if error is not None else None,
+            "stack": as_text(stack) if stack is not None else None,
             "anchor": f"cx-{number}-rank-{i}",
         }
         row["status"] = "error" if error is not None else "hung" if stack is not None else "returned" if mask is not None else "no mask"
@@ -194,21 +208,38 @@ def ranks_view(raw: Any, number: int, padding: Set[tuple[int, int]] = frozenset(
             # Rows are labelled with their index in the optimizer batch where the report says where the rank's rows start.
             start = as_int(as_list(r.get("rows"))[0]) if as_list(r.get("rows")) else None
             first = start or 0
-            shown = [(str(first + ri), [{"text": "?" if c is None else str(c), "cls": _BIT_CLASS.get(c, "ku"),
-                                         "padding": start is not None and (first + ri, ci) in padding,
-                                         "differs": ref is not None and _cell(ref, ri, ci) != c}
-                                        for ci, c in enumerate(mask_row[:_MASK_COLS])])
-                     for ri, mask_row in enumerate(mask[:_MASK_ROWS])]
+            shown = [
+                (
+                    str(first + ri),
+                    [
+                        {
+                            "text": "?" if c is None else str(c),
+                            "cls": _BIT_CLASS.get(c, "ku"),
+                            "padding": start is not None and (first + ri, ci) in padding,
+                            "differs": ref is not None and _cell(ref, ri, ci) != c,
+                        }
+                        for ci, c in enumerate(mask_row[:_MASK_COLS])
+                    ],
+                )
+                for ri, mask_row in enumerate(mask[:_MASK_ROWS])
+            ]
             if ref is None or ref == mask:
                 row["differ"] = 0
             else:  # over the whole mask, not just the part drawn, and positions only one side has
                 height = max(len(mask), len(ref))
-                row["differ"] = sum(_cell(mask, ri, ci) != _cell(ref, ri, ci) for ri in range(height)
-                                    for ci in range(max(len(mask[ri]) if ri < len(mask) else 0, len(ref[ri]) if ri < len(ref) else 0)))
+                row["differ"] = sum(
+                    _cell(mask, ri, ci) != _cell(ref, ri, ci)
+                    for ri in range(height)
+                    for ci in range(max(len(mask[ri]) if ri < len(mask) else 0, len(ref[ri]) if ri < len(ref) else 0))
+                )
             cut = len(mask) > _MASK_ROWS or any(len(line) > _MASK_COLS for line in mask)
             info["truncated"] = info["truncated"] or cut
-            row.update(kept=f"{sum(1 for line in mask for c in line if c == 1)} / {sum(len(line) for line in mask)}", grid=shown, unreadable=False,
-                       cut=f"{len(mask)} \u00d7 {max((len(line) for line in mask), default=0)}" if cut else "")
+            row.update(
+                kept=f"{sum(1 for line in mask for c in line if c == 1)} / {sum(len(line) for line in mask)}",
+                grid=shown,
+                unreadable=False,
+                cut=f"{len(mask)} \u00d7 {max((len(line) for line in mask), default=0)}" if cut else "",
+            )
         info["rows"].append(row)
     info["diverging"] = len(label)
     info["failed"] = [row for row in info["rows"] if row["error"] is not None or row["stack"] is not None]

@@ -23,42 +23,56 @@ CAPTURE_NON_FINITE = ("NaN", "Infinity", "-Infinity")
 
 AUDIT: tuple[Declared, ...] = (
     Field("schema", "string", "the schema id"),
-    Field("verdict", "string", "`equivalent`, `divergent` or `unusable` (exit status 0 / 1 / 2): divergent where a "
-          "step is; unusable where the capture was refused or no step could be audited"),
+    Field(
+        "verdict",
+        "string",
+        "`equivalent`, `divergent` or `unusable` (exit status 0 / 1 / 2): divergent where a "
+        "step is; unusable where the capture was refused or no step could be audited",
+    ),
     Field("capture", "object", "the capture audited"),
     Field("capture.directory", "string", "its directory"),
     Field("capture.world_size", "integer or null", "ranks, as the manifests say; null: no manifest could be read"),
-    Field("capture.topology", "string or null", "`dp=N,cp=N,tp=N`, as the manifests say; null: no manifest could be "
-          "read"),
+    Field("capture.topology", "string or null", "`dp=N,cp=N,tp=N`, as the manifests say; null: no manifest could be read"),
     Field("capture.steps", "array of integer", "the optimizer steps audited"),
-    Field("capture.problems", "array of string", "what is wrong with its files (each names the file); the steps they "
-          "touch are unusable"),
+    Field("capture.problems", "array of string", "what is wrong with its files (each names the file); the steps they touch are unusable"),
     Field("capture.refused", "string or null", "why the capture could not be audited at all; else null"),
     Field("steps", "array of object", "one per step audited"),
-    FromDataclass("steps[]", "m2po_oracle.audit.records:StepAudit", {
-        "step": "the optimizer step",
-        "verdict": "`equivalent`, `divergent` or `unusable`",
-        "checks": "every audit check on it (see the checks reference)",
-        "diagnosis": "the deviations the files reproduce (see the deviations reference)",
-        "metrics": "the optimizer batch's, as Algorithm 1 computes them",
-        "counterexample": "what shows the step's first failing check (by `TABLE_ORDER` of `m2po_oracle.audit`)",
-        "alternatives": "per deviation named, the others that reproduce this step identically",
-        "observations": "what the files show beyond the names (a divergent step): that no known deviation explains it, the divisor "
-                        "the recorded losses imply against N",
-    }, types={"checks": "array of object", "metrics": "object", "counterexample": "object",
-              "alternatives": "map of array of string", "observations": "array of string"},
-       when={"counterexample": "the worst step only (most failing checks, the earliest among equals)"},
-       keys={"alternatives": "a deviation in `diagnosis`"}),
-    FromDataclass("steps[].checks[]", "m2po_oracle.audit.records:AuditCheck", {
-        "name": "the check", "status": "`pass`, `fail` or `not run`", "summary": "what it found, in one line"}),
+    FromDataclass(
+        "steps[]",
+        "m2po_oracle.audit.records:StepAudit",
+        {
+            "step": "the optimizer step",
+            "verdict": "`equivalent`, `divergent` or `unusable`",
+            "checks": "every audit check on it (see the checks reference)",
+            "diagnosis": "the deviations the files reproduce (see the deviations reference)",
+            "metrics": "the optimizer batch's, as Algorithm 1 computes them",
+            "counterexample": "what shows the step's first failing check (by `TABLE_ORDER` of `m2po_oracle.audit`)",
+            "alternatives": "per deviation named, the others that reproduce this step identically",
+            "observations": "what the files show beyond the names (a divergent step): that no known deviation explains it, the divisor "
+            "the recorded losses imply against N",
+        },
+        types={
+            "checks": "array of object",
+            "metrics": "object",
+            "counterexample": "object",
+            "alternatives": "map of array of string",
+            "observations": "array of string",
+        },
+        when={"counterexample": "the worst step only (most failing checks, the earliest among equals)"},
+        keys={"alternatives": "a deviation in `diagnosis`"},
+    ),
+    FromDataclass(
+        "steps[].checks[]",
+        "m2po_oracle.audit.records:AuditCheck",
+        {"name": "the check", "status": "`pass`, `fail` or `not run`", "summary": "what it found, in one line"},
+    ),
     Field("steps[].metrics.m2_before", "number", "M2 over the trust region before masking"),
     Field("steps[].metrics.m2_after", "number", "M2 over the kept trust-region tokens"),
     Field("steps[].metrics.masked_fraction", "number", "masked share of the trust region"),
     Field("steps[].metrics.tau", "number", "the budget"),
     Field("steps[].counterexample.check", "string", "the failing check it shows"),
     Field("steps[].counterexample.note", "string", "what its rows are"),
-    Field("steps[].counterexample.tokens", "array of object", "the tokens that show it (24 at most), the largest "
-          "difference first"),
+    Field("steps[].counterexample.tokens", "array of object", "the tokens that show it (24 at most), the largest difference first"),
     Field("steps[].counterexample.tokens[].row", "integer", "the token's row in the optimizer batch"),
     Field("steps[].counterexample.tokens[].position", "integer", "its position in the row"),
     Field("steps[].counterexample.tokens[].rank", "integer or null", "the rank that recorded it; null on padding"),
@@ -67,36 +81,43 @@ AUDIT: tuple[Declared, ...] = (
     Field("steps[].counterexample.tokens[].m2", "number", "d^2"),
     Field("steps[].counterexample.tokens[].advantage", "number", "its advantage"),
     Field("steps[].counterexample.tokens[].keep", "boolean", "whether the run kept it"),
-    Field("steps[].counterexample.tokens[].algorithm_1_keeps", "boolean", "whether Algorithm 1 keeps it, on the "
-          "optimizer batch"),
-    Field("steps[].counterexample.tokens[].grad", "number or null", "the captured gradient; null where none was "
-          "captured"),
+    Field("steps[].counterexample.tokens[].algorithm_1_keeps", "boolean", "whether Algorithm 1 keeps it, on the optimizer batch"),
+    Field("steps[].counterexample.tokens[].grad", "number or null", "the captured gradient; null where none was captured"),
     Field("steps[].counterexample.tokens[].expected_grad", "number", "`-(1/N) keep exp(d) A` with the global N"),
-    Field("steps[].counterexample.tokens[].compared", "object", "the two log-probs the check compares",
-          when="a table of `audit.behavior_logp` or `audit.policy_logp`"),
+    Field(
+        "steps[].counterexample.tokens[].compared",
+        "object",
+        "the two log-probs the check compares",
+        when="a table of `audit.behavior_logp` or `audit.policy_logp`",
+    ),
     Field("steps[].counterexample.tokens[].compared.what", "string", "which two"),
     Field("steps[].counterexample.tokens[].compared.captured", "number", "the one the loss used"),
     Field("steps[].counterexample.tokens[].compared.expected", "number", "the one it must equal"),
-    Field("steps[].counterexample.values", "array of object", "the logged values that show it (24 at most), for "
-          "`audit.metrics` and `audit.parameter_gradient`"),
+    Field(
+        "steps[].counterexample.values",
+        "array of object",
+        "the logged values that show it (24 at most), for `audit.metrics` and `audit.parameter_gradient`",
+    ),
     Field("steps[].counterexample.values[].where", "string", "the record or rank"),
     Field("steps[].counterexample.values[].name", "string", "the metric or parameter"),
     Field("steps[].counterexample.values[].captured", "number or null", "the logged value; null: no gradient"),
-    Field("steps[].counterexample.values[].expected", "number or string", "the optimizer batch's value, or what a "
-          "gradient norm must be"),
+    Field("steps[].counterexample.values[].expected", "number or string", "the optimizer batch's value, or what a gradient norm must be"),
     Field("steps[].counterexample.shown", "integer", "rows shown"),
     Field("steps[].counterexample.of", "integer", "rows found"),
     Field("steps[].counterexample.tau", "number", "the budget"),
     Field("steps[].counterexample.valid_count", "integer", "the optimizer batch's N"),
     Field("steps[].counterexample.replay", "string", "the command that audits this step alone"),
     Field("worst_step", "integer or null", "the divergent step with the most failing checks; null: none"),
-    Field("descriptions", "map of string", "what each deviation named in any step means",
-          keys="a deviation named in `steps[].diagnosis` or `steps[].alternatives`"),
+    Field(
+        "descriptions",
+        "map of string",
+        "what each deviation named in any step means",
+        keys="a deviation named in `steps[].diagnosis` or `steps[].alternatives`",
+    ),
 )
 
 CAPTURE: tuple[Declared, ...] = (
-    Field("schema", "string", "the schema id (each safetensors file's header repeats it, with the rank, step and "
-          "micro-batch)"),
+    Field("schema", "string", "the schema id (each safetensors file's header repeats it, with the rank, step and micro-batch)"),
     Field("rank", "integer", "the global rank that wrote this manifest"),
     Field("world_size", "integer", "ranks in the run"),
     Field("topology", "string", "`dp=N,cp=N,tp=N`, Megatron order"),
@@ -108,9 +129,13 @@ CAPTURE: tuple[Declared, ...] = (
     Field("versions.safetensors", "string", "safetensors' version"),
     Field("versions.m2po-oracle", "string or null", "the toolkit's version; null for a vendored recorder"),
     Field("created", "string", "when the manifest was created, ISO 8601 in UTC"),
-    Field("parameter_gradients", "map of map of object", "each trainable parameter's gradient norm on this rank, per "
-          "step", keys="a step number (as a string), then a parameter's name",
-          when="`record_parameter_gradients` called on a recorded step"),
+    Field(
+        "parameter_gradients",
+        "map of map of object",
+        "each trainable parameter's gradient norm on this rank, per step",
+        keys="a step number (as a string), then a parameter's name",
+        when="`record_parameter_gradients` called on a recorded step",
+    ),
     Field("parameter_gradients{}{}.numel", "integer", "the parameter's elements on this rank"),
     Field("parameter_gradients{}{}.norm", "number or null", "its gradient's L2 norm; null: no gradient"),
     Field("records", "array of object", "one per recorded micro-batch, in the order recorded"),
@@ -119,9 +144,13 @@ CAPTURE: tuple[Declared, ...] = (
     Field("records[].file", "string", "the tensors' safetensors file, relative to the capture directory"),
     Field("records[].crc32", "integer", "the file's CRC-32"),
     Field("records[].device", "string", "where the tensors were"),
-    Field("records[].tensors", "map of object", "the tensors in the file",
-          keys="`logp`, `behavior_logp`, `advantages`, `mask`, `keep`, then `selection_logp` and `rollout_logp` where "
-          "recorded (`TENSOR_NAMES`, `OPTIONAL_TENSOR_NAMES` of the recorder)"),
+    Field(
+        "records[].tensors",
+        "map of object",
+        "the tensors in the file",
+        keys="`logp`, `behavior_logp`, `advantages`, `mask`, `keep`, then `selection_logp` and `rollout_logp` where "
+        "recorded (`TENSOR_NAMES`, `OPTIONAL_TENSOR_NAMES` of the recorder)",
+    ),
     Field("records[].tensors{}.dtype", "string", "its dtype"),
     Field("records[].tensors{}.shape", "array of integer", "its shape"),
     Field("records[].loss", "number", "this micro-batch's loss as the framework computed it"),
@@ -145,8 +174,7 @@ BENCH: tuple[Declared, ...] = (
     Field("rows", "array of object", "one per size"),
     Field("rows[].tokens", "integer", "tokens in the batch"),
     Field("rows[].candidates", "integer", "trust-region candidates"),
-    Field("rows[].identical", "boolean", "sort's, radix's and both forwards' masks agree, and the two forwards' "
-          "losses"),
+    Field("rows[].identical", "boolean", "sort's, radix's and both forwards' masks agree, and the two forwards' losses"),
     Field("rows[].median_ms", "map of number", "each method's median time, ms", keys=_METHODS),
     Field("rows[].best_ms", "map of number", "each method's best time, ms", keys=_METHODS),
     Field("rows[].sort_over_radix", "number", "median sort / median radix"),
@@ -169,25 +197,31 @@ BENCH: tuple[Declared, ...] = (
     Field("environment.platform", "string", "the platform"),
     Field("environment.gpu", "string or null", "the GPU; null on the CPU"),
     Field("environment.fused_passes", "string", "`built`, or why the fused CPU passes are not used"),
-    Field("across_ranks", "object", "histogram rounds against an all-gather, on a gloo world",
-          when="with --ranks only"),
+    Field("across_ranks", "object", "histogram rounds against an all-gather, on a gloo world", when="with --ranks only"),
     Field("across_ranks.world_size", "integer", "ranks"),
     Field("across_ranks.tokens_per_rank", "integer", "tokens per rank (the largest size)"),
     Field("across_ranks.identical", "boolean", "both keep the same tokens on every rank"),
     Field("across_ranks.median_ms", "object", "the slowest rank's median time, ms"),
     Field("across_ranks.median_ms.histogram", "number", "histogram rounds"),
     Field("across_ranks.median_ms.all_gather", "number", "all-gather"),
-    Field("across_ranks.traffic_rank0", "map of map of object", "rank 0's collectives per method",
-          keys="`histogram` or `all_gather`, then a collective's kind"),
+    Field(
+        "across_ranks.traffic_rank0",
+        "map of map of object",
+        "rank 0's collectives per method",
+        keys="`histogram` or `all_gather`, then a collective's kind",
+    ),
     Field("across_ranks.traffic_rank0{}{}.calls", "integer", "calls"),
     Field("across_ranks.traffic_rank0{}{}.bytes", "integer", "bytes sent"),
     Field("across_ranks.per_rank", "array of object", "every rank's figures"),
     Field("across_ranks.per_rank[].identical", "boolean", "both keep the same tokens on this rank"),
     Field("across_ranks.per_rank[].kept", "integer", "tokens kept on this rank"),
-    Field("across_ranks.per_rank[].median_ms", "map of number", "its median times, ms",
-          keys="`histogram` or `all_gather`"),
-    Field("across_ranks.per_rank[].traffic", "map of map of object", "its collectives per method",
-          keys="`histogram` or `all_gather`, then a collective's kind"),
+    Field("across_ranks.per_rank[].median_ms", "map of number", "its median times, ms", keys="`histogram` or `all_gather`"),
+    Field(
+        "across_ranks.per_rank[].traffic",
+        "map of map of object",
+        "its collectives per method",
+        keys="`histogram` or `all_gather`, then a collective's kind",
+    ),
     Field("across_ranks.per_rank[].traffic{}{}.calls", "integer", "calls"),
     Field("across_ranks.per_rank[].traffic{}{}.bytes", "integer", "bytes sent"),
     Field("across_ranks.forward_syncs", "array of object", "the distributed forward's would-sync operators, per rank"),
@@ -246,22 +280,52 @@ BENCH_AUDIT: tuple[Declared, ...] = (
 )
 
 #: Every JSON record the toolkit writes, by name.
-SCHEMAS: dict[str, Schema] = {schema.name: schema for schema in (
-    Schema("compare", "m2po_oracle.compare.report:SCHEMA", "`m2po-oracle compare --json PATH` (and the pytest plugin's "
-           "and `python -m m2po_oracle.torchrun`'s)", "A run of a loss function, a distributed step or a training step "
-           "against Algorithm 1; the HTML report is rendered from it and nothing else.",
-           JSON_NON_FINITE, compare_schema.FIELDS),
-    Schema("audit", "m2po_oracle.audit.records:SCHEMA", "`m2po-oracle audit DIR --json PATH`",
-           "The offline audit of a capture, step by step (see auditing a training run).", JSON_NON_FINITE, AUDIT),
-    Schema("capture", "m2po_oracle.capture.recorder:SCHEMA",
-           "`m2po_oracle.capture.Recorder`: `DIR/manifest.rank-NNN.json`",
-           "One rank's manifest of a capture: every record it wrote, with a CRC-32 of each file.",
-           CAPTURE_NON_FINITE, CAPTURE),
-    Schema("bench", "m2po_oracle.bench.core:SCHEMA", "`m2po-oracle bench --json PATH`",
-           "The selection's and the core forward's speed, side by side.", (), BENCH),
-    Schema("bench-audit", "m2po_oracle.bench.audit:SCHEMA", "`m2po-oracle bench --audit --json PATH`",
-           "How long the offline audit takes on one synthetic step, correct and with a planted bug.", (), BENCH_AUDIT),
-)}
+SCHEMAS: dict[str, Schema] = {
+    schema.name: schema
+    for schema in (
+        Schema(
+            "compare",
+            "m2po_oracle.compare.report:SCHEMA",
+            "`m2po-oracle compare --json PATH` (and the pytest plugin's and `python -m m2po_oracle.torchrun`'s)",
+            "A run of a loss function, a distributed step or a training step "
+            "against Algorithm 1; the HTML report is rendered from it and nothing else.",
+            JSON_NON_FINITE,
+            compare_schema.FIELDS,
+        ),
+        Schema(
+            "audit",
+            "m2po_oracle.audit.records:SCHEMA",
+            "`m2po-oracle audit DIR --json PATH`",
+            "The offline audit of a capture, step by step (see auditing a training run).",
+            JSON_NON_FINITE,
+            AUDIT,
+        ),
+        Schema(
+            "capture",
+            "m2po_oracle.capture.recorder:SCHEMA",
+            "`m2po_oracle.capture.Recorder`: `DIR/manifest.rank-NNN.json`",
+            "One rank's manifest of a capture: every record it wrote, with a CRC-32 of each file.",
+            CAPTURE_NON_FINITE,
+            CAPTURE,
+        ),
+        Schema(
+            "bench",
+            "m2po_oracle.bench.core:SCHEMA",
+            "`m2po-oracle bench --json PATH`",
+            "The selection's and the core forward's speed, side by side.",
+            (),
+            BENCH,
+        ),
+        Schema(
+            "bench-audit",
+            "m2po_oracle.bench.audit:SCHEMA",
+            "`m2po-oracle bench --audit --json PATH`",
+            "How long the offline audit takes on one synthetic step, correct and with a planted bug.",
+            (),
+            BENCH_AUDIT,
+        ),
+    )
+}
 
 
 def schema_of(record: dict) -> Schema:

@@ -38,7 +38,9 @@ class TrainerCase:
         if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not 0 <= self.tau < float("inf"):
             raise ValueError(f"tau: expected a finite number >= 0, got {self.tau!r}")
         if self.prompt_len + self.max_new_tokens > 64:
-            raise ValueError(f"prompt_len + max_new_tokens: expected at most 64 (the model's positions), got {self.prompt_len + self.max_new_tokens}")
+            raise ValueError(
+                f"prompt_len + max_new_tokens: expected at most 64 (the model's positions), got {self.prompt_len + self.max_new_tokens}"
+            )
         if self.cut is not None and (isinstance(self.cut, bool) or not isinstance(self.cut, int) or self.cut < 1):
             raise ValueError(f"cut: expected None or a positive integer (trust-region tokens to remove), got {self.cut!r}")
         rows = self.prompts * self.group_size
@@ -51,7 +53,7 @@ class TrainerCase:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerCase:
         if not isinstance(data, dict) or data.get("kind") != "trainer_case":
-            raise ValueError(f"trainer case: expected a JSON object with \"kind\": \"trainer_case\", got {str(data)[:80]!r}")
+            raise ValueError(f'trainer case: expected a JSON object with "kind": "trainer_case", got {str(data)[:80]!r}')
         fields_ = {k: v for k, v in data.items() if k != "kind"}
         try:
             return cls(**{**fields_, "lags": tuple(fields_.get("lags", ())), "split": tuple(fields_.get("split", ()))})
@@ -82,5 +84,15 @@ def trainer_cases(draw: st.DrawFn, tau: float | None = None) -> TrainerCase:
     cut = draw(st.integers(1, 6))
     if scoped and prompts > 1:  # one micro-batch per prompt, a fresh worker and a stale one
         split, lags = (group_size,) * prompts, [0, 3, *lags[2:]]
-    return TrainerCase(seed=seed, prompts=prompts, group_size=group_size, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                       lags=tuple(lags), staleness_lr=staleness_lr, tau=drawn_tau, split=split, cut=cut if scoped else None)
+    return TrainerCase(
+        seed=seed,
+        prompts=prompts,
+        group_size=group_size,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new_tokens,
+        lags=tuple(lags),
+        staleness_lr=staleness_lr,
+        tau=drawn_tau,
+        split=split,
+        cut=cut if scoped else None,
+    )

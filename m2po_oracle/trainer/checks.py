@@ -33,15 +33,25 @@ ROLLOUT_LOGP_DTYPE = "float32"
 
 def logp_check(check: str, what: str, reported: np.ndarray, expected: np.ndarray, valid: np.ndarray, dtype: str) -> Mismatch | None:
     # Log-probs are O(1) quantities: scale 1 keeps near-zero log-probs from demanding relative precision.
-    mismatch = compare_values(check, what, np.where(valid, reported, 0.0), np.where(valid, expected, 0.0), tolerance(dtype, "metric"), scale=1.0)
+    mismatch = compare_values(
+        check, what, np.where(valid, reported, 0.0), np.where(valid, expected, 0.0), tolerance(dtype, "metric"), scale=1.0
+    )
     if mismatch is None:
         return None
-    return Mismatch(check, f"{mismatch.summary} (valid tokens; expected recomputed from the model snapshot)", mismatch.field, mismatch.index,
-                    mismatch.actual, mismatch.expected, mismatch.details)
+    return Mismatch(
+        check,
+        f"{mismatch.summary} (valid tokens; expected recomputed from the model snapshot)",
+        mismatch.field,
+        mismatch.index,
+        mismatch.actual,
+        mismatch.expected,
+        mismatch.details,
+    )
 
 
-
-def compare_params(check: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], dtype: str, what: str) -> Mismatch | None:
+def compare_params(
+    check: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], dtype: str, what: str
+) -> Mismatch | None:
     tol = tolerance(dtype, "gradient")
     # Entries far below the largest are judged against the largest (as for per-token gradients).
     scale = max((float(t.abs().max()) for t in expected.values() if t.numel()), default=0.0)
@@ -51,9 +61,16 @@ def compare_params(check: str, actual: dict[str, torch.Tensor], expected: dict[s
             return Mismatch(check, f"{what}: parameter {name!r} is missing", field=name)
         mismatch = compare_values(check, name, got.to(torch.float64).cpu().numpy(), want.to(torch.float64).cpu().numpy(), tol, scale=scale)
         if mismatch is not None:
-            return Mismatch(check, f"{what}: parameter {name!r}: {mismatch.summary}", name, mismatch.index, mismatch.actual, mismatch.expected, mismatch.details)
+            return Mismatch(
+                check,
+                f"{what}: parameter {name!r}: {mismatch.summary}",
+                name,
+                mismatch.index,
+                mismatch.actual,
+                mismatch.expected,
+                mismatch.details,
+            )
     return None
-
 
 
 def check_trainer_step(step: TrainerStep, compute_dtype: str | None = None) -> list[Mismatch]:
@@ -69,12 +86,19 @@ def check_trainer_step(step: TrainerStep, compute_dtype: str | None = None) -> l
     found += [mismatch] if mismatch else []
     mismatch = logp_check("trainer.policy_logp", "logp", batch.logp, step.current_logp, valid, dtype)
     found += [mismatch] if mismatch else []
-    mismatch = compare_params("trainer.parameter_gradient", record.param_grads, step.pulled_back_gradient, dtype,
-                               "the analytic gradient pulled back through the model")
+    mismatch = compare_params(
+        "trainer.parameter_gradient",
+        record.param_grads,
+        step.pulled_back_gradient,
+        dtype,
+        "the analytic gradient pulled back through the model",
+    )
     found += [mismatch] if mismatch else []
     if step.single is not None:
         found += _accumulation(step)
-    mismatch = compare_params("trainer.optimizer_step", record.params_after, step.one_optimizer_step, dtype, "one optimizer step with the reported gradient")
+    mismatch = compare_params(
+        "trainer.optimizer_step", record.params_after, step.one_optimizer_step, dtype, "one optimizer step with the reported gradient"
+    )
     found += [mismatch] if mismatch else []
     if step.beta != 0:
         found += kl_term_mismatches(step)
@@ -92,32 +116,66 @@ def kl_term_mismatches(step: TrainerStep) -> list[Mismatch]:
     assert m2po.grad is not None  # the oracle's result always has its gradient
     kl, kl_grad = step.kl
     n = int(batch.valid.sum())
-    how = (f"expected Algorithm 1's loss on the step's mask + beta * KL, beta={beta}, KL = sum over the {n} valid tokens of "
-           "exp(ref - logp) - (ref - logp) - 1, / N (k3, reference log-probs recomputed from the reference snapshot)")
+    how = (
+        f"expected Algorithm 1's loss on the step's mask + beta * KL, beta={beta}, KL = sum over the {n} valid tokens of "
+        "exp(ref - logp) - (ref - logp) - 1, / N (k3, reference log-probs recomputed from the reference snapshot)"
+    )
     found = []
     allowance = exp_rounding(batch, m2po.grad, dtype)
     delta = np.where(batch.valid, step.reference_logp - batch.logp, 0.0)
     # Both terms bound |loss|: the kept M2PO terms and the KL terms, each summed in magnitude.
     scale = float(np.abs(m2po.grad).sum()) + beta * float(np.abs(np.exp(delta) - delta - 1).sum()) / max(n, 1)
     expected_loss = m2po.loss + beta * kl
-    mismatch = compare_values("trainer.kl_term", "loss", record.loss, expected_loss, tolerance(dtype, "loss"), scale=scale,
-                              allowance=float(allowance.sum()))
+    mismatch = compare_values(
+        "trainer.kl_term", "loss", record.loss, expected_loss, tolerance(dtype, "loss"), scale=scale, allowance=float(allowance.sum())
+    )
     if mismatch is not None:
-        found.append(Mismatch("trainer.kl_term", f"loss: reported {record.loss!r}, {how}: {m2po.loss!r} + {beta} * {kl!r} = {expected_loss!r} "
-                              f"(the reported loss less Algorithm 1's is {record.loss - m2po.loss!r}; beta * KL is {beta * kl!r})",
-                              "loss", None, record.loss, expected_loss, mismatch.details))
+        found.append(
+            Mismatch(
+                "trainer.kl_term",
+                f"loss: reported {record.loss!r}, {how}: {m2po.loss!r} + {beta} * {kl!r} = {expected_loss!r} "
+                f"(the reported loss less Algorithm 1's is {record.loss - m2po.loss!r}; beta * KL is {beta * kl!r})",
+                "loss",
+                None,
+                record.loss,
+                expected_loss,
+                mismatch.details,
+            )
+        )
     expected_grad = m2po.grad + beta * kl_grad
     tol = tolerance(dtype, "gradient")
-    mismatch = compare_values("trainer.kl_term", "grad", record.token_grad.to(torch.float64).numpy(), expected_grad, tol,
-                              scale=float(np.abs(expected_grad).max(initial=0.0)) * tol.rtol, allowance=allowance)
+    mismatch = compare_values(
+        "trainer.kl_term",
+        "grad",
+        record.token_grad.to(torch.float64).numpy(),
+        expected_grad,
+        tol,
+        scale=float(np.abs(expected_grad).max(initial=0.0)) * tol.rtol,
+        allowance=allowance,
+    )
     if mismatch is not None:
         index = mismatch.index
-        at = "" if index is None else (f" (there: reported {float(record.token_grad[index])!r}, logp {float(batch.logp[index])!r}, reference "
-                                       f"logp {float(step.reference_logp[index])!r}, beta * KL gradient {float(beta * kl_grad[index])!r}, "
-                                       f"Algorithm 1's {float(m2po.grad[index])!r})")
-        found.append(Mismatch("trainer.kl_term", f"d loss / d logp: {mismatch.summary}; expected Algorithm 1's gradient on the step's mask + "
-                              f"beta * (1 - exp(ref - logp)) / N, beta={beta}, N={n}{at}", "grad", index, mismatch.actual, mismatch.expected,
-                              mismatch.details))
+        at = (
+            ""
+            if index is None
+            else (
+                f" (there: reported {float(record.token_grad[index])!r}, logp {float(batch.logp[index])!r}, reference "
+                f"logp {float(step.reference_logp[index])!r}, beta * KL gradient {float(beta * kl_grad[index])!r}, "
+                f"Algorithm 1's {float(m2po.grad[index])!r})"
+            )
+        )
+        found.append(
+            Mismatch(
+                "trainer.kl_term",
+                f"d loss / d logp: {mismatch.summary}; expected Algorithm 1's gradient on the step's mask + "
+                f"beta * (1 - exp(ref - logp)) / N, beta={beta}, N={n}{at}",
+                "grad",
+                index,
+                mismatch.actual,
+                mismatch.expected,
+                mismatch.details,
+            )
+        )
     return found
 
 
@@ -130,8 +188,17 @@ def _accumulation(step: TrainerStep) -> list[Mismatch]:
     if not same_up_to_ties(one, keep, valid_m2(step.batch)):
         diff = np.argwhere(keep != one)
         index = tuple(int(i) for i in diff[0])
-        found.append(Mismatch("trainer.accumulation", f"{label}: keep differs at {len(diff)} token(s), first at index {index}: the mask was not selected "
-                              "once over the optimizer batch", "keep", index, bool(keep[index]), bool(one[index])))
+        found.append(
+            Mismatch(
+                "trainer.accumulation",
+                f"{label}: keep differs at {len(diff)} token(s), first at index {index}: the mask was not selected "
+                "once over the optimizer batch",
+                "keep",
+                index,
+                bool(keep[index]),
+                bool(one[index]),
+            )
+        )
     scale = float(np.abs(single.token_grad.to(torch.float64).numpy()).sum())
     mismatch = compare_values("trainer.accumulation", "loss", record.loss, single.loss, tolerance(dtype, "loss"), scale=scale)
     if mismatch:
@@ -145,5 +212,7 @@ def trainer_checks_ran(step: TrainerStep) -> tuple[str, ...]:
     """The checks one step ran: the value checks on what the record reports, the trainer's
     own, the accumulation check only when the step had more than one micro-batch, and the
     KL check only when it ran with a KL term (beta != 0)."""
-    own = tuple(n for n in TRAINER_CHECKS if (n != "trainer.accumulation" or step.single is not None) and (n != "trainer.kl_term" or step.beta))
+    own = tuple(
+        n for n in TRAINER_CHECKS if (n != "trainer.accumulation" or step.single is not None) and (n != "trainer.kl_term" or step.beta)
+    )
     return ("call", *checks_run_on(step.m2po_result), *own)

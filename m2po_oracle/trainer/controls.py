@@ -28,28 +28,63 @@ class TrainerControl:
 
 
 TRAINER_CONTROLS: tuple[TrainerControl, ...] = (
-    TrainerControl("per_micro_batch_mask", said("trainer", "per_micro_batch_mask"),
-                   {"per_micro_batch_mask": True}, ("trainer.accumulation",), examples=150),
+    TrainerControl(
+        "per_micro_batch_mask",
+        said("trainer", "per_micro_batch_mask"),
+        {"per_micro_batch_mask": True},
+        ("trainer.accumulation",),
+        examples=150,
+    ),
     # The natural port of gradient accumulation: the core called per micro-batch, each logging
     # its own metrics and valid count, the window's N in the loss. Its loss and gradient are
     # right for its masks: only the mask (and the logs) may name it, never a denominator.
-    TrainerControl("core_per_micro_batch", "the core is called per micro-batch (its own selection and metrics, its own valid count logged) "
-                   "with the optimizer batch's N in the loss", {"core_per_micro_batch": True}, ("trainer.accumulation",),
-                   diagnosed_as="per_micro_batch_mask", examples=30),  # seed 0: first caught at example 8, 11 of 60 steps fail
-    TrainerControl("current_policy_as_behavior", said("trainer", "current_policy_as_behavior"),
-                   {"current_policy_as_behavior": True}, ("trainer.behavior_logp",)),
-    TrainerControl("per_micro_batch_denominator", said("trainer", "per_micro_batch_denominator"),
-                   {"per_micro_batch_denominator": True}, ("trainer.accumulation", "gradient")),
-    TrainerControl("dropout_left_on", "attention dropout 0.1 stays on: the mask prepass and the loss pass see different forwards",
-                   {"skip_determinism_check": True}, ("trainer.policy_logp",), model_dropout=0.1, diagnosed_as="stochastic_forward"),
-    TrainerControl("optimizer_step_per_micro_batch", said("trainer", "optimizer_step_per_micro_batch"),
-                   {"optimizer_step_per_micro_batch": True}, ("trainer.optimizer_step",)),
-    TrainerControl("embedding_gradient_dropped", "the input embedding's gradient is zeroed before the step (a freeze wired to the wrong parameter)",
-                   {"drop_gradient_of": "model.embed_tokens.weight"}, ("trainer.parameter_gradient",), diagnosed_as="parameters_without_gradient"),
+    TrainerControl(
+        "core_per_micro_batch",
+        "the core is called per micro-batch (its own selection and metrics, its own valid count logged) "
+        "with the optimizer batch's N in the loss",
+        {"core_per_micro_batch": True},
+        ("trainer.accumulation",),
+        diagnosed_as="per_micro_batch_mask",
+        examples=30,
+    ),  # seed 0: first caught at example 8, 11 of 60 steps fail
+    TrainerControl(
+        "current_policy_as_behavior",
+        said("trainer", "current_policy_as_behavior"),
+        {"current_policy_as_behavior": True},
+        ("trainer.behavior_logp",),
+    ),
+    TrainerControl(
+        "per_micro_batch_denominator",
+        said("trainer", "per_micro_batch_denominator"),
+        {"per_micro_batch_denominator": True},
+        ("trainer.accumulation", "gradient"),
+    ),
+    TrainerControl(
+        "dropout_left_on",
+        "attention dropout 0.1 stays on: the mask prepass and the loss pass see different forwards",
+        {"skip_determinism_check": True},
+        ("trainer.policy_logp",),
+        model_dropout=0.1,
+        diagnosed_as="stochastic_forward",
+    ),
+    TrainerControl(
+        "optimizer_step_per_micro_batch",
+        said("trainer", "optimizer_step_per_micro_batch"),
+        {"optimizer_step_per_micro_batch": True},
+        ("trainer.optimizer_step",),
+    ),
+    TrainerControl(
+        "embedding_gradient_dropped",
+        "the input embedding's gradient is zeroed before the step (a freeze wired to the wrong parameter)",
+        {"drop_gradient_of": "model.embed_tokens.weight"},
+        ("trainer.parameter_gradient",),
+        diagnosed_as="parameters_without_gradient",
+    ),
     # k1 has the right expectation under the policy, so only a per-token check sees it: every
     # step with a stale reference has a k1 value and gradient unlike k3's.
-    TrainerControl("kl_k1_estimator", said("trainer", "kl_k1_estimator"),
-                   {"kl_k1_estimator": True}, ("trainer.kl_term",), examples=6, beta=0.1),
+    TrainerControl(
+        "kl_k1_estimator", said("trainer", "kl_k1_estimator"), {"kl_k1_estimator": True}, ("trainer.kl_term",), examples=6, beta=0.1
+    ),
 )
 CONTROLS_BY_NAME = {c.name: c for c in TRAINER_CONTROLS}
 #: Built-in names of whole training steps: the trainer and its planted controls.

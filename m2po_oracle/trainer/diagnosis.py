@@ -98,8 +98,16 @@ def _test_parameters_without_gradient(step: TrainerStep) -> tuple[bool, bool]:
     zero, and every other parameter's gradient is right."""
     expected, reported = step.pulled_back_gradient, step.record.param_grads
     silent = {n for n, g in reported.items() if not bool(g.any()) and bool(expected[n].any())}
-    rest_right = compare_params("diagnosis", {n: g for n, g in reported.items() if n not in silent},
-                                 {n: g for n, g in expected.items() if n not in silent}, step.dtype, "") is None
+    rest_right = (
+        compare_params(
+            "diagnosis",
+            {n: g for n, g in reported.items() if n not in silent},
+            {n: g for n, g in expected.items() if n not in silent},
+            step.dtype,
+            "",
+        )
+        is None
+    )
     return bool(silent) and rest_right, bool(silent)
 
 
@@ -120,7 +128,9 @@ _TESTS: dict[str, Callable[[TrainerStep], tuple[bool, bool]]] = {
     "kl_k1_estimator": _test_kl_k1_estimator,
 }
 #: The trainer's names, in the registry's order (:mod:`m2po_oracle.explain.step_deviations`), each with its test.
-TRAINER_VARIANTS: tuple[TrainerVariant, ...] = tuple(TrainerVariant(name, description, _TESTS[name]) for name, description in described("trainer").items())
+TRAINER_VARIANTS: tuple[TrainerVariant, ...] = tuple(
+    TrainerVariant(name, description, _TESTS[name]) for name, description in described("trainer").items()
+)
 VARIANT_DESCRIPTIONS = {v.name: v.description for v in TRAINER_VARIANTS}
 
 

@@ -40,8 +40,19 @@ BEHAVIOR_SOURCES = ("rollout", "trainer")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 #: Config attributes that make a forward pass stochastic when non-zero (Llama, GPT-2,
 #: Mixtral-style routers, stochastic depth).
-STOCHASTIC_CONFIG_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                            "hidden_dropout_prob", "attention_probs_dropout_prob", "router_jitter_noise", "drop_path_rate", "layerdrop")
+STOCHASTIC_CONFIG_FIELDS = (
+    "attention_dropout",
+    "hidden_dropout",
+    "dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "router_jitter_noise",
+    "drop_path_rate",
+    "layerdrop",
+)
 
 
 class M2POKLWarning(UserWarning):
@@ -67,7 +78,13 @@ class TrainerConfig:
         for name in ("tau", "beta", "lr"):
             value = getattr(self, name)
             positive = name == "lr"
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (positive and value == 0):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+                or (positive and value == 0)
+            ):
                 raise ValueError(f"{name}: expected a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
@@ -76,7 +93,9 @@ class TrainerFaults:
     """Planted trainer bugs (negative controls); all off is the correct trainer."""
 
     per_micro_batch_mask: bool = False  # select within each micro-batch instead of the optimizer batch
-    core_per_micro_batch: bool = False  # the core called per micro-batch (its own selection and metrics, its own N logged), the window's N in the loss
+    core_per_micro_batch: bool = (
+        False  # the core called per micro-batch (its own selection and metrics, its own N logged), the window's N in the loss
+    )
     current_policy_as_behavior: bool = False  # "behaviour" log-probs taken from the current policy
     per_micro_batch_denominator: bool = False  # each micro-batch divides by its own N, then 1/k
     skip_determinism_check: bool = False  # trains with whatever stochastic layers the model has
@@ -126,13 +145,26 @@ class StepRecord:
 # --- the model -----------------------------------------------------------------------------
 
 
-def tiny_llama(seed: int, *, dtype: torch.dtype = torch.float32, dropout: float = 0.0, vocab_size: int = 32, device: str | torch.device = "cpu") -> Any:
+def tiny_llama(
+    seed: int, *, dtype: torch.dtype = torch.float32, dropout: float = 0.0, vocab_size: int = 32, device: str | torch.device = "cpu"
+) -> Any:
     """A random-weight two-layer Llama (nothing downloaded), deterministic in ``seed``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64, attention_dropout=dropout, bos_token_id=BOS_ID,
-                         eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=dropout,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "eager"  # one kernel path in every dtype, dropout included
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -140,8 +172,9 @@ def tiny_llama(seed: int, *, dtype: torch.dtype = torch.float32, dropout: float 
     return model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]  # transformers' to() is a functools.wraps wrapper mypy does not bind; built on the CPU, so the weights do not depend on the device's RNG
 
 
-def make_policy_versions(seed: int, *, steps: int, lr: float, dtype: torch.dtype = torch.float32, dropout: float = 0.0,
-                         device: str | torch.device = "cpu") -> list[Any]:
+def make_policy_versions(
+    seed: int, *, steps: int, lr: float, dtype: torch.dtype = torch.float32, dropout: float = 0.0, device: str | torch.device = "cpu"
+) -> list[Any]:
     """``steps + 1`` versions of one policy, oldest first: each is the previous moved by one
     AdamW step (on the likelihood of random sequences). The last is the current policy;
     ``versions[-1 - lag]`` is a rollout worker ``lag`` optimizer steps behind it."""
@@ -195,8 +228,17 @@ def _per_prompt(samplers: Any, prompts: int) -> list[Any]:
     return models
 
 
-def sample_rollout(samplers: Any, *, prompts: int, group_size: int, prompt_len: int, max_new_tokens: int, seed: int,
-                   backend: str = "hf", record_logp: bool = True) -> Rollout:
+def sample_rollout(
+    samplers: Any,
+    *,
+    prompts: int,
+    group_size: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    seed: int,
+    backend: str = "hf",
+    record_logp: bool = True,
+) -> Rollout:
     """Sample ``group_size`` completions per prompt with ``generate`` (full distribution: no
     top-k/top-p). ``samplers`` is one model, or one per prompt (rollout workers at different
     policy versions, as in asynchronous RL). Each sampled token's log-prob is recorded from
@@ -214,9 +256,19 @@ def sample_rollout(samplers: Any, *, prompts: int, group_size: int, prompt_len: 
         rows = prompt_ids[g * group_size : (g + 1) * group_size]
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed * 1009 + g)
-            out = model.generate(rows, attention_mask=torch.ones_like(rows), do_sample=True, max_new_tokens=max_new_tokens,
-                                 top_k=0, top_p=1.0, temperature=1.0, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
-                                 output_logits=True, return_dict_in_generate=True)
+            out = model.generate(
+                rows,
+                attention_mask=torch.ones_like(rows),
+                do_sample=True,
+                max_new_tokens=max_new_tokens,
+                top_k=0,
+                top_p=1.0,
+                temperature=1.0,
+                pad_token_id=PAD_ID,
+                eos_token_id=EOS_ID,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         completion = out.sequences[:, prompt_len:]
         logits = torch.stack(out.logits[: completion.shape[1]], dim=1)
         logp = torch.log_softmax(logits.to(torch.float64), dim=-1).gather(-1, completion[..., None])[..., 0].to(logits.dtype)
@@ -276,24 +328,37 @@ def check_training_setup(config: TrainerConfig, policy: Any, rollout: Rollout, *
         raise ValueError(f"rollout_backend: the config says {config.rollout_backend!r} but the rollout came from {rollout.backend!r}")
     if config.rollout_backend == "deployment":
         if config.behavior_logp_source != "rollout":
-            raise ValueError("behavior_logp_source: a deployment-backed rollout must use the rollout engine's log-probs; the trainer's "
-                             "weights are not the weights that sampled, so recomputing them would measure the wrong policy")
+            raise ValueError(
+                "behavior_logp_source: a deployment-backed rollout must use the rollout engine's log-probs; the trainer's "
+                "weights are not the weights that sampled, so recomputing them would measure the wrong policy"
+            )
         if rollout.behavior_logp is None:
-            raise ValueError("behavior_logp: the deployment-backed rollout returned no log-probs of the sampled tokens; M2PO fails closed "
-                             "rather than fall back to log-probs recomputed by the trainer")
+            raise ValueError(
+                "behavior_logp: the deployment-backed rollout returned no log-probs of the sampled tokens; M2PO fails closed "
+                "rather than fall back to log-probs recomputed by the trainer"
+            )
     if config.importance_sampling_level != "token":
-        raise ValueError(f"importance_sampling_level: M2PO is defined on token-level ratios; got {config.importance_sampling_level!r} "
-                         "(sequence-level IS would change the objective)")
+        raise ValueError(
+            f"importance_sampling_level: M2PO is defined on token-level ratios; got {config.importance_sampling_level!r} "
+            "(sequence-level IS would change the objective)"
+        )
     if config.rollout_importance_sampling_mode is not None:
-        raise ValueError(f"rollout_importance_sampling_mode: an extra rollout-IS correction ({config.rollout_importance_sampling_mode!r}) "
-                         "needs training-engine behaviour log-probs this trainer does not retain; it would correct the same ratio twice")
+        raise ValueError(
+            f"rollout_importance_sampling_mode: an extra rollout-IS correction ({config.rollout_importance_sampling_mode!r}) "
+            "needs training-engine behaviour log-probs this trainer does not retain; it would correct the same ratio twice"
+        )
     stochastic = stochastic_layers(policy) if require_deterministic else []
     if stochastic:
-        raise ValueError("model: the mask prepass must be deterministic, but the policy has stochastic layers: "
-                         f"{', '.join(stochastic)}; set them to 0 (LoRA: lora_dropout 0)")
+        raise ValueError(
+            "model: the mask prepass must be deterministic, but the policy has stochastic layers: "
+            f"{', '.join(stochastic)}; set them to 0 (LoRA: lora_dropout 0)"
+        )
     if config.beta != 0:
-        warnings.warn(f"beta={config.beta}: a non-zero KL coefficient adds beta * KL to the M2PO objective (the reference experiments "
-                      "use beta=0)", M2POKLWarning, stacklevel=3)
+        warnings.warn(
+            f"beta={config.beta}: a non-zero KL coefficient adds beta * KL to the M2PO objective (the reference experiments use beta=0)",
+            M2POKLWarning,
+            stacklevel=3,
+        )
 
 
 # --- the step -------------------------------------------------------------------------------------
@@ -318,16 +383,28 @@ def _rows_logp(model: Any, rollout: Rollout, rows: slice) -> torch.Tensor:
 
 def selection_metrics(selection: Any) -> dict[str, float | int]:
     """A selection's metrics and counts as Python numbers (what a framework logs)."""
-    return {**{name: float(getattr(selection, name)) for name in METRIC_FIELDS}, **{name: int(getattr(selection, name)) for name in COUNT_FIELDS}}
+    return {
+        **{name: float(getattr(selection, name)) for name in METRIC_FIELDS},
+        **{name: int(getattr(selection, name)) for name in COUNT_FIELDS},
+    }
 
 
 class GRPOTrainer:
     """One GRPO + M2PO optimizer step per :meth:`step`; the policy is updated in place."""
 
-    def __init__(self, policy: Any, config: TrainerConfig = TrainerConfig(), *, faults: TrainerFaults = TrainerFaults(),
-                 behaviour: Any = None, reference: Any = None) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        config: TrainerConfig = TrainerConfig(),
+        *,
+        faults: TrainerFaults = TrainerFaults(),
+        behaviour: Any = None,
+        reference: Any = None,
+    ) -> None:
         self.policy, self.config, self.faults = policy, config, faults
-        self.behaviour = behaviour  # the sampling model (or one per prompt), for trainer-side recomputation (synchronous HF generation only)
+        self.behaviour = (
+            behaviour  # the sampling model (or one per prompt), for trainer-side recomputation (synchronous HF generation only)
+        )
         self.reference = reference  # the KL reference model, needed when beta != 0
         self.optimizer = self.make_optimizer(policy.parameters())
 
@@ -340,8 +417,10 @@ class GRPOTrainer:
                 return token_logp(self.policy, rollout.prompt_ids, rollout.completion_ids)
         if self.config.behavior_logp_source == "rollout":
             if rollout.behavior_logp is None:
-                raise ValueError("behavior_logp: the rollout carries no behaviour log-probs; set behavior_logp_source='trainer' "
-                                 "(synchronous HF generation only) or record them at sampling")
+                raise ValueError(
+                    "behavior_logp: the rollout carries no behaviour log-probs; set behavior_logp_source='trainer' "
+                    "(synchronous HF generation only) or record them at sampling"
+                )
             return rollout.behavior_logp
         if self.behaviour is None:
             raise ValueError("behaviour: behavior_logp_source='trainer' needs the model that sampled the rollout")
@@ -358,7 +437,9 @@ class GRPOTrainer:
             return behaviour_logp_of(self.behaviour, rollout)
         return None
 
-    def step(self, rollout: Rollout, split: Sequence[int] | None = None, *, recorder: Any = None, step_index: int | None = None) -> StepRecord:
+    def step(
+        self, rollout: Rollout, split: Sequence[int] | None = None, *, recorder: Any = None, step_index: int | None = None
+    ) -> StepRecord:
         """One optimizer step over ``rollout`` split into micro-batches of ``split`` rows.
 
         With ``recorder`` (an ``m2po_oracle.capture.Recorder``) the step is recorded as
@@ -393,8 +474,10 @@ class GRPOTrainer:
         selections = select_micro_batches(inputs, tau=self.config.tau)
         window_n = [s.valid_count for s in selections]  # the optimizer batch's N, whatever a fault selects
         if faults.per_micro_batch_mask:  # each micro-batch selects alone; N stays the optimizer batch's
-            selections = [replace(select_micro_batches([parts_i], tau=self.config.tau)[0], valid_count=whole.valid_count)
-                          for parts_i, whole in zip(inputs, selections)]
+            selections = [
+                replace(select_micro_batches([parts_i], tau=self.config.tau)[0], valid_count=whole.valid_count)
+                for parts_i, whole in zip(inputs, selections)
+            ]
         if faults.core_per_micro_batch:  # the natural port: the core per micro-batch, its selection and metrics its own
             selections = [select_micro_batches([parts_i], tau=self.config.tau)[0] for parts_i in inputs]
         self.optimizer.zero_grad(set_to_none=True)
@@ -417,10 +500,21 @@ class GRPOTrainer:
                 loss.backward()
             token_grad = logp.grad.detach() if logp.grad is not None else torch.zeros_like(logp)
             if recorder is not None:
-                recorder.record(step=step_index, micro_batch=i, logp=logp, behavior_logp=behavior_logp[r], advantages=token_advantages[r],
-                                mask=rollout.valid[r], keep=selection.keep, loss=float(loss.detach()), tau=self.config.tau,
-                                metrics=selection_metrics(selection), selection_logp=prepass[i],
-                                rollout_logp=None if sampler_logp is None else sampler_logp[r], grad=token_grad)
+                recorder.record(
+                    step=step_index,
+                    micro_batch=i,
+                    logp=logp,
+                    behavior_logp=behavior_logp[r],
+                    advantages=token_advantages[r],
+                    mask=rollout.valid[r],
+                    keep=selection.keep,
+                    loss=float(loss.detach()),
+                    tau=self.config.tau,
+                    metrics=selection_metrics(selection),
+                    selection_logp=prepass[i],
+                    rollout_logp=None if sampler_logp is None else sampler_logp[r],
+                    grad=token_grad,
+                )
             if faults.optimizer_step_per_micro_batch:
                 self.optimizer.step()
             total_loss += float(loss.detach())
@@ -437,14 +531,27 @@ class GRPOTrainer:
             self.optimizer.step()
         policy.eval()
         metrics = selection_metrics(selections[0])
-        if faults.per_micro_batch_mask or faults.core_per_micro_batch:  # metrics exist per micro-batch only (recorded): the step reports none
+        if (
+            faults.per_micro_batch_mask or faults.core_per_micro_batch
+        ):  # metrics exist per micro-batch only (recorded): the step reports none
             metrics = {}
         cpu = lambda t: t.detach().cpu()  # noqa: E731  # the record is for checks, on the host
         return StepRecord(
-            logp=cpu(torch.cat(logps)), behavior_logp=cpu(behavior_logp), advantages=cpu(token_advantages), valid=cpu(rollout.valid),
-            keep=cpu(torch.cat([s.keep for s in selections])), loss=total_loss, metrics=metrics, token_grad=cpu(torch.cat(token_grads)),
-            param_grads={n: cpu(g) for n, g in param_grads.items()}, params_before={n: cpu(p) for n, p in params_before.items()},
-            params_after={n: cpu(p) for n, p in policy.named_parameters()}, split=parts, tau=float(self.config.tau), kl_term=kl_total)
+            logp=cpu(torch.cat(logps)),
+            behavior_logp=cpu(behavior_logp),
+            advantages=cpu(token_advantages),
+            valid=cpu(rollout.valid),
+            keep=cpu(torch.cat([s.keep for s in selections])),
+            loss=total_loss,
+            metrics=metrics,
+            token_grad=cpu(torch.cat(token_grads)),
+            param_grads={n: cpu(g) for n, g in param_grads.items()},
+            params_before={n: cpu(p) for n, p in params_before.items()},
+            params_after={n: cpu(p) for n, p in policy.named_parameters()},
+            split=parts,
+            tau=float(self.config.tau),
+            kl_term=kl_total,
+        )
 
     def _kl(self, logp: torch.Tensor, rollout: Rollout, rows: slice, valid_count: torch.Tensor) -> torch.Tensor:
         """k3 estimator of KL(policy || reference) over the valid tokens, with the batch's N."""

@@ -127,22 +127,44 @@ def builtin_trainer(faults: dict[str, Any] | None) -> TrainerFactory:
     return lambda policy, config, **options: GRPOTrainer(policy, config, faults=planted, **options)
 
 
-def setup_case(case: TrainerCase, *, dtype: str = "float64", dropout: float = 0.0, device: str = "cpu", backend: str = "hf",
-               record_logp: bool = True) -> tuple[list[Any], list[Any], Any]:
+def setup_case(
+    case: TrainerCase, *, dtype: str = "float64", dropout: float = 0.0, device: str = "cpu", backend: str = "hf", record_logp: bool = True
+) -> tuple[list[Any], list[Any], Any]:
     """(policy versions oldest first, the sampling worker per prompt, the rollout) of ``case``."""
     from m2po_oracle.trainer.grpo import make_policy_versions, sample_rollout
 
     if dtype not in TRAINER_DTYPES:
         raise ValueError(f"dtype: the trainer runs its model in one of {sorted(TRAINER_DTYPES)}, got {dtype!r}")
-    versions = make_policy_versions(case.seed, steps=max(case.lags), lr=case.staleness_lr, dtype=TRAINER_DTYPES[dtype], dropout=dropout, device=device)
-    samplers = [versions[-1 - lag] if lag else copy.deepcopy(versions[-1]) for lag in case.lags]  # a lag-0 worker holds a copy of the weights
-    rollout = sample_rollout(samplers, prompts=case.prompts, group_size=case.group_size, prompt_len=case.prompt_len,
-                             max_new_tokens=case.max_new_tokens, seed=case.seed, backend=backend, record_logp=record_logp)
+    versions = make_policy_versions(
+        case.seed, steps=max(case.lags), lr=case.staleness_lr, dtype=TRAINER_DTYPES[dtype], dropout=dropout, device=device
+    )
+    samplers = [
+        versions[-1 - lag] if lag else copy.deepcopy(versions[-1]) for lag in case.lags
+    ]  # a lag-0 worker holds a copy of the weights
+    rollout = sample_rollout(
+        samplers,
+        prompts=case.prompts,
+        group_size=case.group_size,
+        prompt_len=case.prompt_len,
+        max_new_tokens=case.max_new_tokens,
+        seed=case.seed,
+        backend=backend,
+        record_logp=record_logp,
+    )
     return versions, samplers, rollout
 
 
-def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerControl | None = None, device: str = "cpu",
-             make_trainer: TrainerFactory | None = None, recorder: Any = None, step_index: int | None = None, beta: float = 0.0) -> TrainerStep:
+def run_case(
+    case: TrainerCase,
+    *,
+    dtype: str = "float64",
+    control: TrainerControl | None = None,
+    device: str = "cpu",
+    make_trainer: TrainerFactory | None = None,
+    recorder: Any = None,
+    step_index: int | None = None,
+    beta: float = 0.0,
+) -> TrainerStep:
     """``case`` through the trainer (ours, with ``control``'s faults, or ``make_trainer``'s),
     with KL coefficient ``beta`` (a control's own, when it has one).
 
@@ -156,7 +178,9 @@ def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerContr
     versions, samplers, rollout = setup_case(case, dtype=dtype, dropout=control.model_dropout if control else 0.0, device=device)
     policy = versions[-1]
     policy_before = copy.deepcopy(policy).eval()
-    config = TrainerConfig(tau=case.tau if case.cut is None else tau_cutting_inside(case.cut, policy_before, rollout), lr=STEP_LR, beta=beta)
+    config = TrainerConfig(
+        tau=case.tau if case.cut is None else tau_cutting_inside(case.cut, policy_before, rollout), lr=STEP_LR, beta=beta
+    )
     single_policy = copy.deepcopy(policy) if len(case.split) > 1 else None
     reference = copy.deepcopy(versions[0]).eval() if beta else None
     trainer = make_trainer(policy, config, behaviour=samplers, reference=versions[0])
@@ -168,7 +192,9 @@ def run_case(case: TrainerCase, *, dtype: str = "float64", control: TrainerContr
         record = check_record(trainer.step(rollout, case.split, **recording), rollout, policy_before)
         single = None
         if single_policy is not None:
-            single = check_record(make_trainer(single_policy, config, behaviour=samplers, reference=versions[0]).step(rollout), rollout, policy_before)
+            single = check_record(
+                make_trainer(single_policy, config, behaviour=samplers, reference=versions[0]).step(rollout), rollout, policy_before
+            )
     return TrainerStep(case, dtype, trainer, rollout, samplers, policy_before, record, single, beta=float(beta), reference=reference)
 
 
@@ -193,7 +219,9 @@ def tau_cutting_inside(cut: int, policy: Any, rollout: Any) -> float:
     logp = _recomputed_logp(policy, rollout)
     valid = rollout.valid.cpu().numpy()
     d = oracle.log_ratio(logp, rollout.behavior_logp.to(torch.float64).cpu().numpy(), valid)
-    advantages = group_advantages(rollout.rewards, rollout.group_size)[:, None].expand(rollout.rows, logp.shape[1]).to(torch.float64).cpu().numpy()
+    advantages = (
+        group_advantages(rollout.rewards, rollout.group_size)[:, None].expand(rollout.rows, logp.shape[1]).to(torch.float64).cpu().numpy()
+    )
     tau = cut_budget(d, advantages, valid, cut)
     return 0.04 if tau is None else tau  # nothing to cut inside: the default budget
 
@@ -208,11 +236,17 @@ def check_record(record: Any, rollout: Any, policy: Any) -> Any:
     shape = tuple(rollout.completion_ids.shape)
     for name in (*_RECORD_TENSORS, "loss", "metrics", "param_grads", "params_after", "split", "tau", "kl_term"):
         if not hasattr(record, name):
-            raise TypeError(f"step record: expected a trainer.StepRecord (or an object with its fields); {type(record).__name__} has no {name!r}")
+            raise TypeError(
+                f"step record: expected a trainer.StepRecord (or an object with its fields); {type(record).__name__} has no {name!r}"
+            )
     for name in _RECORD_TENSORS:
         value = getattr(record, name)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.device.type != "cpu":
-            got = f"{type(value).__name__} of shape {tuple(value.shape)} on {value.device}" if isinstance(value, torch.Tensor) else type(value).__name__
+            got = (
+                f"{type(value).__name__} of shape {tuple(value.shape)} on {value.device}"
+                if isinstance(value, torch.Tensor)
+                else type(value).__name__
+            )
             raise ValueError(f"step record: {name}: expected a CPU tensor of shape {shape} (the rollout's), got {got}")
     for name in ("valid", "keep"):
         if getattr(record, name).dtype != torch.bool:
@@ -221,8 +255,10 @@ def check_record(record: Any, rollout: Any, policy: Any) -> Any:
     for name in ("param_grads", "params_after"):
         value = getattr(record, name)
         if not isinstance(value, dict) or set(value) != set(params):
-            raise ValueError(f"step record: {name}: expected a dict with every parameter name of the policy ({len(params)}), got "
-                             f"{sorted(value)[:5] if isinstance(value, dict) else type(value).__name__}")
+            raise ValueError(
+                f"step record: {name}: expected a dict with every parameter name of the policy ({len(params)}), got "
+                f"{sorted(value)[:5] if isinstance(value, dict) else type(value).__name__}"
+            )
         for key, tensor in value.items():
             if not isinstance(tensor, torch.Tensor) or tensor.shape != params[key].shape:
                 raise ValueError(f"step record: {name}[{key!r}]: expected a tensor of shape {tuple(params[key].shape)}")
@@ -230,7 +266,11 @@ def check_record(record: Any, rollout: Any, policy: Any) -> Any:
         if isinstance(getattr(record, name), bool) or not isinstance(getattr(record, name), (int, float)):
             raise TypeError(f"step record: {name}: expected a Python number, got {type(getattr(record, name)).__name__}")
     split = record.split
-    if not isinstance(split, (tuple, list)) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in split) or sum(split) != shape[0]:
+    if (
+        not isinstance(split, (tuple, list))
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in split)
+        or sum(split) != shape[0]
+    ):
         raise ValueError(f"step record: split: expected non-negative row counts summing to {shape[0]}, got {split!r}")
     if not isinstance(record.metrics, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in record.metrics.values()):
         raise TypeError(f"step record: metrics: expected a dict of Python numbers, got {record.metrics!r}"[:300])
@@ -239,7 +279,12 @@ def check_record(record: Any, rollout: Any, policy: Any) -> Any:
 
 def result_of_step(record: Any) -> M2POResult:
     metrics = {name: record.metrics[name] for name in METRIC_FIELDS + COUNT_FIELDS if name in record.metrics}
-    return M2POResult(loss=record.loss - record.kl_term, keep=record.keep.numpy().copy(), grad=record.token_grad.to(torch.float64).numpy().copy(), **metrics)
+    return M2POResult(
+        loss=record.loss - record.kl_term,
+        keep=record.keep.numpy().copy(),
+        grad=record.token_grad.to(torch.float64).numpy().copy(),
+        **metrics,
+    )
 
 
 def _recomputed_logp(models: Any, rollout: Any) -> np.ndarray:
@@ -247,7 +292,6 @@ def _recomputed_logp(models: Any, rollout: Any) -> np.ndarray:
     from m2po_oracle.trainer.grpo import behaviour_logp_of
 
     return behaviour_logp_of(models, rollout).to(torch.float64).cpu().numpy()
-
 
 
 def _pullback(model: Any, rollout: Any, token_grad: np.ndarray, rows: slice | None = None) -> dict[str, torch.Tensor]:
@@ -262,7 +306,6 @@ def _pullback(model: Any, rollout: Any, token_grad: np.ndarray, rows: slice | No
     weights = torch.tensor(token_grad[rows], dtype=logp.dtype, device=logp.device)
     grads = torch.autograd.grad(logp, list(params.values()), grad_outputs=weights, allow_unused=True)
     return {n: (g if g is not None else torch.zeros_like(p)).detach().cpu() for (n, p), g in zip(params.items(), grads)}
-
 
 
 def optimizer_replay(step: TrainerStep, micro_batches: list[slice] | None = None) -> dict[str, torch.Tensor]:

@@ -55,8 +55,15 @@ class TrainerRunner:
     variant_descriptions = VARIANT_DESCRIPTIONS
     variant_source = "trainer-level deviation (the production PR's support boundary, or a plausible port bug)"
 
-    def __init__(self, control: str | None = None, *, trainer: TrainerFactory | None = None, spec: str | None = None,
-                 options: RunOptions | None = None, beta: float | None = None) -> None:
+    def __init__(
+        self,
+        control: str | None = None,
+        *,
+        trainer: TrainerFactory | None = None,
+        spec: str | None = None,
+        options: RunOptions | None = None,
+        beta: float | None = None,
+    ) -> None:
         """Our trainer, one of its controls, or ``trainer``: a factory (e.g. a class) building
         the trainer under test as ``trainer(policy, config, *, behaviour, reference)``.
 
@@ -75,12 +82,20 @@ class TrainerRunner:
         self.options = options or RunOptions()
         # The built-in trainer records through the capture; a trainer under test is not ours to instrument.
         honours = TRAINER_HONOURS if trainer is None else TRAINER_HONOURS - {"capture"}
-        refuse_unhonoured("a training step (--impl trainer)", honours, self.options,
-                          {"timeout": "the trainer runs in this process; no timeout can stop a step",
-                           "capture": "a custom trainer records through m2po_oracle.capture itself",
-                           "adapter": "a training step is not a loss function; adapters do not apply",
-                           "topology": "the trainer runs one process", "backend": "the trainer runs one process",
-                           "in_process": "the trainer always runs in this process", "show_output": "the trainer's output is not captured"})
+        refuse_unhonoured(
+            "a training step (--impl trainer)",
+            honours,
+            self.options,
+            {
+                "timeout": "the trainer runs in this process; no timeout can stop a step",
+                "capture": "a custom trainer records through m2po_oracle.capture itself",
+                "adapter": "a training step is not a loss function; adapters do not apply",
+                "topology": "the trainer runs one process",
+                "backend": "the trainer runs one process",
+                "in_process": "the trainer always runs in this process",
+                "show_output": "the trainer's output is not captured",
+            },
+        )
         self.spec = spec or (f"trainer:{control}" if control else "trainer")
         self.dtype_chosen = self._one_dtype(trainer)
         if self.options.dtype not in TRAINER_DTYPES:
@@ -113,9 +128,11 @@ class TrainerRunner:
             self.options = self.options.but(dtype=computes_in)
             return f"the dtype {self.spec} computes in; --dtype not given"
         if self.options.dtype != computes_in:
-            raise UsageError(f"dtype: {self.spec} computes in {computes_in}{': ' + why if why else ''}; --dtype {self.options.dtype} would judge "
-                             f"{computes_in} values at {self.options.dtype} tolerance. Leave --dtype out (the run takes {computes_in}) "
-                             f"or give --dtype {computes_in}")
+            raise UsageError(
+                f"dtype: {self.spec} computes in {computes_in}{': ' + why if why else ''}; --dtype {self.options.dtype} would judge "
+                f"{computes_in} values at {self.options.dtype} tolerance. Leave --dtype out (the run takes {computes_in}) "
+                f"or give --dtype {computes_in}"
+            )
         return None
 
     def _recording(self) -> _Recording | None:
@@ -138,30 +155,60 @@ class TrainerRunner:
         recorder = self._recording()
         step_index = self.capture.next_step() if self.capture is not None else None
         try:
-            step = run_case(case, dtype=dtype, control=self.control, device=self.options.device, make_trainer=self.make_trainer,
-                            recorder=recorder, step_index=step_index, beta=self.beta)
+            step = run_case(
+                case,
+                dtype=dtype,
+                control=self.control,
+                device=self.options.device,
+                make_trainer=self.make_trainer,
+                recorder=recorder,
+                step_index=step_index,
+                beta=self.beta,
+            )
         except Exception as error:  # not CaptureFailed, a BaseException: a lost record stops the run
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-4)).rstrip()
             empty = Batch(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1), dtype=bool), case.tau)
-            return BatteryOutcome(empty, Measurement(empty, dtype, None, Finding("raised", text)),
-                                  (Mismatch("call", f"raised: {text.splitlines()[-1]}", details=(text,)),), case=case.to_dict())
+            return BatteryOutcome(
+                empty,
+                Measurement(empty, dtype, None, Finding("raised", text)),
+                (Mismatch("call", f"raised: {text.splitlines()[-1]}", details=(text,)),),
+                case=case.to_dict(),
+            )
         try:
             mismatches = tuple(check_trainer_step(step, self.options.compute_dtype))
         except Exception as error:  # a record that passed check_record but still cannot be judged
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-4)).rstrip()
-            return BatteryOutcome(step.batch, Measurement(step.batch, dtype, None, Finding("wrong_result", text)),
-                                  (Mismatch("call", f"the step record could not be checked: {text.splitlines()[-1]}", details=(text,)),),
-                                  case=case.to_dict())
+            return BatteryOutcome(
+                step.batch,
+                Measurement(step.batch, dtype, None, Finding("wrong_result", text)),
+                (Mismatch("call", f"the step record could not be checked: {text.splitlines()[-1]}", details=(text,)),),
+                case=case.to_dict(),
+            )
         consistent, evidenced = explain(step) if mismatches else (None, None)
-        return BatteryOutcome(step.batch, Measurement(step.batch, dtype, step.m2po_result), mismatches, explained_by=consistent,
-                              evidenced=evidenced, case={**case.to_dict(), "trainer": _step_summary(step)}, checked=trainer_checks_ran(step))
+        return BatteryOutcome(
+            step.batch,
+            Measurement(step.batch, dtype, step.m2po_result),
+            mismatches,
+            explained_by=consistent,
+            evidenced=evidenced,
+            case={**case.to_dict(), "trainer": _step_summary(step)},
+            checked=trainer_checks_ran(step),
+        )
 
     def replay_command(self, case: TrainerCase) -> str:
         return replay_command(self.spec, json.dumps(case.to_dict()), dtype=self.options.dtype, compute_dtype=self.options.compute_dtype)
 
     def validation(self) -> list[Any]:
-        return [run_trainer_probe(p, dtype=self.options.dtype, faults=self.control.faults if self.control else None, device=self.options.device,
-                                  make_trainer=self.make_trainer) for p in TRAINER_PROBES]
+        return [
+            run_trainer_probe(
+                p,
+                dtype=self.options.dtype,
+                faults=self.control.faults if self.control else None,
+                device=self.options.device,
+                make_trainer=self.make_trainer,
+            )
+            for p in TRAINER_PROBES
+        ]
 
     def parse_example(self, data: dict[str, Any]) -> TrainerCase:
         return TrainerCase.from_dict({k: v for k, v in data.items() if k != "trainer"})
@@ -206,10 +253,18 @@ class _Recording:
             return write(**arguments)
         except Exception as error:
             where = f"step {arguments.get('step')}" + (f", micro-batch {arguments['micro_batch']}" if "micro_batch" in arguments else "")
-            raise CaptureFailed(f"capture: recording {where} in {self.recorder.directory} failed: {type(error).__name__}: {error}") from error
+            raise CaptureFailed(
+                f"capture: recording {where} in {self.recorder.directory} failed: {type(error).__name__}: {error}"
+            ) from error
 
 
 def _step_summary(step: TrainerStep) -> dict[str, Any]:
     r = step.record
-    return {"split": list(r.split), "loss": r.loss, "rows": step.rollout.rows, "tokens": int(r.valid.sum()),
-            "rewards": [float(x) for x in step.rollout.rewards], "parameters": sum(p.numel() for p in r.params_before.values())}
+    return {
+        "split": list(r.split),
+        "loss": r.loss,
+        "rows": step.rollout.rows,
+        "tokens": int(r.valid.sum()),
+        "rewards": [float(x) for x in step.rollout.rewards],
+        "parameters": sum(p.numel() for p in r.params_before.values()),
+    }

@@ -23,7 +23,9 @@ def called_with(adapter: str, port, bindings: tuple[str, ...] = (), **values) ->
     return bind(port, adapter, bindings)(**{role: f"<{role}>" for role in ROLES}, **values)
 
 
-def release(old_log_prob, log_prob, advantages, response_mask, M2_budget, miniclip_low=None, miniclip_high=None, loss_agg_mode="token-mean"):
+def release(
+    old_log_prob, log_prob, advantages, response_mask, M2_budget, miniclip_low=None, miniclip_high=None, loss_agg_mode="token-mean"
+):
     return dict(locals())
 
 
@@ -49,14 +51,32 @@ def with_kwargs(log_ratio, advantages, mask, tau, **options):
 
 BINDINGS = [
     # (adapter, port, bindings, the parameters that must receive these values)
-    ("verl_release", release, (), {"old_log_prob": "<behavior_logp>", "log_prob": "<logp>", "response_mask": "<mask>", "M2_budget": "<budget>",
-                                   "loss_agg_mode": "token-mean"}),
+    (
+        "verl_release",
+        release,
+        (),
+        {
+            "old_log_prob": "<behavior_logp>",
+            "log_prob": "<logp>",
+            "response_mask": "<mask>",
+            "M2_budget": "<budget>",
+            "loss_agg_mode": "token-mean",
+        },
+    ),
     ("verl_release", release, ("miniclip_low=None",), {"miniclip_low": None}),
-    ("verl_release", release, ("miniclip_low=0.3", "loss_agg_mode=seq-mean-token-sum", "budget=M2_budget"),
-     {"miniclip_low": 0.3, "loss_agg_mode": "seq-mean-token-sum", "M2_budget": "<budget>"}),
+    (
+        "verl_release",
+        release,
+        ("miniclip_low=0.3", "loss_agg_mode=seq-mean-token-sum", "budget=M2_budget"),
+        {"miniclip_low": 0.3, "loss_agg_mode": "seq-mean-token-sum", "M2_budget": "<budget>"},
+    ),
     # No parameter of the family's names: by the family's positions; optional constants dropped.
-    ("verl_release", release_renamed, ("clip_ratio_c=3.0",), {"old": "<behavior_logp>", "new": "<logp>", "adv": "<advantages>",
-                                                              "m2_budget": "<budget>", "clip_ratio_c": 3.0}),
+    (
+        "verl_release",
+        release_renamed,
+        ("clip_ratio_c=3.0",),
+        {"old": "<behavior_logp>", "new": "<logp>", "adv": "<advantages>", "m2_budget": "<budget>", "clip_ratio_c": 3.0},
+    ),
     ("verl_release", release_renamed, ("clip_ratio_c=3.0", "logp=old", "behavior_logp=1"), {"old": "<logp>", "new": "<behavior_logp>"}),
     ("mask_only", positional_only, (), {"args": ("<log_ratio>", "<advantages>", "<mask>", "<budget>")}),
     ("mask_only", with_kwargs, ("clip=0.2",), {"tau": "<budget>", "options": {"clip": 0.2}}),
@@ -69,11 +89,14 @@ def test_each_role_reaches_the_parameter_the_binding_names(adapter, port, bindin
     assert {name: received[name] for name in expected} == expected
 
 
-@pytest.mark.parametrize("port, bindings, where", [
-    (registry, (), ("policy_loss", "m2_budget")),  # the default: config.policy_loss.m2_budget (and the usual names)
-    (registry, ("budget=config.actor.m2po.budget",), ("actor", "m2po", "budget")),
-    (registry_cfg, (), ("policy_loss", "m2_budget")),  # by position: the config's path follows the parameter that takes it
-])
+@pytest.mark.parametrize(
+    "port, bindings, where",
+    [
+        (registry, (), ("policy_loss", "m2_budget")),  # the default: config.policy_loss.m2_budget (and the usual names)
+        (registry, ("budget=config.actor.m2po.budget",), ("actor", "m2po", "budget")),
+        (registry_cfg, (), ("policy_loss", "m2_budget")),  # by position: the config's path follows the parameter that takes it
+    ],
+)
 def test_the_budget_goes_inside_the_config_where_bound(port, bindings, where):
     received = called_with("policy_loss", port, bindings, config=policy_loss_config(0.5))
     config = received.get("config", received.get("cfg"))
@@ -111,8 +134,16 @@ def test_outputs_are_read_where_bound_and_metrics_mapped_to_our_names():
     returned = ({"logged": {"actor/m2po_masked_fraction": 0.25, "M2_now": 0.5, "M2_after": 9.0, "pg_clipfrac": 1.0}}, "the mask", 0.125)
     assert call.read(returned, "keep") == "the mask"
     # Each metric says where in the return it was read (the port's own name included).
-    assert call.metrics(returned) == {"masked_fraction": 0.25, "m2_before": 0.5, "m2_after": 0.125, METRIC_SOURCES: {
-        "masked_fraction": "[0]['logged']['actor/m2po_masked_fraction']", "m2_before": "[0]['logged']['M2_now']", "m2_after": "[2]"}}
+    assert call.metrics(returned) == {
+        "masked_fraction": 0.25,
+        "m2_before": 0.5,
+        "m2_after": 0.125,
+        METRIC_SOURCES: {
+            "masked_fraction": "[0]['logged']['actor/m2po_masked_fraction']",
+            "m2_before": "[0]['logged']['M2_now']",
+            "m2_after": "[2]",
+        },
+    }
     plain = bind(lambda log_ratio, advantages, mask, tau: None, "mask_only")
     assert plain.read("bare", "keep") == "bare" and plain.read({"keep": "k", "m2_before": 1.0}, "keep") == "k"
     # A returned mapping is its own metrics.
@@ -122,15 +153,35 @@ def test_outputs_are_read_where_bound_and_metrics_mapped_to_our_names():
         plain.read({"loss": 1}, "keep")
 
 
-@pytest.mark.parametrize("key, ours", [("actor/m2po_masked_fraction", "masked_fraction"), ("m2po/m2_before", "m2_before"), ("M2_now", "m2_before"),
-                                       ("m2po/M2", "m2_before"),
-                                       ("valid_count", "valid_count"), ("M2_after", None), ("pg_clipfrac", None), (3, None)])
+@pytest.mark.parametrize(
+    "key, ours",
+    [
+        ("actor/m2po_masked_fraction", "masked_fraction"),
+        ("m2po/m2_before", "m2_before"),
+        ("M2_now", "m2_before"),
+        ("m2po/M2", "m2_before"),
+        ("valid_count", "valid_count"),
+        ("M2_after", None),
+        ("pg_clipfrac", None),
+        (3, None),
+    ],
+)
 def test_metric_names_are_mapped_only_where_the_meaning_is_ours(key, ours):
     assert map_metric_name(key) == ours
 
 
-@pytest.mark.parametrize("text, value", [("None", None), ("0.3", 0.3), ("3", 3), ("'a b'", "a b"), ("token-mean", "token-mean"), ("[1, 2]", [1, 2]),
-                                         ("config.policy_loss.m2_budget", "config.policy_loss.m2_budget")])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("None", None),
+        ("0.3", 0.3),
+        ("3", 3),
+        ("'a b'", "a b"),
+        ("token-mean", "token-mean"),
+        ("[1, 2]", [1, 2]),
+        ("config.policy_loss.m2_budget", "config.policy_loss.m2_budget"),
+    ],
+)
 def test_values_are_python_literals_else_strings(text, value):
     assert parse_value(text) == value
 
@@ -146,15 +197,37 @@ def spec(port: str) -> str:
 
 USAGE_ERRORS = [
     # (argv after "compare --impl", what stderr must say)
-    ([spec("verl_release.py:compute_policy_loss"), "--adapter", "verl_release", "--bind", "budget=M2_budgt"],
-     ["bind budget=M2_budgt: the port has no parameter 'M2_budgt'", "compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, M2_budget"]),
-    ([spec("verl_release.py:compute_policy_loss_v2"), "--adapter", "verl_release"],
-     ["parameter(s) 'clip_ratio_c' would receive nothing", "compute_policy_loss_v2(old_log_prob, log_prob, advantages, response_mask, m2_budget, clip_ratio_c"]),
-    ([spec("verl_release.py:compute_policy_loss"), "--adapter", "verl_release", "--bind", "nope=1"], ["'nope' is neither a role of adapter verl_release"]),
-    ([spec("mask_only.py:select_mask_reordered"), "--adapter", "mask_only"], ["budget: the port has no parameter 'tau'", "already takes <advantages>",
-                                                                             "select_mask_reordered(mask, log_ratio, budget, advantages)"]),
+    (
+        [spec("verl_release.py:compute_policy_loss"), "--adapter", "verl_release", "--bind", "budget=M2_budgt"],
+        [
+            "bind budget=M2_budgt: the port has no parameter 'M2_budgt'",
+            "compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, M2_budget",
+        ],
+    ),
+    (
+        [spec("verl_release.py:compute_policy_loss_v2"), "--adapter", "verl_release"],
+        [
+            "parameter(s) 'clip_ratio_c' would receive nothing",
+            "compute_policy_loss_v2(old_log_prob, log_prob, advantages, response_mask, m2_budget, clip_ratio_c",
+        ],
+    ),
+    (
+        [spec("verl_release.py:compute_policy_loss"), "--adapter", "verl_release", "--bind", "nope=1"],
+        ["'nope' is neither a role of adapter verl_release"],
+    ),
+    (
+        [spec("mask_only.py:select_mask_reordered"), "--adapter", "mask_only"],
+        [
+            "budget: the port has no parameter 'tau'",
+            "already takes <advantages>",
+            "select_mask_reordered(mask, log_ratio, budget, advantages)",
+        ],
+    ),
     ([spec("per_token_loss.py:m2po_per_token_loss"), "--adapter", "per_token_loss", "--bind", "budget=9"], ["has 5 positional parameters"]),
-    ([spec("per_token_loss.py:m2po_per_token_loss"), "--adapter", "per_token_loss", "--bind", "keep=1", "--bind", "keep=0"], ["keep is bound twice"]),
+    (
+        [spec("per_token_loss.py:m2po_per_token_loss"), "--adapter", "per_token_loss", "--bind", "keep=1", "--bind", "keep=0"],
+        ["keep is bound twice"],
+    ),
     ([spec("packed.py:packed_m2po"), "--adapter", "packed", "--bind", "budget"], ["expected KEY=VALUE"]),
     ([spec("packed.py:packed_m2po"), "--adapter", "packed", "--bind", "loss=.x"], ["expected where loss is in the return"]),
     (["core", "--bind", "budget=tau"], ["give --adapter NAME too"]),
@@ -165,8 +238,14 @@ USAGE_ERRORS = [
 
 @pytest.mark.parametrize("argv, says", USAGE_ERRORS, ids=lambda x: x[-1] if isinstance(x, list) and x and "=" in x[-1] else None)
 def test_a_wrong_binding_is_a_usage_error_naming_the_signature(argv, says, capsys):
-    assert main(["compare", "--impl", *argv, "--examples", "2", "--in-process"] if "--topology" not in argv and argv[0] != "trainer"
-                else ["compare", "--impl", *argv]) == EXIT_UNUSABLE
+    assert (
+        main(
+            ["compare", "--impl", *argv, "--examples", "2", "--in-process"]
+            if "--topology" not in argv and argv[0] != "trainer"
+            else ["compare", "--impl", *argv]
+        )
+        == EXIT_UNUSABLE
+    )
     err = capsys.readouterr().err
     for text in says:
         assert text in err, err
@@ -174,8 +253,20 @@ def test_a_wrong_binding_is_a_usage_error_naming_the_signature(argv, says, capsy
 
 def test_a_binding_outside_the_return_is_a_finding_naming_it(tmp_path):
     report = tmp_path / "r.json"
-    argv = ["compare", "--impl", spec("per_token_loss.py:m2po_per_token_loss"), "--adapter", "per_token_loss", "--bind", "keep=5",
-            "--examples", "3", "--in-process", "--json", str(report)]
+    argv = [
+        "compare",
+        "--impl",
+        spec("per_token_loss.py:m2po_per_token_loss"),
+        "--adapter",
+        "per_token_loss",
+        "--bind",
+        "keep=5",
+        "--examples",
+        "3",
+        "--in-process",
+        "--json",
+        str(report),
+    ]
     assert main(argv) == EXIT_UNUSABLE  # every call fails: nothing but 'call' ran
     (counterexample,) = json.loads(report.read_text())["counterexamples"]
     assert "keep: expected at [5] of the return (--bind keep=5); got a tuple of 3 elements" in counterexample["mismatches"][0]["summary"]
@@ -187,12 +278,25 @@ def test_bind_resolves_once_before_any_call():
 
 
 def test_the_plugin_takes_bindings_and_refuses_a_wrong_one(pytester):
-    bad = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--m2po-impl", spec("verl_release.py:compute_policy_loss"),
-                                       "--m2po-adapter", "verl_release", "--m2po-bind", "budget=M2_budgt", "--m2po-in-process")
+    bad = pytester.runpytest_inprocess(
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        "--m2po-impl",
+        spec("verl_release.py:compute_policy_loss"),
+        "--m2po-adapter",
+        "verl_release",
+        "--m2po-bind",
+        "budget=M2_budgt",
+        "--m2po-in-process",
+    )
     bad.stdout.fnmatch_lines(["*usage error*bind budget=M2_budgt: the port has no parameter 'M2_budgt'*compute_policy_loss(old_log_prob*"])
 
 
-def release_with_floors(old_log_prob, log_prob, advantages, response_mask, M2_budget, miniclip_low=0.3, miniclip_high=0.5, loss_agg_mode="token-mean"):
+def release_with_floors(
+    old_log_prob, log_prob, advantages, response_mask, M2_budget, miniclip_low=0.3, miniclip_high=0.5, loss_agg_mode="token-mean"
+):
     return dict(locals())
 
 

@@ -51,29 +51,56 @@ class Case:
 CASES = (
     Case("mask_only", "mask_only.py:select_mask", "equivalent", metrics=("metrics.masked_fraction", "metrics.m2_after")),
     Case("mask_only", "mask_only.py:select_mask_strict_stop", "divergent", "selection.minimal"),
-    Case("mask_only", "mask_only.py:select_mask_reordered", "equivalent", bind=("budget=budget", "keep=1", "metrics=0"),
-         metrics=("metrics.masked_fraction",), isolated=True),
+    Case(
+        "mask_only",
+        "mask_only.py:select_mask_reordered",
+        "equivalent",
+        bind=("budget=budget", "keep=1", "metrics=0"),
+        metrics=("metrics.masked_fraction",),
+        isolated=True,
+    ),
     Case("mask_function", "mask_function.py:m2po_loss_mask", "equivalent", metrics=("metrics.m2_before", "metrics.trust_region_count")),
     Case("mask_function", "mask_function.py:m2po_loss_mask_without_advantages", "divergent", "selection.only_trust_region_masked"),
     Case("masked_loss", "masked_loss.py:m2po_masked_loss", "equivalent"),
     Case("masked_loss", "masked_loss.py:m2po_masked_loss_kept_denominator", "divergent", "loss"),
     Case("per_token_loss", "per_token_loss.py:m2po_per_token_loss", "equivalent", metrics=("metrics.m2_before",)),
     Case("per_token_loss", "per_token_loss.py:m2po_per_token_loss_per_sequence", "divergent", "selection.minimal"),
-    Case("per_token_loss", "per_token_loss.py:m2po_per_token_loss_reordered", "equivalent",
-         bind=("logp=logp", "behavior_logp=old_logp", "keep=0", "per_token_loss=1"), isolated=True),
+    Case(
+        "per_token_loss",
+        "per_token_loss.py:m2po_per_token_loss_reordered",
+        "equivalent",
+        bind=("logp=logp", "behavior_logp=old_logp", "keep=0", "per_token_loss=1"),
+        isolated=True,
+    ),
     # Reads config.policy_loss.get("m2_budget"): runs as is (the config nests policy_loss).
     Case("policy_loss", "policy_loss.py:compute_policy_loss_m2po", "equivalent", metrics=("metrics.masked_fraction", "metrics.m2_before")),
     Case("policy_loss", "policy_loss.py:compute_policy_loss_m2po_kept_denominator", "divergent", "loss"),
-    Case("policy_loss", "policy_loss.py:compute_policy_loss_m2po_custom_budget", "equivalent", bind=("budget=config.actor.m2po.budget",),
-         isolated=True),
+    Case(
+        "policy_loss",
+        "policy_loss.py:compute_policy_loss_m2po_custom_budget",
+        "equivalent",
+        bind=("budget=config.actor.m2po.budget",),
+        isolated=True,
+    ),
     # ... and without its binding it cannot find its budget: every call raises.
     Case("policy_loss", "policy_loss.py:compute_policy_loss_m2po_custom_budget", "unusable", "call"),
     Case("verl_release", "verl_release.py:compute_policy_loss", "equivalent", metrics=("metrics.m2_before", "metrics.masked_fraction")),
     Case("verl_release", "verl_release.py:compute_policy_loss_breakpoint_below", "divergent", "selection.minimal"),
-    Case("verl_release", "verl_release.py:compute_policy_loss_v2", "equivalent", bind=("clip_ratio_c=3.0", "metrics=1"),
-         metrics=("metrics.m2_before",), isolated=True),
-    Case("clip_kernel", "clip_kernel.py:m2po_clip_loss", "equivalent", bind=("masked_fraction=1", "m2_before=2", "m2_after=3"),
-         metrics=("metrics.masked_fraction", "metrics.m2_before", "metrics.m2_after")),
+    Case(
+        "verl_release",
+        "verl_release.py:compute_policy_loss_v2",
+        "equivalent",
+        bind=("clip_ratio_c=3.0", "metrics=1"),
+        metrics=("metrics.m2_before",),
+        isolated=True,
+    ),
+    Case(
+        "clip_kernel",
+        "clip_kernel.py:m2po_clip_loss",
+        "equivalent",
+        bind=("masked_fraction=1", "m2_before=2", "m2_after=3"),
+        metrics=("metrics.masked_fraction", "metrics.m2_before", "metrics.m2_after"),
+    ),
     Case("clip_kernel", "clip_kernel.py:m2po_water_filling_clip", "divergent", "loss"),
     Case("packed", "packed.py:packed_m2po", "equivalent", metrics=("metrics.m2_before", "metrics.valid_count")),
     Case("packed", "packed.py:packed_m2po_per_sequence", "divergent", "selection.minimal"),
@@ -119,7 +146,9 @@ def test_the_cli_gives_each_stand_in_its_verdict(case, tmp_path):
 
 @pytest.mark.parametrize("case", params(c for c in CASES if c.verdict != "unusable"))
 def test_the_pytest_plugin_gives_each_stand_in_its_verdict(case, pytester):
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-rfs", "--m2po-impl", case.spec, *case.options("--m2po-"))
+    result = pytester.runpytest_inprocess(
+        "-p", "no:cacheprovider", "-p", "no:xdist", "-rfs", "--m2po-impl", case.spec, *case.options("--m2po-")
+    )
     outcomes = result.parseoutcomes()
     if case.failing:
         result.stdout.fnmatch_lines([f"*FAILED*::{case.failing}*"])

@@ -18,6 +18,7 @@ from m2po_oracle.judge.battery import assert_battery_passes, run_battery
 
 # --- stand-ins, one per signature family ------------------------------------------------
 
+
 def mask_only_port(log_ratio, advantages, mask, tau):
     """A correct mask-only port (Algorithm 1's selection from the log ratio)."""
     zeros = torch.zeros_like(log_ratio)
@@ -100,7 +101,10 @@ def test_cli_adapter_end_to_end_with_replay(tmp_path, capsys):
     spec = "property_tests.adapters.test_adapters"  # the stand-ins above, loaded by module:function
     assert main(["compare", "--impl", f"{spec}:mask_only_port", "--adapter", "mask_only", "--examples", "30"]) == EXIT_EQUIVALENT
     report = tmp_path / "strict.json"
-    assert main(["compare", "--impl", f"{spec}:mask_only_port_strict", "--adapter", "mask_only", "--examples", "60", "--json", str(report)]) == EXIT_DIVERGENT
+    assert (
+        main(["compare", "--impl", f"{spec}:mask_only_port_strict", "--adapter", "mask_only", "--examples", "60", "--json", str(report)])
+        == EXIT_DIVERGENT
+    )
     data = json.loads(report.read_text())
     assert data["adapter"]["name"] == "mask_only" and data["adapter"]["checked"] == list(ADAPTERS["mask_only"].checked)
     assert set(data["adapter"]["not_run"]) == {"loss", "gradient"}  # built by the adapter: not run, never pass
@@ -124,8 +128,10 @@ def test_every_adapter_documents_what_it_checks():
             assert (field in adapter.supplies) != (field in adapter.builds), f"{adapter.name}: {field}"
         assert set(adapter.unobservable) <= set(CHECKS)
         assert set(adapter.runs()) | set(adapter.not_run()) == set(adapter.judged_by) and "call" in adapter.runs()
-        assert all(check_field(c) in adapter.builds or c in adapter.unobservable or check_field(c) not in adapter.supplies
-                   for c in adapter.not_run())
+        assert all(
+            check_field(c) in adapter.builds or c in adapter.unobservable or check_field(c) not in adapter.supplies
+            for c in adapter.not_run()
+        )
 
 
 def _metric_names() -> tuple[str, ...]:
@@ -164,8 +170,22 @@ def test_a_report_says_which_value_of_the_port_each_metric_read_and_never_calls_
     from m2po_oracle.report.html import render_html
 
     path = tmp_path / "r.json"
-    assert main(["compare", "--impl", "property_tests.adapters.test_adapters:mask_function_port_m2_as_sum", "--adapter", "mask_function",
-                 "--examples", "40", "--json", str(path)]) == EXIT_DIVERGENT
+    assert (
+        main(
+            [
+                "compare",
+                "--impl",
+                "property_tests.adapters.test_adapters:mask_function_port_m2_as_sum",
+                "--adapter",
+                "mask_function",
+                "--examples",
+                "40",
+                "--json",
+                str(path),
+            ]
+        )
+        == EXIT_DIVERGENT
+    )
     data = json.loads(path.read_text())
     adapter = data["adapter"]
     assert adapter["metrics_read"] == {"m2_before": "[1]['m2']"}

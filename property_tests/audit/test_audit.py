@@ -15,8 +15,12 @@ from m2po_oracle.core.loss import loss_from_selection, select_tokens
 
 WORLD, MICRO_BATCHES, TAU = 2, 2, 0.04
 #: What a pure-DP capture without the optional tensors and parameter norms cannot judge.
-NOT_RECORDED = {"audit.replicas_identical": "not run", "audit.policy_logp": "not run", "audit.behavior_logp": "not run",
-                "audit.parameter_gradient": "not run"}
+NOT_RECORDED = {
+    "audit.replicas_identical": "not run",
+    "audit.policy_logp": "not run",
+    "audit.behavior_logp": "not run",
+    "audit.parameter_gradient": "not run",
+}
 
 
 def _tensors(step: int, rank: int, mb: int) -> tuple[torch.Tensor, ...]:
@@ -36,8 +40,16 @@ def _pad(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
     return out
 
 
-def _simulate(directory: Path, *, steps=(0, 1, 2), bug: str | None = None, bug_step: int = 1, topology: str = "dp=2,cp=1,tp=1",
-              watch: bool = True, metrics: bool = True) -> None:
+def _simulate(
+    directory: Path,
+    *,
+    steps=(0, 1, 2),
+    bug: str | None = None,
+    bug_step: int = 1,
+    topology: str = "dp=2,cp=1,tp=1",
+    watch: bool = True,
+    metrics: bool = True,
+) -> None:
     """A pure-DP optimizer step per ``steps`` in one process: the global selection over the
     assembled batch, each micro-batch's loss with the global N, its gradient watched."""
     recorders = [Recorder(directory, rank=r, world_size=WORLD, topology=topology) for r in range(WORLD)]
@@ -52,9 +64,13 @@ def _simulate(directory: Path, *, steps=(0, 1, 2), bug: str | None = None, bug_s
             rank, mb = key
             logp0, behavior, advantages, mask = parts[key]
             rows, t = mask.shape
-            keep, n = whole.keep[start:start + rows, :t], whole.valid_count
+            keep, n = whole.keep[start : start + rows, :t], whole.valid_count
             start += rows
-            logged = {name: getattr(whole, name) for name in ("m2_before", "m2_after", "masked_fraction", "valid_count")} if metrics else {"lr": 1e-6}
+            logged = (
+                {name: getattr(whole, name) for name in ("m2_before", "m2_after", "masked_fraction", "valid_count")}
+                if metrics
+                else {"lr": 1e-6}
+            )
             if step == bug_step and bug == "per_micro_batch_mask":
                 own = select_tokens(logp0, behavior, advantages, mask, tau=TAU)
                 keep = own.keep
@@ -64,8 +80,18 @@ def _simulate(directory: Path, *, steps=(0, 1, 2), bug: str | None = None, bug_s
                 n = mask.sum()
             logp = logp0.clone().requires_grad_()
             loss = loss_from_selection(logp, behavior, advantages, keep, n)
-            recorders[rank].record(step=step, micro_batch=mb, logp=logp, behavior_logp=behavior, advantages=advantages,
-                                   mask=mask, keep=keep, loss=loss, tau=TAU, metrics=logged)
+            recorders[rank].record(
+                step=step,
+                micro_batch=mb,
+                logp=logp,
+                behavior_logp=behavior,
+                advantages=advantages,
+                mask=mask,
+                keep=keep,
+                loss=loss,
+                tau=TAU,
+                metrics=logged,
+            )
             if watch:
                 recorders[rank].watch_gradient(logp)
             loss.backward()
@@ -80,8 +106,13 @@ def test_a_correct_pure_dp_capture_is_equivalent(tmp_path: Path) -> None:
     assert report["capture"]["problems"] == []
     for step in report["steps"]:
         assert step["verdict"] == "equivalent" and step["diagnosis"] == []
-        assert check_statuses(step) == {"audit.selection": "pass", "audit.loss_sum": "pass", "audit.gradient": "pass", "audit.metrics": "pass",
-                                 **NOT_RECORDED}
+        assert check_statuses(step) == {
+            "audit.selection": "pass",
+            "audit.loss_sum": "pass",
+            "audit.gradient": "pass",
+            "audit.metrics": "pass",
+            **NOT_RECORDED,
+        }
         assert step["metrics"]["tau"] == TAU and step["metrics"]["masked_fraction"] > 0  # the cut is exercised
 
 
@@ -140,7 +171,13 @@ def test_uncaptured_gradient_and_metrics_are_not_run_never_pass(tmp_path: Path) 
     status, report = run_audit(tmp_path / "cap", tmp_path)
     assert status == 0 and report["verdict"] == "equivalent"
     checks = check_statuses(report["steps"][0])
-    assert checks == {"audit.selection": "pass", "audit.loss_sum": "pass", "audit.gradient": "not run", "audit.metrics": "not run", **NOT_RECORDED}
+    assert checks == {
+        "audit.selection": "pass",
+        "audit.loss_sum": "pass",
+        "audit.gradient": "not run",
+        "audit.metrics": "not run",
+        **NOT_RECORDED,
+    }
 
 
 def test_the_denominator_bug_is_caught_by_the_loss_alone_without_gradients(tmp_path: Path) -> None:
@@ -172,7 +209,7 @@ def test_the_html_report_has_a_timeline_of_every_step_and_the_worst_step_first(t
     page = tmp_path / "audit.html"
     assert main(["audit", str(capture), "--html", str(page)]) == 1
     html = page.read_text()
-    rows = re.findall(r'<tr class="(equivalent|divergent|unusable)"><td>(\d+)</td>', html[html.index('id="steps"'):])
+    rows = re.findall(r'<tr class="(equivalent|divergent|unusable)"><td>(\d+)</td>', html[html.index('id="steps"') :])
     assert rows == [("equivalent", "0"), ("divergent", "1"), ("equivalent", "2")], rows
     for series in ("m2_before", "m2_after", "tau", "masked_fraction"):
         points = re.search(rf'<polyline class="{series}" points="([^"]*)"', html).group(1).split()
@@ -185,9 +222,27 @@ def test_the_html_report_escapes_what_the_capture_says() -> None:
     from m2po_oracle.report.audit_html import render_audit_html
 
     hostile = "<script>alert(1)</script>"
-    report = {"schema": "m2po-oracle/audit/1", "verdict": "unusable", "worst_step": None,
-              "capture": {"directory": hostile, "world_size": 1, "topology": "dp=1,cp=1,tp=1", "steps": [0], "problems": [hostile], "refused": None},
-              "steps": [{"step": 0, "verdict": "unusable", "checks": [{"name": "audit.selection", "status": "not run", "summary": hostile}],
-                         "diagnosis": [], "metrics": {}}]}
+    report = {
+        "schema": "m2po-oracle/audit/1",
+        "verdict": "unusable",
+        "worst_step": None,
+        "capture": {
+            "directory": hostile,
+            "world_size": 1,
+            "topology": "dp=1,cp=1,tp=1",
+            "steps": [0],
+            "problems": [hostile],
+            "refused": None,
+        },
+        "steps": [
+            {
+                "step": 0,
+                "verdict": "unusable",
+                "checks": [{"name": "audit.selection", "status": "not run", "summary": hostile}],
+                "diagnosis": [],
+                "metrics": {},
+            }
+        ],
+    }
     html = render_audit_html(report)
     assert "<script>" not in html and "&lt;script&gt;" in html

@@ -22,12 +22,41 @@ from m2po_oracle.cli.launch import open_runner
 #: micro-batches with the cut inside the step, the same with an empty micro-batch, and one
 #: micro-batch (where the scope and denominator controls must not fire).
 TRAINER_CASES = [
-    {"seed": 3, "prompts": 2, "group_size": 3, "prompt_len": 2, "max_new_tokens": 5, "lags": (0, 3), "staleness_lr": 0.02, "tau": 0.04,
-     "split": (3, 3), "cut": 2},
-    {"seed": 11, "prompts": 2, "group_size": 2, "prompt_len": 3, "max_new_tokens": 6, "lags": (0, 3), "staleness_lr": 0.02, "tau": 0.04,
-     "split": (2, 0, 2), "cut": 1},
-    {"seed": 5, "prompts": 1, "group_size": 4, "prompt_len": 2, "max_new_tokens": 6, "lags": (2,), "staleness_lr": 0.02, "tau": 0.02,
-     "split": (4,)},
+    {
+        "seed": 3,
+        "prompts": 2,
+        "group_size": 3,
+        "prompt_len": 2,
+        "max_new_tokens": 5,
+        "lags": (0, 3),
+        "staleness_lr": 0.02,
+        "tau": 0.04,
+        "split": (3, 3),
+        "cut": 2,
+    },
+    {
+        "seed": 11,
+        "prompts": 2,
+        "group_size": 2,
+        "prompt_len": 3,
+        "max_new_tokens": 6,
+        "lags": (0, 3),
+        "staleness_lr": 0.02,
+        "tau": 0.04,
+        "split": (2, 0, 2),
+        "cut": 1,
+    },
+    {
+        "seed": 5,
+        "prompts": 1,
+        "group_size": 4,
+        "prompt_len": 2,
+        "max_new_tokens": 6,
+        "lags": (2,),
+        "staleness_lr": 0.02,
+        "tau": 0.02,
+        "split": (4,),
+    },
 ]
 #: control -> the diagnosis the audit must give on a step it fails.
 TRAINER_NAMES = {

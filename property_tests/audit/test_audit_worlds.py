@@ -52,8 +52,18 @@ def _rows(t: tuple[torch.Tensor, ...], rows: slice | torch.Tensor) -> tuple[torc
     return tuple(x[rows] for x in t)
 
 
-def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tuple[int, ...] = (0, 1), bug_step: int | None = 1,
-             selection_logp: bool = True, rollout_logp: bool = True, parameters: bool = True, grads: bool = True) -> None:
+def simulate(
+    directory: Path,
+    world: World,
+    *,
+    bug: str | None = None,
+    steps: tuple[int, ...] = (0, 1),
+    bug_step: int | None = 1,
+    selection_logp: bool = True,
+    rollout_logp: bool = True,
+    parameters: bool = True,
+    grads: bool = True,
+) -> None:
     topology = Topology.parse(world.topology)
     recorders = [Recorder(directory, rank=r, world_size=topology.world_size, topology=world.topology) for r in range(topology.world_size)]
     cp, k = topology.cp, world.micro_batches
@@ -68,8 +78,11 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
         keep, n = whole.keep.clone(), whole.valid_count
         valid_count = int(n)
         dp_rows = dp_row_slices(rows, topology.dp)
-        blocks = {(dp, mb): torch.arange(dp_rows[dp].start + mb * world.rows_per_mb, dp_rows[dp].start + (mb + 1) * world.rows_per_mb)
-                  for dp in range(topology.dp) for mb in range(k)}
+        blocks = {
+            (dp, mb): torch.arange(dp_rows[dp].start + mb * world.rows_per_mb, dp_rows[dp].start + (mb + 1) * world.rows_per_mb)
+            for dp in range(topology.dp)
+            for mb in range(k)
+        }
         shard = lambda c: torch.from_numpy(cp_token_indices(world.width, cp, c))  # noqa: E731
         if planted in ("per_micro_batch_mask", "per_micro_batch_core", "per_micro_batch_core_rank_count", "per_micro_batch_own_n"):
             for index in blocks.values():
@@ -89,15 +102,23 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
             doubled = select_tokens(*(torch.cat([x] * cp) for x in (logp, behavior, advantages, mask)), tau=TAU)
             keep = doubled.keep[:rows].clone()
             valid_count = int(doubled.valid_count)
-        metrics = {"m2_before": float(whole.m2_before), "m2_after": float(whole.m2_after), "masked_fraction": float(whole.masked_fraction),
-                   "valid_count": valid_count}
+        metrics = {
+            "m2_before": float(whole.m2_before),
+            "m2_after": float(whole.m2_after),
+            "masked_fraction": float(whole.masked_fraction),
+            "valid_count": valid_count,
+        }
         kept = keep.sum()
         own_metrics = {}
         if planted == "per_micro_batch_metrics":  # the global mask, but each micro-batch logs its own M2
             for key, index in blocks.items():
                 alone = select_tokens(*_rows((logp, behavior, advantages, mask), index), tau=TAU)
-                own_metrics[key] = {**metrics, "m2_before": float(alone.m2_before), "m2_after": float(alone.m2_after),
-                                    "masked_fraction": float(alone.masked_fraction)}
+                own_metrics[key] = {
+                    **metrics,
+                    "m2_before": float(alone.m2_before),
+                    "m2_after": float(alone.m2_after),
+                    "masked_fraction": float(alone.masked_fraction),
+                }
         if planted == "local_shard_selection":  # as the distributed control: each shard logs its own selection's metrics
             for (dp, mb), index in blocks.items():
                 for c in range(cp):
@@ -110,7 +131,9 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
             for (dp, mb), index in blocks.items():
                 alone = select_tokens(*_rows((logp, behavior, advantages, mask), index), tau=TAU)
                 own_metrics[(dp, mb)] = {name: float(getattr(alone, name)) for name in ("m2_before", "m2_after", "masked_fraction")}
-                own_metrics[(dp, mb)]["valid_count"] = int(alone.valid_count if planted == "per_micro_batch_core" else mask[dp_rows[dp]].sum())
+                own_metrics[(dp, mb)]["valid_count"] = int(
+                    alone.valid_count if planted == "per_micro_batch_core" else mask[dp_rows[dp]].sum()
+                )
         for rank in range(topology.world_size):
             coords = topology.coords(rank)
             for mb in range(k):
@@ -119,7 +142,9 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
                 sel_logp, beh, adv, msk, kp = cut(logp), cut(behavior), cut(advantages), cut(mask), cut(keep)
                 loss_logp = sel_logp.clone()
                 if planted == "stochastic_forward":
-                    loss_logp = loss_logp + 0.05 * torch.randn(loss_logp.shape, generator=torch.Generator().manual_seed(rank * 10 + mb), dtype=torch.float64)
+                    loss_logp = loss_logp + 0.05 * torch.randn(
+                        loss_logp.shape, generator=torch.Generator().manual_seed(rank * 10 + mb), dtype=torch.float64
+                    )
                 if planted == "optimizer_step_per_micro_batch" and mb > 0:
                     loss_logp = loss_logp + 0.03
                 denominator = n
@@ -143,18 +168,33 @@ def simulate(directory: Path, world: World, *, bug: str | None = None, steps: tu
                 leaf = loss_logp.clone().requires_grad_()
                 loss = loss_from_selection(leaf, beh, adv, kp, denominator)
                 loss.backward()
-                logged = own_metrics.get((coords.dp, coords.cp, mb), own_metrics.get((coords.dp, mb), metrics))  # a shard's, a micro-batch's
-                recorders[rank].record(step=step, micro_batch=mb, logp=loss_logp, behavior_logp=beh, advantages=adv, mask=msk, keep=kp,
-                                       loss=loss, tau=TAU, metrics=logged, grad=leaf.grad if grads else None,
-                                       selection_logp=sel_logp if selection_logp else None,
-                                       rollout_logp=cut(rollout) if rollout_logp else None)
+                logged = own_metrics.get(
+                    (coords.dp, coords.cp, mb), own_metrics.get((coords.dp, mb), metrics)
+                )  # a shard's, a micro-batch's
+                recorders[rank].record(
+                    step=step,
+                    micro_batch=mb,
+                    logp=loss_logp,
+                    behavior_logp=beh,
+                    advantages=adv,
+                    mask=msk,
+                    keep=kp,
+                    loss=loss,
+                    tau=TAU,
+                    metrics=logged,
+                    grad=leaf.grad if grads else None,
+                    selection_logp=sel_logp if selection_logp else None,
+                    rollout_logp=cut(rollout) if rollout_logp else None,
+                )
             if parameters:
                 # A freeze is permanent: planted at every step. "zero_at_one_step" is legitimate.
                 frozen = bug == "parameters_without_gradient" or planted == "zero_at_one_step"
                 norm = 0.0 if frozen else 1.5
                 weight, embedding = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))
                 weight.grad, embedding.grad = torch.full((3,), 0.5), torch.full((4,), norm)
-                recorders[rank].record_parameter_gradients(step=step, named_parameters={"layer.weight": weight, "embed_tokens.weight": embedding})
+                recorders[rank].record_parameter_gradients(
+                    step=step, named_parameters={"layer.weight": weight, "embed_tokens.weight": embedding}
+                )
 
 
 def _statuses(step) -> dict[str, str]:
@@ -247,7 +287,9 @@ def test_the_selection_counterexample_lists_the_tokens_that_differ_with_their_ra
 
 
 def test_without_the_optional_records_their_checks_are_not_run_never_pass(tmp_path: Path) -> None:
-    simulate(tmp_path, World("dp=2,cp=1,tp=1"), bug="current_policy_as_behavior", selection_logp=False, rollout_logp=False, parameters=False)
+    simulate(
+        tmp_path, World("dp=2,cp=1,tp=1"), bug="current_policy_as_behavior", selection_logp=False, rollout_logp=False, parameters=False
+    )
     bad = audit_capture(tmp_path).steps[1]
     statuses = _statuses(bad)
     assert statuses["audit.behavior_logp"] == statuses["audit.policy_logp"] == statuses["audit.parameter_gradient"] == "not run"
@@ -282,7 +324,9 @@ def test_cp_shards_that_disagree_in_shape_make_that_step_unusable(tmp_path: Path
     _edit_record(tmp_path, 1, 1, 0, lambda t: {name: x[:, :-2].contiguous() for name, x in t.items()})
     report = audit_capture(tmp_path)
     assert [s.verdict for s in report.steps] == ["equivalent", "unusable"]
-    assert "the CP shards of DP rank 0 micro-batch 0 disagree in shape (rank 0: [2, 4], rank 1: [2, 2])" in report.steps[1].checks[0].summary
+    assert (
+        "the CP shards of DP rank 0 micro-batch 0 disagree in shape (rank 0: [2, 4], rank 1: [2, 2])" in report.steps[1].checks[0].summary
+    )
 
 
 def test_nan_on_a_valid_token_makes_that_step_unusable_and_names_the_token(tmp_path: Path) -> None:
@@ -296,8 +340,10 @@ def test_nan_on_a_valid_token_makes_that_step_unusable_and_names_the_token(tmp_p
     _edit_record(tmp_path, 1, 1, 0, poison)
     report = audit_capture(tmp_path)
     assert [s.verdict for s in report.steps] == ["equivalent", "unusable"]
-    assert ("non-finite input: rank 1 (dp=1, cp=0, tp=0) micro-batch 0: logp is nan on a valid token at [1, 0]"
-            in report.steps[1].checks[0].summary)
+    assert (
+        "non-finite input: rank 1 (dp=1, cp=0, tp=0) micro-batch 0: logp is nan on a valid token at [1, 0]"
+        in report.steps[1].checks[0].summary
+    )
 
 
 def test_a_tp_rank_missing_a_micro_batch_makes_that_step_unusable(tmp_path: Path) -> None:
@@ -341,8 +387,8 @@ def test_the_html_shows_the_worst_step_as_a_token_table_with_its_explanation(tmp
     html = render_audit_html(report)
     table = report["steps"][1]["counterexample"]
     assert html.index('id="worst"') < html.index('id="counterexample"') < html.index('id="timeline"')
-    body = html[html.index('<table class="tokens">'):]
-    body = body[:body.index("</table>")]
+    body = html[html.index('<table class="tokens">') :]
+    body = body[: body.index("</table>")]
     assert len(re.findall(r"<tr class=\"divergent\">", body)) == table["shown"] > 0
     assert "each rank selects over its own CP shard without communication" in html
     assert "-0.0" not in html
@@ -364,7 +410,9 @@ def test_denominators_the_files_cannot_tell_apart_are_named_as_alternatives(tmp_
     # optimizer batch's, which names the global selection.
     simulate(tmp_path / "dp1", World("dp=1,cp=2,tp=1"), bug="local_denominator")
     bad = audit_capture(tmp_path / "dp1").steps[1]
-    assert bad.diagnosis == ["local_denominator"] and bad.alternatives == {"local_denominator": ["cp_shard_counts", "local_shard_selection"]}
+    assert bad.diagnosis == ["local_denominator"] and bad.alternatives == {
+        "local_denominator": ["cp_shard_counts", "local_shard_selection"]
+    }
     # dp = 2: they differ, and only the planted one is named.
     simulate(tmp_path / "dp2", World("dp=2,cp=2,tp=1"), bug="local_denominator")
     bad = audit_capture(tmp_path / "dp2").steps[1]
@@ -385,13 +433,25 @@ def test_per_micro_batch_metrics_over_a_global_mask_are_not_called_a_per_micro_b
 NATURAL_PORTS = {
     "own count, GA=2": ("per_micro_batch_core", World("dp=1,cp=1,tp=1", micro_batches=2, rows_per_mb=2), "its record's own valid count"),
     "own count, dp=2 x GA=2": ("per_micro_batch_core", World("dp=2,cp=1,tp=1", micro_batches=2), "its record's own valid count"),
-    "own count, equal micro-batch counts": ("per_micro_batch_core", World("dp=1,cp=1,tp=1", micro_batches=2, length=6),
-                                            "its record's own valid count"),
-    "rank's count, equal micro-batch counts": ("per_micro_batch_core_rank_count", World("dp=2,cp=1,tp=1", micro_batches=2, length=6),
-                                               "its DP rank's valid count"),
+    "own count, equal micro-batch counts": (
+        "per_micro_batch_core",
+        World("dp=1,cp=1,tp=1", micro_batches=2, length=6),
+        "its record's own valid count",
+    ),
+    "rank's count, equal micro-batch counts": (
+        "per_micro_batch_core_rank_count",
+        World("dp=2,cp=1,tp=1", micro_batches=2, length=6),
+        "its DP rank's valid count",
+    ),
 }
-DENOMINATORS = {"per_micro_batch_denominator", "local_denominator", "kept_count_denominator", "cp_shard_counts", "dp_cp_group_double_count",
-                "local_shard_selection"}
+DENOMINATORS = {
+    "per_micro_batch_denominator",
+    "local_denominator",
+    "kept_count_denominator",
+    "cp_shard_counts",
+    "dp_cp_group_double_count",
+    "local_shard_selection",
+}
 
 
 @pytest.mark.parametrize("port", NATURAL_PORTS)
@@ -405,7 +465,11 @@ def test_a_logged_count_never_names_a_denominator_the_loss_and_gradient_contradi
         assert statuses["audit.loss_sum"] == statuses["audit.gradient"] == "pass", statuses  # the window's N: the loss is right
         assert not DENOMINATORS & set(step.diagnosis), (step.step, step.diagnosis, "named from a logged count alone")
         # The scope is named where the mask shows it, and only there.
-        assert step.diagnosis == (["per_micro_batch_mask"] if statuses["audit.selection"] == "fail" else []), (step.step, step.diagnosis, statuses)
+        assert step.diagnosis == (["per_micro_batch_mask"] if statuses["audit.selection"] == "fail" else []), (
+            step.step,
+            step.diagnosis,
+            statuses,
+        )
         scoped += statuses["audit.selection"] == "fail"
         # What was logged is said as what it is, under audit.metrics.
         metrics = next(c for c in step.checks if c.name == "audit.metrics")
@@ -421,10 +485,14 @@ def test_rollout_atol_lets_a_recomputation_differ_by_what_the_user_states(tmp_pa
     simulate(tmp_path, World("dp=2,cp=1,tp=1"), steps=(0,))
     # An inference engine's numbers: the sampler's log-probs off by up to 2e-3 from the trainer's.
     for rank in range(2):
+
         def jitter(t):
-            t["rollout_logp"] = (t["rollout_logp"] + 2e-3 * torch.sin(torch.arange(t["rollout_logp"].numel(), dtype=torch.float64))
-                                 .reshape(t["rollout_logp"].shape)).contiguous()
+            t["rollout_logp"] = (
+                t["rollout_logp"]
+                + 2e-3 * torch.sin(torch.arange(t["rollout_logp"].numel(), dtype=torch.float64)).reshape(t["rollout_logp"].shape)
+            ).contiguous()
             return t
+
         _edit_record(tmp_path, 0, rank, 0, jitter)
     strict = audit_capture(tmp_path).steps[0]
     assert strict.failing == ["audit.behavior_logp"], strict.failing
@@ -449,7 +517,9 @@ def test_policy_atol_lets_a_nondeterministic_loss_pass_differ_by_what_the_user_s
     assert 0.05 < largest < 0.5, summary  # the planted noise is 0.05 * N(0, 1)
     assert audit_capture(tmp_path, policy_atol=largest).steps[1].verdict == "equivalent"
     tight = audit_capture(tmp_path, policy_atol=largest / 2).steps[1]
-    assert tight.failing == ["audit.policy_logp"] and "differs by up to" in next(c.summary for c in tight.checks if c.name == "audit.policy_logp")
+    assert tight.failing == ["audit.policy_logp"] and "differs by up to" in next(
+        c.summary for c in tight.checks if c.name == "audit.policy_logp"
+    )
     with pytest.raises(ValueError, match="policy_atol must be None or a finite number >= 0, got -1"):
         audit_capture(tmp_path, policy_atol=-1)
 
@@ -462,13 +532,30 @@ SCOPE_WITH_DENOMINATOR = {
     "rank's own N": ("per_rank_selection_local_n", World("dp=2,cp=1,tp=1"), ["per_rank_selection_local_n"]),
     "rank's own N, GA=2": ("per_rank_selection_local_n", World("dp=2,cp=1,tp=1", micro_batches=2), ["per_rank_selection_local_n"]),
     "rank's own N, cp=2": ("per_rank_selection_local_n", World("dp=2,cp=2,tp=1"), ["per_rank_selection_local_n"]),
-    "micro-batch's own N": ("per_micro_batch_own_n", World("dp=1,cp=1,tp=1", micro_batches=2), ["per_micro_batch_mask", "local_denominator"]),
-    "rank's selection, kept count": ("per_rank_selection_kept_count", World("dp=2,cp=1,tp=1"), ["per_rank_selection", "kept_count_denominator"]),
-    "shard's selection, N per CP shard": ("per_cp_chunk_selection_shard_counts", World("dp=2,cp=2,tp=1"),
-                                          ["per_cp_chunk_selection", "cp_shard_counts"]),
+    "micro-batch's own N": (
+        "per_micro_batch_own_n",
+        World("dp=1,cp=1,tp=1", micro_batches=2),
+        ["per_micro_batch_mask", "local_denominator"],
+    ),
+    "rank's selection, kept count": (
+        "per_rank_selection_kept_count",
+        World("dp=2,cp=1,tp=1"),
+        ["per_rank_selection", "kept_count_denominator"],
+    ),
+    "shard's selection, N per CP shard": (
+        "per_cp_chunk_selection_shard_counts",
+        World("dp=2,cp=2,tp=1"),
+        ["per_cp_chunk_selection", "cp_shard_counts"],
+    ),
 }
 GLOBAL_N_SCOPES = {"per_rank_selection_global_n", "per_cp_chunk_selection_global_n"}
-LOSS_DENOMINATORS = {"per_micro_batch_denominator", "local_denominator", "kept_count_denominator", "cp_shard_counts", "dp_cp_group_double_count"}
+LOSS_DENOMINATORS = {
+    "per_micro_batch_denominator",
+    "local_denominator",
+    "kept_count_denominator",
+    "cp_shard_counts",
+    "dp_cp_group_double_count",
+}
 
 
 def _consistent(step) -> None:
@@ -496,7 +583,11 @@ def test_a_scope_is_named_with_the_denominator_the_loss_reproduces_never_a_contr
         if statuses["audit.selection"] == "fail":
             # Several scopes can reproduce one small step's mask: the planted one is named or listed as identical.
             same = {name for names_ in step.alternatives.values() for name in names_}
-            assert step.diagnosis == names or (len(step.diagnosis) == len(names) and names[0] in same), (step.step, step.diagnosis, step.alternatives)
+            assert step.diagnosis == names or (len(step.diagnosis) == len(names) and names[0] in same), (
+                step.step,
+                step.diagnosis,
+                step.alternatives,
+            )
             shown += step.diagnosis == names
     assert shown, [(s.step, s.diagnosis) for s in report.steps]
 

@@ -13,11 +13,21 @@ from m2po_oracle.report.bench_html import render_bench_html
 
 
 def test_bench_reports_medians_ratios_and_identical_results(tmp_path):
-    assert main(["bench", "--sizes", "12,13", "--repeats", "2", "--json", str(tmp_path / "b.json"), "--html", str(tmp_path / "b.html")]) == EXIT_EQUIVALENT
+    assert (
+        main(["bench", "--sizes", "12,13", "--repeats", "2", "--json", str(tmp_path / "b.json"), "--html", str(tmp_path / "b.html")])
+        == EXIT_EQUIVALENT
+    )
     record = json.loads((tmp_path / "b.json").read_text())
     assert record["schema"] == "m2po-oracle/bench/4" and [r["tokens"] for r in record["rows"]] == [4096, 8192]
     for row in record["rows"]:
-        assert row["identical"] and set(row["median_ms"]) == set(row["best_ms"]) == {"sort", "radix", "floor", "forward", "unfused", "passes"}
+        assert row["identical"] and set(row["median_ms"]) == set(row["best_ms"]) == {
+            "sort",
+            "radix",
+            "floor",
+            "forward",
+            "unfused",
+            "passes",
+        }
         assert row["sort_over_radix"] > 0 and row["unfused_over_forward"] > 0
         # 4096 tokens take the small-batch path (no first level); 8192 the fused passes where built.
         assert row["fused"] == (row["tokens"] > 4096 and fused.built())
@@ -49,7 +59,9 @@ def test_bench_audit_times_a_correct_and_a_planted_capture_in_fresh_processes(tm
     assert record["schema"] == "m2po-oracle/bench-audit/1" and record["target"] == {"wall_s": 30.0, "peak_rss_bytes": 4 << 30}
     step = record["step"]
     assert (step["dp"], step["micro_batches"], step["T"], step["tokens"]) == (4, 2, 4096, 65536)
-    assert 0 < step["kept_trust_region_count"] < step["trust_region_count"] < step["valid_count"] < step["tokens"]  # it masks; ~10 % padding
+    assert (
+        0 < step["kept_trust_region_count"] < step["trust_region_count"] < step["valid_count"] < step["tokens"]
+    )  # it masks; ~10 % padding
     assert step["planted_micro_batch"]["tokens_changed"] > 0
     cases = {c["case"]: c for c in record["cases"]}
     assert (cases["correct"]["verdict"], cases["planted"]["verdict"]) == ("equivalent", "divergent")
@@ -59,7 +71,8 @@ def test_bench_audit_times_a_correct_and_a_planted_capture_in_fresh_processes(tm
         assert case["peak_rss_bytes"] >= case["rss_after_imports_bytes"] > 0 and isinstance(case["within_target"], bool)
 
 
-@pytest.mark.parametrize("argv", [["bench", "--sizes", "x"], ["bench", "--sizes", "40"], ["bench", "--device", "cuda:9"],
-                                  ["bench", "--audit", "--tokens", "4"]])
+@pytest.mark.parametrize(
+    "argv", [["bench", "--sizes", "x"], ["bench", "--sizes", "40"], ["bench", "--device", "cuda:9"], ["bench", "--audit", "--tokens", "4"]]
+)
 def test_bench_bad_arguments_exit_2(argv):
     assert main(argv) == EXIT_UNUSABLE

@@ -20,7 +20,8 @@ BATCH = Batch(np.array([[0.1, 0.3], [0.2, 0.4]]), np.zeros((2, 2)), np.ones((2, 
 @pytest.fixture(scope="module")
 def misbehaving(tmp_path_factory):
     path = tmp_path_factory.mktemp("impls") / "misbehaving.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         import os, time
         def hang(*args, **kwargs):
             time.sleep(600)
@@ -31,7 +32,8 @@ def misbehaving(tmp_path_factory):
                 time.sleep(600)
             from m2po_oracle.core.loss import m2po_loss
             return m2po_loss(logp, behavior_logp, advantages, mask, tau=tau)
-    """))
+    """)
+    )
     return path
 
 

@@ -41,8 +41,13 @@ def compute_m2po_mask(log_ratio, completion_mask, advantages, m2_threshold=0.04)
     keep = valid.clone()
     keep[trust] = keep_trust
     n = int(valid.sum())
-    metrics = {"m2_before": float(m2.mean()) if m2.numel() else 0.0, "m2_after": float(m2[keep_trust].mean()) if kept else 0.0,
-               "masked_fraction": (m2.numel() - kept) / n, "valid_count": n, "note": "not a number"}
+    metrics = {
+        "m2_before": float(m2.mean()) if m2.numel() else 0.0,
+        "m2_after": float(m2[keep_trust].mean()) if kept else 0.0,
+        "masked_fraction": (m2.numel() - kept) / n,
+        "valid_count": n,
+        "note": "not a number",
+    }
     return keep, metrics
 
 
@@ -66,8 +71,14 @@ def _batches(step: int, micro_batches: int) -> list[dict[str, torch.Tensor]]:
         x = torch.randn(ROWS, WIDTH, FEATURES, generator=generator)
         old = -torch.rand(ROWS, WIDTH, generator=generator) - 0.5 + 0.3 * torch.randn(ROWS, WIDTH, generator=generator)
         sign = torch.where(torch.rand(ROWS, 1, generator=generator) < 0.5, -1.0, 1.0)
-        out.append({"x": x, "old": old, "advantages": sign.expand(ROWS, WIDTH).clone(),
-                    "mask": torch.rand(ROWS, WIDTH, generator=generator) < 0.85})
+        out.append(
+            {
+                "x": x,
+                "old": old,
+                "advantages": sign.expand(ROWS, WIDTH).clone(),
+                "mask": torch.rand(ROWS, WIDTH, generator=generator) < 0.85,
+            }
+        )
     return out
 
 
@@ -92,7 +103,7 @@ class Trainer:
         return torch.nn.functional.logsigmoid(self.policy(batch["x"]).squeeze(-1))
 
     def train(self, steps: int) -> None:
-        module = sys.modules[__name__]   # looked up at call time, as a framework does
+        module = sys.modules[__name__]  # looked up at call time, as a framework does
         for step in range(steps):
             window = _batches(step, self.micro_batches)
             n = sum(int(b["mask"].sum()) for b in window)
@@ -108,7 +119,7 @@ class Trainer:
                     self.returned.append(out)
                     loss = per_token.sum() / n
                 else:
-                    keep = window_keep[mb * ROWS:(mb + 1) * ROWS]
+                    keep = window_keep[mb * ROWS : (mb + 1) * ROWS]
                     if self.bug == "per_micro_batch_mask":
                         keep, _ = module.compute_m2po_mask(logp - batch["old"], batch["mask"], batch["advantages"], m2_threshold=TAU)
                     per_token = module.compute_m2po_token_loss(logp, batch["old"], batch["advantages"], batch["mask"], keep)
@@ -142,7 +153,7 @@ def _run(tmp_path: Path, bug: str | None, steps: int = 3, micro_batches: int = M
         names, inputs = ("compute_m2po_loss", "compute_m2po_mask"), {"compute_m2po_loss": {"behavior_logp": _behavior(trainer)}}
     else:
         names, inputs = NAMES, {"compute_m2po_token_loss": LOSS_READS}
-    with watch(FRAMEWORK, names, recorder, optimizer=trainer.optimizer, inputs=inputs) as watcher:   # the one line
+    with watch(FRAMEWORK, names, recorder, optimizer=trainer.optimizer, inputs=inputs) as watcher:  # the one line
         trainer.train(steps)
     assert watcher.records == steps * micro_batches
     status, report = run_audit(tmp_path / "cap", tmp_path)
@@ -196,7 +207,7 @@ def test_an_equivalent_step_has_no_observation(tmp_path: Path) -> None:
 def test_a_fused_kernel_calling_the_mask_inside_is_one_record_per_call(tmp_path: Path) -> None:
     # Both functions watched in one call; the mask call inside the loss call adds to its record.
     _, report, status = _run(tmp_path, "fused")
-    assert status == 1, report   # per call is per micro-batch: two of them per optimizer step
+    assert status == 1, report  # per call is per micro-batch: two of them per optimizer step
     assert all("per_micro_batch_mask" in s["diagnosis"] for s in report["steps"] if s["verdict"] == "divergent")
     assert any(s["verdict"] == "divergent" for s in report["steps"])
 
@@ -207,10 +218,15 @@ def test_a_mask_function_watched_alone_with_a_step_callable_is_audited(tmp_path:
     # objective's sum(d loss / d logp); the step is the trainer's own counter.
     trainer = Trainer("per_micro_batch_mask")
     recorder = Recorder(tmp_path / "cap", rank=0, world_size=1, topology="dp=1")
-    with watch(FRAMEWORK, "compute_m2po_mask", recorder, step=lambda: trainer.global_step,
-               inputs={"behavior_logp": _behavior(trainer), "logp": lambda args, kwargs, result: trainer.current_logp}) as watcher:
+    with watch(
+        FRAMEWORK,
+        "compute_m2po_mask",
+        recorder,
+        step=lambda: trainer.global_step,
+        inputs={"behavior_logp": _behavior(trainer), "logp": lambda args, kwargs, result: trainer.current_logp},
+    ) as watcher:
         trainer.train(2)
-    assert watcher.records == 2 * MICRO_BATCHES   # the no-grad window prepass is not recorded
+    assert watcher.records == 2 * MICRO_BATCHES  # the no-grad window prepass is not recorded
     status, report = run_audit(tmp_path / "cap", tmp_path)
     assert status == 1 and report["capture"]["steps"] == [0, 1]
     for step in report["steps"]:
@@ -249,8 +265,13 @@ def test_the_wrapper_changes_nothing_the_framework_computes(tmp_path: Path) -> N
     trainer = Trainer("fused")
     recorder = Recorder(tmp_path / "cap", rank=0, world_size=1, topology="dp=1")
     originals = [FRAMEWORK.compute_m2po_loss, FRAMEWORK.compute_m2po_mask]
-    with watch(FRAMEWORK, ("compute_m2po_loss", "compute_m2po_mask"), recorder, optimizer=trainer.optimizer,
-               inputs={"compute_m2po_loss": {"behavior_logp": _behavior(trainer)}}) as watcher:
+    with watch(
+        FRAMEWORK,
+        ("compute_m2po_loss", "compute_m2po_mask"),
+        recorder,
+        optimizer=trainer.optimizer,
+        inputs={"compute_m2po_loss": {"behavior_logp": _behavior(trainer)}},
+    ) as watcher:
         assert FRAMEWORK.compute_m2po_loss is not originals[0]
         trainer.train(2)
     assert watcher.records == 2 * MICRO_BATCHES
@@ -276,10 +297,10 @@ def test_the_return_value_is_the_originals_object(tmp_path: Path) -> None:
 
     kernel = Kernel()
     with watch(kernel, "loss", recorder, step=lambda: 0, inputs={"behavior_logp": lambda a, k, r: torch.zeros(2)}):
-        assert "loss" in vars(kernel)   # this object's method only
+        assert "loss" in vars(kernel)  # this object's method only
         assert kernel.loss(torch.zeros(2, requires_grad=True), torch.ones(2), torch.ones(2)) is sentinel
         assert Kernel().loss(None, None, None) is sentinel
-    assert "loss" not in vars(kernel)   # restored: the class's method again
+    assert "loss" not in vars(kernel)  # restored: the class's method again
     original = vars(Kernel)["helper"]
     with watch(Kernel, "helper", recorder, step=lambda: 0):
         assert isinstance(vars(Kernel)["helper"], staticmethod) and vars(Kernel)["helper"] is not original
@@ -291,22 +312,26 @@ def test_a_skipped_step_only_calls_the_original(tmp_path: Path) -> None:
     recorder = Recorder(tmp_path / "cap", rank=0, world_size=1, topology="dp=1", every=2)
     with watch(FRAMEWORK, "compute_m2po_token_loss", recorder, step=lambda: 1):
         logp = torch.zeros(2, 3, requires_grad=True)
-        out = FRAMEWORK.compute_m2po_token_loss(logp, torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3),
-                                                torch.ones(2, 3, dtype=torch.bool))   # no tau: never read on a skipped step
+        out = FRAMEWORK.compute_m2po_token_loss(
+            logp, torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool)
+        )  # no tau: never read on a skipped step
         assert logp._backward_hooks is None and out._backward_hooks is None
         out.sum().backward()
     assert capture.load_capture(tmp_path / "cap").steps() == []
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({}, "pass optimizer="),
-    ({"step": 3}, "step must be a callable"),
-    ({"optimizer": object()}, "optimizer must be a torch.optim.Optimizer"),
-    ({"step": lambda: 0, "inputs": {"logprobs": "x"}}, "unknown names ['logprobs']"),
-    ({"step": lambda: 0, "inputs": {"logp": "no_such_argument"}}, "'no_such_argument' is not an argument of compute_m2po_token_loss"),
-    ({"step": lambda: 0, "inputs": {"tau": [0.04]}}, "inputs['tau'] must be an argument name"),
-    ({"step": lambda: 0, "outputs": {"keep": 3}}, "outputs['keep'] must be"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "pass optimizer="),
+        ({"step": 3}, "step must be a callable"),
+        ({"optimizer": object()}, "optimizer must be a torch.optim.Optimizer"),
+        ({"step": lambda: 0, "inputs": {"logprobs": "x"}}, "unknown names ['logprobs']"),
+        ({"step": lambda: 0, "inputs": {"logp": "no_such_argument"}}, "'no_such_argument' is not an argument of compute_m2po_token_loss"),
+        ({"step": lambda: 0, "inputs": {"tau": [0.04]}}, "inputs['tau'] must be an argument name"),
+        ({"step": lambda: 0, "outputs": {"keep": 3}}, "outputs['keep'] must be"),
+    ],
+)
 def test_bad_arguments_name_the_argument_and_what_was_expected(tmp_path: Path, kwargs, message) -> None:
     recorder = Recorder(tmp_path / "cap", rank=0, world_size=1, topology="dp=1")
     with pytest.raises(ValueError) as raised:

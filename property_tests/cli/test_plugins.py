@@ -16,10 +16,13 @@ def test_pytest_plugin_passes_the_core(pytester):
 
 
 def test_pytest_plugin_fails_a_control_on_its_check_with_a_replay_command(pytester):
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "control:one_extra_removed", "--m2po-examples", "60",
-                                           "--m2po-in-process")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--m2po-impl", "control:one_extra_removed", "--m2po-examples", "60", "--m2po-in-process"
+    )
     result.assert_outcomes(failed=1, passed=len(CHECKS))
-    result.stdout.fnmatch_lines(["*replay: m2po-oracle replay --impl control:one_extra_removed*", "*FAILED*m2po[[]control:one_extra_removed[]]::selection.minimal*"])
+    result.stdout.fnmatch_lines(
+        ["*replay: m2po-oracle replay --impl control:one_extra_removed*", "*FAILED*m2po[[]control:one_extra_removed[]]::selection.minimal*"]
+    )
 
 
 def test_pytest_plugin_runs_the_trainer_step_with_its_own_checks(pytester):
@@ -27,17 +30,31 @@ def test_pytest_plugin_runs_the_trainer_step_with_its_own_checks(pytester):
 
     # Not shrunk: the failure, its check and its replay line are what the plugin owes here
     # (test_cli holds counterexamples minimal); shrinking the trainer case took half of this test.
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "trainer:embedding_gradient_dropped", "--m2po-examples", "8",
-                                           "--m2po-no-shrink")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--m2po-impl", "trainer:embedding_gradient_dropped", "--m2po-examples", "8", "--m2po-no-shrink"
+    )
     # trainer.kl_term runs only on steps with a KL term (beta != 0): these have none.
     result.assert_outcomes(failed=1, passed=len([c for c in CHECK_NAMES if c != "trainer.kl_term"]))
-    result.stdout.fnmatch_lines(["*replay: m2po-oracle replay --impl trainer:embedding_gradient_dropped*trainer_case*",
-                                 "*FAILED*m2po[[]trainer:embedding_gradient_dropped[]]::trainer.parameter_gradient*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*replay: m2po-oracle replay --impl trainer:embedding_gradient_dropped*trainer_case*",
+            "*FAILED*m2po[[]trainer:embedding_gradient_dropped[]]::trainer.parameter_gradient*",
+        ]
+    )
 
 
 def test_pytest_plugin_strict_validation_and_unloadable_impl(pytester):
-    strict = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "control:m2_after_over_valid", "--m2po-examples", "5",
-                                           "--m2po-in-process", "--m2po-strict-validation", "--m2po-no-shrink")
+    strict = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--m2po-impl",
+        "control:m2_after_over_valid",
+        "--m2po-examples",
+        "5",
+        "--m2po-in-process",
+        "--m2po-strict-validation",
+        "--m2po-no-shrink",
+    )
     strict.stdout.fnmatch_lines(["*FAILED*::validation*"])
     missing = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "cor", "--m2po-in-process")
     missing.assert_outcomes(failed=len(CHECKS) + 1)
@@ -51,11 +68,13 @@ def test_pytest_plugin_is_inert_without_the_option(pytester):
 
 def _fake_distribution(root) -> None:
     """An installed package that registers an implementation under the entry-point group."""
-    (root / "fake_port.py").write_text(textwrap.dedent("""
+    (root / "fake_port.py").write_text(
+        textwrap.dedent("""
         from m2po_oracle.core.loss import m2po_loss
         def loss(*args, **kwargs):
             return m2po_loss(*args, **kwargs)
-    """))
+    """)
+    )
     info = root / "fake_port-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-port\nVersion: 1.0\n")
@@ -102,8 +121,17 @@ def counted_core(logp, behavior_logp, advantages, mask, *, tau):
 
 def test_pytest_plugin_honours_the_adapter(pytester):
     pytester.makepyfile(port=POLICY_LOSS_PORT)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "port:policy_loss_port", "--m2po-adapter", "policy_loss",
-                                           "--m2po-examples", "15", "--m2po-in-process")
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--m2po-impl",
+        "port:policy_loss_port",
+        "--m2po-adapter",
+        "policy_loss",
+        "--m2po-examples",
+        "15",
+        "--m2po-in-process",
+    )
     # A policy loss returns no metrics, and its mask is read from the gradient on valid tokens
     # only: those checks never ran, and say so instead of passing.
     from m2po_oracle.adapters import ADAPTERS
@@ -116,9 +144,13 @@ def test_pytest_plugin_honours_the_adapter(pytester):
 def test_pytest_plugin_honours_the_topology(pytester):
     from m2po_oracle.distributed.runner import DistributedRunner
 
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "core", "--m2po-topology", "dp=2", "--m2po-examples", "5")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--m2po-impl", "core", "--m2po-topology", "dp=2", "--m2po-examples", "5"
+    )
     result.assert_outcomes(passed=len(DistributedRunner.checks) + 1)
-    refused = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--m2po-impl", "core", "--m2po-topology", "dp=2", "--m2po-adapter", "mask_only")
+    refused = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--m2po-impl", "core", "--m2po-topology", "dp=2", "--m2po-adapter", "mask_only"
+    )
     refused.stdout.fnmatch_lines(["*usage error*cannot honour --adapter*"])
 
 
@@ -127,8 +159,9 @@ def test_under_xdist_the_battery_runs_once(pytester, tmp_path):
     log = tmp_path / "calls.log"
     os.environ["M2PO_CALL_LOG"] = str(log)
     try:
-        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--m2po-impl", "port:counted_core", "--m2po-examples", "10",
-                                               "--m2po-in-process")
+        result = pytester.runpytest_subprocess(
+            "-p", "no:cacheprovider", "-n", "2", "--m2po-impl", "port:counted_core", "--m2po-examples", "10", "--m2po-in-process"
+        )
     finally:
         del os.environ["M2PO_CALL_LOG"]
     result.assert_outcomes(passed=len(CHECKS) + 1)

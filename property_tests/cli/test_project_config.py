@@ -23,16 +23,19 @@ def _project(tmp_path, monkeypatch, section: str) -> None:
     monkeypatch.chdir(tmp_path)
 
 
-@pytest.mark.parametrize(("section", "named"), [
-    ({"exmaples": 10}, "unknown key 'exmaples'; closest: examples"),
-    ({"examples": "many"}, "examples: expected a positive integer"),
-    ({"dtype": "float8"}, "dtype: expected one of"),
-    ({"in-process": "yes"}, "in-process: expected true or false"),
-    ({"accept": [{"deviation": "clamped_log_rati"}]}, "unknown deviation 'clamped_log_rati'; closest: clamped_log_ratio"),
-    ({"accept": [{"deviation": DEVIATION, "why": "x"}]}, "unknown key(s) ['why']"),
-    ({"accept": "clamped_log_ratio"}, "accept: expected a list of tables"),
-    ({"bind": 3}, "bind: expected a list of"),
-])
+@pytest.mark.parametrize(
+    ("section", "named"),
+    [
+        ({"exmaples": 10}, "unknown key 'exmaples'; closest: examples"),
+        ({"examples": "many"}, "examples: expected a positive integer"),
+        ({"dtype": "float8"}, "dtype: expected one of"),
+        ({"in-process": "yes"}, "in-process: expected true or false"),
+        ({"accept": [{"deviation": "clamped_log_rati"}]}, "unknown deviation 'clamped_log_rati'; closest: clamped_log_ratio"),
+        ({"accept": [{"deviation": DEVIATION, "why": "x"}]}, "unknown key(s) ['why']"),
+        ({"accept": "clamped_log_ratio"}, "accept: expected a list of tables"),
+        ({"bind": 3}, "bind: expected a list of"),
+    ],
+)
 def test_a_bad_configuration_names_the_key_and_what_was_expected(section, named):
     with pytest.raises(UsageError, match=None) as raised:
         parse_section(section)
@@ -40,8 +43,17 @@ def test_a_bad_configuration_names_the_key_and_what_was_expected(section, named)
 
 
 def test_the_configuration_converts_like_the_flags():
-    project = parse_section({"impl": "port.py:f", "examples": 30, "compute-dtype": "float32", "bind": {"budget": "M2_budget", "miniclip_low": None},
-                             "accept": [DEVIATION], "strict": False, "topology": "dp=2"})
+    project = parse_section(
+        {
+            "impl": "port.py:f",
+            "examples": 30,
+            "compute-dtype": "float32",
+            "bind": {"budget": "M2_budget", "miniclip_low": None},
+            "accept": [DEVIATION],
+            "strict": False,
+            "topology": "dp=2",
+        }
+    )
     assert project.impl == "port.py:f" and project.values["examples"] == 30 and project.values["compute_dtype"] == "float32"
     assert project.values["bind"] == ("budget=M2_budget", "miniclip_low=None")
     assert str(project.values["topology"]) == "dp=2,cp=1,tp=1" and not project.strict
@@ -49,12 +61,16 @@ def test_the_configuration_converts_like_the_flags():
 
 
 def test_plain_compare_reads_the_project_and_accepts_its_deviation(tmp_path, monkeypatch, capsys):
-    _project(tmp_path, monkeypatch, f"""\
+    _project(
+        tmp_path,
+        monkeypatch,
+        f"""\
         impl = "control:{DEVIATION}"
         examples = 30
         in-process = true
         accept = [{{deviation = "{DEVIATION}", reason = "token-mean over kept tokens", link = "https://example.org/1"}}]
-        """)
+        """,
+    )
     assert main(["compare", "--json", "r.json"]) == EXIT_EQUIVALENT
     out = capsys.readouterr().out
     assert "verdict: equivalent-with-accepted" in out and f"accepted: {DEVIATION} (token-mean over kept tokens)" in out
@@ -63,12 +79,16 @@ def test_plain_compare_reads_the_project_and_accepts_its_deviation(tmp_path, mon
 
 
 def test_an_accepted_deviation_that_no_longer_shows_fails_unless_not_strict(tmp_path, monkeypatch, capsys):
-    _project(tmp_path, monkeypatch, f"""\
+    _project(
+        tmp_path,
+        monkeypatch,
+        f"""\
         impl = "core"
         examples = 20
         in-process = true
         accept = [{{deviation = "{DEVIATION}", reason = "was there"}}]
-        """)
+        """,
+    )
     assert main(["compare", "-q"]) == EXIT_DIVERGENT
     assert f"accepted deviation {DEVIATION} no longer shows" in capsys.readouterr().out
     (tmp_path / "pyproject.toml").write_text((tmp_path / "pyproject.toml").read_text() + "strict = false\n")
@@ -76,7 +96,10 @@ def test_an_accepted_deviation_that_no_longer_shows_fails_unless_not_strict(tmp_
 
 
 def test_a_failure_no_accepted_deviation_explains_stays_divergent(capsys):
-    assert main(["compare", "--impl", "control:strict_stop", "--in-process", "--examples", "60", "--accept", DEVIATION, "-q"]) == EXIT_DIVERGENT
+    assert (
+        main(["compare", "--impl", "control:strict_stop", "--in-process", "--examples", "60", "--accept", DEVIATION, "-q"])
+        == EXIT_DIVERGENT
+    )
     out = capsys.readouterr().out
     assert "FAIL selection.minimal" in out and "(strict_stop)" in out and "verdict: divergent" in out
 
@@ -98,17 +121,30 @@ def test_the_plugin_reads_the_project_and_reports_accepted_deviations_as_xfail(p
 
 def test_checks_narrows_the_run_and_a_pattern_matching_nothing_is_a_usage_error(tmp_path, capsys):
     path = tmp_path / "r.json"
-    assert main(["compare", "--impl", "core", "--in-process", "--examples", "10", "--checks", "selection.*,loss", "--json", str(path)]) == EXIT_EQUIVALENT
+    assert (
+        main(["compare", "--impl", "core", "--in-process", "--examples", "10", "--checks", "selection.*,loss", "--json", str(path)])
+        == EXIT_EQUIVALENT
+    )
     names = [c["name"] for c in json.loads(path.read_text())["checks"]]
-    assert names == ["call", "selection.keep_only_valid", "selection.only_trust_region_masked", "selection.budget", "selection.minimal",
-                     "selection.largest_removed_first", "loss"]
+    assert names == [
+        "call",
+        "selection.keep_only_valid",
+        "selection.only_trust_region_masked",
+        "selection.budget",
+        "selection.minimal",
+        "selection.largest_removed_first",
+        "loss",
+    ]
     assert main(["compare", "--impl", "core", "--in-process", "--checks", "selectoin.*"]) == EXIT_UNUSABLE
     assert "matches none of this run's checks" in capsys.readouterr().err
 
 
 def test_exitfirst_stops_at_the_first_failing_example(tmp_path):
     path = tmp_path / "r.json"
-    assert main(["compare", "--impl", f"control:{DEVIATION}", "--in-process", "--examples", "200", "-x", "--no-shrink", "--json", str(path)]) == EXIT_DIVERGENT
+    assert (
+        main(["compare", "--impl", f"control:{DEVIATION}", "--in-process", "--examples", "200", "-x", "--no-shrink", "--json", str(path)])
+        == EXIT_DIVERGENT
+    )
     record = json.loads(path.read_text())
     assert record["examples"] == max(c["first_failure_at"] or 0 for c in record["checks"]) and "--max-failures 1" in record["stopped_early"]
 

@@ -18,8 +18,17 @@ from m2po_oracle.cli.main import EXIT_UNUSABLE, main
 from m2po_oracle.errors import UsageError
 
 #: A step of two prompts (a fresh worker and a stale one) in three micro-batches, one empty.
-SPLIT_CASE = {"seed": 3, "prompts": 2, "group_size": 3, "prompt_len": 2, "max_new_tokens": 5, "lags": (0, 2), "staleness_lr": 0.02, "tau": 0.04,
-              "split": (3, 0, 3)}
+SPLIT_CASE = {
+    "seed": 3,
+    "prompts": 2,
+    "group_size": 3,
+    "prompt_len": 2,
+    "max_new_tokens": 5,
+    "lags": (0, 2),
+    "staleness_lr": 0.02,
+    "tau": 0.04,
+    "split": (3, 0, 3),
+}
 
 
 def _on_valid(record, name):
@@ -42,8 +51,20 @@ def test_a_trainer_compare_captures_one_step_per_battery_call_replays_included(t
     monkeypatch.setattr(TrainerRunner, "run_battery", lambda self, case: calls.append(case) or run_battery(self, case))
     directory, report = tmp_path / "capture", tmp_path / "report.json"
     # A control caught on every step: the counterexample is replayed after exploration, one more step.
-    main(["compare", "--impl", "trainer:embedding_gradient_dropped", "--examples", "2", "--no-shrink", "--capture", str(directory),
-          "--json", str(report)])
+    main(
+        [
+            "compare",
+            "--impl",
+            "trainer:embedding_gradient_dropped",
+            "--examples",
+            "2",
+            "--no-shrink",
+            "--capture",
+            str(directory),
+            "--json",
+            str(report),
+        ]
+    )
     assert len(calls) > 2, "the counterexample's replay did not run"
     capture = load_capture(directory)
     assert capture.world_size == 1 and capture.topology == "dp=1,cp=1,tp=1"
@@ -68,8 +89,12 @@ def _captured_step(tmp_path, control_name: str | None, **case_fields):
 
     directory = tmp_path / (control_name or "trainer")
     recorder = Recorder(directory, rank=0, world_size=1, topology="dp=1,cp=1,tp=1")
-    step = run_case(TrainerCase(**{**SPLIT_CASE, **case_fields}), control=CONTROLS_BY_NAME[control_name] if control_name else None,
-                    recorder=recorder, step_index=0)
+    step = run_case(
+        TrainerCase(**{**SPLIT_CASE, **case_fields}),
+        control=CONTROLS_BY_NAME[control_name] if control_name else None,
+        recorder=recorder,
+        step_index=0,
+    )
     capture = load_capture(directory)
     return step, {key[2]: record for key, record in capture.records()}, capture.parameter_gradients(0)[0]
 
@@ -158,11 +183,14 @@ def test_a_failing_capture_stops_the_run_instead_of_failing_the_trainer(tmp_path
 # --- refusals --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec, values, reason", [
-    ("core", {}, "a single-process run has no training step to capture"),
-    ("core", {"in_process": True}, "a single-process run has no training step to capture"),
-    ("trainer:m2po_oracle.trainer.grpo:GRPOTrainer", {}, "a custom trainer records through m2po_oracle.capture itself"),
-])
+@pytest.mark.parametrize(
+    "spec, values, reason",
+    [
+        ("core", {}, "a single-process run has no training step to capture"),
+        ("core", {"in_process": True}, "a single-process run has no training step to capture"),
+        ("trainer:m2po_oracle.trainer.grpo:GRPOTrainer", {}, "a custom trainer records through m2po_oracle.capture itself"),
+    ],
+)
 def test_capture_is_refused_where_there_is_no_step_of_ours_to_record(tmp_path, spec, values, reason):
     directory = tmp_path / "capture"
     with pytest.raises(UsageError) as refused:
@@ -179,17 +207,21 @@ def test_a_directory_that_already_holds_a_capture_is_refused_and_a_new_one_is_cr
     assert main(["compare", "--impl", "trainer", "--capture", str(tmp_path / "old")]) == EXIT_UNUSABLE
     assert f"capture: {tmp_path / 'old'} already holds a capture; choose an empty directory" in capsys.readouterr().err
     runner = open_runner("trainer", RunOptions.from_values({"capture": str(tmp_path / "new" / "capture")}))
-    assert (tmp_path / "new" / "capture").is_dir() and not list((tmp_path / "new" / "capture").iterdir()), "opening a runner records nothing"
+    assert (tmp_path / "new" / "capture").is_dir() and not list((tmp_path / "new" / "capture").iterdir()), (
+        "opening a runner records nothing"
+    )
     assert runner.describe() == {"capture": {"directory": str(tmp_path / "new" / "capture"), "steps": 0}}
 
 
 def test_capture_is_read_from_the_project_configuration(tmp_path, monkeypatch, capsys):
     assert parse_section({"capture": "runs/capture"}).values["capture"] == "runs/capture"
-    (tmp_path / "pyproject.toml").write_text(textwrap.dedent("""\
+    (tmp_path / "pyproject.toml").write_text(
+        textwrap.dedent("""\
         [tool.m2po-oracle]
         impl = "core"
         capture = "runs/capture"
-        """))
+        """)
+    )
     monkeypatch.chdir(tmp_path)
     assert main(["compare", "--examples", "2"]) == EXIT_UNUSABLE
     assert "cannot honour --capture" in capsys.readouterr().err
@@ -220,7 +252,10 @@ def test_a_distributed_compare_captures_every_ranks_cp_shard(tmp_path):
         for dp_rank, rows in enumerate(dp_row_slices(batch.shape[0], topology.dp)):
             shards = [records[c] for c in sorted(records, key=lambda c: c.cp) if c.dp == dp_rank]
             assert all(s["logp"].shape == (rows.stop - rows.start, batch.shape[1] // 2) for s in shards)
-            whole = {name: cp_reconstruct([s[name].numpy() for s in shards], topology.cp) for name in ("logp", "behavior_logp", "advantages", "mask", "keep")}
+            whole = {
+                name: cp_reconstruct([s[name].numpy() for s in shards], topology.cp)
+                for name in ("logp", "behavior_logp", "advantages", "mask", "keep")
+            }
             np.testing.assert_array_equal(whole["logp"], batch.logp[rows])  # NaN padding compares equal
             np.testing.assert_array_equal(whole["behavior_logp"], batch.behavior_logp[rows])
             np.testing.assert_array_equal(whole["advantages"], batch.advantages[rows])

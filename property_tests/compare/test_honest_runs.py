@@ -83,7 +83,19 @@ def test_a_single_process_report_lists_only_its_own_checks(tmp_path):
 
 
 def test_a_port_that_raises_inside_is_unusable_and_claims_no_pass(ports, tmp_path):
-    code = main(["compare", "--impl", f"{ports}:raises_inside", "--examples", "10", "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html")])
+    code = main(
+        [
+            "compare",
+            "--impl",
+            f"{ports}:raises_inside",
+            "--examples",
+            "10",
+            "--json",
+            str(tmp_path / "r.json"),
+            "--html",
+            str(tmp_path / "r.html"),
+        ]
+    )
     assert code == EXIT_UNUSABLE
     data = _json(tmp_path / "r.json")
     statuses = {c["name"]: c["status"] for c in data["checks"]}
@@ -120,13 +132,16 @@ def test_validation_errors_names_a_ports_own_refusal(ports, tmp_path):
 # --- options are honoured or refused -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec, values, named", [
-    ("core", {"in_process": True, "timeout": 5.0}, "--timeout"),
-    ("core", {"topology": "dp=2", "adapter": "mask_only"}, "--adapter"),
-    ("core", {"topology": "dp=2", "in_process": True}, "--in-process"),
-    ("trainer", {"timeout": 5.0}, "--timeout"),
-    ("trainer", {"adapter": "policy_loss"}, "--adapter"),
-])
+@pytest.mark.parametrize(
+    "spec, values, named",
+    [
+        ("core", {"in_process": True, "timeout": 5.0}, "--timeout"),
+        ("core", {"topology": "dp=2", "adapter": "mask_only"}, "--adapter"),
+        ("core", {"topology": "dp=2", "in_process": True}, "--in-process"),
+        ("trainer", {"timeout": 5.0}, "--timeout"),
+        ("trainer", {"adapter": "policy_loss"}, "--adapter"),
+    ],
+)
 def test_an_option_a_runner_cannot_honour_is_a_usage_error(spec, values, named):
     from m2po_oracle.distributed.topology import Topology
 
@@ -144,7 +159,9 @@ def test_the_cli_exits_2_on_an_unhonoured_option(capsys):
 def test_compute_dtype_reaches_the_distributed_checks():
     from m2po_oracle.distributed.topology import Topology
 
-    runner = open_runner("core", RunOptions.from_values({"topology": Topology.parse("dp=2"), "dtype": "float32", "compute_dtype": "float64"}))
+    runner = open_runner(
+        "core", RunOptions.from_values({"topology": Topology.parse("dp=2"), "dtype": "float32", "compute_dtype": "float64"})
+    )
     assert runner.options.effective_compute_dtype == "float64"
     assert "--compute-dtype float64" in runner.replay_command(__import__("m2po_oracle.judge.validation", fromlist=["CLEAN"]).CLEAN)
 
@@ -180,8 +197,12 @@ def test_what_a_port_prints_is_captured_per_call_and_summarised(ports, tmp_path,
     assert "native output" in _json(tmp_path / "n.json")["implementation_output"]["first_lines"]
     assert "native output" not in capfd.readouterr().out.replace("| native output", ""), "fd-level output reached the terminal"
     # The worker comes from a forkserver started before capfd: read --show-output from a fresh process.
-    shown = subprocess.run([sys.executable, "-m", "m2po_oracle", "compare", "--impl", f"{ports}:chatty", "--examples", "1", "--show-output"],
-                           capture_output=True, text=True, timeout=300)
+    shown = subprocess.run(
+        [sys.executable, "-m", "m2po_oracle", "compare", "--impl", f"{ports}:chatty", "--examples", "1", "--show-output"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert shown.returncode == EXIT_EQUIVALENT and "debug line 7" in shown.stdout + shown.stderr
 
 
@@ -213,14 +234,31 @@ def test_closest_matches_come_from_names_the_module_defines(ports, capsys):
 
 def test_ctrl_c_writes_the_partial_report_and_exits_130(ports, tmp_path):
     report = tmp_path / "r.json"
-    process = subprocess.Popen([sys.executable, "-m", "m2po_oracle", "compare", "--impl", f"{ports}:slow", "--examples", "500",
-                                "--json", str(report), "--html", str(tmp_path / "r.html")],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                               env={**os.environ, "M2PO_TEST_CALLED": str(tmp_path / "called")},
-                               # As a terminal's shell starts it: SIGINT handled. A child inherits an ignored SIGINT, and
-                               # Python then installs no KeyboardInterrupt handler; an earlier test in the same xdist
-                               # worker left it ignored, so the run went on to all 500 examples and timed out.
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "m2po_oracle",
+            "compare",
+            "--impl",
+            f"{ports}:slow",
+            "--examples",
+            "500",
+            "--json",
+            str(report),
+            "--html",
+            str(tmp_path / "r.html"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "M2PO_TEST_CALLED": str(tmp_path / "called")},
+        # As a terminal's shell starts it: SIGINT handled. A child inherits an ignored SIGINT, and
+        # Python then installs no KeyboardInterrupt handler; an earlier test in the same xdist
+        # worker left it ignored, so the run went on to all 500 examples and timed out.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     # Interrupt once exploration has begun (a fixed sleep raced a loaded machine's start-up), after a few 0.2 s calls.
     deadline = time.monotonic() + 180
     while not (tmp_path / "called").exists() and time.monotonic() < deadline and process.poll() is None:
@@ -240,12 +278,18 @@ def test_exit_statuses_stay_documented():
     assert (EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_UNUSABLE, EXIT_INTERRUPTED) == (0, 1, 2, 130)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: __import__("m2po_oracle.trainer.cases", fromlist=["TrainerCase"]).TrainerCase(
-        seed=0, prompts=1, group_size=2, prompt_len=1, max_new_tokens=1, lags=(0,), staleness_lr=0.02, tau=0.04, split=(2,), cut=0),
-     "^cut: expected None or a positive integer"),
-    (lambda: RunOptions.from_values({"exmaples": 5}), r"^options: unknown option\(s\) \['exmaples'\]"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: __import__("m2po_oracle.trainer.cases", fromlist=["TrainerCase"]).TrainerCase(
+                seed=0, prompts=1, group_size=2, prompt_len=1, max_new_tokens=1, lags=(0,), staleness_lr=0.02, tau=0.04, split=(2,), cut=0
+            ),
+            "^cut: expected None or a positive integer",
+        ),
+        (lambda: RunOptions.from_values({"exmaples": 5}), r"^options: unknown option\(s\) \['exmaples'\]"),
+    ],
+)
 def test_new_arguments_are_checked_with_their_name(make, message):
     with pytest.raises(ValueError, match=message):
         make()

@@ -56,7 +56,9 @@ def _every_rank_refuses(world: World, spec: str, name: str, ranks: list[int] | N
     outcomes = world.run(rank_probe, payload)  # a hang or a dead rank raises WorldError here
     values = [o.value for o in outcomes]
     assert [v["status"] for v in values] == ["rejected"] * len(values), f"{spec}/{name}: not every rank refused: {values}"
-    assert {(v["type"], v["message"]) for v in values} == {("ValueError", values[0]["message"])}, f"{spec}/{name}: ranks raised different errors: {values}"
+    assert {(v["type"], v["message"]) for v in values} == {("ValueError", values[0]["message"])}, (
+        f"{spec}/{name}: ranks raised different errors: {values}"
+    )
     seconds = probe_seconds(outcomes)
     assert max(seconds) < PROMPT_S, f"{spec}/{name}: the slowest rank took {max(seconds):.2f} s to refuse (limit {PROMPT_S} s): {seconds}"
     return values[0]["message"]
@@ -73,19 +75,25 @@ def test_every_rank_raises_the_same_error_naming_the_failing_rank_and_argument(n
     if name == "tau_differs":
         assert message == "tau: the ranks disagree (rank 0: 0.04, rank 1: 0.0); every rank must pass the same budget", message
     else:
-        assert f"on rank {p.rank} of the group's {size} (1 of {size} ranks failed validation; every rank refuses the step): " in message, message
+        assert f"on rank {p.rank} of the group's {size} (1 of {size} ranks failed validation; every rank refuses the step): " in message, (
+            message
+        )
 
 
 def test_the_missing_behaviour_logprobs_message_carries_the_rank_own_reason(worlds):
     message = _every_rank_refuses(worlds(2), "core", "behavior_logp_missing")
-    assert message == ("behavior_logp: missing on rank 1 of the group's 2 (1 of 2 ranks failed validation; every rank refuses the step): "
-                       "required (the rollout engine's log-probs of the sampled tokens); M2PO fails closed rather than fall back to a recomputed policy")
+    assert message == (
+        "behavior_logp: missing on rank 1 of the group's 2 (1 of 2 ranks failed validation; every rank refuses the step): "
+        "required (the rollout engine's log-probs of the sampled tokens); M2PO fails closed rather than fall back to a recomputed policy"
+    )
 
 
 def test_several_failing_ranks_are_all_counted_and_the_lowest_is_named(worlds):
     message = _every_rank_refuses(worlds(4), "core", "nan_logp_on_valid_token", ranks=[3, 1])
-    assert message.startswith("logp: invalid on rank 1 of the group's 4 (2 of 4 ranks failed validation; ranks 1, 3; every rank refuses the step): "
-                              "expected finite values on valid tokens (mask True), got nan at index (0, 1)"), message
+    assert message.startswith(
+        "logp: invalid on rank 1 of the group's 4 (2 of 4 ranks failed validation; ranks 1, 3; every rank refuses the step): "
+        "expected finite values on valid tokens (mask True), got nan at index (0, 1)"
+    ), message
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -105,8 +113,13 @@ def test_valid_input_costs_exactly_one_all_gather_of_256_bytes_more_than_validat
     for with_agreement, without in zip(agreed, alone):
         assert with_agreement.value["status"] == without.value["status"] == "accepted", (with_agreement.value, without.value)
         before, after = without.value["collectives"], with_agreement.value["collectives"]
-        expected = {**before, "all_gather": {"calls": before.get("all_gather", {}).get("calls", 0) + 1,
-                                             "bytes": before.get("all_gather", {}).get("bytes", 0) + 256}}
+        expected = {
+            **before,
+            "all_gather": {
+                "calls": before.get("all_gather", {}).get("calls", 0) + 1,
+                "bytes": before.get("all_gather", {}).get("bytes", 0) + 256,
+            },
+        }
         assert after == expected, f"rank {with_agreement.rank}: the agreement should add one 256-byte all_gather: {before} -> {after}"
 
 

@@ -138,8 +138,14 @@ FAIL_CLOSED = {
     "logp not a tensor": ({"logp": [[-0.5, -1.0]]}, "logp: expected a torch.Tensor"),
     "integer advantages": ({"advantages": torch.ones(1, 2, dtype=torch.int64)}, "advantages: expected a floating dtype"),
     "nan logp on a valid token": ({"logp": torch.tensor([[float("nan"), -1.0]])}, "logp: expected finite values on valid tokens"),
-    "inf behavior_logp on a valid token": ({"behavior_logp": torch.tensor([[-0.6, float("-inf")]])}, "behavior_logp: expected finite values on valid tokens"),
-    "nan advantage on a valid token": ({"advantages": torch.tensor([[1.0, float("nan")]])}, "advantages: expected finite values on valid tokens"),
+    "inf behavior_logp on a valid token": (
+        {"behavior_logp": torch.tensor([[-0.6, float("-inf")]])},
+        "behavior_logp: expected finite values on valid tokens",
+    ),
+    "nan advantage on a valid token": (
+        {"advantages": torch.tensor([[1.0, float("nan")]])},
+        "advantages: expected finite values on valid tokens",
+    ),
     "tau negative": ({"tau": -0.1}, "tau: expected a finite Python number >= 0"),
     "tau nan": ({"tau": float("nan")}, "tau: expected a finite Python number >= 0"),
     "tau inf": ({"tau": float("inf")}, "tau: expected a finite Python number >= 0"),
@@ -147,7 +153,10 @@ FAIL_CLOSED = {
     "tau a bool": ({"tau": True}, "tau: expected a finite Python number >= 0"),
 }
 # The meta device stands in for a second device, so this runs without a GPU.
-FAIL_CLOSED["device mismatch"] = ({"advantages": torch.empty(1, 2, device="meta")}, "advantages: expected device cpu (the device of logp), got meta")
+FAIL_CLOSED["device mismatch"] = (
+    {"advantages": torch.empty(1, 2, device="meta")},
+    "advantages: expected device cpu (the device of logp), got meta",
+)
 
 
 @pytest.mark.parametrize("case", FAIL_CLOSED)
@@ -168,9 +177,12 @@ def test_a_large_batch_fails_closed_too(argument, value, dtype):
     generator = torch.Generator().manual_seed(0)
     shape = (8, 1200)  # above SMALL, and three CPU chunks of 4096
     behavior = -torch.empty(shape).exponential_(0.5, generator=generator)
-    inputs = {"logp": (behavior + 0.3 * torch.randn(shape, generator=generator)).to(dtype), "behavior_logp": behavior.to(dtype),
-              "advantages": torch.where(torch.rand(shape, generator=generator) < 0.5, 1.0, -1.0).to(dtype),
-              "mask": torch.ones(shape, dtype=torch.bool)}
+    inputs = {
+        "logp": (behavior + 0.3 * torch.randn(shape, generator=generator)).to(dtype),
+        "behavior_logp": behavior.to(dtype),
+        "advantages": torch.where(torch.rand(shape, generator=generator) < 0.5, 1.0, -1.0).to(dtype),
+        "mask": torch.ones(shape, dtype=torch.bool),
+    }
     inputs["mask"][-1, -1] = False
     from m2po_oracle.core import scratch
 
@@ -180,7 +192,9 @@ def test_a_large_batch_fails_closed_too(argument, value, dtype):
         assert torch.isfinite(m2po_loss(**padded, tau=0.04).loss)
         invalid = dict(inputs, **{argument: inputs[argument].clone()})
         invalid[argument][-1, -2] = value
-        with pytest.raises(ValueError, match=rf"{argument}: expected finite values on valid tokens \(mask True\), got {value} at index \(7, 1198\)"):
+        with pytest.raises(
+            ValueError, match=rf"{argument}: expected finite values on valid tokens \(mask True\), got {value} at index \(7, 1198\)"
+        ):
             m2po_loss(**invalid, tau=0.04)
 
 
@@ -206,8 +220,13 @@ def test_core_on_cuda_equals_oracle_at_one_million_tokens(dtype):
 
 def test_float16_gradient_underflow_is_within_tolerance():
     # Found by the thorough profile: -(1/2) * 6e-8 underflows to -0.0 in float16.
-    batch = Batch(np.array([[-1.3598638079378191, -2.0391942029317294]]), np.array([[-1.3598638079378191, -2.0391942029317294]]),
-                  np.array([[5.960464477539063e-08, 5.960464477539063e-08]]), np.ones((1, 2), bool), 0.04)
+    batch = Batch(
+        np.array([[-1.3598638079378191, -2.0391942029317294]]),
+        np.array([[-1.3598638079378191, -2.0391942029317294]]),
+        np.array([[5.960464477539063e-08, 5.960464477539063e-08]]),
+        np.ones((1, 2), bool),
+        0.04,
+    )
     assert_battery_passes(m2po_loss, batch, impl="core", dtype="float16", compute_dtype="float64")
 
 
@@ -228,14 +247,25 @@ def test_chunk_by_chunk_the_forward_is_the_one_pass_forward(chunk, dtype, passes
     the gradient too; the loss adds the chunks' sums, so it may round differently."""
     # Every batch through the first level; the chunk is read where the scratch buffers are sized.
     from m2po_oracle.core import fast_selection, scratch
+
     with mock.patch.object(fast_selection, "SMALL", 0), core_passes(passes):
         with mock.patch.object(scratch, "CPU_CHUNK", 1 << 30):
             whole, whole_grad = _forward_and_gradient(batch, dtype)
         with mock.patch.object(scratch, "CPU_CHUNK", chunk):
             chunked, chunked_grad = _forward_and_gradient(batch, dtype)
-    for name in ("keep", "valid_count", "trust_region_count", "kept_trust_region_count", "m2_before", "m2_after", "masked_fraction",
-                 "trust_region_fraction"):
-        assert torch.equal(getattr(chunked, name), getattr(whole, name)), f"{name}: {getattr(chunked, name)} chunked by {chunk}, {getattr(whole, name)} in one pass"
+    for name in (
+        "keep",
+        "valid_count",
+        "trust_region_count",
+        "kept_trust_region_count",
+        "m2_before",
+        "m2_after",
+        "masked_fraction",
+        "trust_region_fraction",
+    ):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), (
+            f"{name}: {getattr(chunked, name)} chunked by {chunk}, {getattr(whole, name)} in one pass"
+        )
     assert torch.equal(chunked_grad, whole_grad)
     loss, whole_loss = float(chunked.loss.detach()), float(whole.loss.detach())
     if not math.isfinite(whole_loss):  # exp overflowed: the same infinity either way
@@ -260,16 +290,22 @@ def test_the_hand_written_loss_is_autograd_s_to_the_last_bit(dtype, passes, batc
     n = max(int(mask.sum()), 1)
     compute = torch.float64 if dtype == "float64" else torch.float32
     ratio = (logp.to(compute) - behavior.to(compute)).masked_fill(~keep, 0.0).exp()
-    reference = -(ratio * torch.where(keep, advantages.to(compute), torch.zeros((), dtype=compute))).sum() / torch.tensor(float(n), dtype=compute)
+    reference = -(ratio * torch.where(keep, advantages.to(compute), torch.zeros((), dtype=compute))).sum() / torch.tensor(
+        float(n), dtype=compute
+    )
     (reference_grad,) = torch.autograd.grad(reference, logp)
     with core_passes(passes):
         loss = loss_from_selection(logp, behavior, advantages, keep, mask.sum())
         (grad,) = torch.autograd.grad(loss, logp)
+
     # Bit for bit, a NaN where autograd's is NaN too (kept tokens whose exp overflows to +inf and -inf).
-    same = lambda a, b: torch.equal(a, b) or (torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a[~torch.isnan(a)], b[~torch.isnan(b)]))  # noqa: E731
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a, b) or (torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a[~torch.isnan(a)], b[~torch.isnan(b)]))
+
     assert same(loss, reference), f"loss {loss.item()!r}, autograd's {reference.item()!r}"
-    assert grad.dtype == logp.dtype and same(grad, reference_grad), \
+    assert grad.dtype == logp.dtype and same(grad, reference_grad), (
         f"gradient differs at {torch.nonzero((grad != reference_grad) & ~(grad.isnan() & reference_grad.isnan()))[:3].tolist()}"
+    )
 
 
 @pytest.mark.parametrize("tau", [0.0, 5e-321, 1e-300])
@@ -307,8 +343,10 @@ def test_writing_into_an_input_before_the_backward_never_changes_the_gradient(ar
     check) or leave the gradient the forward's, never give one of values it did not see."""
     generator = torch.Generator().manual_seed(0)
     logp = torch.randn(8, 1024, generator=generator).requires_grad_(True)
-    tensors = {"behavior_logp": logp.detach() + 0.1 * torch.randn(8, 1024, generator=generator),
-               "advantages": torch.sign(torch.randn(8, 1024, generator=generator))}
+    tensors = {
+        "behavior_logp": logp.detach() + 0.1 * torch.randn(8, 1024, generator=generator),
+        "advantages": torch.sign(torch.randn(8, 1024, generator=generator)),
+    }
     mask = torch.ones(8, 1024, dtype=torch.bool)
     with core_passes(passes):
         (expected,) = torch.autograd.grad(m2po_loss(logp, **tensors, mask=mask, tau=0.04).loss, logp)

@@ -51,7 +51,9 @@ def test_equals_the_sorting_baseline_on_every_strategy(small, batch):
         k = int(fast.sum())
         assert int(baseline.sum()) in (k - 1, k, k + 1)
         boundary = values[: max(int(fast.sum()), int(baseline.sum()))].mean()
-        assert math.isclose(boundary, batch.tau, rel_tol=1e-12, abs_tol=1e-300), f"fast kept {k}, baseline {int(baseline.sum())} far from the boundary"
+        assert math.isclose(boundary, batch.tau, rel_tol=1e-12, abs_tol=1e-300), (
+            f"fast kept {k}, baseline {int(baseline.sum())} far from the boundary"
+        )
 
 
 EDGE_VALUES = {
@@ -77,7 +79,12 @@ def test_edge_values(case, tau, small):
         assert torch.equal(kept_candidates(values, tau, small=small), kept_candidates_by_sorting(values, tau)), f"{case}, tau {tau}"
 
 
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(5000, 60000), scale=st.sampled_from([0.05, 0.3, 3.0]), tau=st.sampled_from([0.0, 0.04, 0.5]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(5000, 60000),
+    scale=st.sampled_from([0.05, 0.3, 3.0]),
+    tau=st.sampled_from([0.0, 0.04, 0.5]),
+)
 def test_large_random_batches_take_the_radix_path_and_agree(seed, n, scale, tau):
     rng = np.random.default_rng(seed)
     d = scale * rng.standard_t(3, size=n)
@@ -127,7 +134,10 @@ def _core_selection(batch, small, sort_at_most=None):
     trust = ((a > 0) & (d > 0)) | ((a < 0) & (d < 0))
     m2 = d * d
     flats = [t[name].reshape(-1) for name in ("logp", "behavior_logp", "advantages", "mask")]
-    with mock.patch.object(fast_selection, "SMALL", small), mock.patch.object(fast_selection, "SORT_AT_MOST", small if sort_at_most is None else sort_at_most):
+    with (
+        mock.patch.object(fast_selection, "SMALL", small),
+        mock.patch.object(fast_selection, "SORT_AT_MOST", small if sort_at_most is None else sort_at_most),
+    ):
         selection = select_local(*flats, batch.tau, _valid_batches_only)
     return selection, m2, trust, mask
 
@@ -147,7 +157,10 @@ def test_the_core_selection_is_main_s_to_the_last_bit_on_few_candidates(batch):
     expected[trust] = kept
     assert torch.equal(selection.keep, expected)
     assert (int(selection.valid_count), int(selection.trust_region_count), int(selection.kept_trust_region_count)) == (
-        int(mask.sum()), int(trust.sum()), int(kept.sum()))
+        int(mask.sum()),
+        int(trust.sum()),
+        int(kept.sum()),
+    )
     trust_count, kept_count = torch.tensor(candidates.numel()).clamp(min=1), kept.sum().clamp(min=1)
     assert torch.equal(selection.m2_before, candidates.sum() / trust_count)
     assert torch.equal(selection.m2_after, torch.where(kept, candidates, torch.zeros_like(candidates)).sum() / kept_count)
@@ -174,7 +187,9 @@ def test_the_core_selection_through_the_radix_levels_is_algorithm_1(small, batch
     assert float(selection.m2_before) == pytest.approx(float(candidates.sum()) / max(int(trust.sum()), 1), rel=1e-12, abs=1e-300)
 
 
-@pytest.mark.parametrize("small, sort_at_most", [(0, 0), (4096, 4096), (0, fast_selection.SORT_AT_MOST)], ids=["radix levels", "main's", "bucket sorted"])
+@pytest.mark.parametrize(
+    "small, sort_at_most", [(0, 0), (4096, 4096), (0, fast_selection.SORT_AT_MOST)], ids=["radix levels", "main's", "bucket sorted"]
+)
 @pytest.mark.parametrize("tau", [0.0, 0.04, 0.0625, 0.5])
 def test_the_core_selection_on_a_large_batch_with_ties_and_padding(small, sort_at_most, tau):
     """18,753 candidates with a block of exact ties and runs of padding (crossing buckets of

@@ -58,13 +58,16 @@ def _assert_identical(results: list, where: str) -> None:
     for name in ["loss", *FIELDS]:
         ours, theirs = getattr(fused_result, name).detach(), getattr(torch_result, name).detach()
         assert (ours.dtype == theirs.dtype and torch.equal(ours, theirs)) or (
-            name == "loss" and bool(torch.isnan(ours)) and bool(torch.isnan(theirs))), \
-            f"{where}: {name} fused {ours if ours.numel() == 1 else ours.nonzero()[:5].tolist()}, " \
+            name == "loss" and bool(torch.isnan(ours)) and bool(torch.isnan(theirs))
+        ), (
+            f"{where}: {name} fused {ours if ours.numel() == 1 else ours.nonzero()[:5].tolist()}, "
             f"torch operators {theirs if theirs.numel() == 1 else theirs.nonzero()[:5].tolist()}"
+        )
     differ = (fused_grad != torch_grad) & ~(fused_grad.isnan() & torch_grad.isnan())
-    assert fused_grad.dtype == torch_grad.dtype and not bool(differ.any()), \
-        f"{where}: gradient differs at {differ.nonzero()[:3].tolist()}: fused {fused_grad[differ][:3].tolist()}, " \
+    assert fused_grad.dtype == torch_grad.dtype and not bool(differ.any()), (
+        f"{where}: gradient differs at {differ.nonzero()[:3].tolist()}: fused {fused_grad[differ][:3].tolist()}, "
         f"torch operators {torch_grad[differ][:3].tolist()}"
+    )
 
 
 @pytest.mark.parametrize("small", [0, 4], ids=["first level always", "few candidates sorted"])
@@ -83,8 +86,9 @@ def test_the_fused_passes_are_the_torch_operators_to_the_last_bit(small, dtype, 
     assert calls == (1 if batch.logp.size > small else 0), "the fused first level did not run where it applies"
 
 
-def _large_batch(seed: int, shape: tuple[int, int], *, ties: bool = False, padding: float | None = None,
-                 few_candidates: bool = False, tau: float = 0.04) -> Batch:
+def _large_batch(
+    seed: int, shape: tuple[int, int], *, ties: bool = False, padding: float | None = None, few_candidates: bool = False, tau: float = 0.04
+) -> Batch:
     rng = np.random.default_rng(seed)
     behavior = -rng.exponential(2.0, size=shape)
     d = 0.3 * rng.standard_t(3, size=shape)
@@ -164,8 +168,9 @@ def test_threads_running_the_fused_forward_at_once_get_their_own_results():
         assert len(together[i]) == 8, f"batch {i}: a thread failed"
         for repeat, result in enumerate(together[i]):
             for name in ["loss", *FIELDS]:
-                assert torch.equal(getattr(result, name), getattr(expected, name)), \
+                assert torch.equal(getattr(result, name), getattr(expected, name)), (
                     f"batch {i}, repeat {repeat}: {name} differs when run beside other threads"
+                )
 
 
 @pytest.mark.parametrize("flags", [["-msse2", "-mno-avx"], ["-mavx2"]], ids=["SSE2", "AVX2"])
@@ -187,8 +192,23 @@ def test_every_instruction_set_s_build_gives_the_same_bits(flags, tmp_path):
         pytest.skip("an installed wheel: the extension's source is not here")
     target = tmp_path / f"fused_c{sysconfig.get_config_var('EXT_SUFFIX')}"
     compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")
-    subprocess.run([*compiler, "-O3", "-ffp-contract=off", *flags, "-DM2PO_FUSED_ONE_TARGET", "-shared", "-fPIC",
-                    f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(target)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            *compiler,
+            "-O3",
+            "-ffp-contract=off",
+            *flags,
+            "-DM2PO_FUSED_ONE_TARGET",
+            "-shared",
+            "-fPIC",
+            f"-I{sysconfig.get_paths()['include']}",
+            str(source),
+            "-o",
+            str(target),
+        ],
+        check=True,
+        capture_output=True,
+    )
     loader = importlib.machinery.ExtensionFileLoader("m2po_oracle.core.fused_c", str(target))
     built = importlib.util.module_from_spec(importlib.util.spec_from_loader("m2po_oracle.core.fused_c", loader))
     loader.exec_module(built)
@@ -235,7 +255,10 @@ def test_the_fused_passes_take_only_what_they_were_written_for():
         assert not fused.applies(x32, x32, x32, mask)
     # Anything but 0 or 1 is an error naming the variable, not silently "on".
     for setting in ("false", "off", ""):
-        with mock.patch.dict("os.environ", {"M2PO_ORACLE_FUSED": setting}), pytest.raises(ValueError, match=f"^M2PO_ORACLE_FUSED: expected 0 .* got {setting!r}"):
+        with (
+            mock.patch.dict("os.environ", {"M2PO_ORACLE_FUSED": setting}),
+            pytest.raises(ValueError, match=f"^M2PO_ORACLE_FUSED: expected 0 .* got {setting!r}"),
+        ):
             fused.applies(x32, x32, x32, mask)
     # A float16 batch large enough for the first level runs the torch operators.
     tensors = to_tensors(_large_batch(7, (8, 2048)), "float16")
@@ -336,9 +359,13 @@ def test_the_fused_sorted_cut_is_the_crossing_bucket_s_sorted_cut(seed, dtype):
         expected = fast_selection.cut_of_crossing_bucket(d * d, tau, descent)
         fits, fitted_sum = fused.sorted_cut(logp, behavior, positions, keep, kept_sum=kept_sum, kept_count=kept_count, tau=tau)
         where = f"seed {seed}, {n} tokens, {size} to decide, tau {tau}"
-        assert torch.equal(keep[positions], expected.kept), f"{where}: kept {keep[positions].nonzero()[:5].tolist()}, expected {expected.kept.nonzero()[:5].tolist()}"
+        assert torch.equal(keep[positions], expected.kept), (
+            f"{where}: kept {keep[positions].nonzero()[:5].tolist()}, expected {expected.kept.nonzero()[:5].tolist()}"
+        )
         assert kept_count + fits == float(expected.kept_count), f"{where}: count {kept_count + fits}, expected {float(expected.kept_count)}"
-        assert torch.equal(torch.tensor(fitted_sum, dtype=torch.float64), expected.kept_sum), f"{where}: sum {fitted_sum!r}, expected {expected.kept_sum}"
+        assert torch.equal(torch.tensor(fitted_sum, dtype=torch.float64), expected.kept_sum), (
+            f"{where}: sum {fitted_sum!r}, expected {expected.kept_sum}"
+        )
         assert torch.equal(keep[untouched], before[untouched]), f"{where}: a token outside positions was written"
 
 

@@ -42,8 +42,11 @@ def test_the_forward_synchronises_once(shape, dtype, finish, passes):
     values), tiny and empty batches; the torch operators are what a GPU runs."""
     logp, behavior, advantages, mask = _batch(shape, dtype=dtype)
     at_most = fast_selection.SMALL if finish == "sorted" else 0
-    with mock.patch.object(fast_selection, "SMALL", at_most), mock.patch.object(fast_selection, "SORT_AT_MOST", at_most), \
-            core_passes(passes):
+    with (
+        mock.patch.object(fast_selection, "SMALL", at_most),
+        mock.patch.object(fast_selection, "SORT_AT_MOST", at_most),
+        core_passes(passes),
+    ):
         result, counter = count_host_syncs(lambda: m2po_loss(logp, behavior, advantages, mask, tau=0.04))
     assert counter.total <= SINGLE_RANK_BUDGET, f"{shape} {dtype}: {dict(counter.syncs)} (budget {SINGLE_RANK_BUDGET})"
     # Reading the metrics stays on the device too: they are tensors, not Python numbers.
@@ -128,8 +131,12 @@ def test_the_distributed_forward_synchronises_at_most_once_beyond_its_collective
                 assert counted["syncs"] <= DISTRIBUTED_BUDGET, f"{where} (budget {DISTRIBUTED_BUDGET})"
             # The ranks' masks together are the single-process selection over the union.
             batches = [rank_batch(payload, rank) for rank in range(2)]
-            union = [torch.cat([b[name].reshape(-1) for b in batches]).reshape(1, -1) for name in ("logp", "behavior_logp", "advantages", "mask")]
+            union = [
+                torch.cat([b[name].reshape(-1) for b in batches]).reshape(1, -1) for name in ("logp", "behavior_logp", "advantages", "mask")
+            ]
             expected = select_tokens(*union, tau=0.04).keep.reshape(-1).tolist()
             actual = outcomes[0].value["kept"] + outcomes[1].value["kept"]
             first = next((i for i, (a, e) in enumerate(zip(actual, expected)) if a != e), None)
-            assert first is None, f"{case}: token {first} (rank {first // 4096 if first is not None else None}): distributed keep {actual[first]}, single-process {expected[first]}"
+            assert first is None, (
+                f"{case}: token {first} (rank {first // 4096 if first is not None else None}): distributed keep {actual[first]}, single-process {expected[first]}"
+            )

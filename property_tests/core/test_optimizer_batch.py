@@ -45,7 +45,12 @@ def test_selection_and_loss_do_not_depend_on_the_split(data):
     total = sum(loss_from_selection(p[0], p[1], p[2], s.keep, s.valid_count) for p, s in zip(micro, selections))
     total.backward()
     expected = oracle.evaluate_with_mask(batch, keep)
-    assert compare_values("loss", "loss", total.detach().item(), expected.loss, tolerance("float64", "loss"), scale=float(np.abs(expected.grad).sum())) is None
+    assert (
+        compare_values(
+            "loss", "loss", total.detach().item(), expected.loss, tolerance("float64", "loss"), scale=float(np.abs(expected.grad).sum())
+        )
+        is None
+    )
     assert compare_values("gradient", "grad", tensors["logp"].grad.numpy(), expected.grad, tolerance("float64", "gradient")) is None
     if not trim:
         whole = m2po_loss(*(tensors[k].detach() for k in ("logp", "behavior_logp", "advantages", "mask")), tau=batch.tau)
@@ -56,17 +61,22 @@ def test_a_per_micro_batch_selection_differs_from_the_optimizer_batch_one():
     """Negative control for the property: selecting each micro-batch on its own is caught."""
     batch = Batch(np.array([[0.3, 0.3], [0.05, 0.05]]), np.zeros((2, 2)), np.ones((2, 2)), np.ones((2, 2), bool), 0.04)
     tensors = to_tensors(batch, "float64")
-    parts = [tuple(t[i : i + 1] for t in (tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"])) for i in range(2)]
+    parts = [
+        tuple(t[i : i + 1] for t in (tensors["logp"], tensors["behavior_logp"], tensors["advantages"], tensors["mask"])) for i in range(2)
+    ]
     per_micro_batch = np.concatenate([select_micro_batches([p], tau=0.04)[0].keep.numpy() for p in parts])
     assert check_selection(batch, per_micro_batch) != []
     together = np.concatenate([s.keep.numpy() for s in select_micro_batches(parts, tau=0.04)])
     assert check_selection(batch, together) == []
 
 
-@pytest.mark.parametrize("bad, message", [
-    ([], "micro_batches: expected a non-empty sequence"),
-    ([(torch.zeros(1, 2),)], r"micro_batches\[0\]: expected \(logp, behavior_logp, advantages, mask\), got 1 items"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ([], "micro_batches: expected a non-empty sequence"),
+        ([(torch.zeros(1, 2),)], r"micro_batches\[0\]: expected \(logp, behavior_logp, advantages, mask\), got 1 items"),
+    ],
+)
 def test_micro_batch_arguments_are_checked(bad, message):
     with pytest.raises(ValueError, match=message):
         select_micro_batches(bad)

@@ -42,7 +42,9 @@ def test_groups_follow_megatron_order(topology):
     for outcome in outcomes:
         for kind, value in outcome.value.items():
             members = range(topology.world_size) if kind == "world" else topology.group_of(outcome.rank, kind)
-            assert value == sum(r + 1 for r in members), f"rank {outcome.rank}: all_reduce over its {kind} group gave {value}, members {list(members)}"
+            assert value == sum(r + 1 for r in members), (
+                f"rank {outcome.rank}: all_reduce over its {kind} group gave {value}, members {list(members)}"
+            )
     assert not _leftover_ranks()
 
 
@@ -142,7 +144,10 @@ def test_compare_with_a_topology_reports_ranks_and_collectives(tmp_path):
 
     assert main(["compare", "--impl", "core", "--topology", "dp=2,cp=2,tp=1", "--examples", "20"]) == EXIT_EQUIVALENT
     report = tmp_path / "local.json"
-    assert main(["compare", "--impl", "control:local_denominator", "--topology", "dp=1,cp=2,tp=2", "--examples", "30", "--json", str(report)]) == EXIT_DIVERGENT
+    assert (
+        main(["compare", "--impl", "control:local_denominator", "--topology", "dp=1,cp=2,tp=2", "--examples", "30", "--json", str(report)])
+        == EXIT_DIVERGENT
+    )
     data = json.loads(report.read_text())
     assert data["topology"] == {"dp": 1, "cp": 2, "tp": 2, "backend": "gloo"}
     per_rank = {entry["rank"]: entry["collectives"] for entry in data["collectives_per_step"]}
@@ -163,8 +168,24 @@ def test_the_same_checks_run_under_torchrun(tmp_path):
 
     torchrun = shutil.which("torchrun") or str(__import__("pathlib").Path(sys.executable).with_name("torchrun"))
     report, capture = tmp_path / "torchrun.json", tmp_path / "capture"
-    command = [torchrun, "--standalone", "--nproc-per-node", "4", "-m", "m2po_oracle.torchrun", "--impl", "core", "--topology", "dp=2,cp=2,tp=1",
-               "--examples", "15", "--json", str(report), "--capture", str(capture)]
+    command = [
+        torchrun,
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "m2po_oracle.torchrun",
+        "--impl",
+        "core",
+        "--topology",
+        "dp=2,cp=2,tp=1",
+        "--examples",
+        "15",
+        "--json",
+        str(report),
+        "--capture",
+        str(capture),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     data = json.loads(report.read_text())
@@ -174,9 +195,25 @@ def test_the_same_checks_run_under_torchrun(tmp_path):
 
     audited = audit_capture(capture)
     assert audited.world_size == 4 and len(audited.steps) == data["capture"]["steps"] > 0 and audited.verdict == "equivalent"
-    control = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "m2po_oracle.torchrun", "--impl", "control:dp_cp_group_double_count",
-                              "--topology", "dp=1,cp=2,tp=1", "--examples", "30"],
-                             capture_output=True, text=True, timeout=300)
+    control = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "m2po_oracle.torchrun",
+            "--impl",
+            "control:dp_cp_group_double_count",
+            "--topology",
+            "dp=1,cp=2,tp=1",
+            "--examples",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert control.returncode != 0 and "divergent" in control.stdout, control.stdout[-2000:]
 
 
@@ -189,7 +226,9 @@ def test_histogram_rounds_equal_the_all_gather_selection_and_send_fixed_bytes(wo
     assert result["identical"], "histogram rounds and all-gather kept different tokens"
     sent = {name: sum(v["bytes"] for v in traffic.values()) for name, traffic in result["traffic_rank0"].items()}
     assert sent["histogram"] <= 6 * 2 * 4096 * 8 + 8, f"histogram rounds sent {sent['histogram']} bytes"
-    assert all(r["syncs"] <= 1 for r in result["forward_syncs"]), f"the distributed forward's would-sync operators per rank: {result['forward_syncs']}"
+    assert all(r["syncs"] <= 1 for r in result["forward_syncs"]), (
+        f"the distributed forward's would-sync operators per rank: {result['forward_syncs']}"
+    )
 
 
 def test_histogram_bytes_do_not_grow_with_tokens_while_all_gather_bytes_do():
@@ -232,7 +271,9 @@ def test_a_rank_that_raises_ends_the_step_at_once_and_is_shown_first(tmp_path):
 
     path = tmp_path / "raising_rank.py"
     path.write_text(RAISING_RANK)
-    batch = Batch(np.array([[-0.5, -0.2], [-0.7, -0.1]]), np.array([[-0.9, -0.3], [-0.2, -0.4]]), np.ones((2, 2)), np.ones((2, 2), bool), 0.04)
+    batch = Batch(
+        np.array([[-0.5, -0.2], [-0.7, -0.1]]), np.array([[-0.9, -0.3], [-0.2, -0.4]]), np.ones((2, 2)), np.ones((2, 2), bool), 0.04
+    )
     with DistributedRunner(f"{path}:rank_one_raises", Topology(2, 1, 1), timeout_s=60) as runner:
         runner.world.start()
         started = time.monotonic()
@@ -240,13 +281,19 @@ def test_a_rank_that_raises_ends_the_step_at_once_and_is_shown_first(tmp_path):
         seconds = time.monotonic() - started
     assert seconds < 10, f"the step waited {seconds:.1f} s for ranks stuck behind the one that raised (timeout 60 s)"
     first = step.mismatches[0]
-    assert first.check == "call" and first.summary.startswith("rank 1 (dp=1, cp=0, tp=0) raised:") and "planted failure on rank 1" in first.summary, first
+    assert (
+        first.check == "call"
+        and first.summary.startswith("rank 1 (dp=1, cp=0, tp=0) raised:")
+        and "planted failure on rank 1" in first.summary
+    ), first
     assert runner.health.timeouts == 0, "a rank that raised is not a timeout"
 
 
 def test_compare_with_a_topology_runs_the_collective_probes(tmp_path):
     from m2po_oracle.cli.main import EXIT_EQUIVALENT, main
 
-    assert main(["compare", "--impl", "core", "--topology", "dp=2", "--examples", "5", "--json", str(tmp_path / "r.json")]) == EXIT_EQUIVALENT
+    assert (
+        main(["compare", "--impl", "core", "--topology", "dp=2", "--examples", "5", "--json", str(tmp_path / "r.json")]) == EXIT_EQUIVALENT
+    )
     validation = json.loads((tmp_path / "r.json").read_text())["validation"]
     assert validation["not_run"] is None and {p["status"] for p in validation["probes"]} == {"rejected"} and len(validation["probes"]) == 6

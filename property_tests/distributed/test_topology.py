@@ -58,9 +58,7 @@ CP_LAYOUT = {
     (5, 1): [[0, 1, 2, 3, 4]],
 }
 
-SMALL_WORLDS = [
-    Topology(dp=d, cp=c, tp=t) for d in range(1, 5) for c in range(1, 5) for t in range(1, 5) if d * c * t <= 8
-]
+SMALL_WORLDS = [Topology(dp=d, cp=c, tp=t) for d in range(1, 5) for c in range(1, 5) for t in range(1, 5) if d * c * t <= 8]
 worlds = st.sampled_from(SMALL_WORLDS)
 
 
@@ -155,8 +153,7 @@ def test_group_members_share_the_right_coordinates(topo):
     for kind, axes in shared.items():
         for rank in range(topo.world_size):
             at = topo.coords(rank)
-            members = [r for r in range(topo.world_size) if all(
-                getattr(topo.coords(r), a) == getattr(at, a) for a in axes)]
+            members = [r for r in range(topo.world_size) if all(getattr(topo.coords(r), a) == getattr(at, a) for a in axes)]
             assert topo.group_of(rank, kind) == members
 
 

@@ -63,14 +63,28 @@ def test_a_knob_without_a_role_is_seen():
 
 
 def test_the_diagnosis_is_a_frozen_record_with_one_json_shape():
-    d = Diagnosis("matched", examples_compared=3, examples_searched=3, components=("strict_stop",), by_check={"selection.minimal": ("strict_stop",)},
-                  shares={"selection.minimal": Share(3, 3, 0, 3, 1.0, ("strict_stop",))},
-                  matches=(Match("strict_stop", "d", "s", "e", ("selection.minimal",), ()),), alternatives_reason="r", summary="explained")
+    d = Diagnosis(
+        "matched",
+        examples_compared=3,
+        examples_searched=3,
+        components=("strict_stop",),
+        by_check={"selection.minimal": ("strict_stop",)},
+        shares={"selection.minimal": Share(3, 3, 0, 3, 1.0, ("strict_stop",))},
+        matches=(Match("strict_stop", "d", "s", "e", ("selection.minimal",), ()),),
+        alternatives_reason="r",
+        summary="explained",
+    )
     with pytest.raises(FrozenInstanceError):
         d.status = "not_run"  # type: ignore[misc]  # the planted write a frozen record refuses
     record = d.to_json()
     assert json.loads(json.dumps(record)) == record  # plain JSON: lists, not tuples, once written
-    assert record["shares"]["selection.minimal"] == {"explained": 3, "failing": 3, "contradicted": 0, "of": 3, "share": 1.0,
-                                                     "components": ["strict_stop"]}
+    assert record["shares"]["selection.minimal"] == {
+        "explained": 3,
+        "failing": 3,
+        "contradicted": 0,
+        "of": 3,
+        "share": 1.0,
+        "components": ["strict_stop"],
+    }
     assert Diagnosis.not_run().to_json() == {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
     assert not Diagnosis.not_run().explains and d.explains

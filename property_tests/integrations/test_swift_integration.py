@@ -28,8 +28,10 @@ if os.environ.get("M2PO_REQUIRE_SWIFT"):
     # The swift stage sets this: there a missing ms-swift is an error, never a skip that passes the stage.
     import swift.rlhf_trainers  # noqa: F401
 else:
-    pytest.importorskip("swift.rlhf_trainers", reason="needs ms-swift 4.6 (its own environment, .venv-swift): .ci/run's swift stage and "
-                                                       "tox -e swift run these tests")
+    pytest.importorskip(
+        "swift.rlhf_trainers",
+        reason="needs ms-swift 4.6 (its own environment, .venv-swift): .ci/run's swift stage and tox -e swift run these tests",
+    )
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from window_checks import assert_one_selection_per_window, window_batch  # noqa: E402  (beside this file)
@@ -68,10 +70,19 @@ def test_the_correct_run_selects_once_per_optimizer_batch_on_stale_rollouts(corr
     windows = {step: [record for _, record in capture.records(step=step)] for step in capture.steps()}
     assert sorted(windows) == list(range(SETUP.steps)) and all(len(w) == SETUP.gradient_accumulation_steps for w in windows.values())
     assert_one_selection_per_window(windows, SETUP.steps)
-    assert report.verdict == "equivalent", [(s.step, s.verdict, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
+    assert report.verdict == "equivalent", [
+        (s.step, s.verdict, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps
+    ]
     checks = {c.name: c.status for s in report.steps for c in s.checks}
-    for name in ("audit.selection", "audit.policy_logp", "audit.behavior_logp", "audit.loss_sum", "audit.gradient", "audit.metrics",
-                 "audit.parameter_gradient"):
+    for name in (
+        "audit.selection",
+        "audit.policy_logp",
+        "audit.behavior_logp",
+        "audit.loss_sum",
+        "audit.gradient",
+        "audit.metrics",
+        "audit.parameter_gradient",
+    ):
         assert checks.get(name) == "pass", (name, checks.get(name))
     logged = [entry for entry in logs if f"{METRIC_PREFIX}masked_fraction" in entry]
     assert len(logged) == SETUP.steps and all(METRIC_PREFIX + m in logged[0] for m in LOGGED_METRICS), logs[:2]
@@ -118,9 +129,23 @@ def test_an_option_that_changes_the_objective_stops_the_real_run_naming_it(tmp_p
 
 
 #: ms-swift's GRPO options that would change Algorithm 1's objective, each refused naming it.
-NEUTRAL = dict(gradient_accumulation_steps=2, steps_per_generation=4, loss_type="dapo", importance_sampling_level="token",
-               rollout_importance_sampling_mode=None, top_entropy_quantile=1.0, off_policy_sequence_mask_delta=None, overlong_filter=False,
-               use_liger_kernel=False, async_generate=False, sdar_loss_coef=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, beta=0.0)
+NEUTRAL = dict(
+    gradient_accumulation_steps=2,
+    steps_per_generation=4,
+    loss_type="dapo",
+    importance_sampling_level="token",
+    rollout_importance_sampling_mode=None,
+    top_entropy_quantile=1.0,
+    off_policy_sequence_mask_delta=None,
+    overlong_filter=False,
+    use_liger_kernel=False,
+    async_generate=False,
+    sdar_loss_coef=0.0,
+    top_p=1.0,
+    top_k=-1,
+    repetition_penalty=1.0,
+    beta=0.0,
+)
 REFUSED = [
     ({"steps_per_generation": 3}, "steps_per_generation"),
     ({"loss_type": "grpo"}, "loss_type"),
@@ -162,8 +187,19 @@ def test_data_and_sequence_parallelism_are_refused_and_beta_warns():
 #: A scoped step (one micro-batch per prompt, workers 1 and 3 steps behind, tau cutting three
 #: trust-region tokens, uneven lengths) on which every ms-swift control differs from Algorithm 1
 #: (TRL's scoped case: the same step through the other framework).
-SCOPED_CASE = dict(kind="trainer_case", seed=5, prompts=2, group_size=2, prompt_len=2, max_new_tokens=6, lags=[1, 3], staleness_lr=0.02,
-                   tau=0.04, split=[2, 2], cut=3)
+SCOPED_CASE = dict(
+    kind="trainer_case",
+    seed=5,
+    prompts=2,
+    group_size=2,
+    prompt_len=2,
+    max_new_tokens=6,
+    lags=[1, 3],
+    staleness_lr=0.02,
+    tau=0.04,
+    split=[2, 2],
+    cut=3,
+)
 
 
 def test_compare_trainer_swift_is_equivalent_and_every_fail_closed_probe_is_refused_by_the_integration(tmp_path, capsys):
@@ -175,10 +211,23 @@ def test_compare_trainer_swift_is_equivalent_and_every_fail_closed_probe_is_refu
     assert main(["compare", "--impl", "trainer:swift", "--examples", "2", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["verdict"] == "equivalent" and data["examples"] == 2, data["verdict"]
-    assert data["options"]["dtype"] == "float32" and data["options"]["dtype_why"] == "the dtype trainer:swift computes in; --dtype not given"
+    assert (
+        data["options"]["dtype"] == "float32" and data["options"]["dtype_why"] == "the dtype trainer:swift computes in; --dtype not given"
+    )
     ran = {c["name"]: c["status"] for c in data["checks"]}
-    assert all(ran[name] == "pass" for name in ("trainer.behavior_logp", "trainer.policy_logp", "trainer.parameter_gradient", "trainer.optimizer_step",
-                                                 "selection.minimal", "loss", "gradient", "metrics.m2_before")), ran
+    assert all(
+        ran[name] == "pass"
+        for name in (
+            "trainer.behavior_logp",
+            "trainer.policy_logp",
+            "trainer.parameter_gradient",
+            "trainer.optimizer_step",
+            "selection.minimal",
+            "loss",
+            "gradient",
+            "metrics.m2_before",
+        )
+    ), ran
     probes = {p["probe"]: p for p in data["validation"]["probes"]}
     assert [probes[p.name]["status"] for p in TRAINER_PROBES] == [p.expected for p in TRAINER_PROBES], probes
     # The refusals are the integration's, in ms-swift's option names (the adapter refuses only the one setting ms-swift lacks).
@@ -186,7 +235,8 @@ def test_compare_trainer_swift_is_equivalent_and_every_fail_closed_probe_is_refu
     assert probes["rollout_is_correction"]["message"].startswith("ValueError: rollout_importance_sampling_mode:")
     assert probes["stochastic_mask_prepass"]["message"].startswith("ValueError: disable_dropout:")
     assert probes["deployment_behavior_logp_missing"]["message"].startswith(
-        "ValueError: behavior_logp: the rollout engine outside the trainer returned no log-probs")
+        "ValueError: behavior_logp: the rollout engine outside the trainer returned no log-probs"
+    )
     assert probes["deployment_behavior_logp_from_trainer"]["message"].startswith("ValueError: behavior_logp_source:")
     assert probes["kl_coefficient"]["message"].startswith("M2POKLWarning: beta=0.01")
     out = capsys.readouterr().out
@@ -213,8 +263,10 @@ def test_each_swift_control_is_caught_by_its_check_and_named_by_the_diagnosis(co
         return
     expected = SWIFT_CONTROLS[control]
     assert set(expected["caught_by"]) <= failed, f"{control}: expected {expected['caught_by']} to fail, failed: {sorted(failed)}"
-    assert outcome.evidenced == (expected["diagnosed_as"],), (f"{control}: expected the diagnosis to name {expected['diagnosed_as']!r} "
-                                                             f"alone; consistent: {outcome.explained_by}, evidenced: {outcome.evidenced}")
+    assert outcome.evidenced == (expected["diagnosed_as"],), (
+        f"{control}: expected the diagnosis to name {expected['diagnosed_as']!r} "
+        f"alone; consistent: {outcome.explained_by}, evidenced: {outcome.evidenced}"
+    )
 
 
 def test_swift_with_a_kl_term_passes_the_kl_check_that_its_k1_control_fails():
@@ -230,11 +282,16 @@ def test_swift_with_a_kl_term_passes_the_kl_check_that_its_k1_control_fails():
     assert not outcome.mismatches, [m.summary for m in outcome.mismatches]
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["compare", "--impl", "trainer:swift", "--dtype", "float64", "--examples", "1"],
-     "dtype: trainer:swift computes in float32: ms-swift collates the engine's log-probs into float32"),
-    (["compare", "--impl", "trainer:swift:no_such_control"], "unknown ms-swift control 'no_such_control'; known: per_micro_batch_mask"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["compare", "--impl", "trainer:swift", "--dtype", "float64", "--examples", "1"],
+            "dtype: trainer:swift computes in float32: ms-swift collates the engine's log-probs into float32",
+        ),
+        (["compare", "--impl", "trainer:swift:no_such_control"], "unknown ms-swift control 'no_such_control'; known: per_micro_batch_mask"),
+    ],
+)
 def test_trainer_swift_usage_errors_name_the_problem(argv, message, capsys):
     from m2po_oracle.cli.main import main
 
@@ -243,6 +300,7 @@ def test_trainer_swift_usage_errors_name_the_problem(argv, message, capsys):
 
 
 # --- data parallel: two ms-swift processes on gloo under torchrun, one selection across both -----
+
 
 @pytest.fixture(scope="module")
 def dp_runs(tmp_path_factory):
@@ -275,7 +333,7 @@ def _pulled_back_norms(capture, inputs, step=0):
         x = load_file(str(inputs / f"rank{rank}-step{step}-mb{micro}.safetensors"))
         keep = int(x["logits_to_keep"])
         forward = {name: x[name] for name in ("input_ids", "attention_mask", "position_ids") if name in x}
-        logits = model(**forward).logits[:, -keep - 1:-1]
+        logits = model(**forward).logits[:, -keep - 1 : -1]
         logp = torch.log_softmax(logits, -1).gather(-1, x["input_ids"][:, -keep:, None])[..., 0]
         valid = record["mask"]
         assert torch.equal(valid, x["completion_mask"].bool()), (rank, micro)
@@ -318,7 +376,9 @@ def test_a_rank_selecting_alone_is_caught_and_named_by_the_audit(dp_runs):
     # A scope is named where the mask shows it; where a micro-batch selecting alone gives the same
     # mask the files cannot tell the two apart and say so (an alternative); no other name is given.
     assert any(s.diagnosis == ["per_rank_selection_global_n"] for s in shown), [(s.step, s.diagnosis) for s in report.steps]
-    assert all("per_rank_selection_global_n" in [*s.diagnosis, *(x for v in s.alternatives.values() for x in v)] for s in shown), \
-        [(s.step, s.diagnosis, s.alternatives) for s in shown]
-    assert all(set(s.diagnosis) <= {"per_rank_selection_global_n", "per_micro_batch_mask"} for s in report.steps), \
-        [(s.step, s.diagnosis) for s in report.steps]
+    assert all("per_rank_selection_global_n" in [*s.diagnosis, *(x for v in s.alternatives.values() for x in v)] for s in shown), [
+        (s.step, s.diagnosis, s.alternatives) for s in shown
+    ]
+    assert all(set(s.diagnosis) <= {"per_rank_selection_global_n", "per_micro_batch_mask"} for s in report.steps), [
+        (s.step, s.diagnosis) for s in report.steps
+    ]

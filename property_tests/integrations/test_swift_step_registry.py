@@ -48,7 +48,10 @@ def test_the_swift_controls_plant_trls_faults_and_read_without_ms_swift():
     assert list(SWIFT_CONTROLS) == list(TRL_CONTROLS)
     for name, control in SWIFT_CONTROLS.items():
         assert (control["caught_by"], control["diagnosed_as"], control.get("beta")) == (
-            TRL_CONTROLS[name]["caught_by"], TRL_CONTROLS[name]["diagnosed_as"], TRL_CONTROLS[name].get("beta")), name
+            TRL_CONTROLS[name]["caught_by"],
+            TRL_CONTROLS[name]["diagnosed_as"],
+            TRL_CONTROLS[name].get("beta"),
+        ), name
 
 
 def test_the_swift_factory_declares_its_dtype_and_refuses_an_unknown_control():

@@ -60,9 +60,13 @@ def test_the_correct_run_selects_once_per_optimizer_batch_on_stale_rollouts(corr
     windows = _windows(directory)
     assert sorted(windows) == list(range(SETUP.steps)) and all(len(w) == SETUP.gradient_accumulation_steps for w in windows.values())
     assert_one_selection_per_window(windows, SETUP.steps)
-    assert report.verdict == "equivalent", [(s.step, s.verdict, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
+    assert report.verdict == "equivalent", [
+        (s.step, s.verdict, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps
+    ]
     logged = [entry for entry in trainer.state.log_history if "m2po/masked_fraction" in entry]
-    assert len(logged) == SETUP.steps and all(f"m2po/{m}" in logged[0] for m in ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction"))
+    assert len(logged) == SETUP.steps and all(
+        f"m2po/{m}" in logged[0] for m in ("m2_before", "m2_after", "masked_fraction", "trust_region_fraction")
+    )
 
 
 def test_the_capture_holds_the_samplers_prepass_and_gradient_of_every_micro_batch(correct_run):
@@ -71,8 +75,15 @@ def test_the_capture_holds_the_samplers_prepass_and_gradient_of_every_micro_batc
         for r in records:
             assert {"selection_logp", "rollout_logp", "grad", "logp", "behavior_logp"} <= set(r)
     checks = {c.name: c.status for s in report.steps for c in s.checks}
-    for name in ("audit.selection", "audit.policy_logp", "audit.behavior_logp", "audit.loss_sum", "audit.gradient", "audit.metrics",
-                 "audit.parameter_gradient"):
+    for name in (
+        "audit.selection",
+        "audit.policy_logp",
+        "audit.behavior_logp",
+        "audit.loss_sum",
+        "audit.gradient",
+        "audit.metrics",
+        "audit.parameter_gradient",
+    ):
         assert checks[name] == "pass", (name, checks[name])
 
 
@@ -139,8 +150,12 @@ def test_a_kl_coefficient_warns(tmp_path):
 def test_the_layout_keeps_integrations_on_the_top_floor():
     from property_tests.meta.test_layout import import_graph
 
-    wrong = [(m, t) for m, targets in import_graph().items() for t in targets
-             if t.startswith("m2po_oracle.integrations") and not m.startswith("m2po_oracle.integrations")]
+    wrong = [
+        (m, t)
+        for m, targets in import_graph().items()
+        for t in targets
+        if t.startswith("m2po_oracle.integrations") and not m.startswith("m2po_oracle.integrations")
+    ]
     assert not wrong, f"modules below import the integrations: {wrong}"
 
 
@@ -148,8 +163,19 @@ def test_the_layout_keeps_integrations_on_the_top_floor():
 
 #: A scoped step (one micro-batch per prompt, workers 1 and 3 steps behind, tau cutting three
 #: trust-region tokens, uneven lengths) on which every TRL control differs from Algorithm 1.
-SCOPED_CASE = dict(kind="trainer_case", seed=5, prompts=2, group_size=2, prompt_len=2, max_new_tokens=6, lags=[1, 3], staleness_lr=0.02,
-                   tau=0.04, split=[2, 2], cut=3)
+SCOPED_CASE = dict(
+    kind="trainer_case",
+    seed=5,
+    prompts=2,
+    group_size=2,
+    prompt_len=2,
+    max_new_tokens=6,
+    lags=[1, 3],
+    staleness_lr=0.02,
+    tau=0.04,
+    split=[2, 2],
+    cut=3,
+)
 
 
 def test_compare_trainer_trl_is_equivalent_and_every_fail_closed_probe_is_refused_by_the_integration(tmp_path, capsys):
@@ -163,15 +189,28 @@ def test_compare_trainer_trl_is_equivalent_and_every_fail_closed_probe_is_refuse
     assert data["verdict"] == "equivalent" and data["examples"] == 2
     assert data["options"]["dtype"] == "float32" and data["options"]["dtype_why"] == "the dtype trainer:trl computes in; --dtype not given"
     ran = {c["name"]: c["status"] for c in data["checks"]}
-    assert all(ran[name] == "pass" for name in ("trainer.behavior_logp", "trainer.policy_logp", "trainer.parameter_gradient", "trainer.optimizer_step",
-                                                 "selection.minimal", "loss", "gradient", "metrics.m2_before")), ran
+    assert all(
+        ran[name] == "pass"
+        for name in (
+            "trainer.behavior_logp",
+            "trainer.policy_logp",
+            "trainer.parameter_gradient",
+            "trainer.optimizer_step",
+            "selection.minimal",
+            "loss",
+            "gradient",
+            "metrics.m2_before",
+        )
+    ), ran
     probes = {p["probe"]: p for p in data["validation"]["probes"]}
     assert [probes[p.name]["status"] for p in TRAINER_PROBES] == [p.expected for p in TRAINER_PROBES]
     # The refusals are the integration's, in TRL's option names (the adapter refuses only the one setting TRL lacks).
     assert probes["sequence_level_is"]["message"].startswith("ValueError: importance_sampling_level:")
     assert probes["rollout_is_correction"]["message"].startswith("ValueError: vllm_importance_sampling_correction:")
     assert probes["stochastic_mask_prepass"]["message"].startswith("ValueError: disable_dropout:")
-    assert probes["deployment_behavior_logp_missing"]["message"].startswith("ValueError: behavior_logp: the rollout_func returned no log-probs")
+    assert probes["deployment_behavior_logp_missing"]["message"].startswith(
+        "ValueError: behavior_logp: the rollout_func returned no log-probs"
+    )
     out = capsys.readouterr().out
     assert "dtype: float32 (the dtype trainer:trl computes in; --dtype not given)" in out and "verdict: equivalent" in out
 
@@ -206,13 +245,18 @@ def test_trl_with_a_kl_term_passes_the_kl_check_that_its_k1_control_fails():
     assert not outcome.mismatches, [m.summary for m in outcome.mismatches]
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["compare", "--impl", "trainer:trl", "--dtype", "float64", "--examples", "1"],
-     "dtype: trainer:trl computes in float32: its log-probs come from a chunked LM-head kernel that accumulates in float32 whatever the "
-     "model's dtype; --dtype float64 would judge float32 values at float64 tolerance. Leave --dtype out (the run takes float32) or give "
-     "--dtype float32"),
-    (["compare", "--impl", "trainer:trl:no_such_control", "--dtype", "float32"], "unknown TRL control 'no_such_control'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["compare", "--impl", "trainer:trl", "--dtype", "float64", "--examples", "1"],
+            "dtype: trainer:trl computes in float32: its log-probs come from a chunked LM-head kernel that accumulates in float32 whatever the "
+            "model's dtype; --dtype float64 would judge float32 values at float64 tolerance. Leave --dtype out (the run takes float32) or give "
+            "--dtype float32",
+        ),
+        (["compare", "--impl", "trainer:trl:no_such_control", "--dtype", "float32"], "unknown TRL control 'no_such_control'"),
+    ],
+)
 def test_trainer_trl_usage_errors_name_the_problem(argv, message, capsys):
     from m2po_oracle.cli.main import main
 
@@ -222,12 +266,26 @@ def test_trainer_trl_usage_errors_name_the_problem(argv, message, capsys):
 
 # --- data parallel: two processes on gloo, accelerate's MULTI_CPU world under torchrun ------------
 
+
 def _torchrun_demo(directory, *extra):
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "m2po_oracle.integrations.trl_demo",
-               "--steps", "3", "--capture", str(directory), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "m2po_oracle.integrations.trl_demo",
+        "--steps",
+        "3",
+        "--capture",
+        str(directory),
+        *extra,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -245,7 +303,7 @@ def _pulled_back_norms(capture, inputs, step=0):
         x = load_file(str(inputs / f"rank{rank}-step{step}-mb{micro}.safetensors"))
         ids = torch.cat([x["prompt_ids"], x["completion_ids"]], 1)
         width = x["completion_ids"].shape[1]
-        logits = model(input_ids=ids, attention_mask=torch.cat([x["prompt_mask"], x["completion_mask"]], 1)).logits[:, -width - 1:-1]
+        logits = model(input_ids=ids, attention_mask=torch.cat([x["prompt_mask"], x["completion_mask"]], 1)).logits[:, -width - 1 : -1]
         logp = torch.log_softmax(logits, -1).gather(-1, x["completion_ids"][..., None])[..., 0]
         valid = record["mask"]
         assert float((torch.where(valid, logp.detach(), 0) - torch.where(valid, record["logp"], 0)).abs().max()) < 1e-5

@@ -15,13 +15,19 @@ from m2po_oracle.judge.battery import run_battery
 from m2po_oracle.judge.contract import measure
 from m2po_oracle.oracle.batch import Batch
 
-BATCH = Batch(np.array([[0.1, 0.3, np.nan], [0.2, 0.4, 0.0]]), np.zeros((2, 3)), np.ones((2, 3)),
-              np.array([[True, True, False], [True, True, True]]), 0.04)
+BATCH = Batch(
+    np.array([[0.1, 0.3, np.nan], [0.2, 0.4, 0.0]]),
+    np.zeros((2, 3)),
+    np.ones((2, 3)),
+    np.array([[True, True, False], [True, True, True]]),
+    0.04,
+)
 
 
 def _core_then(change):
     def implementation(logp, behavior_logp, advantages, mask, *, tau):
         return change(m2po_loss(logp, behavior_logp, advantages, mask, tau=tau), logp)
+
     return implementation
 
 
@@ -38,8 +44,16 @@ MISBEHAVIOURS = {
     "keep wrong shape": (_core_then(lambda r, x: {"loss": r.loss, "keep": r.keep[:, :2]}), "call", "keep: expected shape (2, 3)"),
     "loss not 0-d": (_core_then(lambda r, x: {"loss": r.loss.expand(3), "keep": r.keep}), "call", "loss: expected a 0-d torch.Tensor"),
     "loss a float": (_core_then(lambda r, x: {"loss": r.loss.item(), "keep": r.keep}), "call", "loss: expected a 0-d torch.Tensor"),
-    "metric a string": (_core_then(lambda r, x: {"loss": r.loss, "keep": r.keep, "m2_after": "0.1"}), "call", "m2_after: expected a number"),
-    "count not an integer": (_core_then(lambda r, x: {"loss": r.loss, "keep": r.keep, "valid_count": 4.5}), "call", "valid_count: expected an integer"),
+    "metric a string": (
+        _core_then(lambda r, x: {"loss": r.loss, "keep": r.keep, "m2_after": "0.1"}),
+        "call",
+        "m2_after: expected a number",
+    ),
+    "count not an integer": (
+        _core_then(lambda r, x: {"loss": r.loss, "keep": r.keep, "valid_count": 4.5}),
+        "call",
+        "valid_count: expected an integer",
+    ),
     "loss NaN": (_core_then(lambda r, x: {"loss": r.loss * float("nan"), "keep": r.keep}), "loss", "loss is not close"),
     "loss detached": (_core_then(lambda r, x: {"loss": r.loss.detach(), "keep": r.keep}), "gradient", "grad is not close"),
     "backward raises": (_core_then(lambda r, x: {"loss": _BreakBackward.apply(r.loss), "keep": r.keep}), "call", "raised_in_backward"),
@@ -69,8 +83,15 @@ def test_misbehaviour_is_a_finding_not_a_crash(case):
 def test_the_core_meets_the_contract_and_reports_every_metric():
     measurement = measure(m2po_loss, BATCH)
     assert measurement.finding is None and not measurement.mutated_inputs
-    assert set(measurement.result.reported()) == {"m2_before", "m2_after", "masked_fraction", "trust_region_fraction",
-                                                  "valid_count", "trust_region_count", "kept_trust_region_count"}
+    assert set(measurement.result.reported()) == {
+        "m2_before",
+        "m2_after",
+        "masked_fraction",
+        "trust_region_fraction",
+        "valid_count",
+        "trust_region_count",
+        "kept_trust_region_count",
+    }
 
 
 def test_measure_rejects_an_unknown_dtype_by_name():
@@ -82,11 +103,13 @@ def test_load_builtin_module_and_file(tmp_path):
     assert load_implementation("core") is m2po_loss
     assert load_implementation("m2po_oracle.core.loss:m2po_loss") is m2po_loss
     source = tmp_path / "my_port.py"
-    source.write_text(textwrap.dedent("""
+    source.write_text(
+        textwrap.dedent("""
         from m2po_oracle.core.loss import m2po_loss
         def port(*args, **kwargs):
             return m2po_loss(*args, **kwargs)
-    """))
+    """)
+    )
     assert run_battery(load_implementation(f"{source}:port"), BATCH).passed
 
 
@@ -94,7 +117,9 @@ def test_a_wrapper_file_imports_the_port_file_beside_it(tmp_path, monkeypatch):
     """A wrapper next to the port it adapts imports it by name, as a script would, from
     any working directory (an untuned port's wrapper failed with "No module named 'port'")."""
     (tmp_path / "sibling_port_for_wrapper.py").write_text("from m2po_oracle.core.loss import m2po_loss as loss\n")
-    (tmp_path / "wrapper.py").write_text("from sibling_port_for_wrapper import loss\n\ndef port(*args, **kwargs):\n    return loss(*args, **kwargs)\n")
+    (tmp_path / "wrapper.py").write_text(
+        "from sibling_port_for_wrapper import loss\n\ndef port(*args, **kwargs):\n    return loss(*args, **kwargs)\n"
+    )
     monkeypatch.chdir(tmp_path.parent)
     monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p != str(tmp_path.resolve())])
     assert run_battery(load_implementation(f"{tmp_path / 'wrapper.py'}:port"), BATCH).passed

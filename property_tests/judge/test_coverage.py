@@ -92,8 +92,11 @@ def _violations(rules: dict[str, Rule]) -> list[str]:
     wrong = []
     for check, (exercises, cannot) in PAIRS.items():
         holds = rules[check].holds
-        if (not all(holds(coverage.facts(b)) for b in (exercises, *ALSO.get(check, ()))) or holds(coverage.facts(cannot))
-                or any(holds(coverage.facts(b)) for b in ALSO_NOT.get(check, ()))):
+        if (
+            not all(holds(coverage.facts(b)) for b in (exercises, *ALSO.get(check, ())))
+            or holds(coverage.facts(cannot))
+            or any(holds(coverage.facts(b)) for b in ALSO_NOT.get(check, ()))
+        ):
             wrong.append(check)
     return wrong
 
@@ -133,10 +136,13 @@ def test_a_rule_that_never_holds_is_caught():
     assert _violations(planted) == ["selection.minimal"]
 
 
-@pytest.mark.parametrize("check, narrower", [
-    ("selection.largest_removed_first", lambda f: 0 < f.kept < f.candidates),  # "one kept and one removed" misses wrong counts
-    ("selection.minimal", lambda f: f.candidates > 0 and f.kept < f.candidates),  # "a cut" misses no-cut batches and counts CUT_ALL
-])
+@pytest.mark.parametrize(
+    "check, narrower",
+    [
+        ("selection.largest_removed_first", lambda f: 0 < f.kept < f.candidates),  # "one kept and one removed" misses wrong counts
+        ("selection.minimal", lambda f: f.candidates > 0 and f.kept < f.candidates),  # "a cut" misses no-cut batches and counts CUT_ALL
+    ],
+)
 def test_a_narrower_rule_is_caught(check, narrower):
     assert _violations({**EXERCISED, check: Rule("narrower", narrower)}) == [check]
 
@@ -153,16 +159,19 @@ TIE_AT_CUT = make([0.125, 0.5, -0.5], advantages=[1.0, 1.0, -1.0], tau=0.15)  # 
 EXACT = make([0.125, 0.5, -0.5], advantages=[1.0, 1.0, -1.0], tau=17 / 128)  # P_2 == tau exactly: <= keeps two
 
 
-@pytest.mark.parametrize("feature, has, has_not", [
-    ("cut", CUT, NO_CUT),
-    ("ties_at_cut", TIE_AT_CUT, CUT),
-    ("exact_boundary", EXACT, TIE_AT_CUT),
-    ("empty_trust_region", EMPTY_TRUST, CUT),
-    ("all_masked", ALL_MASKED, PADDED),
-    ("empty_row", make([[0.5, 0.25], [0.125, 0.0]], valid=[[1, 1], [0, 0]]), PADDED),
-    ("tiny_log_ratio", make([0.5, 1e-11]), make([0.5, 1e-9])),
-    ("extreme_log_ratio", make([0.5, 20.5]), make([0.5, 19.5])),
-])
+@pytest.mark.parametrize(
+    "feature, has, has_not",
+    [
+        ("cut", CUT, NO_CUT),
+        ("ties_at_cut", TIE_AT_CUT, CUT),
+        ("exact_boundary", EXACT, TIE_AT_CUT),
+        ("empty_trust_region", EMPTY_TRUST, CUT),
+        ("all_masked", ALL_MASKED, PADDED),
+        ("empty_row", make([[0.5, 0.25], [0.125, 0.0]], valid=[[1, 1], [0, 0]]), PADDED),
+        ("tiny_log_ratio", make([0.5, 1e-11]), make([0.5, 1e-9])),
+        ("extreme_log_ratio", make([0.5, 20.5]), make([0.5, 19.5])),
+    ],
+)
 def test_features(feature, has, has_not):
     assert FEATURES[feature].holds(coverage.facts(has)) and not FEATURES[feature].holds(coverage.facts(has_not))
 
@@ -191,11 +200,18 @@ def _draw(strategy, n=25):
     return found
 
 
-@pytest.mark.parametrize("strategy, family", [
-    (strategies.grpo_batches(), "grpo"), (strategies.token_advantage_batches(), "token_advantage"), (strategies.dyadic_batches(), "dyadic"),
-    (strategies.tie_batches(), "ties"), (strategies.extreme_batches(), "extreme"), (strategies.degenerate_batches(), "degenerate"),
-    (strategies.scope_batches(), "scope"),
-])
+@pytest.mark.parametrize(
+    "strategy, family",
+    [
+        (strategies.grpo_batches(), "grpo"),
+        (strategies.token_advantage_batches(), "token_advantage"),
+        (strategies.dyadic_batches(), "dyadic"),
+        (strategies.tie_batches(), "ties"),
+        (strategies.extreme_batches(), "extreme"),
+        (strategies.degenerate_batches(), "degenerate"),
+        (strategies.scope_batches(), "scope"),
+    ],
+)
 def test_each_family_tags_its_batches_without_touching_their_json(strategy, family):
     drawn = _draw(strategy, 10)
     assert drawn and {strategies.family_of(b) for b in drawn} == {family}
@@ -214,14 +230,19 @@ def test_a_fixed_tau_keeps_the_family():
 
 # --- counting -------------------------------------------------------------------------------
 
+
 def test_failures_outside_a_rule_still_count_and_checks_that_did_not_run_do_not():
     tally = CoverageTally()
     batch = EMPTY_TRUST
     result = coverage.facts(batch).expected
     from m2po_oracle.judge.equivalence import Mismatch
 
-    outcome = BatteryOutcome(batch, Measurement(batch, "float64", result), (Mismatch("metrics.m2_before", "planted"),),
-                             checked=("call", "selection.minimal", "metrics.m2_before", "loss"))
+    outcome = BatteryOutcome(
+        batch,
+        Measurement(batch, "float64", result),
+        (Mismatch("metrics.m2_before", "planted"),),
+        checked=("call", "selection.minimal", "metrics.m2_before", "loss"),
+    )
     exercised = tally.add(batch, outcome)
     # minimal cannot fail on an empty trust region; m2_before failed there (a wrong trust region shows so); loss has
     # non-zero terms; padding_immunity did not run.
@@ -234,26 +255,44 @@ def test_step_outcomes_never_crash_the_count():
     tally = CoverageTally()
     batch = CUT
     result = coverage.facts(batch).expected
-    distributed = BatteryOutcome(batch, Measurement(batch, "float64", result), ranks=({"rank": 0},),
-                                 checked=("call", "distributed.global_selection", "distributed.loss_sum"))
+    distributed = BatteryOutcome(
+        batch,
+        Measurement(batch, "float64", result),
+        ranks=({"rank": 0},),
+        checked=("call", "distributed.global_selection", "distributed.loss_sum"),
+    )
     assert tally.add(batch, distributed) == {"call", "distributed.global_selection", "distributed.loss_sum"}
 
     class Case:
         def to_dict(self):
             return {"kind": "trainer_case"}
 
-    trainer = BatteryOutcome(batch, Measurement(batch, "float64", result), case={"kind": "trainer_case"},
-                             checked=("call", "selection.budget", "selection.keep_only_valid", "trainer.optimizer_step"))
+    trainer = BatteryOutcome(
+        batch,
+        Measurement(batch, "float64", result),
+        case={"kind": "trainer_case"},
+        checked=("call", "selection.budget", "selection.keep_only_valid", "trainer.optimizer_step"),
+    )
     assert tally.add(Case(), trainer) == {"call", "selection.budget", "trainer.optimizer_step"}
-    broken = BatteryOutcome(Batch(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1), bool)),
-                            Measurement(batch, "float64", dataclasses.replace(result, keep=np.zeros((3, 3), bool))), checked=("call", "loss"))
+    broken = BatteryOutcome(
+        Batch(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1), bool)),
+        Measurement(batch, "float64", dataclasses.replace(result, keep=np.zeros((3, 3), bool))),
+        checked=("call", "loss"),
+    )
     tally.add(object(), broken)  # whatever the facts make of it, it counts without raising
     assert tally.families == {"untagged": 1, "trainer_case": 1, "object": 1}
     assert json.dumps(tally.to_json(["call", "trainer.optimizer_step"]))
 
 
-SELECTION_CONTROLS = ("first_token_advantage_sign", "per_sequence_selection", "strict_stop", "one_extra_removed", "mean_over_valid",
-                      "all_valid_candidates", "swapped_quadrants")
+SELECTION_CONTROLS = (
+    "first_token_advantage_sign",
+    "per_sequence_selection",
+    "strict_stop",
+    "one_extra_removed",
+    "mean_over_valid",
+    "all_valid_candidates",
+    "swapped_quadrants",
+)
 
 
 @pytest.mark.parametrize("control", SELECTION_CONTROLS)
@@ -284,6 +323,7 @@ def test_a_selection_check_fails_only_where_its_rule_holds(control):
 
 # --- the bound ------------------------------------------------------------------------------
 
+
 def test_clopper_pearson_upper_bound():
     assert failure_rate_upper(0, 59) == pytest.approx(0.0495, abs=5e-4)  # the "59 examples for 5% at 95%" rule
     assert failure_rate_upper(0, 59) == pytest.approx(1 - 0.05 ** (1 / 59), rel=1e-12)
@@ -298,6 +338,7 @@ def test_clopper_pearson_upper_bound():
 
 # --- the reports ----------------------------------------------------------------------------
 
+
 def test_json_console_and_html_show_exercised_and_the_bound(tmp_path, capsys):
     path = tmp_path / "core.json"
     assert main(["compare", "--impl", "core", "--in-process", "--examples", "30", "--json", str(path)]) == EXIT_EQUIVALENT
@@ -311,7 +352,14 @@ def test_json_console_and_html_show_exercised_and_the_bound(tmp_path, capsys):
     assert checks["selection.minimal"]["exercised"] < checks["call"]["exercised"]
     cov = data["coverage"]
     assert cov["examples"] == sum(cov["families"].values()) == 30 and set(cov["families"]) <= {
-        "grpo", "token_advantage", "dyadic", "ties", "extreme", "degenerate", "scope"}
+        "grpo",
+        "token_advantage",
+        "dyadic",
+        "ties",
+        "extreme",
+        "degenerate",
+        "scope",
+    }
     assert set(cov["features"]) == set(FEATURES) and all(0 <= n <= cov["judged"] for n in cov["features"].values())
     assert set(cov["exercised_when"]) == set(checks) and cov["confidence"] == 0.95
     out = capsys.readouterr().out
@@ -321,7 +369,7 @@ def test_json_console_and_html_show_exercised_and_the_bound(tmp_path, capsys):
 
     html = render_html(data)
     table = re.search(r'<table class="checks">.*?</table>', html, re.DOTALL).group(0)
-    assert "<th class=\"num\">exercised</th>" in table and "failure rate (95%)" in table
+    assert '<th class="num">exercised</th>' in table and "failure rate (95%)" in table
     assert re.search(r'<h3 id="coverage">.*?<table class="coverage">', html, re.DOTALL)
     for name, count in cov["families"].items():
         assert f'<td class="mono">{name}</td><td class="num">{count}</td>' in html

@@ -109,15 +109,25 @@ def test_loss_and_gradient_are_judged_on_the_implementations_own_mask():
 
 @pytest.mark.parametrize(
     "value, fmt, expected",
-    [(0.0625, "bfloat16", True), (0.04, "float32", False), (1 + 2**-10, "float16", True), (1 + 2**-11, "float16", False),
-     (70000.0, "float16", False), (2.0**-130, "float32", False), (0.1, "float64", True), (math.inf, "float64", False)],
+    [
+        (0.0625, "bfloat16", True),
+        (0.04, "float32", False),
+        (1 + 2**-10, "float16", True),
+        (1 + 2**-11, "float16", False),
+        (70000.0, "float16", False),
+        (2.0**-130, "float32", False),
+        (0.1, "float64", True),
+        (math.inf, "float64", False),
+    ],
 )
 def test_representable(value, fmt, expected):
     assert representable(value, FORMATS[fmt]) is expected
 
 
 def test_compare_values_reports_the_worst_element_like_assert_close():
-    mismatch = compare_values("gradient", "grad", np.array([[1.0, 2.0], [3.0, 4.5]]), np.array([[1.0, 2.0], [3.0, 4.0]]), Tolerance(1e-6, 0.0))
+    mismatch = compare_values(
+        "gradient", "grad", np.array([[1.0, 2.0], [3.0, 4.5]]), np.array([[1.0, 2.0], [3.0, 4.0]]), Tolerance(1e-6, 0.0)
+    )
     assert mismatch is not None
     assert "mismatched elements 1 / 4" in mismatch.summary
     assert mismatch.index == (1, 1) and mismatch.actual == 4.5 and mismatch.expected == 4.0
@@ -129,7 +139,14 @@ def test_compare_values_reports_the_worst_element_like_assert_close():
 def test_the_failure_message_is_self_sufficient():
     mismatches = check_selection(TIE, np.array([[False, False, True]]))
     text = format_mismatches(mismatches, batch=TIE, where="for 'x'", replay="m2po-oracle replay --impl x --batch '{}'")
-    for needle in ("[selection.minimal]", "kept 1 of 3", "kept trust-region tokens: actual 1, expected 2", "tau=0.140625", "logp=", "replay: m2po-oracle replay"):
+    for needle in (
+        "[selection.minimal]",
+        "kept 1 of 3",
+        "kept trust-region tokens: actual 1, expected 2",
+        "tau=0.140625",
+        "logp=",
+        "replay: m2po-oracle replay",
+    ):
         assert needle in text, f"{needle!r} missing from:\n{text}"
 
 
@@ -165,14 +182,18 @@ def test_a_drawn_padding_failure_lists_the_padding_it_ran_with():
     from m2po_oracle.judge.equivalence import format_mismatches
 
     nan, inf = float("nan"), float("inf")
-    batch = Batch(np.array([[-0.5, nan, -1.0]]), np.array([[-0.6, -1e30, -1.0]]), np.array([[1.0, inf, -1.0]]),
-                  np.array([[True, False, True]]), 0.04)
+    batch = Batch(
+        np.array([[-0.5, nan, -1.0]]), np.array([[-0.6, -1e30, -1.0]]), np.array([[1.0, inf, -1.0]]), np.array([[True, False, True]]), 0.04
+    )
     outcome = run_battery(control("nan_padding_leak").fn, batch)
     drawn = [m for m in outcome.mismatches if "with the drawn padding" in m.summary]
     assert drawn, [m.summary for m in outcome.mismatches]
     message = format_mismatches(drawn, batch=outcome.batch)
-    for line in ("the probe's padding logp: (0, 1): nan", "the probe's padding behavior_logp: (0, 1): -1e+30",
-                 "the probe's padding advantages: (0, 1): inf"):
+    for line in (
+        "the probe's padding logp: (0, 1): nan",
+        "the probe's padding behavior_logp: (0, 1): -1e+30",
+        "the probe's padding advantages: (0, 1): inf",
+    ):
         assert line in message, message
     # Probes with one fill for every padding value say it in their label; they list nothing.
     filled = [m for m in outcome.mismatches if "with padding set to" in m.summary]

@@ -45,10 +45,16 @@ def _partial_removal(batch):
 
 FEATURES = {
     "GRPO group with A == 0": (strategies.grpo_batches(), lambda b: (b.valid & (b.advantages == 0)).any()),
-    "GRPO sequence-constant advantages with both signs": (strategies.grpo_batches(), lambda b: (b.advantages[b.valid] > 0).any() and (b.advantages[b.valid] < 0).any()),
+    "GRPO sequence-constant advantages with both signs": (
+        strategies.grpo_batches(),
+        lambda b: (b.advantages[b.valid] > 0).any() and (b.advantages[b.valid] < 0).any(),
+    ),
     "partial removal (0 < kept < |T|)": (strategies.batches(), _partial_removal),
     "token with d == 0": (strategies.token_advantage_batches(), lambda b: (b.valid & (_d(b) == 0)).any()),
-    "both advantage signs in one row": (strategies.token_advantage_batches(), lambda b: any((r[v] > 0).any() and (r[v] < 0).any() for r, v in zip(b.advantages, b.valid))),
+    "both advantage signs in one row": (
+        strategies.token_advantage_batches(),
+        lambda b: any((r[v] > 0).any() and (r[v] < 0).any() for r, v in zip(b.advantages, b.valid)),
+    ),
     "tie at the cut": (strategies.tie_batches(), _tie_at_cut),
     "prefix mean exactly tau": (strategies.dyadic_batches(), _exact_boundary),
     "|d| > 20": (strategies.extreme_batches(), lambda b: (np.abs(_d(b)) > 20).any()),
@@ -76,12 +82,15 @@ def test_valid_values_are_finite(batch):
         assert np.isfinite(getattr(batch, name)[batch.valid]).all(), f"{name} has non-finite values on valid tokens"
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: strategies.grpo_batches(max_groups=0), "max_groups: expected an int >= 1"),
-    (lambda: strategies.token_advantage_batches(max_len=1.5), "max_len: expected an int >= 1"),
-    (lambda: strategies.random_grpo_batch(np.random.default_rng(0), rows=10, length=4), "rows: expected a multiple of group_size=8"),
-    (lambda: strategies.scope_batches(max_shards=1), "max_shards: expected an int >= 2"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: strategies.grpo_batches(max_groups=0), "max_groups: expected an int >= 1"),
+        (lambda: strategies.token_advantage_batches(max_len=1.5), "max_len: expected an int >= 1"),
+        (lambda: strategies.random_grpo_batch(np.random.default_rng(0), rows=10, length=4), "rows: expected a multiple of group_size=8"),
+        (lambda: strategies.scope_batches(max_shards=1), "max_shards: expected an int >= 2"),
+    ],
+)
 def test_strategy_arguments_are_checked(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -94,7 +103,9 @@ def _selects_differently_when_split(batch, parts):
 
     keep = np.zeros(batch.shape, dtype=bool)
     for rows in parts:
-        keep[rows] = oracle.m2po(Batch(batch.logp[rows], batch.behavior_logp[rows], batch.advantages[rows], batch.valid[rows], batch.tau)).keep
+        keep[rows] = oracle.m2po(
+            Batch(batch.logp[rows], batch.behavior_logp[rows], batch.advantages[rows], batch.valid[rows], batch.tau)
+        ).keep
     return not same_up_to_ties(keep, oracle.m2po(batch).keep, valid_m2(batch))
 
 
@@ -124,7 +135,9 @@ def test_the_default_mix_includes_split_scope_batches():
     """Measured on 100 draws: 13-19 such batches in the mix, 4 without the split-scope family."""
     seen = []
 
-    @settings(SEARCH, max_examples=200, derandomize=True)  # its own seed: a test before it may reseed the global random (transformers.set_seed)
+    @settings(
+        SEARCH, max_examples=200, derandomize=True
+    )  # its own seed: a test before it may reseed the global random (transformers.set_seed)
     @given(strategies.batches())
     def count(batch):
         seen.append(batch.shape[0] >= 2 and _selects_differently_when_split(batch, [slice(i, i + 1) for i in range(batch.shape[0])]))

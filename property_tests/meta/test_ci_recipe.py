@@ -14,7 +14,7 @@ import pytest
 
 README = Path(__file__).parents[2] / "README.md"
 
-PORT = '''
+PORT = """
 from m2po_oracle.core.loss import loss_from_selection, select_tokens
 
 
@@ -23,7 +23,7 @@ def m2po(logp, behavior_logp, advantages, mask, *, tau):
     keep = selection.keep
     denominator = keep.sum() if DENOMINATOR == "kept" else mask.sum()
     return {"loss": loss_from_selection(logp, behavior_logp, advantages, keep, denominator), "keep": keep}
-'''
+"""
 
 
 def recipe_steps() -> list[str]:
@@ -38,7 +38,8 @@ def _scratch(tmp_path: Path, denominator: str) -> Path:
     project.mkdir()
     (project / "port.py").write_text(f"DENOMINATOR = {denominator!r}\n" + PORT)
     (project / "test_port_unit.py").write_text("def test_the_port_imports():\n    import port\n")
-    (project / "pyproject.toml").write_text(textwrap.dedent("""\
+    (project / "pyproject.toml").write_text(
+        textwrap.dedent("""\
         [project]
         name = "port"
         version = "0"
@@ -46,7 +47,8 @@ def _scratch(tmp_path: Path, denominator: str) -> Path:
         [tool.m2po-oracle]
         impl = "port.py:m2po"
         examples = 40
-        """))
+        """)
+    )
     return project
 
 
@@ -71,7 +73,9 @@ def test_the_recipe_checks_the_port_and_keeps_the_report(tmp_path, denominator, 
     _, *steps = recipe_steps()
     for step in steps:
         done = _run(step, project)
-        assert (done.returncode == 0) == passes, f"{step!r} in the scratch project: rc {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
+        assert (done.returncode == 0) == passes, (
+            f"{step!r} in the scratch project: rc {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
+        )
     report = project / "reports" / "m2po.html"
     assert report.is_file(), "the artifact step would upload nothing"
     verdict = "equivalent" if passes else "divergent"

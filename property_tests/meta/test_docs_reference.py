@@ -37,8 +37,11 @@ def generated(gen, tmp_path_factory):
 
 def test_the_reference_pages_are_what_the_code_gives(gen, generated):
     found = gen.stale(generated, gen.REFERENCE)
-    assert not found, ("stale reference page(s) in docs/reference/: " + "; ".join(found)
-                       + f". Regenerate them with `{gen.REGENERATE}` and commit the result.")
+    assert not found, (
+        "stale reference page(s) in docs/reference/: "
+        + "; ".join(found)
+        + f". Regenerate them with `{gen.REGENERATE}` and commit the result."
+    )
 
 
 def test_a_stale_page_is_named(gen, generated, tmp_path):
@@ -48,8 +51,11 @@ def test_a_stale_page_is_named(gen, generated, tmp_path):
     (committed / "checks.md").write_text((committed / "checks.md").read_text() + "| `selection.typed_by_hand` | | |\n")
     (committed / "cli.md").unlink()
     (committed / "old.md").write_text("# a page the generator no longer writes\n")
-    assert gen.stale(generated, committed) == ["checks.md (differs from what the code gives)", "cli.md (missing)",
-                                               "old.md (not generated: remove it)"]
+    assert gen.stale(generated, committed) == [
+        "checks.md (differs from what the code gives)",
+        "cli.md (missing)",
+        "old.md (not generated: remove it)",
+    ]
 
 
 def test_a_check_added_without_regenerating_makes_its_page_stale(gen, generated, tmp_path, monkeypatch):
@@ -75,7 +81,11 @@ def test_every_page_the_generator_writes_is_in_the_site_nav(gen):
 # --- the numbers the README states ------------------------------------------------------------
 
 #: Number words ("one" is left out: "one adapter" is an article, not a count).
-WORDS = {w: n for n, w in enumerate(["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]) if n > 1}
+WORDS = {
+    w: n
+    for n, w in enumerate(["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"])
+    if n > 1
+}
 NUMBER = r"(\d+|" + "|".join(WORDS) + r")"
 #: Nouns whose count is a fact about the code: a number in front of one is checked.
 COUNTED = r"(controls?|checks?|adapters?|calling conventions?|deviations?|probes?|subcommands?|families|strategies)"
@@ -130,8 +140,10 @@ def test_every_count_the_readme_states_is_the_codes(gen):
     claims = _claims(gen)
     counts = readme_counts(README.read_text())
     unchecked = sorted({phrase for phrase, _ in counts if phrase not in claims})
-    assert not unchecked, (f"README states a count this test does not check: {unchecked}; add the phrase to _claims "
-                           "with what it counts in the code, or drop the number")
+    assert not unchecked, (
+        f"README states a count this test does not check: {unchecked}; add the phrase to _claims "
+        "with what it counts in the code, or drop the number"
+    )
     wrong = [f"README says {n} {phrase}, the code has {claims[phrase]}" for phrase, n in counts if claims[phrase] != n]
     assert not wrong, "; ".join(wrong)
 
@@ -150,7 +162,9 @@ def test_the_readme_python_is_the_packages():
 
     required = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     stated = re.findall(r"Python (>= ?[\d.]+)", _prose(README.read_text()))
-    assert stated and all(s.replace(" ", "") == required for s in stated), f"README says Python {stated}, pyproject.toml requires {required}"
+    assert stated and all(s.replace(" ", "") == required for s in stated), (
+        f"README says Python {stated}, pyproject.toml requires {required}"
+    )
 
 
 def test_a_wrong_or_unchecked_count_is_found(gen):

@@ -45,16 +45,22 @@ def private_crossings(source: str, where: str) -> list[str]:
 
 
 def test_no_private_name_crosses_a_module_boundary():
-    found = [hit for root in (PACKAGE, TESTS) for path in sorted(root.rglob("*.py"))
-             for hit in private_crossings(path.read_text(), str(path.relative_to(root.parent)))]
+    found = [
+        hit
+        for root in (PACKAGE, TESTS)
+        for path in sorted(root.rglob("*.py"))
+        for hit in private_crossings(path.read_text(), str(path.relative_to(root.parent)))
+    ]
     assert not found, "private names used outside their module (make them public or keep them home):\n" + "\n".join(found)
 
 
 def test_the_crossing_check_sees_a_planted_private_import_and_attribute():
-    planted = ("from m2po_oracle.report.html import _secret\n"
-               "from m2po_oracle.report import html\n"
-               "import m2po_oracle.judge.checks as checks\n"
-               "html._view({})\nchecks._registry\nhtml.render_html({})\n")
+    planted = (
+        "from m2po_oracle.report.html import _secret\n"
+        "from m2po_oracle.report import html\n"
+        "import m2po_oracle.judge.checks as checks\n"
+        "html._view({})\nchecks._registry\nhtml.render_html({})\n"
+    )
     assert private_crossings(planted, "planted.py") == [
         "planted.py:1 m2po_oracle.report.html._secret",
         "planted.py:4 m2po_oracle.report.html._view",

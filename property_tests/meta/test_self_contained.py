@@ -19,8 +19,13 @@ CITATION = re.compile(r"algorithm\.md §(\d+)")
 
 def _texts() -> list[Path]:
     found = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "pyproject.toml", ROOT / "tox.ini"]
-    for folder, patterns in (("m2po_oracle", ("*.py", "*.j2", "*.c")), ("property_tests", ("*.py",)), ("fixtures", ("*.py", "*.json", "*.md")),
-                             ("docs", ("*.md",)), (".ci", ("*",))):
+    for folder, patterns in (
+        ("m2po_oracle", ("*.py", "*.j2", "*.c")),
+        ("property_tests", ("*.py",)),
+        ("fixtures", ("*.py", "*.json", "*.md")),
+        ("docs", ("*.md",)),
+        (".ci", ("*",)),
+    ):
         for pattern in patterns:
             found += [p for p in (ROOT / folder).rglob(pattern) if p.is_file()]
     return sorted(set(p for p in found if p.exists() and p != Path(__file__)))
@@ -45,7 +50,9 @@ def test_nothing_points_outside_the_repository():
 def test_every_citation_of_the_definition_names_a_section_it_has():
     sections = {m.group(1) for m in re.finditer(r"^## (\d+)\. ", DEFINITION.read_text(encoding="utf-8"), re.MULTILINE)}
     assert sections, f"{DEFINITION} has no numbered sections"
-    cited = {(str(p.relative_to(ROOT)), m.group(1)) for p in _texts() for m in CITATION.finditer(p.read_text(encoding="utf-8", errors="replace"))}
+    cited = {
+        (str(p.relative_to(ROOT)), m.group(1)) for p in _texts() for m in CITATION.finditer(p.read_text(encoding="utf-8", errors="replace"))
+    }
     missing = sorted(f"{path} cites §{n}" for path, n in cited if n not in sections)
     assert cited and not missing, f"citations of sections {DEFINITION.name} does not have: {missing}"
 

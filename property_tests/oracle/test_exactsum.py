@@ -24,7 +24,9 @@ def _same(values: np.ndarray) -> None:
             fsum(values)
         return
     actual = fsum(values)
-    assert (actual == expected and math.copysign(1.0, actual) == math.copysign(1.0, expected)) or (math.isnan(actual) and math.isnan(expected)), (actual, expected)
+    assert (actual == expected and math.copysign(1.0, actual) == math.copysign(1.0, expected)) or (
+        math.isnan(actual) and math.isnan(expected)
+    ), (actual, expected)
 
 
 @given(st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=0, max_size=300), st.integers(1, 4))
@@ -32,8 +34,13 @@ def test_equals_math_fsum_on_any_floats(values, repeat):
     _same(np.array(values * repeat, dtype=np.float64))
 
 
-@given(st.lists(st.sampled_from([0.0, -0.0, TINY, -TINY, 1e-310, -2.2250738585072014e-308, 1.0, -1.0, 0.1, 2.0 ** 52, HUGE / 4]),
-                min_size=64, max_size=400))
+@given(
+    st.lists(
+        st.sampled_from([0.0, -0.0, TINY, -TINY, 1e-310, -2.2250738585072014e-308, 1.0, -1.0, 0.1, 2.0**52, HUGE / 4]),
+        min_size=64,
+        max_size=400,
+    )
+)
 def test_subnormals_zeros_cancellation_and_the_sign_of_zero(values):
     _same(np.array(values))
 

@@ -38,7 +38,9 @@ def test_golden_case(path, source):
     expected = case["expected"]
     result = _computed(source, batch)
     admissible = [np.array(k, dtype=bool) for k in expected["keep_any_of"]]
-    assert any(np.array_equal(result.keep, k) for k in admissible), f"{path.stem} ({source}): keep {result.keep.astype(int).tolist()} not in {expected['keep_any_of']}"
+    assert any(np.array_equal(result.keep, k) for k in admissible), (
+        f"{path.stem} ({source}): keep {result.keep.astype(int).tolist()} not in {expected['keep_any_of']}"
+    )
     assert result.loss == pytest.approx(expected["loss"], rel=1e-12, abs=1e-15), f"{path.stem} ({source}): loss"
     if "grad" in expected:
         np.testing.assert_allclose(result.grad, np.array(expected["grad"]), rtol=1e-12, atol=1e-15, err_msg=f"{path.stem} ({source}): grad")

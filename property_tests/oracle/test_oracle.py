@@ -40,8 +40,11 @@ def test_loop_equals_vectorised(batch):
         assert check_selection(batch, batch.valid & ~loop) == []
 
 
-@given(st.lists(st.sampled_from([0.0, 0.0625, 0.125, 0.25, 0.5, 1.0]), min_size=1, max_size=60), st.integers(0, 2**32 - 1),
-       st.sampled_from([0.0, 0.01, 0.04, 0.0625, 0.25]))
+@given(
+    st.lists(st.sampled_from([0.0, 0.0625, 0.125, 0.25, 0.5, 1.0]), min_size=1, max_size=60),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([0.0, 0.01, 0.04, 0.0625, 0.25]),
+)
 def test_select_sorted_is_the_cut_of_sorted_candidates_ties_included(levels, seed, tau):
     """select_sorted sorts values only; it must remove exactly sorted_candidates(m2, trust)[k*:]
     (M2 ascending, equal M2 by descending index), however many ties sit at the cut."""
@@ -113,8 +116,12 @@ def test_analytic_gradient_matches_finite_differences_of_the_objective(batch):
         bumped = [d.copy(), d.copy()]
         bumped[0][index] += step
         bumped[1][index] -= step
-        numeric = (oracle.objective(bumped[0], batch.advantages, only, n) - oracle.objective(bumped[1], batch.advantages, only, n)) / (2 * step)
-        assert np.isclose(result.grad[index], numeric, rtol=1e-5, atol=1e-9), f"at {index}: analytic {result.grad[index]}, numeric {numeric}"
+        numeric = (oracle.objective(bumped[0], batch.advantages, only, n) - oracle.objective(bumped[1], batch.advantages, only, n)) / (
+            2 * step
+        )
+        assert np.isclose(result.grad[index], numeric, rtol=1e-5, atol=1e-9), (
+            f"at {index}: analytic {result.grad[index]}, numeric {numeric}"
+        )
 
 
 @given(strategies.batches())
@@ -134,7 +141,9 @@ def test_equality_stops_the_loop():
 
 def test_finite_differences_survive_a_huge_term_elsewhere():
     # Found by the thorough profile: a non-candidate with d = 50 makes the sum ~5e21.
-    batch = Batch(np.array([[-1.35986381, 47.9608058]]), np.array([[-1.35986381, -2.0391942]]), -np.ones((1, 2)), np.ones((1, 2), bool), 0.04)
+    batch = Batch(
+        np.array([[-1.35986381, 47.9608058]]), np.array([[-1.35986381, -2.0391942]]), -np.ones((1, 2)), np.ones((1, 2), bool), 0.04
+    )
     test_analytic_gradient_matches_finite_differences_of_the_objective.hypothesis.inner_test(batch)
 
 

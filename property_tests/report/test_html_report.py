@@ -32,11 +32,19 @@ PAYLOAD = SCRIPT + BREAKOUT
 ATTRIBUTE = '" onmouseover="alert(1)'
 
 CHROMIUM = pathlib.Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 # --- reports from the real pipeline ------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def divergent() -> dict[str, Any]:
@@ -62,15 +70,21 @@ def hostile() -> dict[str, Any]:
 def _with_optional_sections(report: dict[str, Any]) -> dict[str, Any]:
     report = copy.deepcopy(report)
     report["diagnosis"] = {
-        "status": "matched", "examples_compared": 60,
+        "status": "matched",
+        "examples_compared": 60,
         "matches": [{"variant": "one_extra_removed", "description": "removes one token too many", "source": "controls.py"}],
-        "closest": [{"variant": "strict_stop", "description": "stops on < tau", "agreed": 58, "of": 60, "first_difference": "keep at (0, 1)"}],
+        "closest": [
+            {"variant": "strict_stop", "description": "stops on < tau", "agreed": 58, "of": 60, "first_difference": "keep at (0, 1)"}
+        ],
     }
-    report["validation"] = {"strict": True, "probes": [
-        {"probe": "nan_logp", "description": "NaN in a valid logp", "status": "rejected", "message": "ValueError: logp is not finite"},
-        {"probe": "shape_mismatch", "description": "advantages of another shape", "status": "accepted", "message": ""},
-        {"probe": "huge_batch", "description": "a 1e9-token batch", "status": "hung", "message": "timed out after 30 s"},
-    ]}
+    report["validation"] = {
+        "strict": True,
+        "probes": [
+            {"probe": "nan_logp", "description": "NaN in a valid logp", "status": "rejected", "message": "ValueError: logp is not finite"},
+            {"probe": "shape_mismatch", "description": "advantages of another shape", "status": "accepted", "message": ""},
+            {"probe": "huge_batch", "description": "a 1e9-token batch", "status": "hung", "message": "timed out after 30 s"},
+        ],
+    }
     return report
 
 
@@ -101,10 +115,15 @@ def _poison(report: dict[str, Any]) -> dict[str, Any]:
     report["diagnosis"]["status"] = ATTRIBUTE
     report["diagnosis"]["matches"][0]["variant"] = PAYLOAD
     report["diagnosis"]["closest"][0]["first_difference"] = PAYLOAD
-    report["diagnosis"].update(summary=PAYLOAD, components=[PAYLOAD, "float32_metrics"], by_check={report["checks"][1]["name"]: [PAYLOAD, ATTRIBUTE]},
-                               unexplained=[PAYLOAD], alternatives=[[PAYLOAD, ATTRIBUTE]],
-                               findings=[{"kind": PAYLOAD, "checks": [PAYLOAD], "summary": PAYLOAD}],
-                               hints=[{"checks": [PAYLOAD], "text": PAYLOAD, "option": PAYLOAD}])
+    report["diagnosis"].update(
+        summary=PAYLOAD,
+        components=[PAYLOAD, "float32_metrics"],
+        by_check={report["checks"][1]["name"]: [PAYLOAD, ATTRIBUTE]},
+        unexplained=[PAYLOAD],
+        alternatives=[[PAYLOAD, ATTRIBUTE]],
+        findings=[{"kind": PAYLOAD, "checks": [PAYLOAD], "summary": PAYLOAD}],
+        hints=[{"checks": [PAYLOAD], "text": PAYLOAD, "option": PAYLOAD}],
+    )
     report["checks"][1]["status"] = "fail"  # so the explained-by cell shows the hostile names
     cx["cause"], cx["checks"] = PAYLOAD, [PAYLOAD, ATTRIBUTE]
     report["counterexamples"].append({**copy.deepcopy(cx), "cause": ATTRIBUTE})  # a cause group heading below
@@ -122,6 +141,7 @@ def _assert_no_injection(html: str) -> None:
 
 
 # --- helpers -------------------------------------------------------------------------------
+
 
 class _Tables(HTMLParser):
     """Rows of every <table>, keyed by its class: [(row class, [(cell class, text)])]."""
@@ -173,6 +193,7 @@ def _curve_report(base: dict[str, Any], **curve: Any) -> dict[str, Any]:
 
 
 # --- content -------------------------------------------------------------------------------
+
 
 def test_divergent_report_shows_verdict_checks_replay_and_counterexample(divergent):
     html = render_html(divergent)
@@ -245,12 +266,20 @@ COMPONENTS = {
     "float32_metrics": ("logged metrics computed in float32", "algorithm.md §4"),
     "nan_padding_leak": ("padding zeroed by multiplying with the mask: 0 * nan = nan", "plausible port bug"),
 }
-BY_CHECK = {"loss": ["clamped_log_ratio"], "gradient": ["clamped_log_ratio"], "metrics.m2_before": ["float32_metrics"],
-            "padding_immunity": ["nan_padding_leak"]}
+BY_CHECK = {
+    "loss": ["clamped_log_ratio"],
+    "gradient": ["clamped_log_ratio"],
+    "metrics.m2_before": ["float32_metrics"],
+    "padding_immunity": ["nan_padding_leak"],
+}
 # (check, cause, checks it demonstrates) of each counterexample, in report order: the first is shown at the top.
-CAUSES = [("loss", "clamped_log_ratio", ["loss", "gradient"]), ("metrics.m2_after", None, ["metrics.m2_after"]),
-          ("padding_immunity", "nan_padding_leak", ["padding_immunity"]), ("metrics.m2_before", "float32_metrics", ["metrics.m2_before"]),
-          ("gradient", "clamped_log_ratio", ["gradient"])]
+CAUSES = [
+    ("loss", "clamped_log_ratio", ["loss", "gradient"]),
+    ("metrics.m2_after", None, ["metrics.m2_after"]),
+    ("padding_immunity", "nan_padding_leak", ["padding_immunity"]),
+    ("metrics.m2_before", "float32_metrics", ["metrics.m2_before"]),
+    ("gradient", "clamped_log_ratio", ["gradient"]),
+]
 
 
 def _explained(base: dict[str, Any], status: str = "partly_explained") -> dict[str, Any]:
@@ -260,23 +289,50 @@ def _explained(base: dict[str, Any], status: str = "partly_explained") -> dict[s
         failing = check["name"] in FAILING
         check.update(status="fail" if failing else "pass", failures=7 if failing else 0)
     report["diagnosis"] = {
-        "status": status, "examples_compared": 60,
+        "status": status,
+        "examples_compared": 60,
         "summary": "partly explained: loss, gradient by clamped_log_ratio; metrics.m2_before by float32_metrics; "
-                   "padding_immunity by nan_padding_leak; metrics.m2_after unexplained",
+        "padding_immunity by nan_padding_leak; metrics.m2_after unexplained",
         "components": list(COMPONENTS),
         "by_check": {**BY_CHECK, "call": ["clamped_log_ratio"]},  # "call" passes: it shows nothing
         "unexplained": ["metrics.m2_after"],
-        "matches": [{"variant": name, "description": description, "source": source, "evidence": f"reproduces {name} on all 60 examples"}
-                    for name, (description, source) in COMPONENTS.items()],
+        "matches": [
+            {"variant": name, "description": description, "source": source, "evidence": f"reproduces {name} on all 60 examples"}
+            for name, (description, source) in COMPONENTS.items()
+        ],
         "alternatives": [["slime_pr"], ["hard_clamped_log_ratio", "float32_metrics"]],
-        "closest": [{"variant": "all_valid_candidates", "description": "every valid token is a candidate", "source": "algorithm.md §3",
-                     "agreed": 0, "of": 60, "first_difference": "keep differs at (1, 1)"},
-                    {"variant": "hard_clamped_log_ratio", "description": "hard clamp of d to +-20", "source": "algorithm.md §4",
-                     "agreed": 12, "of": 60, "first_difference": "gradient at (0, 1): variant 0.0, implementation 1.5"}],
-        "findings": [{"kind": "non_finite_result", "checks": ["loss"],
-                      "summary": "the loss is NaN on 12 batches whose inputs are finite on every valid token"}],
-        "hints": [{"checks": ["metrics.m2_before"], "text": "every failure of metrics.m2_before fits float32 rounding",
-                   "option": "--compute-dtype float32"}],
+        "closest": [
+            {
+                "variant": "all_valid_candidates",
+                "description": "every valid token is a candidate",
+                "source": "algorithm.md §3",
+                "agreed": 0,
+                "of": 60,
+                "first_difference": "keep differs at (1, 1)",
+            },
+            {
+                "variant": "hard_clamped_log_ratio",
+                "description": "hard clamp of d to +-20",
+                "source": "algorithm.md §4",
+                "agreed": 12,
+                "of": 60,
+                "first_difference": "gradient at (0, 1): variant 0.0, implementation 1.5",
+            },
+        ],
+        "findings": [
+            {
+                "kind": "non_finite_result",
+                "checks": ["loss"],
+                "summary": "the loss is NaN on 12 batches whose inputs are finite on every valid token",
+            }
+        ],
+        "hints": [
+            {
+                "checks": ["metrics.m2_before"],
+                "text": "every failure of metrics.m2_before fits float32 rounding",
+                "option": "--compute-dtype float32",
+            }
+        ],
     }
     cx = base["counterexamples"][0]
     report["counterexamples"] = [{**copy.deepcopy(cx), "check": check, "cause": cause, "checks": checks} for check, cause, checks in CAUSES]
@@ -340,17 +396,33 @@ def test_explanation_box_comes_first_with_components_findings_hints_and_the_firs
     assert [(cells[0][1], cells[1][1], cells[2][1], cells[3][1]) for _, cells in rows] == [
         ("clamped_log_ratio", *COMPONENTS["clamped_log_ratio"], "loss, gradient"),
         ("float32_metrics", *COMPONENTS["float32_metrics"], "metrics.m2_before"),
-        ("nan_padding_leak", *COMPONENTS["nan_padding_leak"], "padding_immunity")]
+        ("nan_padding_leak", *COMPONENTS["nan_padding_leak"], "padding_immunity"),
+    ]
     assert "metrics.m2_after</span>: no known deviation reproduces this failure" in explanation
     alternatives = re.search(r'<p class="alternatives">(.*?)</p>', explanation, re.DOTALL).group(1)
-    assert re.sub(r"<[^>]+>", "", alternatives).split(":")[1].split() == ["slime_pr;", "hard_clamped_log_ratio", "+", "float32_metrics", "(the",
-                                                                          "examples", "do", "not", "tell", "them", "apart)."]
-    assert "the loss is NaN on 12 batches whose inputs are finite on every valid token" in explanation and "non_finite_result" in explanation
+    assert re.sub(r"<[^>]+>", "", alternatives).split(":")[1].split() == [
+        "slime_pr;",
+        "hard_clamped_log_ratio",
+        "+",
+        "float32_metrics",
+        "(the",
+        "examples",
+        "do",
+        "not",
+        "tell",
+        "them",
+        "apart).",
+    ]
+    assert (
+        "the loss is NaN on 12 batches whose inputs are finite on every valid token" in explanation and "non_finite_result" in explanation
+    )
     assert "every failure of metrics.m2_before fits float32 rounding: try <code>--compute-dtype float32</code>" in explanation
     # The first counterexample, with its cause linked to the component; the others stay below.
     assert explanation.count('<article class="cx"') == 1 and '<article class="cx" id="cx-1">' in explanation
     top = re.search(r'<article class="cx" id="cx-1">.*?</article>', explanation, re.DOTALL).group(0)
-    assert re.search(r'<p class="cause" data-cause="clamped_log_ratio">cause:\s*<a class="deviation mono" href="#deviation-1">clamped_log_ratio</a>', top)
+    assert re.search(
+        r'<p class="cause" data-cause="clamped_log_ratio">cause:\s*<a class="deviation mono" href="#deviation-1">clamped_log_ratio</a>', top
+    )
     assert "also shows gradient" in top
     assert len(_tables(top)["tokens"]) - 1 == len(report["counterexamples"][0]["tokens"])
 
@@ -359,12 +431,18 @@ def test_remaining_counterexamples_are_grouped_by_cause(divergent):
     html = render_html(_explained(divergent))
     below = _section(html, "counterexamples")
     assert 'id="cx-1"' not in below and "Counterexample 1 is shown at the top" in below
-    groups = re.findall(r'<div class="cause-group" data-kind="(\w+)" data-cause="([^"]*)">(.*?)</div>\s*(?=<div class="cause-group"|</section>)',
-                        below, re.DOTALL)
+    groups = re.findall(
+        r'<div class="cause-group" data-kind="(\w+)" data-cause="([^"]*)">(.*?)</div>\s*(?=<div class="cause-group"|</section>)',
+        below,
+        re.DOTALL,
+    )
     # The explanation's component order, the unexplained last; report order within a group.
     assert [(kind, cause, re.findall(r'<article class="cx" id="(cx-\d+)"', body)) for kind, cause, body in groups] == [
-        ("cause", "clamped_log_ratio", ["cx-5"]), ("cause", "float32_metrics", ["cx-4"]), ("cause", "nan_padding_leak", ["cx-3"]),
-        ("unexplained", "", ["cx-2"])]
+        ("cause", "clamped_log_ratio", ["cx-5"]),
+        ("cause", "float32_metrics", ["cx-4"]),
+        ("cause", "nan_padding_leak", ["cx-3"]),
+        ("unexplained", "", ["cx-2"]),
+    ]
     assert re.search(r'<h3 class="cause-heading">Caused by <a class="deviation mono" href="#deviation-2">float32_metrics</a></h3>', below)
     assert re.search(r'<p class="cause" data-cause="">cause:\s*<span class="badge warn">unexplained</span>', below)
 
@@ -378,8 +456,10 @@ def test_counterexamples_without_a_cause_keep_one_flat_list(divergent):
     assert re.findall(r'<article class="cx" id="(cx-\d+)"', below) == ["cx-2", "cx-3", "cx-4", "cx-5"]
 
 
-@pytest.mark.parametrize(("status", "word"), [("matched", "explained"), ("partly_explained", "partly explained"),
-                                              ("no_known_variant", "no known deviation explains it")])
+@pytest.mark.parametrize(
+    ("status", "word"),
+    [("matched", "explained"), ("partly_explained", "partly explained"), ("no_known_variant", "no known deviation explains it")],
+)
 def test_diagnosis_status_wording(divergent, status, word):
     explanation = _section(render_html(_explained(divergent, status)), "explanation")
     assert re.search(rf'<p class="status-line"><span class="badge \w+">{word}</span>', explanation)
@@ -404,8 +484,10 @@ def test_nothing_to_explain_shows_one_line(divergent, status):
 def test_closest_lists_only_variants_that_agree_somewhere(divergent):
     report = _explained(divergent, "no_known_variant")
     report["diagnosis"].update(components=[], by_check={}, matches=[])
-    report["diagnosis"]["closest"] += [{"variant": v, "agreed": a, "of": 60} for v, a in
-                                       (("agreed_none", None), ("agreed_junk", "many"), ("agreed_nan", "nan"), ("agreed_negative", -1))]
+    report["diagnosis"]["closest"] += [
+        {"variant": v, "agreed": a, "of": 60}
+        for v, a in (("agreed_none", None), ("agreed_junk", "many"), ("agreed_nan", "nan"), ("agreed_negative", -1))
+    ]
     html = render_html(report)
     closest = _tables(_section(html, "explanation"))["diagnosis-closest"][1:]
     assert [(cells[0][1], cells[3][1]) for _, cells in closest] == [("hard_clamped_log_ratio", "agreed on 12 of 60")]
@@ -422,8 +504,10 @@ def test_closest_lists_only_variants_that_agree_somewhere(divergent):
 def test_removed_tokens_are_labelled_removed_not_mask(divergent):
     report = copy.deepcopy(divergent)
     base = {"valid": True, "log_ratio": 0.5, "advantage": 1.0, "m2": 0.125, "trust_region": True, "expected_grad": 0.0, "actual_grad": 0.0}
-    report["counterexamples"][0]["tokens"] = [{**base, "index": [0, 0], "expected_keep": True, "actual_keep": False},
-                                              {**base, "index": [0, 1], "m2": 0.25, "expected_keep": False, "actual_keep": True}]  # not a tie
+    report["counterexamples"][0]["tokens"] = [
+        {**base, "index": [0, 0], "expected_keep": True, "actual_keep": False},
+        {**base, "index": [0, 1], "m2": 0.25, "expected_keep": False, "actual_keep": True},
+    ]  # not a tie
     rows = _tables(render_html(report))["tokens"][1:]
     assert [(cells[6], cells[7][1]) for _, cells in rows] == [(("keep-keep", "keep"), "removed"), (("keep-removed", "removed"), "keep")]
     assert all(text != "mask" for _, cells in rows for _, text in cells)
@@ -451,7 +535,9 @@ def test_negative_zero_is_printed_as_zero(divergent):
     cx["ranks"] = [_dist_rank(0, 0, 0, 0, MASK, loss=-0.0)]
     report["diagnosis"]["closest"][1].update(agreed=12.0, of=-0.0)
     html = render_html(report)
-    body = re.sub(r'<pre class="replay">.*?</pre>', "", html[html.index("<body>"):], flags=re.DOTALL)  # the replay is a command, kept verbatim
+    body = re.sub(
+        r'<pre class="replay">.*?</pre>', "", html[html.index("<body>") :], flags=re.DOTALL
+    )  # the replay is a command, kept verbatim
     assert "-0.0" not in body
     assert not re.search(r"(?<![\w.\-])-0(?![\w.])", body), re.search(r".{40}(?<![\w.\-])-0(?![\w.]).{40}", body)
     assert not re.search(r'="-0(?:\.0)?"', html), "an SVG coordinate or attribute is -0"
@@ -459,17 +545,34 @@ def test_negative_zero_is_printed_as_zero(divergent):
 
 def test_token_table_highlights_differences_and_greys_padding(divergent):
     report = copy.deepcopy(divergent)
-    base = {"valid": True, "log_ratio": 0.5, "advantage": 1.0, "m2": 0.125, "trust_region": True,
-            "expected_keep": True, "actual_keep": True, "expected_grad": -0.25, "actual_grad": -0.25}
+    base = {
+        "valid": True,
+        "log_ratio": 0.5,
+        "advantage": 1.0,
+        "m2": 0.125,
+        "trust_region": True,
+        "expected_keep": True,
+        "actual_keep": True,
+        "expected_grad": -0.25,
+        "actual_grad": -0.25,
+    }
     variants = [
-        {},                                                     # agrees
-        {"actual_keep": False},                                 # keep differs
-        {"actual_grad": -0.25 * (1 + 1e-12)},                   # rounding: not a difference
-        {"actual_grad": -0.25 * (1 + 1e-6)},                    # a real difference
-        {"actual_grad": None},                                  # missing
-        {"actual_grad": "nan"},                                 # non-finite
-        {"valid": False, "log_ratio": None, "m2": None, "trust_region": False, "expected_keep": False,
-         "actual_keep": False, "expected_grad": 0.0, "actual_grad": 0.0},  # padding
+        {},  # agrees
+        {"actual_keep": False},  # keep differs
+        {"actual_grad": -0.25 * (1 + 1e-12)},  # rounding: not a difference
+        {"actual_grad": -0.25 * (1 + 1e-6)},  # a real difference
+        {"actual_grad": None},  # missing
+        {"actual_grad": "nan"},  # non-finite
+        {
+            "valid": False,
+            "log_ratio": None,
+            "m2": None,
+            "trust_region": False,
+            "expected_keep": False,
+            "actual_keep": False,
+            "expected_grad": 0.0,
+            "actual_grad": 0.0,
+        },  # padding
     ]
     report["counterexamples"][0]["tokens"] = [{**base, "index": [0, t], **v} for t, v in enumerate(variants)]
     rows = _tables(render_html(report))["tokens"][1:]
@@ -486,8 +589,15 @@ def test_token_table_prints_m2_values_apart_in_the_last_bits_apart(divergent):
     sort put the cut between them) read 0.729454 each: a column takes as many digits as
     its distinct values need, and stays at six where they do not."""
     report = copy.deepcopy(divergent)
-    base = {"valid": True, "advantage": 1.0, "trust_region": True, "expected_keep": True, "actual_keep": True,
-            "expected_grad": -0.25, "actual_grad": -0.25}
+    base = {
+        "valid": True,
+        "advantage": 1.0,
+        "trust_region": True,
+        "expected_keep": True,
+        "actual_keep": True,
+        "expected_grad": -0.25,
+        "actual_grad": -0.25,
+    }
     close = [(0.8540811, 0.7294538172817457), (0.8540811, 0.729453817281745), (0.5, 0.25), (None, None)]
     report["counterexamples"][0]["tokens"] = [{**base, "index": [0, t], "log_ratio": r, "m2": m} for t, (r, m) in enumerate(close)]
     rows = _tables(render_html(report))["tokens"][1:]
@@ -495,7 +605,7 @@ def test_token_table_prints_m2_values_apart_in_the_last_bits_apart(divergent):
     assert m2_texts[0] != m2_texts[1] and m2_texts[2:] == ["0.25", "\u2014"], m2_texts
     assert abs(float(m2_texts[0]) - close[0][1]) < abs(float(m2_texts[0]) - close[1][1]), "the digits shown tell which is larger"
     assert [cells[2][1] for _, cells in rows] == ["0.854081", "0.854081", "0.5", "\u2014"], "equal values keep six digits"
-    assert values.column_texts([1.0 + 2 ** -40, 1.0, -0.0, float("nan")]) == ["1.000000000001", "1", "0", "nan"]
+    assert values.column_texts([1.0 + 2**-40, 1.0, -0.0, float("nan")]) == ["1.000000000001", "1", "0", "nan"]
 
 
 @pytest.mark.parametrize("lost_m2, swapped", [(0.125, True), (0.25, False)])
@@ -505,13 +615,22 @@ def test_a_mask_that_keeps_another_of_equal_m2_tokens_is_a_tie_not_a_difference(
     that differs (seen on Trinity-RFT's mask, whose float32 sort ordered a tie otherwise).
     Unequal M2 stays a difference."""
     report = copy.deepcopy(divergent)
-    base = {"valid": True, "log_ratio": 0.5, "advantage": 1.0, "m2": 0.125, "trust_region": True,
-            "expected_keep": True, "actual_keep": True, "expected_grad": -0.25, "actual_grad": -0.25}
+    base = {
+        "valid": True,
+        "log_ratio": 0.5,
+        "advantage": 1.0,
+        "m2": 0.125,
+        "trust_region": True,
+        "expected_keep": True,
+        "actual_keep": True,
+        "expected_grad": -0.25,
+        "actual_grad": -0.25,
+    }
     report["counterexamples"][0]["tokens_truncated"] = False
     report["counterexamples"][0]["tokens"] = [
         {**base, "index": [0, 0]},
         {**base, "index": [0, 1], "expected_keep": False, "actual_keep": True},  # kept instead
-        {**base, "index": [0, 2], "m2": lost_m2, "actual_keep": False},          # of this one
+        {**base, "index": [0, 2], "m2": lost_m2, "actual_keep": False},  # of this one
     ]
     page = render_html(report)
     rows = _tables(page)["tokens"][1:]
@@ -529,6 +648,7 @@ def test_metrics_table_compares_actual_with_expected_on_the_implementations_mask
 
 
 # --- removal curve -------------------------------------------------------------------------
+
 
 def test_removal_curve_marks_where_the_oracle_and_the_implementation_stop(divergent):
     html = render_html(divergent)
@@ -554,8 +674,9 @@ def test_removal_curve_marks_where_the_oracle_and_the_implementation_stop(diverg
 
 
 def test_removal_curve_band_when_the_oracle_stop_is_ambiguous(divergent):
-    report = _curve_report(divergent, prefix_means=[0.01, 0.02, 0.03, 0.2], candidates=4, tau=0.03,
-                           oracle_kept_min=1, oracle_kept_max=3, implementation_kept=4)
+    report = _curve_report(
+        divergent, prefix_means=[0.01, 0.02, 0.03, 0.2], candidates=4, tau=0.03, oracle_kept_min=1, oracle_kept_max=3, implementation_kept=4
+    )
     html = render_html(report)
     assert re.search(r'<rect class="oracle-stop" data-removed="1-3"', html)
     assert _attr(html, "impl-stop", "data-removed") == ["0"]
@@ -570,9 +691,16 @@ def test_removal_curve_uses_a_log_axis_only_for_a_wide_spread(divergent):
 
 
 def _junk_report(_: dict[str, Any]) -> dict[str, Any]:
-    return {"verdict": None, "checks": [None, "x", {"name": 3}], "counterexamples": [None, "x", {"removal_curve": "bad", "tokens": [None, 3],
-            "mismatches": "oops", "actual": None, "shape": "?"}], "tolerances": None, "environment": "text", "options": [], "diagnosis": None,
-            "validation": {"probes": [None, {"status": 7}]}}
+    return {
+        "verdict": None,
+        "checks": [None, "x", {"name": 3}],
+        "counterexamples": [None, "x", {"removal_curve": "bad", "tokens": [None, 3], "mismatches": "oops", "actual": None, "shape": "?"}],
+        "tolerances": None,
+        "environment": "text",
+        "options": [],
+        "diagnosis": None,
+        "validation": {"probes": [None, {"status": 7}]},
+    }
 
 
 def _empty_actual(report: dict[str, Any]) -> dict[str, Any]:
@@ -586,10 +714,19 @@ def _empty_actual(report: dict[str, Any]) -> dict[str, Any]:
 
 def _junk_explanation(report: dict[str, Any]) -> dict[str, Any]:
     """The new diagnosis keys with every wrong type a hand-edited or newer report could hold."""
-    report["diagnosis"] = {"status": "partly_explained", "summary": None, "components": "clamped_log_ratio", "by_check": [1, 2],
-                           "unexplained": 3, "matches": [None, {"variant": None}, {"variant": 7, "checks": "loss"}], "alternatives": "slime_pr",
-                           "closest": [None, {"agreed": "nan"}, {"agreed": True}, {"agreed": 1e400}], "findings": [None, 3, {"checks": "loss"}],
-                           "hints": {"text": "x"}, "examples_compared": {"a": 1}}
+    report["diagnosis"] = {
+        "status": "partly_explained",
+        "summary": None,
+        "components": "clamped_log_ratio",
+        "by_check": [1, 2],
+        "unexplained": 3,
+        "matches": [None, {"variant": None}, {"variant": 7, "checks": "loss"}],
+        "alternatives": "slime_pr",
+        "closest": [None, {"agreed": "nan"}, {"agreed": True}, {"agreed": 1e400}],
+        "findings": [None, 3, {"checks": "loss"}],
+        "hints": {"text": "x"},
+        "examples_compared": {"a": 1},
+    }
     cx = report["counterexamples"][0]
     cx["cause"], cx["checks"] = 5, "loss"
     report["counterexamples"] += [{**copy.deepcopy(cx), "cause": ""}, {**copy.deepcopy(cx), "cause": "a + b"}, {"cause": None}]
@@ -605,15 +742,22 @@ ODD_INPUTS = {
     "no optional sections": lambda r: {k: v for k, v in r.items() if k not in ("diagnosis", "validation")},
     "no counterexamples": lambda r: {**r, "counterexamples": []},
     "empty actual": _empty_actual,
-    "non-finite prefix means": lambda r: _curve_report(r, prefix_means=[0.01, 0.02, "inf", "nan", None, "-inf", 1e300, 2e300], candidates=8),
-    "zero candidates": lambda r: _curve_report(r, prefix_means=[], candidates=0, oracle_kept_min=0, oracle_kept_max=0, implementation_kept=0),
-    "single point": lambda r: _curve_report(r, prefix_means=[0.5], candidates=1, oracle_kept_min=0, oracle_kept_max=0, implementation_kept=1),
+    "non-finite prefix means": lambda r: _curve_report(
+        r, prefix_means=[0.01, 0.02, "inf", "nan", None, "-inf", 1e300, 2e300], candidates=8
+    ),
+    "zero candidates": lambda r: _curve_report(
+        r, prefix_means=[], candidates=0, oracle_kept_min=0, oracle_kept_max=0, implementation_kept=0
+    ),
+    "single point": lambda r: _curve_report(
+        r, prefix_means=[0.5], candidates=1, oracle_kept_min=0, oracle_kept_max=0, implementation_kept=1
+    ),
     "all equal": lambda r: _curve_report(r, prefix_means=[0.0, 0.0], candidates=2, tau=0.0),
     "near overflow": lambda r: _curve_report(r, prefix_means=[-1.7e308, 1.7e308, 1.79e308], candidates=3, tau=1.78e308),
     "subnormal": lambda r: _curve_report(r, prefix_means=[5e-324, 1e-320, 1.0], candidates=3, tau=5e-324),
     "non-finite tau": lambda r: _curve_report(r, tau="inf"),
-    "truncated curve": lambda r: _curve_report(r, prefix_means=[i / 512 for i in range(512)], candidates=600, oracle_kept_max=300,
-                                               oracle_kept_min=300, implementation_kept=299),
+    "truncated curve": lambda r: _curve_report(
+        r, prefix_means=[i / 512 for i in range(512)], candidates=600, oracle_kept_max=300, oracle_kept_min=300, implementation_kept=299
+    ),
     "implementation off the axis": lambda r: _curve_report(r, implementation_kept=10**9, oracle_kept_min=None),
     "odd scalars": lambda r: {**r, "duration_s": "nan", "examples": None, "options": {"tau": 0.25}},
 }
@@ -708,14 +852,24 @@ def dist_raising(dist_impls) -> dict[str, Any]:
 
 
 def _dist_rank(rank: int, dp: int, cp: int, tp: int, keep: Any, **extra: Any) -> dict[str, Any]:
-    return {"rank": rank, "coords": {"dp": dp, "cp": cp, "tp": tp}, "rows": [dp, dp + 1], "keep": keep, "loss": -0.25, "metrics": {},
-            "collectives": {}, "error": None, "stack": None, **extra}
+    return {
+        "rank": rank,
+        "coords": {"dp": dp, "cp": cp, "tp": tp},
+        "rows": [dp, dp + 1],
+        "keep": keep,
+        "loss": -0.25,
+        "metrics": {},
+        "collectives": {},
+        "error": None,
+        "stack": None,
+        **extra,
+    }
 
 
 MASK = [[1, 1, 0, 0]]
 ODD_MASK = [[1, 0, 0, 0]]  # rank 2's: one token differs from its replicas'
-TRACEBACK = "Traceback (most recent call last):\n  File \"impl.py\", line 3, in fn\n    raise RuntimeError(msg)\nRuntimeError: " + PAYLOAD
-STACK = "Thread 0x1 (most recent call first):\n  File \"impl.py\", line 9 in " + PAYLOAD
+TRACEBACK = 'Traceback (most recent call last):\n  File "impl.py", line 3, in fn\n    raise RuntimeError(msg)\nRuntimeError: ' + PAYLOAD
+STACK = 'Thread 0x1 (most recent call first):\n  File "impl.py", line 9 in ' + PAYLOAD
 
 
 def _synthetic_distributed(base: dict[str, Any]) -> dict[str, Any]:
@@ -726,9 +880,13 @@ def _synthetic_distributed(base: dict[str, Any]) -> dict[str, Any]:
     coords = [(r // 4, r // 2 % 2, r % 2) for r in range(8)]
     sizes = [16, 1536, 3 * 1024 * 1024, 0, 16, 16, 16, 16]
     report["collectives_per_step"] = [
-        {"rank": r, "coords": dict(zip(("dp", "cp", "tp"), c)),
-         "collectives": {"all_gather": {"calls": 2, "bytes": sizes[r]}, **({"all_reduce": {"calls": 1, "bytes": 8}} if r != 3 else {})}}
-        for r, c in enumerate(coords)]
+        {
+            "rank": r,
+            "coords": dict(zip(("dp", "cp", "tp"), c)),
+            "collectives": {"all_gather": {"calls": 2, "bytes": sizes[r]}, **({"all_reduce": {"calls": 1, "bytes": 8}} if r != 3 else {})},
+        }
+        for r, c in enumerate(coords)
+    ]
     report["validation"] = {"strict": False, "probes": []}
     cx = report["counterexamples"][0]
     cx["check"] = "distributed.replica_masks_identical"
@@ -750,8 +908,11 @@ def _mask_cells(html: str) -> list[list[str]]:
 
 def _replica_divergent(ranks: list[dict[str, Any]]) -> list[bool]:
     """Independently of the renderer: does each rank share its dp with a rank keeping another mask?"""
-    return [r["keep"] is not None and any(o["coords"]["dp"] == r["coords"]["dp"] and o["keep"] is not None and o["keep"] != r["keep"] for o in ranks)
-            for r in ranks]
+    return [
+        r["keep"] is not None
+        and any(o["coords"]["dp"] == r["coords"]["dp"] and o["keep"] is not None and o["keep"] != r["keep"] for o in ranks)
+        for r in ranks
+    ]
 
 
 @DISTRIBUTED
@@ -761,7 +922,12 @@ def test_distributed_report_shows_topology_ranks_and_highlights_replica_divergen
     assert "<dt>topology</dt>" not in render_html(equivalent), "a single-process report has no topology"
     # The collective fail-closed probes run across the ranks as the validation.
     # (dp=1: a budget differing between DP ranks cannot be probed, so tau_differs is left out.)
-    assert 'class="probes"' in html and "behavior_logp_missing" in html and "every rank (2) raised within" in html and "tau_differs" not in html
+    assert (
+        'class="probes"' in html
+        and "behavior_logp_missing" in html
+        and "every rank (2) raised within" in html
+        and "tau_differs" not in html
+    )
     with_ranks = [cx for cx in dist_divergent["counterexamples"] if cx.get("ranks")]
     assert with_ranks
     # Every ranks table lists every rank; a row is highlighted exactly when its replicas keep another mask.
@@ -771,7 +937,8 @@ def test_distributed_report_shows_topology_ranks_and_highlights_replica_divergen
         rows = _tables(table)["ranks"][1:]
         assert [cells[0][1] for _, cells in rows] == [str(r["rank"]) for r in cx["ranks"]]
         assert [(cells[1][1], cells[2][1], cells[3][1]) for _, cells in rows] == [
-            tuple(str(r["coords"][a]) for a in ("dp", "cp", "tp")) for r in cx["ranks"]]
+            tuple(str(r["coords"][a]) for a in ("dp", "cp", "tp")) for r in cx["ranks"]
+        ]
         assert ["diverge" in cls.split() for cls, _ in rows] == _replica_divergent(cx["ranks"]), cx["check"]
         for (_, cells), r, mask in zip(rows, cx["ranks"], _mask_cells(table)):
             assert cells[6][1] == f"{sum(map(sum, r['keep']))} / {sum(map(len, r['keep']))}"
@@ -788,8 +955,9 @@ def test_synthetic_replica_divergence_is_highlighted_rank_by_rank_and_cell_by_ce
     rows = _tables(table)["ranks"][1:]
     assert ["diverge" in cls.split() for cls, _ in rows] == [True] * 4 + [False] * 4
     masks = _mask_cells(table)
-    assert [["d" in c.split() for c in row] for row in masks] == [
-        [False] * 4, [False] * 4, [False, True, False, False], [False] * 4] + [[False] * 4] * 4
+    assert [["d" in c.split() for c in row] for row in masks] == [[False] * 4, [False] * 4, [False, True, False, False], [False] * 4] + [
+        [False] * 4
+    ] * 4
     assert re.findall(r'<span class="variant"[^>]*>(\w)</span>', table) == ["A", "A", "B", "A"]
     assert "DP rank 0 (ranks 0, 1, 2, 3) keeps 2 different masks" in html and "DP rank 1" not in html
     assert "1 token(s) differ from mask A" in table
@@ -836,15 +1004,20 @@ def test_collectives_table_has_every_rank_and_a_total(dist_equivalent):
     ((_, head), (_, sub), *rows, (total_cls, total)) = _tables(html)["collectives"]
     assert [text for _, text in head][4:] == kinds and [text for _, text in sub] == ["calls", "bytes"] * len(kinds)
     assert [[text for _, text in cells[:4]] for _, cells in rows] == [
-        [str(e["rank"]), *(str(e["coords"][a]) for a in ("dp", "cp", "tp"))] for e in per_step]
+        [str(e["rank"]), *(str(e["coords"][a]) for a in ("dp", "cp", "tp"))] for e in per_step
+    ]
     for (_, cells), entry in zip(rows, per_step):
         for i, kind in enumerate(kinds):
             assert cells[4 + 2 * i][1] == str(entry["collectives"][kind]["calls"])
             assert _parse_bytes(cells[5 + 2 * i][1]) == pytest.approx(entry["collectives"][kind]["bytes"], rel=0.05)
-    row_html = re.findall(r'<tr class="rank">.*?</tr>', re.search(r'<table class="collectives">.*?</table>', html, re.DOTALL).group(0), re.DOTALL)
+    row_html = re.findall(
+        r'<tr class="rank">.*?</tr>', re.search(r'<table class="collectives">.*?</table>', html, re.DOTALL).group(0), re.DOTALL
+    )
     for tr, entry in zip(row_html, per_step):
         assert re.findall(r'title="(\d+) bytes"', tr) == [str(entry["collectives"][k]["bytes"]) for k in kinds], "exact bytes on hover"
-    assert total_cls == "total" and [text for _, text in total][1::2] == [str(sum(e["collectives"][k]["calls"] for e in per_step)) for k in kinds]
+    assert total_cls == "total" and [text for _, text in total][1::2] == [
+        str(sum(e["collectives"][k]["calls"] for e in per_step)) for k in kinds
+    ]
 
 
 def _parse_bytes(text: str) -> float:
@@ -885,11 +1058,16 @@ def test_validation_of_a_single_process_run_is_unchanged(divergent):
 
 
 def _dist_junk_ranks(report: dict[str, Any]) -> dict[str, Any]:
-    report["counterexamples"][0]["ranks"] = [None, 3, "x", {"keep": "x", "coords": None, "rows": "?", "loss": {"a": 1}, "error": 42, "stack": []},
-                                             {"keep": [[2, "a", None, True]], "coords": {"dp": [1]}, "rows": [0, "x"]},
-                                             {"keep": [[1, 0], 5], "coords": {"dp": 0}, "rows": [0, 1]},
-                                             {"keep": [[1.0, 0.0]], "coords": {"dp": 0}, "rows": [3, 1], "loss": "nan"},
-                                             {"keep": [], "coords": {"dp": 0}, "rows": []}]
+    report["counterexamples"][0]["ranks"] = [
+        None,
+        3,
+        "x",
+        {"keep": "x", "coords": None, "rows": "?", "loss": {"a": 1}, "error": 42, "stack": []},
+        {"keep": [[2, "a", None, True]], "coords": {"dp": [1]}, "rows": [0, "x"]},
+        {"keep": [[1, 0], 5], "coords": {"dp": 0}, "rows": [0, 1]},
+        {"keep": [[1.0, 0.0]], "coords": {"dp": 0}, "rows": [3, 1], "loss": "nan"},
+        {"keep": [], "coords": {"dp": 0}, "rows": []},
+    ]
     return report
 
 
@@ -900,8 +1078,14 @@ DIST_ODD = {
     "junk rank entries": _dist_junk_ranks,
     "topology not a mapping": lambda r: {**r, "topology": "weird"},
     "topology odd sizes": lambda r: {**r, "topology": {"dp": "x", "tp": 0, "backend": None}},
-    "collectives junk": lambda r: {**r, "collectives_per_step": [None, {"collectives": {"all_gather": "x"}}, {"rank": PAYLOAD,
-                                   "collectives": {"all_gather": {"calls": "many", "bytes": -5}, 7: None}}]},
+    "collectives junk": lambda r: {
+        **r,
+        "collectives_per_step": [
+            None,
+            {"collectives": {"all_gather": "x"}},
+            {"rank": PAYLOAD, "collectives": {"all_gather": {"calls": "many", "bytes": -5}, 7: None}},
+        ],
+    },
     "collectives not a list": lambda r: {**r, "collectives_per_step": {"rank": 0}},
     "no collectives": lambda r: {**r, "collectives_per_step": []},
 }
@@ -926,6 +1110,7 @@ def test_rendering_tolerates_odd_distributed_data(divergent, case):
 
 
 # --- in a real browser ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def browser():
@@ -961,8 +1146,8 @@ def _png_rows(data: bytes, rows: int) -> tuple[int, int, list[list[tuple[int, ..
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     pos, idat = 8, []
     while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + length]
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + length]
         pos += 12 + length
         if kind == b"IHDR":
             width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", body)
@@ -977,7 +1162,7 @@ def _png_rows(data: bytes, rows: int) -> tuple[int, int, list[list[tuple[int, ..
     raw = zlib.decompressobj().decompress(b"".join(idat), rows * (stride + 1))
     prev, out = bytearray(stride), []
     for y in range(rows):
-        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
         for i in range(stride):
             a = line[i - bpp] if i >= bpp else 0
             b = prev[i]
@@ -992,7 +1177,7 @@ def _png_rows(data: bytes, rows: int) -> tuple[int, int, list[list[tuple[int, ..
                 p = a + b - c
                 pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
                 line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
-        out.append([tuple(line[x:x + 3]) for x in range(0, stride, bpp)])
+        out.append([tuple(line[x : x + 3]) for x in range(0, stride, bpp)])
         prev = line
     return width, height, out
 
@@ -1022,7 +1207,7 @@ def test_browser_shows_the_divergent_report_offline(browser, divergent, tmp_path
     assert width == 1280 and height > 1500
     colours = {pixel for row in rows for pixel in row}
     assert len(colours) > 20, "the top of the page is (nearly) one colour"
-    verdict_rows = rows[int(box["y"]) + 4:int(box["y"] + box["height"]) - 4]
+    verdict_rows = rows[int(box["y"]) + 4 : int(box["y"] + box["height"]) - 4]
     assert any(r > 150 and g < 90 and b < 90 for row in verdict_rows for r, g, b in row), "no red in the verdict banner"
 
 
@@ -1085,8 +1270,9 @@ def test_browser_shows_a_distributed_report_offline(browser, dist_divergent, tmp
             assert page.locator("script").count() == 0 and page.locator("img").count() == 0
             ranks = page.locator("table.ranks").first
             assert ranks.is_visible() and page.locator("#collectives table").is_visible()
-            backgrounds = [row.locator("td").nth(1).evaluate("e => getComputedStyle(e).backgroundColor")
-                           for row in ranks.locator("tbody tr").all()]
+            backgrounds = [
+                row.locator("td").nth(1).evaluate("e => getComputedStyle(e).backgroundColor") for row in ranks.locator("tbody tr").all()
+            ]
             highlighted = [bg == "rgb(255, 235, 233)" for bg in backgrounds]
             assert highlighted == ["diverge" in (row.get_attribute("class") or "").split() for row in ranks.locator("tbody tr").all()]
             assert any(highlighted), name
@@ -1108,8 +1294,9 @@ def test_browser_shows_a_distributed_report_offline(browser, dist_divergent, tmp
 def trainer_divergent() -> dict[str, Any]:
     from m2po_oracle.trainer.runner import TrainerRunner
 
-    return run_compare(TrainerRunner("per_micro_batch_denominator"), "trainer:per_micro_batch_denominator", examples=8, seed=0,
-                       shrink=False).to_json()
+    return run_compare(
+        TrainerRunner("per_micro_batch_denominator"), "trainer:per_micro_batch_denominator", examples=8, seed=0, shrink=False
+    ).to_json()
 
 
 def test_browser_shows_a_trainer_report_with_its_training_step_offline(browser, trainer_divergent, tmp_path):
@@ -1137,9 +1324,13 @@ def test_an_adapter_run_shows_its_call_bindings_and_why_each_check_did_not_run(d
     report = copy.deepcopy(divergent)
     status = {c["name"]: c for c in report["checks"]}
     status["metrics.m2_after"].update(status="not run", failures=0, ran=0)
-    report["adapter"] = {"name": "clip_kernel", "signature": "fn(ppo_kl, advantages, budget, response_mask)", "bindings": ["m2_before=2"],
-                         "call": "port(ppo_kl=<ppo_kl>, ...) -> loss at [0]; m2_before at [2]",
-                         "not_run": {"metrics.m2_after": "the port returns no m2_after here (bind it: --bind m2_after=INDEX)"}}
+    report["adapter"] = {
+        "name": "clip_kernel",
+        "signature": "fn(ppo_kl, advantages, budget, response_mask)",
+        "bindings": ["m2_before=2"],
+        "call": "port(ppo_kl=<ppo_kl>, ...) -> loss at [0]; m2_before at [2]",
+        "not_run": {"metrics.m2_after": "the port returns no m2_after here (bind it: --bind m2_after=INDEX)"},
+    }
     html = render_html(report)
     summary = _tables(html).get("summary")
     assert "clip_kernel: port(ppo_kl=&lt;ppo_kl&gt;, ...) -&gt; loss at [0]; m2_before at [2]" in html, summary

@@ -123,13 +123,16 @@ def test_compare_trainer_cli_is_equivalent_and_reports_the_fail_closed_probes(tm
     assert "kl_coefficient allowed with a warning" in out and "verdict: equivalent" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["compare", "--impl", "trainer", "--adapter", "mask_only"], "adapter"),
-    (["compare", "--impl", "trainer", "--dtype", "bfloat16"], "dtype"),
-    (["compare", "--impl", "trainer:no_such_control"], "unknown trainer control"),
-    (["compare", "--impl", "trainr"], "trainer"),
-    (["replay", "--impl", "trainer", "--batch", '{"kind": "trainer_case", "seed": 0}'], "trainer case"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["compare", "--impl", "trainer", "--adapter", "mask_only"], "adapter"),
+        (["compare", "--impl", "trainer", "--dtype", "bfloat16"], "dtype"),
+        (["compare", "--impl", "trainer:no_such_control"], "unknown trainer control"),
+        (["compare", "--impl", "trainr"], "trainer"),
+        (["replay", "--impl", "trainer", "--batch", '{"kind": "trainer_case", "seed": 0}'], "trainer case"),
+    ],
+)
 def test_trainer_usage_errors_exit_2_naming_the_problem(argv, message, capsys):
     assert main(argv) == EXIT_UNUSABLE
     assert message in capsys.readouterr().err
@@ -148,7 +151,9 @@ def test_selftest_runs_trainer_controls_by_name():
 
     (row,) = run_selftest(select_controls(["trainer:current_policy_as_behavior"]), examples=10)
     assert row.status == "ok" and "trainer.behavior_logp" in row.caught_by
-    assert [t.name for t in select_controls(None, trainer=True)][-len(TRAINER_CONTROLS):] == [f"trainer:{c.name}" for c in TRAINER_CONTROLS]
+    assert [t.name for t in select_controls(None, trainer=True)][-len(TRAINER_CONTROLS) :] == [
+        f"trainer:{c.name}" for c in TRAINER_CONTROLS
+    ]
     assert not any(t.name.startswith("trainer:") for t in select_controls(None))
     with pytest.raises(ValueError, match="only: unknown control"):
         select_controls(["trainer:nope"])
@@ -191,12 +196,17 @@ def test_a_trainer_computing_in_one_dtype_runs_in_it_without_dtype_and_refuses_a
     assert options["dtype"] == "float32" and options["dtype_why"] == f"the dtype {spec} computes in; --dtype not given", options
     assert f"dtype: float32 (the dtype {spec} computes in; --dtype not given)" in capsys.readouterr().out
     # Given explicitly, its own dtype is not a choice the runner made: the report adds nothing.
-    assert main(["compare", "--impl", spec, "--dtype", "float32", "--examples", "1", "--skip-validation", "--json", str(path)]) == EXIT_EQUIVALENT
+    assert (
+        main(["compare", "--impl", spec, "--dtype", "float32", "--examples", "1", "--skip-validation", "--json", str(path)])
+        == EXIT_EQUIVALENT
+    )
     assert "dtype_why" not in json.loads(path.read_text())["options"]
     assert main(["compare", "--impl", spec, "--dtype", "float64", "--examples", "1"]) == EXIT_UNUSABLE
     err = capsys.readouterr().err
-    assert (f"dtype: {spec} computes in float32: its log-prob kernel accumulates in float32; --dtype float64 would judge float32 values at "
-            "float64 tolerance. Leave --dtype out (the run takes float32) or give --dtype float32") in err, err
+    assert (
+        f"dtype: {spec} computes in float32: its log-prob kernel accumulates in float32; --dtype float64 would judge float32 values at "
+        "float64 tolerance. Leave --dtype out (the run takes float32) or give --dtype float32"
+    ) in err, err
 
 
 def test_a_users_trainer_is_checked_by_spec_and_its_deviation_named():
@@ -253,7 +263,9 @@ def test_a_kl_coefficient_warns_and_adds_exactly_beta_times_kl():
     assert record.kl_term > 0
     # The M2PO part is Algorithm 1's loss on the trainer's own batch and mask.
     seen = Batch(record.logp.numpy(), record.behavior_logp.numpy(), record.advantages.numpy(), record.valid.numpy(), record.tau)
-    assert record.loss - 0.25 * record.kl_term == pytest.approx(oracle.evaluate_with_mask(seen, record.keep.numpy()).loss, rel=1e-10, abs=1e-15)
+    assert record.loss - 0.25 * record.kl_term == pytest.approx(
+        oracle.evaluate_with_mask(seen, record.keep.numpy()).loss, rel=1e-10, abs=1e-15
+    )
     with pytest.raises(ValueError, match="^reference"):
         GRPOTrainer(versions[-1], TrainerConfig(beta=0.25), behaviour=samplers).step(rollout)
 
@@ -274,8 +286,9 @@ def test_k3_kl_is_the_mean_over_the_valid_tokens_of_exp_delta_minus_delta_minus_
 #: Two micro-batches and an empty one between them, workers 1 and 2 steps behind the policy
 #: (the reference, the oldest version, differs from it): the KL term of each micro-batch
 #: divides by the optimizer batch's N.
-KL_CASE = TrainerCase(seed=7, prompts=2, group_size=2, prompt_len=2, max_new_tokens=4, lags=(1, 2), staleness_lr=0.02, tau=0.04,
-                      split=(2, 0, 2))
+KL_CASE = TrainerCase(
+    seed=7, prompts=2, group_size=2, prompt_len=2, max_new_tokens=4, lags=(1, 2), staleness_lr=0.02, tau=0.04, split=(2, 0, 2)
+)
 
 
 class NegatedKLTrainer(GRPOTrainer):
@@ -312,7 +325,9 @@ def test_the_kl_check_passes_the_correct_trainer_and_fails_a_wrong_kl_term():
 def test_the_correct_trainer_with_a_kl_term_passes_every_check():
     from m2po_oracle.compare.explore import Exploration
 
-    report = run_compare(TrainerRunner(beta=0.1), "trainer", examples=4, seed=0, exploration=Exploration(shrink=False, skip_validation=True))
+    report = run_compare(
+        TrainerRunner(beta=0.1), "trainer", examples=4, seed=0, exploration=Exploration(shrink=False, skip_validation=True)
+    )
     assert report.verdict == "equivalent", {n: t.failures for n, t in report.tallies.items() if t.failures}
     assert report.tallies["trainer.kl_term"].ran == 4
 
@@ -329,7 +344,9 @@ def test_synchronous_hf_generation_may_recompute_behaviour_logp_in_the_trainer()
         GRPOTrainer(versions[-1], TrainerConfig(), behaviour=samplers).step(bare)
 
 
-@pytest.mark.parametrize("changes, argument", [({"lr": 0.0}, "lr"), ({"beta": float("nan")}, "beta"), ({"tau": -0.1}, "tau"), ({"tau": True}, "tau")])
+@pytest.mark.parametrize(
+    "changes, argument", [({"lr": 0.0}, "lr"), ({"beta": float("nan")}, "beta"), ({"tau": -0.1}, "tau"), ({"tau": True}, "tau")]
+)
 def test_a_malformed_trainer_config_names_its_field(changes, argument):
     with pytest.raises(ValueError, match=f"^{argument}: expected a finite number"):
         TrainerConfig(**changes)
@@ -351,10 +368,17 @@ def test_a_bad_micro_batch_split_is_rejected(split, message):
         GRPOTrainer(versions[-1], TrainerConfig(), behaviour=samplers).step(rollout, split)
 
 
-@pytest.mark.parametrize("changes, argument", [
-    ({"prompts": 0}, "prompts"), ({"lags": (1,)}, "lags"), ({"split": (3,)}, "split"), ({"tau": float("nan")}, "tau"),
-    ({"staleness_lr": 0.0}, "staleness_lr"), ({"prompt_len": 40, "max_new_tokens": 40}, "prompt_len + max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "changes, argument",
+    [
+        ({"prompts": 0}, "prompts"),
+        ({"lags": (1,)}, "lags"),
+        ({"split": (3,)}, "split"),
+        ({"tau": float("nan")}, "tau"),
+        ({"staleness_lr": 0.0}, "staleness_lr"),
+        ({"prompt_len": 40, "max_new_tokens": 40}, "prompt_len + max_new_tokens"),
+    ],
+)
 def test_a_bad_trainer_case_names_its_field(changes, argument):
     fields = {**PROBE_CASE.to_dict(), **changes}
     with pytest.raises(ValueError, match=f"^{re.escape(argument)}: expected"):
@@ -383,8 +407,11 @@ def test_valid_tokens_end_at_the_first_eos():
 
 
 def test_behaviour_logp_are_recorded_at_sampling_from_the_raw_logits():
-    step = run_case(TrainerCase(seed=3, prompts=2, group_size=3, prompt_len=2, max_new_tokens=6, lags=(2, 0), staleness_lr=0.02, tau=0.04,
-                                split=(2, 0, 4)))
+    step = run_case(
+        TrainerCase(
+            seed=3, prompts=2, group_size=3, prompt_len=2, max_new_tokens=6, lags=(2, 0), staleness_lr=0.02, tau=0.04, split=(2, 0, 4)
+        )
+    )
     recorded = step.rollout.behavior_logp
     assert torch.isnan(recorded[~step.rollout.valid]).all(), "padding must not look like a sample"
     # Each group was sampled by its own worker: the lagging group's log-probs differ from the current policy's.
