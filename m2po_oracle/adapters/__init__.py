@@ -10,7 +10,7 @@ lists every family: its signature, what it reads back and which checks it can ru
 from __future__ import annotations
 
 from m2po_oracle.adapters.binding import BoundCall, Config, Output, Param, map_metric_name, parse_bindings, parse_value
-from m2po_oracle.adapters.families import ADAPTERS, Adapter, check_field, policy_loss_config
+from m2po_oracle.adapters.families import ADAPTERS, Adapter, policy_loss_config
 from m2po_oracle.errors import UsageError
 from m2po_oracle.judge.contract import Implementation
 
@@ -23,7 +23,6 @@ __all__ = [
     "Param",
     "adapt",
     "bind",
-    "check_field",
     "map_metric_name",
     "parse_bindings",
     "parse_value",

@@ -60,7 +60,7 @@ class Adapter:
         supplied = self.supplies_with(bindings)
         skipped: dict[str, str] = {}
         for check in self.judged_by:
-            judged = check_field(check)
+            judged = result_field(check)
             if check in self.unobservable:
                 skipped[check] = self.unobservable[check]
             elif judged is not None and judged not in supplied:
@@ -75,10 +75,6 @@ class Adapter:
         """The checks this adapter can run (a metric only when the port returns it)."""
         skipped = self.not_run(bindings)
         return tuple(check for check in self.judged_by if check not in skipped)
-
-
-#: The result field a value check judges (None: a behavioural check, judged on the call).
-check_field = result_field
 
 
 # --- helpers: translating the contract's tensors, reading results back ------------------

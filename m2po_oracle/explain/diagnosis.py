@@ -42,7 +42,7 @@ from m2po_oracle.explain.deviations import (
     loss_effects,
     variant,
 )
-from m2po_oracle.explain.evidence import Judge, Observation, field_of, in_order, merge
+from m2po_oracle.explain.evidence import Judge, Observation, in_order, merge
 from m2po_oracle.explain.explanation import Explanation, search
 from m2po_oracle.explain.padding import (
     PaddingLeak,
@@ -60,6 +60,7 @@ from m2po_oracle.explain.shares import (
     share_of,
     share_text,
 )
+from m2po_oracle.judge.checks import result_field
 from m2po_oracle.oracle.batch import Batch
 
 #: The deviations whose every failure is the rounding of a narrower dtype, and the option that accepts it.
@@ -135,7 +136,7 @@ def diagnose(
         behavioural = [v.name for v in VARIANTS if v.behaviour_check == check and v.behaviour_check != "call"]
         if check == "call" and call_failure_taus and all(t == 0 for t in call_failure_taus):
             behavioural = ["fails_at_zero_budget"]  # every call that raised had tau == 0, and only such calls raised
-        name = field_of(check)
+        name = result_field(check)
         if check == "padding_immunity":
             reading = padding_reader(judge, explanation.components)
             if reading:  # the explanation reproduces the port under every padding it changed with
@@ -183,7 +184,7 @@ def diagnose(
                 if known.behaviour_check == "padding_immunity"
                 else f"check {known.behaviour_check} failed"
                 if known.is_behavioural
-                else "reproduces " + "; ".join(f"{field_of(c) or c} on {share_text(shares[c])}" for c in explained if c in shares)
+                else "reproduces " + "; ".join(f"{result_field(c) or c} on {share_text(shares[c])}" for c in explained if c in shares)
                 if counted
                 else f"reproduces the port under the padding probes ({', '.join(explained)})"
             )

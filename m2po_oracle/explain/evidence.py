@@ -35,9 +35,6 @@ from m2po_oracle.oracle.record import (
     PaddingProbe,
 )
 
-#: The result field a value check judges (None: a behavioural or step check).
-field_of = result_field
-
 
 @dataclass(frozen=True)
 class Observation:
@@ -166,7 +163,7 @@ class Judge:
             expected = variants.evaluate_with_mask(batch, actual.keep, dev)
             values: dict[str, str] = {}
             for mismatch in compare_fields(batch, actual, expected, self.dtype, self.compute_dtype, metrics_dtype=dev.metrics_dtype):
-                name = field_of(mismatch.check)
+                name = result_field(mismatch.check)
                 if name in judged and name not in values:
                     at = f" at {mismatch.index}" if mismatch.index is not None else ""
                     values[name] = f"{name}{at}: variant {_plain(mismatch.expected)}, implementation {_plain(mismatch.actual)}"

@@ -11,8 +11,9 @@ from m2po_oracle.explain.deviations import (
     ALGORITHM_1,
     Deviation,
 )
-from m2po_oracle.explain.evidence import Judge, field_of, merge
+from m2po_oracle.explain.evidence import Judge, merge
 from m2po_oracle.explain.record import Feature, Residual, ResidualExample, Share
+from m2po_oracle.judge.checks import result_field
 
 #: The naming rule. A set of deviations is named for a failing check only when it is
 #: net-supported: it reproduces at least NAMED_SHARE of the check's failing examples (a
@@ -122,7 +123,7 @@ def residuals_of(judge: Judge, left: dict[str, Left], compute_dtype: str, replay
 
     residuals = []
     for indices, checks in groups.items():
-        field_names = {field_of(c) for c in checks}
+        field_names = {result_field(c) for c in checks}
         explained = [i for i, o in enumerate(judge.observations) if set(checks) & o.failed and i not in indices]
         counts = {name: sum(name in features(i) for i in indices) for name in coverage.FEATURES if name != "nan_padding"}
         elsewhere = {name: sum(name in features(i) for i in explained) for name in counts}

@@ -117,8 +117,7 @@ def test_cli_adapter_end_to_end_with_replay(tmp_path, capsys):
 
 
 def test_every_adapter_documents_what_it_checks():
-    from m2po_oracle.adapters import check_field
-    from m2po_oracle.judge.checks import CHECKS
+    from m2po_oracle.judge.checks import CHECKS, result_field
 
     for adapter in ADAPTERS.values():
         assert adapter.signature.startswith("fn(") and adapter.checked and adapter.params and adapter.outputs
@@ -129,7 +128,7 @@ def test_every_adapter_documents_what_it_checks():
         assert set(adapter.unobservable) <= set(CHECKS)
         assert set(adapter.runs()) | set(adapter.not_run()) == set(adapter.judged_by) and "call" in adapter.runs()
         assert all(
-            check_field(c) in adapter.builds or c in adapter.unobservable or check_field(c) not in adapter.supplies
+            result_field(c) in adapter.builds or c in adapter.unobservable or result_field(c) not in adapter.supplies
             for c in adapter.not_run()
         )
 

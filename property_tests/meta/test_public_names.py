@@ -66,3 +66,34 @@ def test_the_crossing_check_sees_a_planted_private_import_and_attribute():
         "planted.py:4 m2po_oracle.report.html._view",
         "planted.py:5 m2po_oracle.judge.checks._registry",
     ]
+
+
+def aliases(source: str, where: str) -> list[str]:
+    """Module-level second names for a package name (``field_of = result_field``): one thing,
+    one name, or a reader cannot tell the two apart."""
+    tree = ast.parse(source)
+    imported = {
+        alias.asname or alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "m2po_oracle")
+        for alias in node.names
+    }
+    return [
+        f"{where}:{node.lineno} {node.targets[0].id} = {node.value.id}"
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in imported
+    ]
+
+
+def test_no_package_name_has_a_second_name():
+    found = [hit for path in sorted(PACKAGE.rglob("*.py")) for hit in aliases(path.read_text(), str(path.relative_to(PACKAGE.parent)))]
+    assert not found, "aliases of package names (use the one name):\n" + "\n".join(found)
+
+
+def test_the_alias_check_sees_a_planted_alias():
+    planted = "from m2po_oracle.judge.checks import result_field\n\nfield_of = result_field\nLIMIT = 3\n"
+    assert aliases(planted, "planted.py") == ["planted.py:3 field_of = result_field"]
