@@ -368,6 +368,16 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
         "others": [entry(name) for name in described if name not in components],
         "by_check": by_check,
         "unexplained": [c for c in as_names(d.get("unexplained")) if c not in passed],
+        # An unexplained check whose failing examples a residual paragraph characterises is
+        # said to be unexplained there: the bare line names only the others.
+        "unexplained_alone": [
+            c
+            for c in as_names(d.get("unexplained"))
+            if c not in passed
+            and not any(
+                as_mapping(r).get("unexplained") and c in as_names(as_mapping(r).get("checks")) for r in as_list(d.get("residuals"))
+            )
+        ],
         "anchors": anchors,
         "alternatives": [[linked(name, anchors) for name in as_names(alt)] for alt in as_list(d.get("alternatives")) if as_names(alt)],
         "alternatives_reason": as_text(d.get("alternatives_reason")) if d.get("alternatives_reason") else ALIKE,

@@ -382,6 +382,29 @@ def test_an_old_report_without_the_new_keys_has_an_empty_explained_by_column(div
     assert '<p class="cause' not in html and 'class="cause-heading"' not in html
 
 
+def test_an_unexplained_check_with_a_residual_is_said_unexplained_once(divergent):
+    """Planted: the residual paragraph of an unexplained check already says that no known
+    deviation explains it; the bare line repeats only checks without such a paragraph."""
+    report = _explained(divergent)
+    residual = {
+        "checks": ["metrics.m2_after"],
+        "unexplained": True,
+        "count": 7,
+        "contradicted": 0,
+        "features": [],
+        "shared": [],
+        "float32_fits": None,
+        "explanation": [],
+        "counterexample": {"difference": "m2_after: variant 0.5, implementation 0.6", "replay": None},
+    }
+    report["diagnosis"]["residuals"] = [residual]
+    explanation = _section(render_html(report), "explanation")
+    assert "no known deviation explains this check, and these are what its failing examples share" in explanation
+    assert "no known deviation reproduces this failure" not in explanation
+    report["diagnosis"]["residuals"] = [{**residual, "checks": ["loss"]}]  # another check's residual leaves the line
+    assert "metrics.m2_after</span>: no known deviation reproduces this failure" in _section(render_html(report), "explanation")
+
+
 def test_explanation_box_comes_first_with_components_findings_hints_and_the_first_counterexample(divergent):
     report = _explained(divergent)
     html = render_html(report)
