@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 
 from m2po_oracle import strategies
 from m2po_oracle.call.isolation import InProcess, Isolated
-from m2po_oracle.call.runner import CAPTURE_NEEDS_A_STEP, CallHealth, CapturedOutput, RunOptions, refuse_unhonoured
+from m2po_oracle.call.runner import (
+    CAPTURE_NEEDS_A_STEP,
+    AdapterUse,
+    CallHealth,
+    CapturedOutput,
+    RunDescription,
+    RunOptions,
+    refuse_unhonoured,
+)
 from m2po_oracle.judge.battery import BatteryOutcome, replay_command, run_battery
 from m2po_oracle.judge.checks import CHECKS
 from m2po_oracle.judge.validation import PROBES, ProbeResult
@@ -108,25 +116,25 @@ class LossFunctionRunner:
     def example_key(self) -> str:
         return "batch"
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> RunDescription:
         if not self.options.adapter:
-            return {}
+            return RunDescription()
         from m2po_oracle.adapters import ADAPTERS
 
         adapter = ADAPTERS[self.options.adapter]
         bindings = self.options.bind
-        return {
-            "adapter": {
-                "name": adapter.name,
-                "signature": adapter.signature,
-                "checked": list(adapter.checked),
-                "supplies": sorted(adapter.supplies_with(bindings)),
-                "builds": dict(adapter.builds),
-                "not_run": self._not_run(),
-                "bindings": list(bindings),
-                "call": self.call,
-            }
-        }
+        return RunDescription(
+            adapter=AdapterUse(
+                adapter.name,
+                adapter.signature,
+                tuple(adapter.checked),
+                tuple(sorted(adapter.supplies_with(bindings))),
+                dict(adapter.builds),
+                self._not_run(),
+                tuple(bindings),
+                self.call,
+            )
+        )
 
     def start(self) -> None:
         if self.isolated:

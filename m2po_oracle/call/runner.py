@@ -129,8 +129,76 @@ class CaptureTarget:
         self.steps += 1
         return step
 
+    def use(self) -> CaptureUse:
+        return CaptureUse(str(self.directory), self.steps)
+
+
+@dataclass(frozen=True)
+class CaptureUse:
+    """What a run captured (``--capture``): the directory and the steps written there."""
+
+    directory: str
+    steps: int
+
     def to_json(self) -> dict[str, Any]:
-        return {"directory": str(self.directory), "steps": self.steps}
+        return {"directory": self.directory, "steps": self.steps}
+
+
+@dataclass(frozen=True)
+class AdapterUse:
+    """The adapter a run calls the port through (``--adapter``, ``--bind``), as the report states it."""
+
+    name: str
+    signature: str
+    checked: tuple[str, ...]
+    supplies: tuple[str, ...]  # the result fields the port itself computes
+    builds: dict[str, str]  # the fields the adapter builds, and how
+    not_run: dict[str, str]  # checks on what the adapter, not the port, decides, and why
+    bindings: tuple[str, ...]
+    call: str | None  # the call made, as the port sees it
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "signature": self.signature,
+            "checked": list(self.checked),
+            "supplies": list(self.supplies),
+            "builds": dict(self.builds),
+            "not_run": dict(self.not_run),
+            "bindings": list(self.bindings),
+            "call": self.call,
+        }
+
+
+@dataclass(frozen=True)
+class TopologyUse:
+    """The world a distributed run ran in."""
+
+    dp: int
+    cp: int
+    tp: int
+    backend: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "backend": self.backend}
+
+
+@dataclass(frozen=True)
+class ChosenDtype:
+    """A dtype the runner chose itself (a trainer computing in one dtype, run without ``--dtype``), and why."""
+
+    value: str
+    why: str
+
+
+@dataclass(frozen=True)
+class RunDescription:
+    """What a way of running adds to the report: its adapter, its topology, its capture, the dtype it chose."""
+
+    adapter: AdapterUse | None = None
+    topology: TopologyUse | None = None
+    capture: CaptureUse | None = None
+    dtype: ChosenDtype | None = None
 
 
 @dataclass
@@ -203,8 +271,8 @@ class Runner(Protocol):
     def example_key(self) -> str:
         """The key of a counterexample's input in the JSON report ("batch", "trainer_case")."""
 
-    def describe(self) -> dict[str, Any]:
-        """Report fields of this way of running (topology, adapter), JSON-ready."""
+    def describe(self) -> RunDescription:
+        """What this way of running adds to the report (adapter, topology, capture, a chosen dtype)."""
 
     def start(self) -> None: ...
 

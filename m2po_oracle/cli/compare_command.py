@@ -107,9 +107,9 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
         task = progress.add_task(f"checking {args.impl}", total=runner.options.examples)
         report = run_compare(runner, on_example=lambda _: progress.advance(task), exploration=exploration, started=args.started)
     record = report.to_json()
-    chosen = runner.describe().get("dtype")  # a trainer computing in one dtype, run without --dtype
-    if chosen:
-        record["options"]["dtype_why"] = chosen["why"]
+    chosen = runner.describe().dtype  # a trainer computing in one dtype, run without --dtype
+    if chosen is not None:
+        record["options"]["dtype_why"] = chosen.why
     if args.verbosity < 0:
         return _quiet_summary(args, report, record, console)
     if report.interrupted:

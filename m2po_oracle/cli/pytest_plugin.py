@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -83,16 +83,17 @@ def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, report
     items: dict[str, Any] = {}
     by_check = report.diagnosis.by_check
     accepted = {a.deviation: a for a in report.accepted}
-    beyond_adapter = (report.adapter or {}).get("not_run", {})  # checks on what the adapter, not the port, decides
+    adapter = report.adapter
+    beyond_adapter = adapter.not_run if adapter is not None else {}  # checks on what the adapter, not the port, decides
     for name, tally in report.tallies.items():
         if tally.status == "not run":
             why = (
                 "no call returned a result"
                 if name != "call" and not report.usable
-                else f"adapter {cast('dict[str, Any]', report.adapter)['name']}: {beyond_adapter[name]}"
-                if name in beyond_adapter
+                else f"adapter {adapter.name}: {beyond_adapter[name]}"
+                if adapter is not None and name in beyond_adapter
                 else "no generated example exercised it"
-            )  # not_run: an adapter's
+            )
             items[name] = {"status": "skip", "message": f"not run on {report.examples} {report.example_unit}: {why}"}
             continue
         if not tally.failures:

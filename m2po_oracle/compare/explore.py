@@ -225,8 +225,8 @@ def explore_and_judge(
 
 def supplied_fields(runner: Runner) -> frozenset[str] | None:
     """The result fields the port itself computes (None: every field it returns)."""
-    adapter = runner.describe().get("adapter") or {}
-    return frozenset(adapter["supplies"]) if "supplies" in adapter else None
+    adapter = runner.describe().adapter
+    return frozenset(adapter.supplies) if adapter is not None else None
 
 
 def diagnose_failures(runner: Runner, report: CompareReport, evidence: Evidence, supplied: frozenset[str] | None) -> None:

@@ -16,7 +16,7 @@ from typing import Any, cast
 import numpy as np
 
 from m2po_oracle import __version__, oracle
-from m2po_oracle.call.runner import RunOptions
+from m2po_oracle.call.runner import AdapterUse, CaptureUse, RunOptions, TopologyUse
 from m2po_oracle.explain.deviations import Accepted
 from m2po_oracle.explain.record import Diagnosis
 from m2po_oracle.judge.checks import ALL_CHECKS
@@ -187,8 +187,8 @@ class CompareReport:
     validation: list[ProbeResult] = field(default_factory=list)
     validation_not_run: str | None = None  # why the probes were skipped
     strict_validation: bool = False
-    topology: dict[str, Any] | None = None  # dp, cp, tp, backend of a distributed run
-    adapter: dict[str, Any] | None = None  # name, signature and the fields the port supplies
+    topology: TopologyUse | None = None  # the world of a distributed run
+    adapter: AdapterUse | None = None  # the adapter the port is called through
     collectives: list[dict[str, Any]] = field(default_factory=list)  # per rank, for one step
     metric_sources: dict[str, str] = field(default_factory=dict)  # an adapted port's metrics: ours -> where in its return
     example_unit: str = "batches"  # what one example is: a batch, or a training step (the trainer)
@@ -200,7 +200,7 @@ class CompareReport:
     coverage: CoverageTally = field(default_factory=CoverageTally)  # families and features of the examples tried
     accepted: tuple[Accepted, ...] = ()  # deviations the project accepts ([tool.m2po-oracle] accept, --accept)
     strict_accept: bool = True  # an accepted deviation that no longer shows fails the run
-    capture: dict[str, Any] | None = None  # --capture: {"directory", "steps"} the run recorded for `m2po-oracle audit`
+    capture: CaptureUse | None = None  # --capture: what the run recorded for `m2po-oracle audit`
 
     @property
     def validation_warnings(self) -> list[ProbeResult]:
@@ -314,21 +314,20 @@ class CompareReport:
                 "probes": [p.to_json() for p in self.validation],
             },
             "implementation_output": self.output,
-            **({"topology": self.topology, "collectives_per_step": self.collectives} if self.topology else {}),
-            **({"adapter": self._adapter_json()} if self.adapter else {}),
-            **({"capture": self.capture} if self.capture else {}),
+            **({"topology": self.topology.to_json(), "collectives_per_step": self.collectives} if self.topology else {}),
+            **({"adapter": self._adapter_json(self.adapter)} if self.adapter else {}),
+            **({"capture": self.capture.to_json()} if self.capture else {}),
             "tolerances": tolerances_json(),
             "environment": environment(),
         }
 
-    def _adapter_json(self) -> dict[str, Any]:
+    def _adapter_json(self, used: AdapterUse) -> dict[str, Any]:
         """The adapter as described, with what this run observed: ``metrics_read`` (each
         metric of ours the port returned, and where), and ``supplies`` narrowed to the
         metrics it returned (the family may return more than this port does)."""
-        adapter = dict(self.adapter or {})
-        if "supplies" in adapter:
-            metrics = set(METRIC_FIELDS + COUNT_FIELDS)
-            adapter["supplies"] = [f for f in adapter["supplies"] if f not in metrics or f in self.metric_sources]
+        adapter = used.to_json()
+        metrics = set(METRIC_FIELDS + COUNT_FIELDS)
+        adapter["supplies"] = [f for f in used.supplies if f not in metrics or f in self.metric_sources]
         adapter["metrics_read"] = dict(sorted(self.metric_sources.items()))
         return adapter
 

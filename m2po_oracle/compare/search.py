@@ -104,11 +104,11 @@ def run_compare(
         report.validation_not_run = report.validation_not_run or "the run was interrupted"
     report.output = runner.output.to_json()
     if options.capture:  # after every step the run took: exploration, shrinking, the counterexamples' replays
-        report.capture = runner.describe().get("capture")
+        report.capture = runner.describe().capture
     report.duration_s = time.perf_counter() - started
     return report
 
 
 def _describe(runner: Runner) -> dict[str, Any]:
     described = runner.describe()
-    return {"topology": described.get("topology"), "adapter": described.get("adapter")}
+    return {"topology": described.topology, "adapter": described.adapter}

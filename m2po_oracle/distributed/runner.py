@@ -13,7 +13,17 @@ from hypothesis import strategies as st
 
 from m2po_oracle import strategies
 from m2po_oracle.call.loss_function import batch_strategy
-from m2po_oracle.call.runner import CallHealth, CapturedOutput, CaptureFailed, CaptureTarget, RunOptions, refuse_unhonoured
+from m2po_oracle.call.runner import (
+    AdapterUse,
+    CallHealth,
+    CapturedOutput,
+    CaptureFailed,
+    CaptureTarget,
+    RunDescription,
+    RunOptions,
+    TopologyUse,
+    refuse_unhonoured,
+)
 from m2po_oracle.distributed.checks import DistributedStep, as_measurement, check_step, pad_for_cp, rank_step
 from m2po_oracle.distributed.diagnosis import DESCRIPTIONS
 from m2po_oracle.distributed.topology import Topology
@@ -181,11 +191,9 @@ class DistributedRunner:
     def example_key(self) -> str:
         return "batch"
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> RunDescription:
         t = self.topology
-        described: dict[str, Any] = {"topology": {"dp": t.dp, "cp": t.cp, "tp": t.tp, "backend": self.world.backend}}
-        if self.capture is not None:
-            described["capture"] = self.capture.to_json()
+        adapter = None
         if self._adapter_payload:
             from m2po_oracle.distributed.implementations import load_distributed_implementation
 
@@ -194,17 +202,21 @@ class DistributedRunner:
             call = load_distributed_implementation(
                 self.spec, self._adapter_payload
             ).bound_call.describe_call()  # loaded (and cached) by open_runner
-            described["adapter"] = {
-                "name": a.name,
-                "signature": a.signature,
-                "checked": list(a.checked),
-                "supplies": sorted(a.supplies_with(bindings)),
-                "builds": dict(a.builds),
-                "not_run": a.not_run(bindings),
-                "bindings": list(bindings),
-                "call": call,
-            }
-        return described
+            adapter = AdapterUse(
+                a.name,
+                a.signature,
+                tuple(a.checked),
+                tuple(sorted(a.supplies_with(bindings))),
+                dict(a.builds),
+                a.not_run(bindings),
+                tuple(bindings),
+                call,
+            )
+        return RunDescription(
+            adapter=adapter,
+            topology=TopologyUse(t.dp, t.cp, t.tp, self.world.backend),
+            capture=self.capture.use() if self.capture is not None else None,
+        )
 
     def start(self) -> None:
         self.world.start()

@@ -27,7 +27,16 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from m2po_oracle.call.runner import CallHealth, CapturedOutput, CaptureFailed, CaptureTarget, RunOptions, refuse_unhonoured
+from m2po_oracle.call.runner import (
+    CallHealth,
+    CapturedOutput,
+    CaptureFailed,
+    CaptureTarget,
+    ChosenDtype,
+    RunDescription,
+    RunOptions,
+    refuse_unhonoured,
+)
 from m2po_oracle.errors import LoadError, UsageError
 from m2po_oracle.judge.battery import BatteryOutcome, replay_command
 from m2po_oracle.judge.contract import Finding, Measurement
@@ -216,11 +225,10 @@ class TrainerRunner:
     def example_key(self) -> str:
         return "trainer_case"
 
-    def describe(self) -> dict[str, Any]:
-        described: dict[str, Any] = {"capture": self.capture.to_json()} if self.capture is not None else {}
-        if self.dtype_chosen:  # the runner, not the user, picked the dtype: the report says which and why
-            described["dtype"] = {"value": self.options.dtype, "why": self.dtype_chosen}
-        return described
+    def describe(self) -> RunDescription:
+        # A dtype the runner, not the user, picked: the report says which and why.
+        chosen = ChosenDtype(self.options.dtype, self.dtype_chosen) if self.dtype_chosen else None
+        return RunDescription(capture=self.capture.use() if self.capture is not None else None, dtype=chosen)
 
     def start(self) -> None:
         pass

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from m2po_oracle.call.runner import RunOptions
+from m2po_oracle.call.runner import CaptureUse, RunOptions
 from m2po_oracle.capture import load_capture
 from m2po_oracle.cli.config import parse_section
 from m2po_oracle.cli.launch import open_runner
@@ -210,7 +210,7 @@ def test_a_directory_that_already_holds_a_capture_is_refused_and_a_new_one_is_cr
     assert (tmp_path / "new" / "capture").is_dir() and not list((tmp_path / "new" / "capture").iterdir()), (
         "opening a runner records nothing"
     )
-    assert runner.describe() == {"capture": {"directory": str(tmp_path / "new" / "capture"), "steps": 0}}
+    assert runner.describe().capture == CaptureUse(str(tmp_path / "new" / "capture"), 0)
 
 
 def test_capture_is_read_from_the_project_configuration(tmp_path, monkeypatch, capsys):
@@ -241,7 +241,7 @@ def test_a_distributed_compare_captures_every_ranks_cp_shard(tmp_path):
     with open_runner("core", RunOptions.from_values({"topology": topology, "capture": str(directory)})) as runner:
         runner.start()
         report = run_compare(runner, examples=4, seed=0, shrink=False, on_example=outcomes.append)
-    assert report.verdict == "equivalent" and report.capture == {"directory": str(directory), "steps": len(outcomes)}
+    assert report.verdict == "equivalent" and report.capture == CaptureUse(str(directory), len(outcomes))
     capture = load_capture(directory)
     assert sorted(capture.manifests) == [0, 1, 2, 3] and capture.topology == "dp=2,cp=2,tp=1"
     assert capture.steps() == list(range(len(outcomes))), "the collective probes or rank 0's one-rank rerun were recorded"
