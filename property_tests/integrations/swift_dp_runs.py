@@ -29,6 +29,11 @@ def main(out: Path) -> None:
     run(replace(DemoSetup(), steps=3), str(out / "dp2"), scratch=str(scratch["dp2"]), save_inputs=str(out / "inputs"), max_grad_norm=0)
     run(replace(DemoSetup(), steps=6), str(out / "alone"), "per_rank_selection", scratch=str(scratch["alone"]))
     print(f"rank {dist.get_rank()} of {dist.get_world_size()} process(es) on {dist.get_backend()}: ran both")
+    # Leave the world together and tear gloo down before the interpreter exits: a rank that
+    # exits with the group's threads alive can abort ("terminate called without an active
+    # exception", SIGABRT) after its work is done, which fails the run for nothing it did.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
