@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 
 from m2po_oracle.explain.diagnosis import ALIKE
+from m2po_oracle.explain.record import EXPLAINING
 
 
 def metric_sources_text(sources: dict[str, str]) -> str:
@@ -125,7 +126,7 @@ def print_validation(console: Console, record: dict[str, Any]) -> None:
 
 def print_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
     status = diagnosis.get("status")
-    if status not in ("matched", "mostly_explained", "partly_explained", "no_known_variant"):
+    if status not in EXPLAINING:
         return
     say = lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
     say(f"diagnosis: {diagnosis.get('summary') or status}")

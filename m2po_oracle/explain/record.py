@@ -210,11 +210,6 @@ class Diagnosis:
         """No result to explain: the implementation could not be loaded, no call returned, or the run was interrupted first."""
         return cls("not_run")
 
-    @property
-    def explains(self) -> bool:
-        """Whether it names something, or says that nothing known does (a divergent run's diagnosis)."""
-        return self.status in EXPLAINING
-
     def partly(self) -> tuple[str, ...]:
         """The checks explained on fewer than all their failing examples."""
         return tuple(sorted(check for check, share in self.shares.items() if share.share < 1))

@@ -9,7 +9,7 @@ from dataclasses import FrozenInstanceError, fields
 import pytest
 
 from m2po_oracle.explain import deviations, step_deviations
-from m2po_oracle.explain.record import Diagnosis, Match, Share
+from m2po_oracle.explain.record import EXPLAINING, Diagnosis, Match, Share
 from m2po_oracle.judge import checks
 
 
@@ -41,12 +41,17 @@ def test_the_check_registry_holds_the_audits_checks():
     assert set(checks.AUDIT_CHECKS) <= set(checks.ALL_CHECKS)
 
 
+def unroled_knobs(deviation: type) -> list[str]:
+    """The knobs of ``deviation`` that neither the judge's memo keys nor a check shows."""
+    return [f.name for f in fields(deviation) if not (f.metadata["selection"] or f.metadata["objective"] or f.metadata["shown_by"])]
+
+
 def test_each_knob_declares_its_roles_once_and_the_lists_follow():
     knobs = {f.name: f.metadata for f in fields(deviations.Deviation)}
     assert set(deviations.SELECTION_KNOBS) == {n for n, m in knobs.items() if m["selection"]}
     assert set(deviations.LOSS_EFFECTS) <= set(deviations.OBJECTIVE_KNOBS)  # a loss effect is judged by the objective's memo
     assert set(deviations.BEHAVIOURAL.values()) <= set(checks.CHECKS)
-    unroled = [n for n, m in knobs.items() if not (m["selection"] or m["objective"] or m["shown_by"])]
+    unroled = unroled_knobs(deviations.Deviation)
     assert not unroled, f"knobs with no role: no memo keys them and no check shows them: {unroled}"
 
 
@@ -58,8 +63,7 @@ def test_a_knob_without_a_role_is_seen():
     class Planted(deviations.Deviation):
         forgotten: bool = deviations.knob(False)
 
-    unroled = [f.name for f in fields(Planted) if not (f.metadata["selection"] or f.metadata["objective"] or f.metadata["shown_by"])]
-    assert unroled == ["forgotten"]
+    assert unroled_knobs(Planted) == ["forgotten"]
 
 
 def test_the_diagnosis_is_a_frozen_record_with_one_json_shape():
@@ -87,4 +91,4 @@ def test_the_diagnosis_is_a_frozen_record_with_one_json_shape():
         "components": ["strict_stop"],
     }
     assert Diagnosis.not_run().to_json() == {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
-    assert not Diagnosis.not_run().explains and d.explains
+    assert Diagnosis.not_run().status not in EXPLAINING and d.status in EXPLAINING
