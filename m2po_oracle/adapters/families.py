@@ -42,6 +42,9 @@ class Adapter:
     maps: str = "none (the family returns no metrics)"
     #: The family as seen in public code (for the listing).
     seen_in: str = ""
+    #: The port returns no mask: the adapter reads it from the port's zero gradients, so a
+    #: kept token whose gradient the port's own loss zeroes reads as removed.
+    keep_inferred: bool = False
     #: A distributed port: it runs under ``--topology`` (its wrap takes ``parallel=``) and
     #: is judged by the distributed checks.
     distributed: bool = False
@@ -425,6 +428,7 @@ ADAPTERS: dict[str, Adapter] = {
             ),
             outputs=(Output("loss", (0,)), Output("metrics", (1,), optional=True)),
             unobservable=_INFERRED,
+            keep_inferred=True,
             maps=_MAPPED,
             seen_in=f"verl's policy-loss registry; config carries the budget as {_BUDGET_NAMES}, at the top and in config.policy_loss",
         ),
@@ -447,6 +451,7 @@ ADAPTERS: dict[str, Adapter] = {
             ),
             outputs=(Output("loss", (0,)), Output("metrics", (4,), optional=True)),
             unobservable=_INFERRED,
+            keep_inferred=True,
             maps="the keys of stats that name ours (mapped as listed below); the release's M2_after is its capped mean, not ours, and is not mapped",
             seen_in="the authors' release on a verl 0.4 fork (its minimum clip floors are passed only where bound: the port's own defaults apply, "
             "as shipped; --bind miniclip_low=None --bind miniclip_high=None turns them off)",
@@ -466,6 +471,7 @@ ADAPTERS: dict[str, Adapter] = {
             ),
             outputs=(Output("loss", (0,)),),
             unobservable=_INFERRED,
+            keep_inferred=True,
             maps="none by default: bind a returned scalar to a metric, e.g. --bind m2_before=2 --bind masked_fraction=1",
             seen_in="clip kernels ported from the release that take ppo_kl = old - new (differentiable) first",
         ),

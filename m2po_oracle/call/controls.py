@@ -68,6 +68,7 @@ NEGATIVE_CONTROLS: tuple[NegativeControl, ...] = (
         "first_token_advantage_sign",
         ("selection.only_trust_region_masked", "selection.budget", "selection.minimal", "selection.largest_removed_first"),
     ),
+    _control("never_removes", ("selection.budget",)),
     _control("strict_stop", ("selection.minimal",)),
     _control("mean_over_valid", ("selection.budget", "selection.minimal")),
     _control("per_sequence_selection", ("selection.minimal", "selection.largest_removed_first")),
@@ -120,6 +121,7 @@ NEGATIVE_CONTROLS: tuple[NegativeControl, ...] = (
     _control("empty_rows_count_one", ("loss", "gradient")),
     _control("scaled_budget", ("selection.minimal", "selection.budget")),
     _control("fails_at_zero_budget", ("call",)),
+    _control("float32_loss", ("loss", "gradient")),
     # The leak real ports have: finite forward, a NaN gradient at padding positions only
     # (torch.where's backward); named as the leak it is.
     NegativeControl(
@@ -268,6 +270,8 @@ QUICK_EXAMPLES: dict[str, int] = {
     "maskless_all_valid": 42,  # 3 / 6.5 / 28
     "maskless_trust_region": 47,  # 3 / 9 / 31
     "fails_at_zero_budget": 207,  # 7 / 33.5 / 138
+    "never_removes": 20,  # 2 / 2.5 / 13
+    "float32_loss": 20,  # 2 / 2.5 / 13
     "loss_clamped_log_ratio": 500,  # 29 / 118.5 / 400 (needs a kept token with |d| > 20; capped at the run's 500)
 }
 

@@ -30,6 +30,8 @@ def _candidates(
         return mask & (((advantages > margin) & (d > margin)) | ((advantages < -margin) & (d < -margin)))
     if how == "all_valid":
         return mask.clone()
+    if how == "none":
+        return torch.zeros_like(mask)
     if how == "swapped_quadrants":
         return mask & (((advantages > margin) & (d < -margin)) | ((advantages < -margin) & (d > margin)))
     if how == "zero_advantage_included":
@@ -234,6 +236,8 @@ def planted(
         live_logp = torch.where(mask, logp, torch.zeros_like(logp))
         live_behavior = torch.where(mask, behavior_logp, torch.zeros_like(behavior_logp))
         live_advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
+    if dev.loss_dtype == "float32":  # the loss's arithmetic in float32; the gradient reaches logp through the cast
+        live_logp, live_behavior, live_advantages = live_logp.float(), live_behavior.float(), live_advantages.float()
     d_live = sign * (live_logp - live_behavior)
     if dev.clamp_log_ratio is not None:
         if dev.hard_clamp:  # a real clamp: beyond +-clamp the value is exp(+-clamp) and the gradient 0

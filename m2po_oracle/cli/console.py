@@ -163,7 +163,10 @@ def print_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
         say(f"  finding: {finding['summary']}")
     if diagnosis.get("closest"):
         searched = diagnosis.get("examples_searched", diagnosis["examples_compared"])
-        say(f"  leads for the unexplained (searched on the first {searched} of the {diagnosis['examples_compared']} examples compared):")
+        say(
+            f"  leads for the unexplained (searched on {searched} of the {diagnosis['examples_compared']} examples compared, "
+            "the rest held out):"
+        )
         for c in diagnosis["closest"]:
             if c.get("check"):  # the explanation's own share, below the threshold that names it
                 say(f"  - {c['variant']}: {c['description']}")

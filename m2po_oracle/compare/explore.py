@@ -17,7 +17,7 @@ from hypothesis.errors import NoSuchExample
 from m2po_oracle.call.runner import Runner
 from m2po_oracle.compare.database import ExampleDatabase, search_settings
 from m2po_oracle.compare.report import CompareReport
-from m2po_oracle.compare.shrink import battery_of, counterexamples_of
+from m2po_oracle.compare.shrink import battery_of, counterexamples_of, keep_inferred
 from m2po_oracle.explain.deviations import Accepted
 from m2po_oracle.explain.diagnosis import diagnose
 from m2po_oracle.explain.evidence import Observation
@@ -35,15 +35,16 @@ MAX_TIMEOUTS = 2
 MAX_DEAD_CALLS = 5
 
 
-#: Observations kept for diagnosis: half from failing examples, half from passing ones,
-#: and beyond that the first few of every failing check, so each is represented.
+#: The search's sample: half from failing examples, half from passing ones, and beyond that
+#: the first few of every failing check, so each is represented.
 DIAGNOSIS_EXAMPLES = 60
 
 
 OBSERVATIONS_PER_CHECK = 3
 
 
-#: Failing examples beyond the search's sample kept to count each check's share.
+#: Examples beyond the search's sample, held out: a name must reproduce them too (the
+#: search never chose on them), and the shares count them.
 SHARE_EXAMPLES = 2000
 
 
@@ -75,7 +76,8 @@ class Evidence:
     more_failing: list[Observation] = field(default_factory=list)  # beyond the search's sample: counted in the shares
     more_passing: list[Observation] = field(default_factory=list)  # likewise: where a name's contradictions are counted
     call_failure_taus: list[float] = field(default_factory=list)  # the budget of each call that raised or returned no result
-    per_check: dict[str, int] = field(default_factory=dict)
+    per_check: dict[str, int] = field(default_factory=dict)  # check -> its failing examples in the search's sample
+    seen: dict[str, int] = field(default_factory=dict)  # check -> its failing examples so far ("": passing ones)
     step_by_check: dict[str, set[str]] = field(default_factory=dict)  # check -> step variants reproducing each of its failing steps
     non_finite: int = 0  # examples whose loss or gradient is not finite on valid, finite inputs
     non_finite_checks: set[str] = field(default_factory=set)
@@ -90,9 +92,16 @@ class Evidence:
         observation = Observation(outcome.batch, result, frozenset(outcome.failed_checks), outcome.padding_probes, example)
         # A behavioural failure (a padding probe) needs observations too: the diagnosis
         # replays the probes to tell a deviation that reads padding from a leak.
-        underrepresented = any(self.per_check.get(n, 0) < OBSERVATIONS_PER_CHECK for n in outcome.failed_checks)
         bucket = self.failing if value_failures else self.passing
-        if len(bucket) < DIAGNOSIS_EXAMPLES // 2 or underrepresented:
+        # Alternate between the search's sample and the held-out examples, by the rarest
+        # failing check's count so far: each check with two failing examples or more has some
+        # held out, on which a name chosen on the sample is judged.
+        rarest = min((self.seen.get(n, 0) for n in outcome.failed_checks), default=self.seen.get("", 0))
+        for n in outcome.failed_checks or ("",):
+            self.seen[n] = self.seen.get(n, 0) + 1
+        underrepresented = any(self.per_check.get(n, 0) < OBSERVATIONS_PER_CHECK for n in outcome.failed_checks)
+        to_sample = rarest % 2 == 0 and (len(bucket) < DIAGNOSIS_EXAMPLES // 2 or underrepresented)
+        if to_sample:
             bucket.append(observation)
             for n in outcome.failed_checks:
                 self.per_check[n] = self.per_check.get(n, 0) + 1
@@ -253,6 +262,7 @@ def diagnose_failures(runner: Runner, report: CompareReport, evidence: Evidence,
         replay=runner.replay_command,
         call_failure_taus=evidence.call_failure_taus,
         leaks_alone=leak_probe(runner) if padding else None,
+        keep_inferred=keep_inferred(runner),
     )
 
 

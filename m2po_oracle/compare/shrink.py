@@ -78,7 +78,7 @@ def counterexamples_of(
         if prior is not None:
             found.append(counterexample_of(runner, first.name, *prior, cause, checks))
             continue
-        shows = shows_alone(report, alone, checks, supplied) if alone else None
+        shows = shows_alone(report, alone, checks, supplied, keep_inferred(runner)) if alone else None
         example, outcome = shrink_to_minimal(runner, set(checks), first.first_failure, strategy, shows, checks_run)
         shrunk_outcomes.append((example, outcome))
         check = next((c for c in checks if c in outcome.failed_checks), first.name)
@@ -86,8 +86,16 @@ def counterexamples_of(
     return found
 
 
+def keep_inferred(runner: Runner) -> bool:
+    """Whether the runner's adapter reads the port's mask from its zero gradients."""
+    from m2po_oracle.adapters import ADAPTERS
+
+    adapter = runner.describe().adapter
+    return adapter is not None and adapter.name in ADAPTERS and ADAPTERS[adapter.name].keep_inferred
+
+
 def shows_alone(
-    report: CompareReport, names: tuple[str, ...], checks: tuple[str, ...], supplied: frozenset[str] | None
+    report: CompareReport, names: tuple[str, ...], checks: tuple[str, ...], supplied: frozenset[str] | None, keep_inferred: bool = False
 ) -> Callable[[BatteryOutcome], bool]:
     """Whether an outcome fails one of ``checks`` and these deviations alone reproduce it."""
     from m2po_oracle.explain.evidence import Judge, merge
@@ -98,7 +106,13 @@ def shows_alone(
         result = outcome.measurement.result
         if result is None or dev is None or not set(checks) & set(outcome.failed_checks):
             return False
-        judge = Judge([Observation(outcome.batch, result)], dtype=report.dtype, compute_dtype=report.compute_dtype, supplied=supplied)
+        judge = Judge(
+            [Observation(outcome.batch, result)],
+            dtype=report.dtype,
+            compute_dtype=report.compute_dtype,
+            supplied=supplied,
+            keep_inferred=keep_inferred,
+        )
         return not judge.differences(dev, 0)
 
     return shows

@@ -13,7 +13,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-CANDIDATE_SETS = ("trust_region", "all_valid", "swapped_quadrants", "zero_advantage_included", "first_token_sign", "column0_sign")
+CANDIDATE_SETS = (
+    "trust_region",
+    "all_valid",
+    "swapped_quadrants",
+    "zero_advantage_included",
+    "first_token_sign",
+    "column0_sign",
+    "none",
+)
 #: The loss's normaliser. The first four divide the masked sum by one count (N, the kept
 #: count, B*T, N + epsilon); the rest are the frameworks' per-row aggregations (spec
 #: section 5), with n_i the valid tokens of row i and S_i the masked sum of row i:
@@ -50,17 +58,27 @@ def knob(
     loss_effect: str | None = None,
     shown_by: str | None = None,
     mask_only: bool = False,
+    silences_kept: bool = False,
 ) -> Any:
     """A knob of :class:`Deviation` with its roles, declared once: ``selection`` (it shapes the
     mask), ``objective`` (it shapes loss, gradient and metrics on a given mask), ``loss_effect``
     (what it changes in the loss or gradient beyond which tokens are kept: unobserved where an
     adapter builds the loss), ``shown_by`` (a behavioural deviation: the one check that shows
-    it), ``mask_only`` (it belongs to the mask selection and means nothing for a clip range).
+    it), ``mask_only`` (it belongs to the mask selection and means nothing for a clip range),
+    ``silences_kept`` (it zeroes the gradient of some kept tokens: where an adapter reads the
+    mask from zero gradients, those tokens read as removed though the selection kept them).
     A knob that is none of selection, objective or behavioural would be judged by a memo that
     ignores it."""
     return field(
         default=default,
-        metadata={"selection": selection, "objective": objective, "loss_effect": loss_effect, "shown_by": shown_by, "mask_only": mask_only},
+        metadata={
+            "selection": selection,
+            "objective": objective,
+            "loss_effect": loss_effect,
+            "shown_by": shown_by,
+            "mask_only": mask_only,
+            "silences_kept": silences_kept,
+        },
     )
 
 
@@ -92,7 +110,7 @@ class Deviation:
         False, selection=True, objective=True
     )  # clip kinds: the ratio range [exp(-c), exp(c)] rounded through float32
     ppo_clip: float | None = knob(
-        None, objective=True, loss_effect="PPO's clip on kept tokens", mask_only=True
+        None, objective=True, loss_effect="PPO's clip on kept tokens", mask_only=True, silences_kept=True
     )  # PPO's epsilon-clip still applied to kept tokens
     ratio_inverted: bool = knob(
         False, selection=True, objective=True, loss_effect="the inverted ratio in the loss"
@@ -111,7 +129,7 @@ class Deviation:
         None, selection=True, objective=True, loss_effect="the clamp of d in the loss"
     )  # clamp of d (straight-through unless hard_clamp)
     hard_clamp: bool = knob(
-        False, objective=True, loss_effect="the clamp's zero gradient"
+        False, objective=True, loss_effect="the clamp's zero gradient", silences_kept=True
     )  # the clamp is a real clamp: kept tokens beyond it get zero gradient
     clamp_only_in_loss: bool = knob(
         False, selection=True, objective=True
@@ -127,6 +145,9 @@ class Deviation:
     )  # clip kinds: the ratio's upper bound where no cap applies (ports return 1e5)
     selection_dtype: str = knob("float64", selection=True)  # the dtype of the selection arithmetic (d, d^2, prefix means)
     metrics_dtype: str = knob("float64", objective=True)  # the dtype the logged metrics are computed in
+    loss_dtype: str = knob(
+        "float64", objective=True, loss_effect="the loss and gradient in float32", silences_kept=True
+    )  # the dtype of the loss's arithmetic (exp(d) * A, its sum and gradient)
     sanitise_inputs_in_place: bool = knob(False, shown_by="inputs_not_mutated")  # writes 0 into the caller's padding
     m2_after_over_valid: bool = knob(False, objective=True, mask_only=True)  # metric: mean M2 over every kept valid token
     random_tie_break: bool = knob(False, shown_by="determinism", mask_only=True)  # ties at the cut broken by fresh random noise
@@ -141,7 +162,7 @@ class Deviation:
             raise ValueError(f"denominator: expected one of {DENOMINATORS}, got {self.denominator!r}")
         if self.selection_kind not in SELECTION_KINDS:
             raise ValueError(f"selection_kind: expected one of {SELECTION_KINDS}, got {self.selection_kind!r}")
-        for name in ("selection_dtype", "metrics_dtype"):
+        for name in ("selection_dtype", "metrics_dtype", "loss_dtype"):
             if getattr(self, name) not in PRECISIONS:
                 raise ValueError(f"{name}: expected one of {PRECISIONS}, got {getattr(self, name)!r}")
         if self.scope_rows is not None and self.scope_rows < 1:
@@ -175,6 +196,8 @@ MASK_ONLY_KNOBS = _knobs("mask_only")
 #: diagnosis of a port whose adapter builds the loss and gradient (mask_only,
 #: mask_function) has not observed it, whatever the variant's description says.
 LOSS_EFFECTS = {f.name: f.metadata["loss_effect"] for f in fields(Deviation) if f.metadata["loss_effect"]}
+#: Knobs that zero some kept tokens' gradient (PPO's clip, a hard clamp, float32 underflow).
+SILENCING_KNOBS = _knobs("silences_kept")
 #: Deviations visible only in behaviour, not in the values computed, by the check that shows them.
 BEHAVIOURAL = {f.name: f.metadata["shown_by"] for f in fields(Deviation) if f.metadata["shown_by"]}
 
@@ -237,6 +260,12 @@ VARIANTS: tuple[Variant, ...] = (
         "advantage sign taken from each row's first valid token",
         f"{SPEC} (authors' release)",
         candidates="first_token_sign",
+    ),
+    _variant(
+        "never_removes",
+        "the selection never removes a token: every valid token is kept (the selection is not run, or finds no candidate)",
+        PLAUSIBLE,
+        candidates="none",
     ),
     _variant("strict_stop", "stops only when the mean is < tau: equality keeps removing", f"{SPEC} (AReaL, SkyRL fork)", strict_stop=True),
     _variant(
@@ -360,6 +389,12 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     _variant("float32_selection", "selection arithmetic (d, d^2, prefix means) in float32", CLIP, selection_dtype="float32"),
     _variant("float32_metrics", "logged metrics computed in float32", CLIP, metrics_dtype="float32"),
+    _variant(
+        "float32_loss",
+        "loss and gradient computed in float32 (exp(d) * A, its sum and its gradient; a tiny product underflows to 0)",
+        f"{CLIP} (ms-swift, Trinity-RFT: the policy's float32 log-probs)",
+        loss_dtype="float32",
+    ),
     # algorithm.md §5: the frameworks' loss aggregations, which ports inherit from the trainer's configuration.
     _variant(
         "seq_mean_token_sum",

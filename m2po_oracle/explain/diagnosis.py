@@ -55,6 +55,9 @@ from m2po_oracle.explain.shares import (
     CONTRADICTION_BOUND,
     NAMED_SHARE,
     Left,
+    Measured,
+    held_out_text,
+    named,
     net_supported,
     residuals_of,
     share_of,
@@ -87,6 +90,7 @@ def diagnose(
     replay: Any = None,
     call_failure_taus: Sequence[float] = (),
     leaks_alone: Callable[[Batch], bool | None] | None = None,
+    keep_inferred: bool = False,
 ) -> Diagnosis:
     """The diagnosis of a run (its JSON schema in ``report``).
 
@@ -96,7 +100,8 @@ def diagnose(
     to the step-level variants (distributed, trainer) that reproduce every failing step of
     it; they explain it ahead of a single-batch deviation. ``replay(example)`` gives the
     command that replays a residual's counterexample; ``leaks_alone`` (see :func:`padding_leak`)
-    tells which input a padding leak comes through."""
+    tells which input a padding leak comes through; ``keep_inferred``: the adapter read the
+    port's mask from its zero gradients."""
     observations = list(observations)
     sample = len(observations)
     observations += list(beyond_sample)
@@ -105,18 +110,26 @@ def diagnose(
     # observation the shares count (the sample and the failing examples beyond it).
     if not divergent:
         return Diagnosis("not_needed", examples_compared=len(observations), examples_searched=sample, findings=tuple(findings))
-    judge = Judge(observations, dtype=dtype, compute_dtype=compute_dtype, supplied=supplied, sample=sample)
+    judge = Judge(observations, dtype=dtype, compute_dtype=compute_dtype, supplied=supplied, sample=sample, keep_inferred=keep_inferred)
     output_variants = [v.name for v in VARIANTS if v.name != "algorithm_1" and not v.is_behavioural]
     explanation = search(judge, output_variants) if observations else Explanation((), 0, 0)
     if explanation.alternatives:
         # Of equally small explanations: one that also reproduces the port under the padding
         # probes (it reads padding, e.g. column 0's advantage) explains more than a leak; then
         # the one naming the deviations the project accepts (the examples cannot tell them apart).
+        # Then, of those still tied, the one that reproduces more of every example: the search
+        # chose their size and values on its sample alone, which cannot tell them apart.
         pads = "padding_immunity" in failed
         ranked = sorted(
             [explanation.components, *explanation.alternatives],
-            key=lambda names: (pads and not reads_padding(judge, names), -len({variant(n).base for n in names} & prefer)),
+            key=lambda names: (
+                pads and not reads_padding(judge, names),
+                -len({variant(n).base for n in names} & prefer),
+                -judge.score_all(merge(names) or ALGORITHM_1),
+            ),
         )
+        best = judge.score_all(merge(ranked[0]) or ALGORITHM_1)
+        ranked = [ranked[0]] + [r for r in ranked[1:] if judge.score_all(merge(r) or ALGORITHM_1) == best]
         explanation = replace(explanation, components=ranked[0], alternatives=ranked[1:])
     dev = merge(explanation.components) or ALGORITHM_1
 
@@ -129,6 +142,7 @@ def diagnose(
     closest_by_check: dict[str, Share] = {}
     unexplained_left: dict[str, Left] = {}
     leak: PaddingLeak | None = None
+    measured: dict[str, Measured | None] = {}
     for check in failed:
         if check in step_choice:
             by_check[check] = [step_choice[check]]
@@ -149,18 +163,32 @@ def diagnose(
             by_check[check] = behavioural
             continue
         # Without an explanation every failing example is the residual (Algorithm 1 reproduces none).
-        measured = share_of(judge, dev, name, check) if name is not None else None
-        if measured is not None and net_supported(measured):
-            by_check[check] = _responsible(judge, explanation.components, measured.field_name, measured.reproduced)
-            shares[check] = measured.share(tuple(by_check[check]))
-            if measured.residual:
-                left[check] = Left(measured.residual, tuple(by_check[check]))
-        else:
-            unexplained.append(check)
-            if measured is not None and measured.explained:
-                closest_by_check[check] = measured.share(explanation.components)
-            if measured is not None and measured.residual:  # what its failing examples share, though nothing known explains them
-                unexplained_left[check] = Left(measured.residual, explanation.components)
+        measured[check] = share_of(judge, dev, name, check) if name is not None else None
+    # A check too rare to hold any failing example out takes only deviations a name already
+    # holds on held-out examples of another check: no name rests on in-sample evidence alone.
+    validated: set[str] = set()
+    for check, m in measured.items():
+        if m is not None and named(m):
+            by_check[check] = _responsible(judge, explanation.components, m.field_name, m.reproduced)
+            validated.update(by_check[check])
+    for check, m in measured.items():
+        if check in by_check:
+            pass
+        elif m is not None and m.held_out is None and net_supported(m):
+            responsible = _responsible(judge, explanation.components, m.field_name, m.reproduced)
+            if set(responsible) <= validated:
+                by_check[check] = responsible
+        if check in by_check and m is not None:
+            shares[check] = m.share(tuple(by_check[check]))
+            if m.residual:
+                left[check] = Left(m.residual, tuple(by_check[check]))
+            continue
+        unexplained.append(check)
+        if m is not None and m.explained:
+            closest_by_check[check] = m.share(explanation.components)
+        if m is not None and m.residual:  # what its failing examples share, though nothing known explains them
+            unexplained_left[check] = Left(m.residual, explanation.components)
+    by_check = {check: by_check[check] for check in failed if check in by_check}  # in the order of the failing checks
 
     residuals = residuals_of(judge, left, compute_dtype or dtype, replay) + residuals_of(
         judge, unexplained_left, compute_dtype or dtype, replay, unexplained=True
@@ -290,8 +318,10 @@ def _closest(judge: Judge, names: Sequence[str], exclude: set[str], by_check: di
             " + ".join(c.components),
             f"reproduces {check} on {c.explained} of {c.failing} failing examples"
             + (f" and contradicts {c.contradicted}" if c.contradicted else "")
+            + f" ({held_out_text(c.held_out)})"
             + f": short of the naming rule (at least {NAMED_SHARE:.0%} "
-            f"of the failing examples, at most {CONTRADICTION_BOUND:g} contradicted per reproduced one)",
+            f"of the failing examples, at most {CONTRADICTION_BOUND:g} contradicted per reproduced one, "
+            "on every example and on the held-out ones alone)",
             "",
             c.explained,
             c.of,

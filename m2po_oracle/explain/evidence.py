@@ -3,6 +3,7 @@ and the ``Judge`` that says which fields a set of deviations reproduces on it.""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -15,6 +16,7 @@ from m2po_oracle.explain.deviations import (
     ALGORITHM_1,
     OBJECTIVE_KNOBS,
     SELECTION_KNOBS,
+    SILENCING_KNOBS,
     VARIANTS,
     Deviation,
     combine,
@@ -87,8 +89,13 @@ class Judge:
         compute_dtype: str | None,
         supplied: frozenset[str] | None,
         sample: int | None = None,
+        keep_inferred: bool = False,
     ) -> None:
         self.observations = list(observations)
+        #: The port's mask was read from its zero gradients (the adapter): a token whose gradient
+        #: the deviation's own loss zeroes reads as removed, which is not the selection's doing.
+        self.keep_inferred = keep_inferred
+        self._silent: dict[tuple[tuple, int], np.ndarray] = {}
         self.dtype, self.compute_dtype, self.supplied = dtype, compute_dtype or dtype, supplied
         self.fields = [self._fields(o.result, supplied) for o in self.observations]
         #: The search scores the first ``sample`` observations; shares count every one.
@@ -152,37 +159,73 @@ class Judge:
     def _compute(self, dev: Deviation, i: int) -> dict[str, str]:
         observation, judged = self.observations[i], self.fields[i]
         batch, actual = observation.batch, observation.result
+        unreadable = self.unreadable(dev, i)
+        value_key: tuple = tuple(getattr(dev, k) for k in OBJECTIVE_KNOBS) + ((dev.candidates,) if dev.selection_kind != "mask" else ())
+        if unreadable is not None and unreadable.any():
+            # There the inferred mask shows the gradient, not the selection: the selection is
+            # judged on the rest, the deviation's own choice taken there (and the values on that mask).
+            actual = dataclasses.replace(actual, keep=np.where(unreadable, self._selection(dev, i)[0], actual.keep))
+            value_key += tuple(getattr(dev, k) for k in SELECTION_KNOBS)
         found: dict[str, str] = {}
         if "keep" in judged:
-            difference = self._keep_difference(dev, i)
+            difference = self._keep_difference(dev, i, actual)
             if difference:
                 found["keep"] = difference
         # Loss, gradient and metrics depend on the objective's knobs only: many combinations share them.
-        value_key = (tuple(getattr(dev, k) for k in OBJECTIVE_KNOBS) + ((dev.candidates,) if dev.selection_kind != "mask" else ()), i)
-        if value_key not in self._values:
+        if (value_key, i) not in self._values:
             expected = variants.evaluate_with_mask(batch, actual.keep, dev)
             values: dict[str, str] = {}
-            for mismatch in compare_fields(batch, actual, expected, self.dtype, self.compute_dtype, metrics_dtype=dev.metrics_dtype):
+            for mismatch in compare_fields(
+                batch, actual, expected, self.dtype, self.compute_dtype, metrics_dtype=dev.metrics_dtype, loss_dtype=dev.loss_dtype
+            ):
                 name = result_field(mismatch.check)
                 if name in judged and name not in values:
                     at = f" at {mismatch.index}" if mismatch.index is not None else ""
                     values[name] = f"{name}{at}: variant {_plain(mismatch.expected)}, implementation {_plain(mismatch.actual)}"
-            self._values[value_key] = values
-        return {**self._values[value_key], **found}
+            self._values[(value_key, i)] = values
+        return {**self._values[(value_key, i)], **found}
 
-    def _keep_difference(self, dev: Deviation, i: int) -> str | None:
-        batch, actual = self.observations[i].batch, self.observations[i].result
+    def predicted_keep(self, dev: Deviation, i: int) -> np.ndarray:
+        """``dev``'s mask on observation ``i`` (for a clip kind: the tokens with a gradient), memoised."""
+        return self._selection(dev, i)[0]
+
+    def _selection(self, dev: Deviation, i: int) -> tuple[np.ndarray, np.ndarray]:
+        batch = self.observations[i].batch
+        selection_key = (tuple(getattr(dev, k) for k in SELECTION_KNOBS), i)
+        if selection_key not in self._keeps:  # the mask and its M2 levels depend on the selection's knobs only
+            d = variants.selection_log_ratio(variants.log_ratio(batch, dev), dev)
+            self._keeps[selection_key] = (variants.select(batch, dev), np.where(batch.valid, variants.selection_m2(d, dev), np.nan))
+        return self._keeps[selection_key]
+
+    def unreadable(self, dev: Deviation, i: int) -> np.ndarray | None:
+        """Where the port's mask was inferred from zero gradients, the valid tokens whose
+        choice the gradient cannot show: a kept token's gradient exp(d) * A / N is zero when
+        A == 0 or it underflows (the adapter completes those with the core's choice), and
+        ``dev``'s own loss zeroes some kept tokens' gradient (PPO's clip, a hard clamp,
+        float32 underflow). None where the mask is the port's own."""
+        if not self.keep_inferred:
+            return None
+        silencing = dev.selection_kind == "mask" and any(getattr(dev, k) != getattr(ALGORITHM_1, k) for k in SILENCING_KNOBS)
+        key = (tuple(getattr(dev, k) for k in OBJECTIVE_KNOBS) if silencing else (), i)
+        if key not in self._silent:
+            batch = self.observations[i].batch
+            with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+                kept_gradient = np.exp(variants.log_ratio(batch, ALGORITHM_1)) * np.where(batch.valid, batch.advantages, 0.0)
+            blind = batch.valid & (kept_gradient == 0)
+            if silencing:
+                blind |= batch.valid & (variants.evaluate_with_mask(batch, batch.valid, dev).grad == 0)
+            self._silent[key] = blind
+        return self._silent[key]
+
+    def _keep_difference(self, dev: Deviation, i: int, actual: M2POResult) -> str | None:
+        batch = self.observations[i].batch
         if dev.selection_kind == "mask" and all(
             getattr(dev, k) == getattr(ALGORITHM_1, k) for k in SELECTION_KNOBS if k != "selection_dtype"
         ):
             # Algorithm 1's own selection: any admissible outcome (ties, rounding near tau) reproduces it.
             wrong = check_selection(batch, actual.keep, coarser(self.compute_dtype, dev.selection_dtype))
             return f"keep: {wrong[0].summary}" if wrong else None
-        selection_key = (tuple(getattr(dev, k) for k in SELECTION_KNOBS), i)
-        if selection_key not in self._keeps:  # the mask and its M2 levels depend on the selection's knobs only
-            d = variants.selection_log_ratio(variants.log_ratio(batch, dev), dev)
-            self._keeps[selection_key] = (variants.select(batch, dev), np.where(batch.valid, variants.selection_m2(d, dev), np.nan))
-        keep, levels = self._keeps[selection_key]
+        keep, levels = self._selection(dev, i)
         if same_up_to_ties(keep, actual.keep, levels):
             return None
         index = tuple(int(j) for j in np.argwhere(keep != actual.keep)[0])

@@ -11,10 +11,11 @@ from m2po_oracle.explain.deviations import (
     ALGORITHM_1,
     JOINT_MOVES,
     Deviation,
+    fitted_name,
     variant,
 )
 from m2po_oracle.explain.evidence import Judge, in_order, merge
-from m2po_oracle.explain.fitting import fit_direct, refit_on_grids
+from m2po_oracle.explain.fitting import PARAMETERS, acts, fit_direct, refit_on_grids
 
 #: At most this many deviations in one explanation, and combinations kept per size (the
 #: authors' release alone combines five: clip kind, floors, column 0's sign, epsilon, float32 bound).
@@ -46,11 +47,26 @@ def _preference_of(names: frozenset[str]) -> tuple:
     return (len(names), knob_count, sorted(in_order(n) for n in names))
 
 
+def margin(size: int) -> int:
+    """The (observation, field) pairs a combination of ``size`` deviations must reproduce
+    beyond the smaller one it grew from: each added knob is a free choice that fits some
+    pairs by chance, and the more knobs, the more it can fit, so the bar rises with the size."""
+    return size
+
+
 def moves_of(candidates: Sequence[str]) -> list[frozenset[str]]:
-    """What one search step may add: a known deviation, or a group whose members only act
-    together (a clip kind with its floors; strict stop with keep-one)."""
+    """What one search step may add: a known deviation (a parametric one at each value of
+    its grid, so that a port's own value is found during the search, not only refit at the
+    end), or a group whose members only act together (a clip kind with its floors; strict
+    stop with keep-one)."""
     allowed = set(candidates)
     moves = [frozenset({n}) for n in candidates]
+    for name in candidates:
+        known = variant(name)
+        parameter = PARAMETERS.get(known.parameter or "")
+        if parameter is not None and known.name == known.base:
+            default = getattr(known.deviation, known.parameter or "")
+            moves += [frozenset({fitted_name(known.base, v)}) for v in parameter.grid if v != default]
     for name in candidates:
         moves += [frozenset({name, partner}) for partner in variant(name).acts_with if partner in allowed]
     moves += [frozenset(group) for group in JOINT_MOVES if set(group) <= allowed]
@@ -82,7 +98,9 @@ def search(judge: Judge, candidates: Sequence[str]) -> Explanation:
                 dev = merge(combined)
                 if dev is None:
                     continue
-                combined_score = judge.score(dev, at_least=state_score + 1)
+                if not acts(judge, dev):
+                    continue
+                combined_score = judge.score(dev, at_least=state_score + margin(len(combined)))
                 if combined_score is not None:
                     grown.append((combined, combined_score))
         if not grown:
@@ -90,44 +108,14 @@ def search(judge: Judge, candidates: Sequence[str]) -> Explanation:
         complete = sorted((s for s, sc in grown if sc == judge.total), key=_preference)
         if complete:
             chosen = pruned(judge, complete[0])
-            improved = _improve(judge, chosen, candidates)
-            if improved != chosen:  # complete on the sample, not beyond it: the sample's ties no longer tie
-                return Explanation(tuple(sorted(improved, key=in_order)), judge.score(merge(improved) or ALGORITHM_1), judge.total)
             alternatives = [tuple(sorted(s, key=in_order)) for s in complete[1:4] if len(s) == len(chosen)]
             return Explanation(tuple(sorted(chosen, key=in_order)), judge.total, judge.total, alternatives)
         grown.sort(key=lambda t: (-t[1], _preference(t[0])))
         frontier = grown[:BEAM]
         if frontier[0][1] > best[1]:
             best = frontier[0]
-    chosen = _improve(judge, refit_on_grids(judge, pruned(judge, best[0])), candidates)
+    chosen = refit_on_grids(judge, pruned(judge, best[0]))
     return Explanation(tuple(sorted(chosen, key=in_order)), judge.score(merge(chosen) or ALGORITHM_1), judge.total)
-
-
-def _improve(judge: Judge, names: frozenset[str], candidates: Sequence[str]) -> frozenset[str]:
-    """An incomplete explanation, improved on every observation (not only the sample): swap a
-    component for a variant that sets the same knob (column 0's sign for the first token's),
-    add one, or drop one, while that reproduces more pairs."""
-    if len(judge.observations) == len(judge.sample):
-        return names
-    best = judge.score_all(merge(names) or ALGORITHM_1)
-    if best == sum(len(f) for f in judge.fields):
-        return names
-    for _ in range(MAX_COMPONENTS):
-        trials = [names - {n} for n in names]
-        trials += [
-            (names - {n}) | {other}
-            for n in names
-            for other in candidates
-            if other not in names and merge((names - {n}) | {other}) is not None and merge({n, other}) is None
-        ]  # conflicting: the same knob set another way
-        trials += [names | {other} for other in candidates if other not in names and len(names) < MAX_COMPONENTS]
-        scored = [
-            (score, t) for t in trials if (dev := merge(t)) is not None and (score := judge.score_all(dev, at_least=best + 1)) is not None
-        ]
-        if not scored:
-            break
-        best, names = max(scored, key=lambda st: (st[0], -_preference(st[1])[0]))
-    return names
 
 
 def pruned(judge: Judge, names: frozenset[str]) -> frozenset[str]:

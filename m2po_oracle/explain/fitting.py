@@ -4,7 +4,7 @@ directly, the rest tried over small grids; the simplest value that reproduces wi
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -17,14 +17,50 @@ from m2po_oracle.explain.deviations import (
 )
 from m2po_oracle.explain.evidence import Judge, in_order, merge
 
-#: Values tried for a parameter no observation pins down directly (the default first).
-PARAMETER_GRIDS: dict[str, tuple[float, ...]] = {
-    "clamp_log_ratio": (20.0, 10.0, 5.0, 15.0, 30.0, 50.0, 1.0, 2.0),
-    "candidate_margin": (1e-12, 1e-10, 1e-8, 1e-6, 1e-15),
-    "noop_margin": (1e-12, 1e-10, 1e-8, 1e-6, 1e-15),
-    "budget_scale": (0.5, 0.25, 2.0, 4.0),
-    "unconstrained_ratio_bound": (1e5, 1e4, 1e6, 1e8),
+
+@dataclass(frozen=True)
+class Parameter:
+    """A value a port picks itself: the values the search tries (the default first; none
+    where the data pins it down directly), and the range a port would plausibly write, with
+    why. A fitted value outside that range is no fit: it describes the data in the words of
+    code no port has (a clip floor of 1e16 is a clip that never binds)."""
+
+    grid: tuple[float, ...]
+    low: float
+    high: float
+    reason: str
+
+    def plausible(self, value: float | tuple[float, ...]) -> bool:
+        values = value if isinstance(value, tuple) else (value,)
+        return all(self.low <= v <= self.high for v in values)
+
+
+PARAMETERS: dict[str, Parameter] = {
+    "clamp_log_ratio": Parameter(
+        (20.0, 10.0, 5.0, 15.0, 30.0, 50.0, 1.0, 2.0),
+        1.0,
+        50.0,
+        "a guard on exp(d): a handful to a few tens of nats (exp(50) already overflows nothing a port computes)",
+    ),
+    "candidate_margin": Parameter((1e-12, 1e-10, 1e-8, 1e-6, 1e-15), 0.0, 1e-4, "a rounding guard in a comparison, far below any d"),
+    "noop_margin": Parameter((1e-12, 1e-10, 1e-8, 1e-6, 1e-15), 0.0, 1e-4, "a rounding guard in a comparison, far below any budget"),
+    "budget_scale": Parameter((0.5, 0.25, 2.0, 4.0), 0.1, 10.0, "a factor a port writes by mistake: tau / 2, 2 tau"),
+    "unconstrained_ratio_bound": Parameter((1e5, 1e4, 1e6, 1e8), 10.0, 1e8, "'no clip' written as a large ratio bound"),
+    "clip_floors": Parameter(
+        (), 0.0, 0.99, "a miniclip floor is a fraction of the ratio, [1 - low, 1 + high]: at 1 or more it never binds on that side"
+    ),
+    "denominator_epsilon": Parameter((), 0.0, 1e-3, "an epsilon that guards a division by a token count"),
 }
+
+
+def acts(judge: Judge, dev: Deviation) -> bool:
+    """Whether ``dev``'s clip range binds on some example of the sample: a clip that removes
+    no gradient anywhere (floors fitted so wide that nothing lies beyond them) is a no-op,
+    whatever its name says. Every other deviation acts where it changes a result, which the
+    pruning already tests."""
+    if dev.selection_kind == "mask":
+        return True
+    return any(not np.array_equal(judge.predicted_keep(dev, i), judge.observations[i].batch.valid) for i in judge.sample)
 
 
 def fit_direct(judge: Judge, names: frozenset[str], fitted: frozenset[str]) -> frozenset[str]:
@@ -40,7 +76,7 @@ def fit_direct(judge: Judge, names: frozenset[str], fitted: frozenset[str]) -> f
         if rest is None:
             continue
         value = fitter(judge, merge(names) or ALGORITHM_1)
-        if value is None or value == getattr(known.deviation, known.parameter):
+        if value is None or value == getattr(known.deviation, known.parameter) or not PARAMETERS[known.parameter].plausible(value):
             continue
         trial = (names - {name}) | {fitted_name(known.base, value)}
         if judge.score(merge(trial) or ALGORITHM_1) > judge.score(merge(names) or ALGORITHM_1):
@@ -52,8 +88,8 @@ def refit_on_grids(judge: Judge, names: frozenset[str]) -> frozenset[str]:
     """The final explanation with each parameter that no direct fit pins tried over its grid."""
     for name in sorted(names, key=in_order):
         known = variant(name)
-        grid = PARAMETER_GRIDS.get(known.parameter or "")
-        if grid is None:
+        grid = PARAMETERS[known.parameter].grid if known.parameter else ()
+        if not grid:
             continue
         assert known.parameter is not None  # PARAMETER_GRIDS is keyed by parameter names
         rest = names - {name}

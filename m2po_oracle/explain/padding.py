@@ -102,7 +102,9 @@ def reads_padding(judge: Judge, components: tuple[str, ...]) -> list[str]:
     probes = [Observation(p.batch, p.result) for o in judge.observations if "padding_immunity" in o.failed for p in o.padding_probes]
     if not probes:
         return []
-    probe_judge = Judge(probes, dtype=judge.dtype, compute_dtype=judge.compute_dtype, supplied=judge.supplied)
+    probe_judge = Judge(
+        probes, dtype=judge.dtype, compute_dtype=judge.compute_dtype, supplied=judge.supplied, keep_inferred=judge.keep_inferred
+    )
     dev = merge(components) or ALGORITHM_1
     if any(probe_judge.differences(dev, i) for i in range(len(probes))):
         return []

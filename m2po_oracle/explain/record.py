@@ -29,6 +29,7 @@ class Share:
     of: int  # failing + contradicted
     share: float  # explained / of
     components: tuple[str, ...]  # the deviations it is explained by
+    held_out: HeldOut | None = None  # the same counts on the examples the search did not choose on
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -38,7 +39,21 @@ class Share:
             "of": self.of,
             "share": self.share,
             "components": list(self.components),
+            "held_out": self.held_out.to_json() if self.held_out is not None else None,
         }
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A share's counts on the held-out examples alone: the search chose its explanation on
+    the others, so these say whether the name holds beyond the examples it was fitted to."""
+
+    explained: int
+    failing: int
+    contradicted: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"explained": self.explained, "failing": self.failing, "contradicted": self.contradicted}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from m2po_oracle.explain.deviations import (
     Deviation,
 )
 from m2po_oracle.explain.evidence import Judge, merge
-from m2po_oracle.explain.record import Feature, Residual, ResidualExample, Share
+from m2po_oracle.explain.record import Feature, HeldOut, Residual, ResidualExample, Share
 from m2po_oracle.judge.checks import result_field
 
 #: The naming rule. A set of deviations is named for a failing check only when it is
@@ -44,6 +44,7 @@ class Measured:
     failing: int
     contradicted: int
     residual: list[int]  # the failing examples not reproduced, then the contradicted ones
+    held_out: HeldOut | None = None  # the counts on the examples beyond the search's sample (None: none held out)
 
     @property
     def explained(self) -> int:
@@ -56,7 +57,13 @@ class Measured:
     def share(self, components: tuple[str, ...]) -> Share:
         """The share as the report states it, explained by ``components``."""
         return Share(
-            self.explained, self.failing, self.contradicted, self.of, self.explained / self.of if self.of else 0.0, tuple(components)
+            self.explained,
+            self.failing,
+            self.contradicted,
+            self.of,
+            self.explained / self.of if self.of else 0.0,
+            tuple(components),
+            self.held_out,
         )
 
 
@@ -83,20 +90,42 @@ def share_of(judge: Judge, dev: Deviation, field_name: str, check: str) -> Measu
         and field_name not in judge.differences(ALGORITHM_1, i)
     ]
     residual = sorted(set(failing) - set(reproduced)) + contradicted
-    return Measured(field_name, reproduced, len(failing), len(contradicted), residual)
+    beyond = judge.sample.stop
+    held_failing = [i for i in failing if i >= beyond]
+    held_out = (
+        HeldOut(sum(1 for i in reproduced if i >= beyond), len(held_failing), sum(1 for i in contradicted if i >= beyond))
+        if held_failing
+        else None
+    )
+    return Measured(field_name, reproduced, len(failing), len(contradicted), residual, held_out)
 
 
-def net_supported(share: Measured | Share) -> bool:
+def net_supported(share: Measured | Share | HeldOut) -> bool:
     """The naming rule (:data:`NAMED_SHARE`, :data:`CONTRADICTION_BOUND`) on a check's share."""
     explained, failing, contradicted = share.explained, share.failing, share.contradicted
     return explained > 0 and explained >= NAMED_SHARE * failing and contradicted <= CONTRADICTION_BOUND * explained
+
+
+def named(share: Measured | Share) -> bool:
+    """The naming rule on every example and on the held-out ones alone: a name the search
+    chose on its sample must hold beyond it. A check with no failing example held out (it
+    failed once) has nothing to judge a name on: it stays unexplained, with its lead."""
+    return net_supported(share) and share.held_out is not None and net_supported(share.held_out)
 
 
 def share_text(share: Share) -> str:
     text = f"{share.explained} of {share.failing} failing examples"
     if share.contradicted:
         text += f" (and differs from the port on {share.contradicted} where Algorithm 1 does not)"
-    return text
+    return text + "; " + held_out_text(share.held_out)
+
+
+def held_out_text(held: HeldOut | None) -> str:
+    """The held-out figures as the report says them."""
+    if held is None:
+        return "none of its failing examples held out"
+    text = f"held out: {held.explained} of {held.failing}"
+    return text + (f", {held.contradicted} contradicted" if held.contradicted else "")
 
 
 def residuals_of(judge: Judge, left: dict[str, Left], compute_dtype: str, replay: Any, unexplained: bool = False) -> list[Residual]:
@@ -163,5 +192,5 @@ def _float32_fits(judge: Judge, dev: Deviation, indices: Sequence[int], field_na
     if judge.compute_dtype != "float64":
         return None
     observations = [judge.observations[i] for i in indices]
-    loose = Judge(observations, dtype="float32", compute_dtype="float32", supplied=judge.supplied)
+    loose = Judge(observations, dtype="float32", compute_dtype="float32", supplied=judge.supplied, keep_inferred=judge.keep_inferred)
     return sum(1 for k in range(len(observations)) if not (set(loose.differences(dev, k)) & field_names))

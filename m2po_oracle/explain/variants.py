@@ -63,6 +63,8 @@ def candidates(d: np.ndarray, batch: Batch, dev: Deviation) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         if dev.candidates == "all_valid":
             return valid.copy()
+        if dev.candidates == "none":
+            return np.zeros_like(valid)
         if dev.candidates == "swapped_quadrants":
             return valid & (((a > m) & (d < -m)) | ((a < -m) & (d > m)))
         if dev.candidates == "zero_advantage_included":
@@ -242,10 +244,15 @@ def evaluate_with_mask(batch: Batch, keep: np.ndarray, dev: Deviation) -> M2PORe
     d_value = loss_log_ratio(d, dev)  # the clamped value; straight-through keeps the identity gradient
     a = np.where(valid, batch.advantages, 0.0)
     beyond_clamp = (np.abs(d) > dev.clamp_log_ratio) if (dev.hard_clamp and dev.clamp_log_ratio is not None) else np.zeros_like(valid)
-    with np.errstate(over="ignore", invalid="ignore"):
-        ratio = np.exp(np.where(valid, d_value, 0.0))
-        unclipped = ratio * a
-        gradient_per_token = np.where(beyond_clamp, 0.0, sign * ratio * a)  # d(ratio * A)/d logp
+    narrow = dev.loss_dtype == "float32"
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        if narrow:  # exp(d) * A in float32: a product below float32's range is exactly 0, as in the port
+            ratio = np.exp(np.where(valid, d_value, 0.0).astype(np.float32)).astype(np.float64)
+            unclipped = (ratio.astype(np.float32) * a.astype(np.float32)).astype(np.float64)
+        else:
+            ratio = np.exp(np.where(valid, d_value, 0.0))
+            unclipped = ratio * a
+        gradient_per_token = np.where(beyond_clamp, 0.0, sign * unclipped)  # d(ratio * A)/d logp
         clip = clip_outcome(batch, dev) if dev.selection_kind != "mask" else None
         if clip is not None:
             # Fact 4: loss_t = max(-A r, -A clamp(r, lo, hi)); the clipped side has no gradient.

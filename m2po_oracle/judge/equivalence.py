@@ -438,12 +438,14 @@ def compare_fields(
     compute_dtype: str | None = None,
     *,
     metrics_dtype: str | None = None,
+    loss_dtype: str | None = None,
 ) -> list[Mismatch]:
     """Loss, gradient, metrics and counts of ``actual`` against ``expected`` (both on the same
-    mask). Loss and gradient are judged at the input dtype, widened by the rounding that
-    dtype puts into exp(d); the metrics, derived from the selection arithmetic, at the
-    coarser of the input and compute dtypes (or ``metrics_dtype``)."""
+    mask). Loss and gradient are judged at the input dtype (or the coarser ``loss_dtype``),
+    widened by the rounding that dtype puts into exp(d); the metrics, derived from the
+    selection arithmetic, at the coarser of the input and compute dtypes (or ``metrics_dtype``)."""
     found: list[Mismatch] = []
+    dtype_of_metrics, dtype = dtype, coarser(dtype, loss_dtype)
     allowance = exp_rounding(batch, expected.grad, dtype) if expected.grad is not None else np.zeros(batch.shape)
     with np.errstate(over="ignore", invalid="ignore"):
         term_scale = float(np.sum(np.abs(expected.grad))) if expected.grad is not None else 0.0  # = mean |kept term|, bounds |loss|
@@ -458,7 +460,7 @@ def compare_fields(
         grad_mismatch = compare_values("gradient", "grad", actual.grad, expected.grad, grad_tol, scale=scale, allowance=allowance)
         if grad_mismatch:
             found.append(grad_mismatch)
-    metric_dtype = coarser(metrics_dtype or dtype, compute_dtype)
+    metric_dtype = coarser(metrics_dtype or dtype_of_metrics, compute_dtype)
     metric_tol = tolerance(metric_dtype, "metric")
     m2_allowance = m2_rounding(batch, expected.keep, metric_dtype)
     # An adapted port's metric may be its own value under another name ('m2' read as

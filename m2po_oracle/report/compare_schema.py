@@ -264,6 +264,14 @@ FIELDS: tuple[Declared, ...] = (
     Field("diagnosis.shares{}.of", "integer", "the examples counted"),
     Field("diagnosis.shares{}.share", "number", "`explained / (failing + contradicted)`"),
     Field(
+        "diagnosis.shares{}.held_out",
+        "object or null",
+        "the same counts on the held-out examples alone (the search chose on the others); null where none was held out",
+    ),
+    Field("diagnosis.shares{}.held_out.explained", "integer", "held-out failing examples reproduced"),
+    Field("diagnosis.shares{}.held_out.failing", "integer", "held-out failing examples"),
+    Field("diagnosis.shares{}.held_out.contradicted", "integer", "held-out passing examples the explanation gets wrong"),
+    Field(
         "diagnosis.residuals",
         "array of object",
         "what an explanation does not reproduce, grouped by the checks that leave the same examples",

@@ -30,6 +30,12 @@ __all__ = ["render_html", "write_html"]
 TEMPLATE = "report.html.j2"
 
 
+def held_out_text(held: Mapping[str, Any]) -> str:
+    """A share's held-out counts: reproduced of failing, and what it contradicts there."""
+    text = f"{fmt(held.get('explained'))} of {fmt(held.get('failing'))}"
+    return text + (f" ({fmt(held.get('contradicted'))} contradicted)" if held.get("contradicted") else "")
+
+
 def render_html(report: Mapping[str, Any]) -> str:
     """The report as a standalone HTML document (inline CSS and SVG, no scripts, no network)."""
     return environment().get_template(TEMPLATE).render(r=view(report))
@@ -402,6 +408,7 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
                 "percent": percent(number_or_zero(v.get("share"))),
                 "partial": number_or_zero(v.get("share")) < 1,
                 "contradicted": fmt(v.get("contradicted")) if v.get("contradicted") else None,
+                "held_out": held_out_text(as_mapping(v.get("held_out"))) if v.get("held_out") else None,
                 "components": [linked(n, anchors) for n in as_names(v.get("components"))],
             }
             for check, v in ((c, as_mapping(v)) for c, v in as_mapping(d.get("shares")).items())

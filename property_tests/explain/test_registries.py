@@ -89,6 +89,7 @@ def test_the_diagnosis_is_a_frozen_record_with_one_json_shape():
         "of": 3,
         "share": 1.0,
         "components": ["strict_stop"],
+        "held_out": None,
     }
     assert Diagnosis.not_run().to_json() == {"status": "not_run", "examples_compared": 0, "matches": [], "closest": []}
     assert Diagnosis.not_run().status not in EXPLAINING and d.status in EXPLAINING

@@ -1,0 +1,140 @@
+"""A name is a claim about someone's code: it must hold on the examples the search did not
+choose on, with a value a port would plausibly write, and the simplest bugs have names of
+their own. Every stand-in here is self-written; none is derived from a port's code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m2po_oracle.call.runner import RunOptions
+from m2po_oracle.cli.launch import open_runner
+from m2po_oracle.compare.search import run_compare
+from m2po_oracle.explain import fitting, shares
+from m2po_oracle.explain.deviations import VARIANTS, variant
+
+EXAMPLES = 150
+VALUE_VARIANTS = {v.name.split("(")[0] for v in VARIANTS if not v.is_behavioural}
+
+
+def _zeroed(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x, torch.zeros_like(x))
+
+
+def _loss(keep, logp, behavior_logp, advantages, mask, dtype=torch.float64):
+    d = _zeroed(logp, mask).to(dtype) - _zeroed(behavior_logp, mask).to(dtype)
+    term = torch.where(keep, torch.exp(d) * _zeroed(advantages, mask).to(dtype), torch.zeros_like(d))
+    return (-term.sum() / mask.sum().clamp(min=1)).double()
+
+
+def _select(d, advantages, mask, budget, *, strict=False, every_valid=False, per_row=False):
+    """The loop 'remove the largest d^2 while the mean exceeds the budget', written here."""
+    keep = mask.clone()
+    for rows in [slice(i, i + 1) for i in range(d.shape[0])] if per_row else [slice(None)]:
+        dd, aa, mm = d[rows], advantages[rows], mask[rows]
+        candidates = mm.clone() if every_valid else mm & (((aa > 0) & (dd > 0)) | ((aa < 0) & (dd < 0)))
+        values = (dd * dd)[candidates]
+        if values.numel() == 0:
+            continue
+        ordered, order = torch.sort(values)
+        means = torch.cumsum(ordered, 0) / torch.arange(1, values.numel() + 1, dtype=values.dtype)
+        kept = int(((means < budget) if strict else (means <= budget)).sum())
+        removed_flat = torch.ones_like(values, dtype=torch.bool)
+        removed_flat[order[:kept]] = False
+        removed = torch.zeros_like(candidates)
+        removed[candidates] = removed_flat
+        keep[rows] = keep[rows] & ~removed
+    return keep
+
+
+def never_selects(logp, behavior_logp, advantages, mask, *, tau):
+    """The selection is never run: every valid token kept, the loss right on that mask."""
+    return {"loss": _loss(mask.clone(), logp, behavior_logp, advantages, mask), "keep": mask.clone()}
+
+
+def nan_and_keeps_all(logp, behavior_logp, advantages, mask, *, tau):
+    """Broken: a NaN loss, every valid token kept."""
+    return {"loss": _loss(mask.clone(), logp, behavior_logp, advantages, mask) * float("nan"), "keep": mask.clone()}
+
+
+def twice_the_budget(logp, behavior_logp, advantages, mask, *, tau):
+    """The mean compared with 2 tau."""
+    d = (_zeroed(logp, mask) - _zeroed(behavior_logp, mask)).detach()
+    keep = _select(d, advantages, mask, 2 * tau)
+    return {"loss": _loss(keep, logp, behavior_logp, advantages, mask), "keep": keep}
+
+
+def clamped_at_ten(logp, behavior_logp, advantages, mask, *, tau):
+    """A straight-through clamp of d at 10 nats, seen by the selection and the loss."""
+    d = _zeroed(logp, mask) - _zeroed(behavior_logp, mask)
+    clamped = d + (d.clamp(-10, 10) - d).detach()
+    keep = _select(clamped.detach(), advantages, mask, tau)
+    term = torch.where(keep, torch.exp(clamped) * _zeroed(advantages, mask), torch.zeros_like(d))
+    return {"loss": -term.sum() / mask.sum().clamp(min=1), "keep": keep}
+
+
+def trainer_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config):
+    """A trainer's registered policy loss (no mask returned): every valid token a candidate,
+    per row, a strict stop, PPO's clip still on kept tokens, and the loss in float32."""
+    mask = response_mask.bool()
+    d = _zeroed(log_prob.float(), mask) - _zeroed(old_log_prob.float(), mask)
+    d64 = (_zeroed(log_prob, mask) - _zeroed(old_log_prob, mask)).detach()
+    keep = _select(d64, advantages, mask, config.tau, strict=True, every_valid=True, per_row=True)
+    ratio, a = torch.exp(d), advantages.float()
+    term = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2))
+    return torch.where(keep, term, torch.zeros_like(term)).sum() / mask.sum().clamp(min=1)
+
+
+def _diagnosis(fn, examples=EXAMPLES):
+    report = run_compare(fn, fn.__name__, examples=examples, shrink=False)
+    assert report.verdict == "divergent", f"{fn.__name__}: the stand-in must deviate for the test to mean anything"
+    return report.diagnosis.to_json()
+
+
+def test_a_port_that_never_selects_is_named_so_not_as_a_clip_that_never_binds():
+    d = _diagnosis(never_selects)
+    assert d["components"] == ["never_removes"] and not d["unexplained"], d["summary"]
+
+
+def test_a_broken_port_gets_no_name_for_what_it_breaks():
+    d = _diagnosis(nan_and_keeps_all)
+    assert set(d["components"]) <= {"never_removes"}, d["summary"]
+    assert {"loss", "gradient"} <= set(d["unexplained"]), d["summary"]
+
+
+@pytest.mark.parametrize(("fn", "name"), [(twice_the_budget, "scaled_budget(2)"), (clamped_at_ten, "clamped_log_ratio(10)")])
+def test_a_known_deviation_at_another_value_is_named_with_its_value(fn, name):
+    d = _diagnosis(fn, examples=300 if fn is clamped_at_ten else EXAMPLES)
+    assert name in d["components"] and set(d["components"]) == {name}, d["summary"]
+
+
+def test_zeros_the_loss_explains_are_not_read_as_masking():
+    """Through an adapter that reads the mask from zero gradients, PPO's clip and float32
+    underflow zero kept tokens' gradients: attributed to them, the selection is named in full."""
+    runner = open_runner(f"{__file__}:trainer_policy_loss", RunOptions.from_values({"adapter": "policy_loss", "in_process": True}))
+    with runner:
+        report = run_compare(runner, "trainer_policy_loss", examples=300, shrink=False)
+    d = report.diagnosis.to_json()
+    expected = {"all_valid_candidates", "strict_stop", "per_sequence_selection", "ppo_clip_still_applied", "float32_loss"}
+    assert set(d["components"]) == expected and not d["unexplained"], d["summary"]
+
+
+def test_a_name_must_hold_on_the_held_out_examples():
+    """Planted: a share that holds on every example together but not on the held-out ones
+    alone (fitted to the sample) is refused; one with no failing example held out too."""
+    fitted = shares.Measured("keep", list(range(20)), 24, 0, [], shares.HeldOut(2, 6, 0))
+    holds = shares.Measured("keep", list(range(20)), 24, 0, [], shares.HeldOut(5, 6, 0))
+    nothing_held = shares.Measured("keep", [0], 1, 0, [], None)
+    assert not shares.named(fitted) and shares.named(holds) and not shares.named(nothing_held)
+
+
+def test_an_implausible_value_is_no_fit():
+    floors = fitting.PARAMETERS["clip_floors"]
+    assert floors.plausible((0.2, 0.28)) and not floors.plausible((1.0, 9.8e16)) and not floors.plausible((0.2, 4e8))
+    for name, parameter in fitting.PARAMETERS.items():
+        assert parameter.reason, f"{name}: a plausible range says why"
+        assert all(parameter.plausible(v) for v in parameter.grid), f"{name}: its grid lies in its plausible range"
+        default = next(getattr(v.deviation, name) for v in VARIANTS if v.parameter == name)
+        assert parameter.plausible(default), f"{name}: its default is plausible"
+    assert variant("scaled_budget(2)").deviation.budget_scale == 2.0
