@@ -175,6 +175,10 @@ class Judge:
         if (value_key, i) not in self._values:
             expected = variants.evaluate_with_mask(batch, actual.keep, dev)
             values: dict[str, str] = {}
+            if dev.loss_dtype == "float32" and not _float32_numbers(actual):
+                # A port that computes its loss in float32 returns float32 numbers: only that
+                # precision, not float32's looser tolerance, is what the name claims.
+                values.update({f: f"{f}: the port's values are not float32 numbers" for f in ("loss", "grad") if f in judged})
             for mismatch in compare_fields(
                 batch, actual, expected, self.dtype, self.compute_dtype, metrics_dtype=dev.metrics_dtype, loss_dtype=dev.loss_dtype
             ):
@@ -230,6 +234,14 @@ class Judge:
             return None
         index = tuple(int(j) for j in np.argwhere(keep != actual.keep)[0])
         return f"keep differs at {index}: variant {'keeps' if keep[index] else 'removes'} it, implementation {'keeps' if actual.keep[index] else 'removes'} it"
+
+
+def _float32_numbers(result: M2POResult) -> bool:
+    """Whether the port's loss and gradient are float32 numbers (exactly representable)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = np.append(np.ravel(result.grad) if result.grad is not None else np.array([]), result.loss)
+        finite = values[np.isfinite(values)]
+        return bool(np.all(finite.astype(np.float32).astype(np.float64) == finite))
 
 
 def _plain(value: object) -> str:

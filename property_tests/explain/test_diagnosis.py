@@ -319,7 +319,10 @@ def test_the_search_s_sample_and_the_examples_the_shares_count_are_told_apart():
     report = run_compare(partial(planted, deviation=variant("one_extra_removed").deviation), "extra", examples=40, shrink=False)
     report.diagnosis = replace(report.diagnosis, examples_searched=4, examples_compared=7)
     html = render_html(report.to_json())
-    assert "(7 example(s) compared; the deviations searched on 4 of them, the rest held out to judge what the search chose, each share counting all 7)" in html
+    assert (
+        "(7 example(s) compared; the deviations searched on 4 of them, the rest held out to judge what the search chose, each share counting all 7)"
+        in html
+    )
     import io
 
     from rich.console import Console
