@@ -86,10 +86,18 @@ def _test_stochastic_forward(step: TrainerStep) -> tuple[bool, bool]:
     return reproduces, reproduces
 
 
+#: How much looser than the gradient's tolerance an optimizer replay is judged.
+REPLAY_SLACK = 10.0
+
+
 def _test_optimizer_step_per_micro_batch(step: TrainerStep) -> tuple[bool, bool]:
     micro = _micro_rows(step.record.split)  # an empty micro-batch still reaches optimizer.step()
     replayed = optimizer_replay(step, micro)
-    same = lambda a, b: compare_params("diagnosis", a, b, step.dtype, "") is None  # noqa: E731
+    # The replay sums and steps in another order than the trainer, and Adam divides each entry
+    # by its own magnitude: a rounding-level difference of a near-zero gradient becomes an update
+    # difference just past the gradient's tolerance (seen in float32 on ms-swift's trainer). A step
+    # per micro-batch differs from one step by orders of magnitude more than this slack.
+    same = lambda a, b: compare_params("diagnosis", a, b, step.dtype, "", slack=REPLAY_SLACK) is None  # noqa: E731
     return same(step.record.params_after, replayed), not same(step.one_optimizer_step, replayed)
 
 
