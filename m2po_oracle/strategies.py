@@ -7,6 +7,8 @@ yields a :class:`m2po_oracle.oracle.batch.Batch` in float64; padding positions h
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -335,6 +337,27 @@ def _cut_inside(draw, d: np.ndarray, advantages: np.ndarray, valid: np.ndarray, 
     tau = cut_budget(d, advantages, valid, draw(st.integers(1, m2.size - 1), label="tokens removed at the cut"))
     assert tau is not None  # m2.size >= 2 here, so cut_budget finds a tau
     return tau
+
+
+#: The families of :func:`batches`, in the order a run's stratified start rotates through
+#: them (split-scope first: scope bugs show on little else).
+FAMILIES = ("scope", "grpo", "token_advantage", "dyadic", "ties", "extreme", "degenerate")
+
+
+def family(name: str) -> st.SearchStrategy[Batch]:
+    """The strategy of one family of :data:`FAMILIES`."""
+    makers: dict[str, Callable[[], st.SearchStrategy[Batch]]] = {
+        "scope": scope_batches,
+        "grpo": grpo_batches,
+        "token_advantage": token_advantage_batches,
+        "dyadic": dyadic_batches,
+        "ties": tie_batches,
+        "extreme": extreme_batches,
+        "degenerate": degenerate_batches,
+    }
+    if name not in makers:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {name!r}")
+    return makers[name]()
 
 
 def batches() -> st.SearchStrategy[Batch]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from m2po_oracle.explain.diagnosis import ALIKE
 from m2po_oracle.explain.record import EXPLAINING
+from m2po_oracle.judge.coverage import THINLY_EXERCISED, thinly_exercised
 
 
 def metric_sources_text(sources: dict[str, str]) -> str:
@@ -51,7 +53,11 @@ VERDICT_COLOURS = {
 
 
 def print_verdict(console: Console, record: dict[str, Any]) -> None:
-    console.print(f"verdict: [bold {VERDICT_COLOURS[record['verdict']]}]{record['verdict']}[/] in {record['duration_s']:.1f} s")
+    thin = thinly_exercised(record.get("checks", []))
+    note = f" (thinly exercised, a pass on fewer than {THINLY_EXERCISED} examples: {', '.join(thin)})" if thin else ""
+    console.print(
+        f"verdict: [bold {VERDICT_COLOURS[record['verdict']]}]{record['verdict']}[/] in {record['duration_s']:.1f} s{escape(note)}"
+    )
 
 
 def print_accepted(console: Console, record: dict[str, Any]) -> None:

@@ -7,15 +7,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from m2po_oracle.call.runner import Runner
 from m2po_oracle.oracle.batch import Batch
 
 
-def search_settings(examples: int) -> settings:
+def search_settings(examples: int, *, generate_only: bool = False) -> settings:
     # derandomize off whatever the loaded profile says: the run's --seed decides the batches.
-    return settings(max_examples=examples, database=None, deadline=None, derandomize=False, suppress_health_check=list(HealthCheck))
+    # generate_only: no shrinking (a stratified start records what it draws, finds nothing).
+    loaded = settings.default
+    return settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate] if generate_only else (loaded.phases if loaded is not None else tuple(Phase)),
+    )
 
 
 class ExampleDatabase:

@@ -4,6 +4,7 @@ counterexamples shrunk and the failures diagnosed."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import warnings
 from collections.abc import Callable
@@ -12,8 +13,10 @@ from typing import Any
 
 import numpy as np
 from hypothesis import find
-from hypothesis.errors import NoSuchExample
+from hypothesis.errors import NoSuchExample, Unsatisfiable
 
+from m2po_oracle import strategies
+from m2po_oracle.call.loss_function import batch_strategy
 from m2po_oracle.call.runner import Runner
 from m2po_oracle.compare.database import ExampleDatabase, search_settings
 from m2po_oracle.compare.report import CompareReport
@@ -37,7 +40,7 @@ MAX_DEAD_CALLS = 5
 
 #: The search's sample: half from failing examples, half from passing ones, and beyond that
 #: the first few of every failing check, so each is represented.
-DIAGNOSIS_EXAMPLES = 60
+DIAGNOSIS_EXAMPLES = 120
 
 
 OBSERVATIONS_PER_CHECK = 3
@@ -46,6 +49,40 @@ OBSERVATIONS_PER_CHECK = 3
 #: Examples beyond the search's sample, held out: a name must reproduce them too (the
 #: search never chose on them), and the shares count them.
 SHARE_EXAMPLES = 2000
+
+
+#: Examples per family at the start of every run of batches, in rotation (``stratified_start``).
+STRATIFIED_PER_FAMILY = 7
+
+
+def stratified_start(tau: float | None, seed: int, most: int) -> list[Batch]:
+    """The first examples of a run of batches: each family of ``strategies.FAMILIES`` drawn
+    (every budget set to ``tau`` if given), seeded by the run's seed, then interleaved, so
+    that whatever the seed the first examples rotate through every family (a seed whose free
+    search draws no split-scope batch in its first 50 would pass a scope bug). At most ``most``."""
+    per_family: list[list[Batch]] = []
+    for k, family in enumerate(strategies.FAMILIES):
+        drawn: list[Batch] = []
+
+        def record(example: Batch, drawn: list[Batch] = drawn) -> bool:
+            drawn.append(example)
+            return False
+
+        of_family = batch_strategy(tau, strategies.family(family))
+        try:
+            find(
+                of_family,
+                record,
+                settings=search_settings(STRATIFIED_PER_FAMILY + 1, generate_only=True),
+                random=random.Random(f"{seed}:{k}"),
+            )
+        except (NoSuchExample, Unsatisfiable):
+            pass
+        # Hypothesis draws the family's simplest example first; the free search draws simple
+        # examples anyway, and a random one exercises more of the battery.
+        per_family.append(drawn[1:])
+    rotation = [e for round_ in itertools.zip_longest(*per_family) for e in round_ if e is not None]
+    return rotation[: max(most, 0)]
 
 
 class StopExploring(BaseException):  # BaseException: Hypothesis must not shrink it
@@ -206,6 +243,11 @@ def explore_and_judge(
         try:
             for saved in database.saved() if database else ():  # last run's failing examples first, as Hypothesis does
                 explore(saved)
+            # A distributed world draws split-scope batches first already (its strategy), and
+            # its audit's step-by-step agreement with compare holds on that order only.
+            if runner.example_key() == "batch" and runner.options.topology is None:
+                for example in stratified_start(options.tau, options.seed, options.examples - report.examples):
+                    explore(example)
             remaining = options.examples - report.examples
             if remaining > 0:
                 find(strategy, explore, settings=search_settings(remaining), random=random.Random(options.seed))

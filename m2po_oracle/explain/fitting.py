@@ -148,6 +148,12 @@ def _fit_floors(judge: Judge, dev: Deviation) -> tuple[float, float] | None:
             evidence |= bool(kept.size or clipped.size)
     if not evidence:
         return None
+    # Only a plausible floor is a fit: bound the intervals before reading values from them.
+    most = PARAMETERS["clip_floors"].high
+    for side_name in bounds:
+        bounds[side_name][1] = min(bounds[side_name][1], most + 1e-9)
+        if bounds[side_name][0] > most:
+            return None
     low = _simplest_in(*bounds["low"], default=dev.clip_floors[0])  # type: ignore[misc]  # mypy: an unpacked list of unknown length may fill every parameter (it holds two here)
     high = _simplest_in(*bounds["high"], default=dev.clip_floors[1])  # type: ignore[misc]  # mypy: an unpacked list of unknown length may fill every parameter (it holds two here)
     if low is None or high is None:
@@ -170,7 +176,7 @@ def _round_values_in(lower: float, upper: float, default: float, most: int = 12)
     for decimals in (1, 2):
         scale = 10**decimals
         start = math.ceil(lower * scale - 1e-9)
-        stop = upper * scale if math.isfinite(upper) else start + most
+        stop = min(upper * scale, start + most) if math.isfinite(upper) else start + most
         found += [round(k / scale, decimals) for k in range(start, math.ceil(stop - 1e-9)) if round(k / scale, decimals) not in found]
         if len(found) >= most:
             break

@@ -85,12 +85,19 @@ def padding_leak(observations: Sequence[Observation], leaks_alone: Callable[[Bat
     o, probe, (where, index, value) = min(leaking, key=lambda t: (int(t[0].batch.valid.size), t[0].batch.valid.sum()))
     inputs: tuple[str, ...] | None = None
     if leaks_alone is not None:
-        # Only the inputs whose padding the probe set (NaN != 0 holds, so NaN padding counts).
-        answers = {
-            name: leaks_alone(probe.batch.padding_only_in(name))
-            for name in PADDED_INPUTS
-            if np.any(getattr(probe.batch, name)[~probe.batch.valid] != 0)
-        }
+        # Each input is asked on the smallest leaking batch whose padding in it is NaN/inf (a
+        # drawn padding may be finite in one input on the smallest batch: that says nothing of
+        # the input), else on one whose padding in it is set at all (NaN != 0 holds).
+        def size(t: tuple[Observation, PaddingProbe, Any]) -> tuple[int, int]:
+            return int(t[0].batch.valid.size), int(t[0].batch.valid.sum())
+
+        answers = {}
+        for name in PADDED_INPUTS:
+            for holds in (lambda v: ~np.isfinite(v), lambda v: v != 0):
+                shown = [t for t in leaking if np.any(holds(getattr(t[1].batch, name)[~t[1].batch.valid]))]
+                if shown:
+                    answers[name] = leaks_alone(min(shown, key=size)[1].batch.padding_only_in(name))
+                    break
         if None not in answers.values():
             inputs = tuple(name for name, leaks in answers.items() if leaks)
     return PaddingLeak(probe.fill, where, index, value, len(leaking), inputs)

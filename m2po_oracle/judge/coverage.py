@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,6 +231,19 @@ FEATURES: dict[str, Rule] = {
 def exercised_by(f: Facts) -> frozenset[str]:
     """The checks of :data:`EXERCISED` that ``f`` exercises (whether or not they ran)."""
     return frozenset(name for name, rule in EXERCISED.items() if rule.holds(f))
+
+
+#: A passing check exercised fewer times than this is said to be thinly exercised beside the
+#: verdict: its pass rests on a handful of examples (the 95% bound on its failure rate is above 45%).
+THINLY_EXERCISED = 5
+
+
+def thinly_exercised(checks: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Of a report's checks (its JSON), the passing ones exercised fewer than THINLY_EXERCISED
+    times, as "name (n)"."""
+    return [
+        f"{c['name']} ({c.get('exercised', 0)})" for c in checks if c.get("status") == "pass" and c.get("exercised", 0) < THINLY_EXERCISED
+    ]
 
 
 def failure_rate_upper(failures: int, exercised: int, confidence: float = CONFIDENCE) -> float | None:

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from m2po_oracle.explain.diagnosis import ALIKE
-from m2po_oracle.judge.coverage import percent
+from m2po_oracle.judge.coverage import THINLY_EXERCISED, percent, thinly_exercised
 from m2po_oracle.report.counterexample_view import counterexample_view, linked
 from m2po_oracle.report.environment import environment
 from m2po_oracle.report.ranks_view import collectives_view, topology_text
@@ -228,6 +228,8 @@ def view(report: Mapping[str, Any]) -> dict[str, Any]:
         "checks_not_run": not_run,
         "coverage": _coverage(report.get("coverage")) if "coverage" in report else None,
         "unusable_note": _unusable_note(report) if verdict in ("unusable", "interrupted") else None,
+        "thin": thinly_exercised([as_mapping(c) for c in as_list(report.get("checks"))]),
+        "thin_bound": THINLY_EXERCISED,
         "stopped_early": as_text(report.get("stopped_early")) if report.get("stopped_early") else None,
         "output": _output(report.get("implementation_output")),
         "counterexamples": counterexamples,
