@@ -49,11 +49,11 @@ class PaddingLeak:
         text = f"{padding}, {what} is {self.value!r} where the zero-padded run is finite (on {self.examples} example(s))"
         if self.inputs is not None:
             text += "; " + (
-                f"padding in {self.inputs[0]} alone does it"
+                f"NaN padding in {self.inputs[0]} alone does it"
                 if len(self.inputs) == 1
-                else f"padding in any one of {', '.join(self.inputs)} alone does it"
+                else f"NaN padding in any one of {', '.join(self.inputs)} alone does it"
                 if self.inputs
-                else "no one input's padding alone does it"
+                else "no one input's NaN padding alone does it"
             )
         return text
 
@@ -85,22 +85,20 @@ def padding_leak(observations: Sequence[Observation], leaks_alone: Callable[[Bat
     o, probe, (where, index, value) = min(leaking, key=lambda t: (int(t[0].batch.valid.size), t[0].batch.valid.sum()))
     inputs: tuple[str, ...] | None = None
     if leaks_alone is not None:
-        # Each input is asked on the smallest leaking batch whose padding in it is NaN/inf (a
-        # drawn padding may be finite in one input on the smallest batch: that says nothing of
-        # the input), else on one whose padding in it is set at all (NaN != 0 holds).
-        def size(t: tuple[Observation, PaddingProbe, Any]) -> tuple[int, int]:
-            return int(t[0].batch.valid.size), int(t[0].batch.valid.sum())
-
-        answers = {}
-        for name in PADDED_INPUTS:
-            for holds in (lambda v: ~np.isfinite(v), lambda v: v != 0):
-                shown = [t for t in leaking if np.any(holds(getattr(t[1].batch, name)[~t[1].batch.valid]))]
-                if shown:
-                    answers[name] = leaks_alone(min(shown, key=size)[1].batch.padding_only_in(name))
-                    break
+        # Each input is asked with NaN padding in it alone, on the smallest leaking batch: the
+        # drawn padding may be finite or an infinity that a port's exp absorbs (exp(-inf) = 0)
+        # in one input on that batch, which says nothing of the input.
+        answers = {name: leaks_alone(nan_padding_only_in(probe.batch, name)) for name in PADDED_INPUTS}
         if None not in answers.values():
             inputs = tuple(name for name, leaks in answers.items() if leaks)
     return PaddingLeak(probe.fill, where, index, value, len(leaking), inputs)
+
+
+def nan_padding_only_in(batch: Batch, name: str) -> Batch:
+    """``batch`` with NaN padding in the input ``name`` and zero padding in the others."""
+    values = {n: getattr(batch.with_padding(0.0), n).copy() for n in PADDED_INPUTS}
+    values[name][~batch.valid] = np.nan
+    return Batch(values["logp"], values["behavior_logp"], values["advantages"], batch.valid.copy(), batch.tau)
 
 
 def reads_padding(judge: Judge, components: tuple[str, ...]) -> list[str]:

@@ -360,7 +360,7 @@ FIELDS: tuple[Declared, ...] = (
             "index": "the token, where a gradient is NaN/inf",
             "value": "the NaN/inf value, as Python writes it",
             "examples": "examples on which some padding made the result NaN/inf",
-            "inputs": "the inputs whose padding alone does it; null: not probed",
+            "inputs": "the inputs whose NaN padding alone does it; null: not probed",
         },
         types={"value": "string"},
     ),

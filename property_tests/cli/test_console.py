@@ -45,3 +45,20 @@ def test_a_non_finite_value_reads_back_as_a_float():
     m = Mismatch("loss", "loss differs", "loss", None, float("nan"), 1.5, ("d",))
     back = mismatch_from_json(json.loads(json.dumps(mismatch_json(m))))
     assert repr(back.actual) == "nan" and back.expected == 1.5 and back.details == ("d",)
+
+
+def test_a_pass_on_a_handful_of_examples_says_so_beside_the_verdict():
+    """A run too short to exercise a check says which checks its pass rests on a handful of
+    examples for; a run that exercised them says nothing of the kind."""
+    from m2po_oracle.core.loss import m2po_loss
+    from m2po_oracle.judge.coverage import THINLY_EXERCISED, thinly_exercised
+    from m2po_oracle.report.html import render_html
+
+    short, long = (run_compare(m2po_loss, "core", examples=n, shrink=False).to_json() for n in (8, 150))
+    thin = thinly_exercised(short["checks"])
+    assert thin and all(c["exercised"] < THINLY_EXERCISED for c in short["checks"] if f"{c['name']} ({c['exercised']})" in thin)
+    out = io.StringIO()
+    print_quiet(Console(file=out, width=400), json.loads(json.dumps(short)))
+    assert "thinly exercised" in out.getvalue() and thin[0] in out.getvalue()
+    assert 'id="thinly-exercised"' in render_html(short)
+    assert not thinly_exercised(long["checks"]) and 'id="thinly-exercised"' not in render_html(long)

@@ -234,11 +234,11 @@ def test_every_control_has_its_quick_example_count():
 
 def _kept_count_with_empty_rows_as_one(logp, behavior_logp, advantages, mask, *, tau):
     """kept_count_denominator, with a quirk outside the vocabulary on a minority of batches:
-    each row without a valid token adds one to the kept count (max(n_i, 1) per row)."""
+    where the first row has no valid token, it adds one to the kept count."""
     keep = m2po_loss(logp.detach(), behavior_logp, advantages, mask, tau=tau).keep
     d = torch.where(mask, logp - behavior_logp, torch.zeros_like(logp))
     total = torch.where(keep, torch.exp(d) * torch.where(mask, advantages, torch.zeros_like(advantages)), torch.zeros_like(logp)).sum()
-    empty_rows = (~mask.any(dim=1)).sum()
+    empty_rows = (~mask[:1].any(dim=1)).sum()
     return {"loss": -total / (keep.sum() + empty_rows).clamp(min=1), "keep": keep}
 
 
