@@ -212,7 +212,7 @@ def diagnose(
                 if known.behaviour_check == "padding_immunity"
                 else f"check {known.behaviour_check} failed"
                 if known.is_behavioural
-                else "reproduces " + "; ".join(f"{result_field(c) or c} on {share_text(shares[c])}" for c in explained if c in shares)
+                else "reproduces " + "; ".join(f"{c} on {share_text(shares[c])}" for c in explained if c in shares)
                 if counted
                 else f"reproduces the port under the padding probes ({', '.join(explained)})"
             )

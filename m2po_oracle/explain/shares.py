@@ -117,7 +117,7 @@ def share_text(share: Share) -> str:
     text = f"{share.explained} of {share.failing} failing examples"
     if share.contradicted:
         text += f" (and differs from the port on {share.contradicted} where Algorithm 1 does not)"
-    return text + "; " + held_out_text(share.held_out)
+    return text + f" ({held_out_text(share.held_out)})"
 
 
 def held_out_text(held: HeldOut | None) -> str:
