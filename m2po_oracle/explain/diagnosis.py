@@ -120,16 +120,13 @@ def diagnose(
         # Then, of those still tied, the one that reproduces more of every example: the search
         # chose their size and values on its sample alone, which cannot tell them apart.
         pads = "padding_immunity" in failed
+        overall = {names: judge.score_all(merge(names) or ALGORITHM_1) for names in [explanation.components, *explanation.alternatives]}
         ranked = sorted(
-            [explanation.components, *explanation.alternatives],
-            key=lambda names: (
-                pads and not reads_padding(judge, names),
-                -len({variant(n).base for n in names} & prefer),
-                -judge.score_all(merge(names) or ALGORITHM_1),
-            ),
+            overall,
+            key=lambda names: (pads and not reads_padding(judge, names), -len({variant(n).base for n in names} & prefer), -overall[names]),
         )
-        best = judge.score_all(merge(ranked[0]) or ALGORITHM_1)
-        ranked = [ranked[0]] + [r for r in ranked[1:] if judge.score_all(merge(r) or ALGORITHM_1) == best]
+        # Alternatives the examples tell apart (another overall score) are no alternatives.
+        ranked = [ranked[0]] + [r for r in ranked[1:] if overall[r] == overall[ranked[0]]]
         explanation = replace(explanation, components=ranked[0], alternatives=ranked[1:])
     dev = merge(explanation.components) or ALGORITHM_1
 
@@ -172,9 +169,7 @@ def diagnose(
             by_check[check] = _responsible(judge, explanation.components, m.field_name, m.reproduced)
             validated.update(by_check[check])
     for check, m in measured.items():
-        if check in by_check:
-            pass
-        elif m is not None and m.held_out is None and net_supported(m):
+        if check not in by_check and m is not None and m.held_out is None and net_supported(m):
             responsible = _responsible(judge, explanation.components, m.field_name, m.reproduced)
             if set(responsible) <= validated:
                 by_check[check] = responsible

@@ -95,7 +95,7 @@ class Judge:
         #: The port's mask was read from its zero gradients (the adapter): a token whose gradient
         #: the deviation's own loss zeroes reads as removed, which is not the selection's doing.
         self.keep_inferred = keep_inferred
-        self._silent: dict[tuple[tuple, int], np.ndarray] = {}
+        self._unreadable: dict[tuple[tuple, int], np.ndarray] = {}
         self.dtype, self.compute_dtype, self.supplied = dtype, compute_dtype or dtype, supplied
         self.fields = [self._fields(o.result, supplied) for o in self.observations]
         #: The search scores the first ``sample`` observations; shares count every one.
@@ -211,15 +211,15 @@ class Judge:
             return None
         silencing = dev.selection_kind == "mask" and any(getattr(dev, k) != getattr(ALGORITHM_1, k) for k in SILENCING_KNOBS)
         key = (tuple(getattr(dev, k) for k in OBJECTIVE_KNOBS) if silencing else (), i)
-        if key not in self._silent:
+        if key not in self._unreadable:
             batch = self.observations[i].batch
             with np.errstate(over="ignore", invalid="ignore", under="ignore"):
                 kept_gradient = np.exp(variants.log_ratio(batch, ALGORITHM_1)) * np.where(batch.valid, batch.advantages, 0.0)
             blind = batch.valid & (kept_gradient == 0)
             if silencing:
                 blind |= batch.valid & (variants.evaluate_with_mask(batch, batch.valid, dev).grad == 0)
-            self._silent[key] = blind
-        return self._silent[key]
+            self._unreadable[key] = blind
+        return self._unreadable[key]
 
     def _keep_difference(self, dev: Deviation, i: int, actual: M2POResult) -> str | None:
         batch = self.observations[i].batch
