@@ -101,9 +101,12 @@ class Judge:
         #: The search scores the first ``sample`` observations; shares count every one.
         self.sample = range(len(self.observations) if sample is None else min(sample, len(self.observations)))
         self.total = sum(len(self.fields[i]) for i in self.sample)
+        self._order = list(self.sample)  # the order ``score`` asks the sample in
         self._differences: dict[tuple[Deviation, int], dict[str, str]] = {}
         self._keeps: dict[tuple[tuple, int], tuple[np.ndarray, np.ndarray]] = {}
         self._values: dict[tuple[tuple, int], dict[str, str]] = {}
+        self._judged_values: dict[tuple, dict[str, str]] = {}
+        self._keep_differences: dict[tuple, tuple[M2POResult, str | None]] = {}
 
     @staticmethod
     def _fields(result: M2POResult, supplied: frozenset[str] | None) -> frozenset[str]:
@@ -127,9 +130,12 @@ class Judge:
         """(observation, field) pairs of the sample that ``dev`` reproduces; None as soon as it
         is clear that they are fewer than ``at_least`` (most moves of a search fail fast)."""
         missing, allowed = 0, (self.total - at_least if at_least is not None else None)
-        for i in self.sample:
+        for k, i in enumerate(self._order):
             missing += len(self.differences(dev, i))
             if allowed is not None and missing > allowed:
+                # The examples that sink one move tend to sink the next: asking them first
+                # fails most moves after an example or two (the total does not depend on the order).
+                self._order.insert(0, self._order.pop(k))
                 return None
         return self.total - missing
 
@@ -156,24 +162,41 @@ class Judge:
         """Of ``indices``, the observations whose ``field_name`` ``dev`` reproduces."""
         return [i for i in indices if field_name in self.fields[i] and field_name not in self.differences(dev, i)]
 
-    def _compute(self, dev: Deviation, i: int) -> dict[str, str]:
-        observation, judged = self.observations[i], self.fields[i]
-        batch, actual = observation.batch, observation.result
+    def _judged_keep(self, dev: Deviation, i: int) -> tuple[M2POResult, str | None]:
+        """The port's result with the mask judged against ``dev`` (see :meth:`unreadable`), and
+        what differs in it first (None: ``dev`` reproduces the mask)."""
+        actual = self.observations[i].result
         unreadable = self.unreadable(dev, i)
-        value_key: tuple = tuple(getattr(dev, k) for k in OBJECTIVE_KNOBS) + ((dev.candidates,) if dev.selection_kind != "mask" else ())
+        key: tuple = (tuple(getattr(dev, k) for k in SELECTION_KNOBS), i)
         if unreadable is not None and unreadable.any():
             # There the inferred mask shows the gradient, not the selection: the selection is
-            # judged on the rest, the deviation's own choice taken there (and the values on that mask).
+            # judged on the rest, the deviation's own choice taken there (and the values on that
+            # mask). Many selections agree on those few tokens: the mask itself keys the values.
             actual = dataclasses.replace(actual, keep=np.where(unreadable, self._selection(dev, i)[0], actual.keep))
-            value_key += tuple(getattr(dev, k) for k in SELECTION_KNOBS)
+            key += (actual.keep.tobytes(),)
+        if key not in self._keep_differences:
+            self._keep_differences[key] = (actual, self._keep_difference(dev, i, actual) if "keep" in self.fields[i] else None)
+        return self._keep_differences[key]
+
+    def _compute(self, dev: Deviation, i: int) -> dict[str, str]:
+        observation, judged = self.observations[i], self.fields[i]
+        batch = observation.batch
+        actual, difference = self._judged_keep(dev, i)
+        value_key: tuple = tuple(getattr(dev, k) for k in OBJECTIVE_KNOBS) + ((dev.candidates,) if dev.selection_kind != "mask" else ())
+        if actual is not observation.result:
+            value_key += (actual.keep.tobytes(),)
         found: dict[str, str] = {}
-        if "keep" in judged:
-            difference = self._keep_difference(dev, i, actual)
-            if difference:
-                found["keep"] = difference
+        if difference:
+            found["keep"] = difference
         # Loss, gradient and metrics depend on the objective's knobs only: many combinations share them.
         if (value_key, i) not in self._values:
             expected = variants.evaluate_with_mask(batch, actual.keep, dev)
+            # Most deviations compute the very same values as another on a given example (a
+            # clamp that does not bind, a denominator equal on it): each distinct set is judged once.
+            outcome = (i, actual.keep.tobytes(), dev.metrics_dtype, dev.loss_dtype, *_values_of(expected))
+            if outcome in self._judged_values:
+                self._values[(value_key, i)] = self._judged_values[outcome]
+                return {**self._values[(value_key, i)], **found}
             values: dict[str, str] = {}
             if dev.loss_dtype == "float32" and not _float32_numbers(actual):
                 # A port that computes its loss in float32 returns float32 numbers: only that
@@ -186,7 +209,7 @@ class Judge:
                 if name in judged and name not in values:
                     at = f" at {mismatch.index}" if mismatch.index is not None else ""
                     values[name] = f"{name}{at}: variant {_plain(mismatch.expected)}, implementation {_plain(mismatch.actual)}"
-            self._values[(value_key, i)] = values
+            self._values[(value_key, i)] = self._judged_values[outcome] = values
         return {**self._values[(value_key, i)], **found}
 
     def predicted_keep(self, dev: Deviation, i: int) -> np.ndarray:
@@ -234,6 +257,16 @@ class Judge:
             return None
         index = tuple(int(j) for j in np.argwhere(keep != actual.keep)[0])
         return f"keep differs at {index}: variant {'keeps' if keep[index] else 'removes'} it, implementation {'keeps' if actual.keep[index] else 'removes'} it"
+
+
+def _values_of(result: M2POResult) -> tuple:
+    """What the values of a result are, as a key (arrays by their bytes)."""
+    return (
+        result.keep.tobytes(),
+        result.loss,
+        result.grad.tobytes() if result.grad is not None else None,
+        *(getattr(result, n) for n in METRIC_FIELDS + COUNT_FIELDS),
+    )
 
 
 def _float32_numbers(result: M2POResult) -> bool:
