@@ -6,6 +6,7 @@ Choose one with ``--hypothesis-profile NAME`` or ``M2PO_HYPOTHESIS_PROFILE``.
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 
 import pytest
@@ -72,3 +73,34 @@ def _sigint_left_as_found():
             f"ignored by the kernel {before[1]} -> {after[1]}; restore it (try/finally) where it is changed",
             pytrace=False,
         )
+
+
+# --- a real browser (the HTML report's and the site's pages) ------------------------------------
+
+CHROMIUM = pathlib.Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.exists():
+        reason = f"browser test needs Debian chromium at {CHROMIUM} (apt-get install chromium)"
+        if os.environ.get("CI") == "true":  # CI's test command installs it: missing there is a failure
+            pytest.fail(reason)
+        pytest.skip(reason)
+    sync_api = pytest.importorskip("playwright.sync_api", reason="browser test needs the playwright Python package")
+    with sync_api.sync_playwright() as playwright:
+        # A hung browser must fail the test, not hang the suite: every wait has a limit.
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, timeout=60_000)
+        try:
+            yield chromium
+        finally:
+            chromium.close()

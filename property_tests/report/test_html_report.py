@@ -4,7 +4,7 @@ actually displayed by a browser (headless Chromium, skipped cleanly where it is 
 from __future__ import annotations
 
 import copy
-import os
+import json
 import pathlib
 import re
 import struct
@@ -30,17 +30,6 @@ SCRIPT = "<script>alert(1)</script>"
 BREAKOUT = '"><img src=x onerror=alert(1)>'
 PAYLOAD = SCRIPT + BREAKOUT
 ATTRIBUTE = '" onmouseover="alert(1)'
-
-CHROMIUM = pathlib.Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 # --- reports from the real pipeline ------------------------------------------------------
@@ -1135,23 +1124,6 @@ def test_rendering_tolerates_odd_distributed_data(divergent, case):
 # --- in a real browser ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.exists():
-        reason = f"browser test needs Debian chromium at {CHROMIUM} (apt-get install chromium)"
-        if os.environ.get("CI") == "true":  # CI's test command installs it: missing there is a failure
-            pytest.fail(reason)
-        pytest.skip(reason)
-    sync_api = pytest.importorskip("playwright.sync_api", reason="browser test needs the playwright Python package")
-    with sync_api.sync_playwright() as playwright:
-        # A hung browser must fail the test, not hang the suite: every wait has a limit.
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, timeout=60_000)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
-
-
 def _open(browser, path: pathlib.Path, height: int = 900):
     page = browser.new_page(viewport={"width": 1280, "height": height}, device_scale_factor=1)
     page.set_default_timeout(30_000)
@@ -1371,3 +1343,71 @@ def test_a_check_that_failed_on_every_exercised_batch_reads_100_percent(divergen
     failing.update(failures=7, exercised=7, failure_rate_upper_95=1.0)
     rows = {cells[0][1]: cells for _, cells in _tables(render_html(report))["checks"][1:]}
     assert rows[failing["name"]][6][1] == "100%"
+
+
+#: Where a page scrolls sideways: the page itself, or an element whose content is wider than
+#: its box (a table cut off behind a scrollbar), as "what: content width > box width".
+SIDEWAYS = """() => {
+  const found = [];
+  const root = document.documentElement;
+  if (root.scrollWidth > root.clientWidth + 1) found.push(`the page: ${root.scrollWidth} > ${root.clientWidth}`);
+  for (const element of document.querySelectorAll('body *')) {
+    const overflow = getComputedStyle(element).overflowX;
+    if ((overflow === 'auto' || overflow === 'scroll') && element.scrollWidth > element.clientWidth + 1) {
+      const name = element.tagName.toLowerCase() + (element.id ? '#' + element.id : '') + (element.className && typeof element.className === 'string' ? '.' + element.className.trim().split(/\\s+/).join('.') : '');
+      found.push(`${name}: ${element.scrollWidth} > ${element.clientWidth}`);
+    }
+  }
+  return found;
+}"""
+
+#: The check names in the check table that break across lines (a name has no space: any break is mid-word).
+BROKEN_NAMES = """() => {
+  const found = [];
+  for (const cell of document.querySelectorAll('table.checks tbody tr > :first-child')) {
+    const range = document.createRange();
+    range.selectNodeContents(cell);
+    const lines = new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)));
+    if (lines.size > 1) found.push(cell.innerText.trim());
+  }
+  return found;
+}"""
+
+
+def _long_replays(report: dict[str, Any]) -> dict[str, Any]:
+    """The report with every replay command as long as a port's deep path makes it."""
+    report = copy.deepcopy(report)
+    long = (
+        "m2po-oracle replay --impl /home/someone/work/" + "framework/" * 12 + "m2po_port.py:compute_m2po_policy_loss --adapter verl_release"
+    )
+    for cx in report["counterexamples"]:
+        cx["replay"] = long + " --batch '" + json.dumps(cx["batch"]) + "'"
+    for residual in report["diagnosis"].get("residuals", []):
+        if isinstance(residual.get("counterexample"), dict):
+            residual["counterexample"]["replay"] = long
+    return report
+
+
+@pytest.fixture(scope="module")
+def composite() -> dict[str, Any]:
+    """A port with five deviations at once: the widest explanation a real port has shown."""
+    spec = "control:release_clip_float32_bound"
+    return run_compare(load_implementation(spec), spec, examples=120).to_json()
+
+
+def test_the_report_reads_at_1280_px_without_sideways_scroll(browser, divergent, composite, tmp_path):
+    problems = []
+    reports = (("divergent", divergent), ("explained", _explained(divergent)), ("composite", _long_replays(composite)))
+    for name, report in reports:
+        path = tmp_path / f"{name}.html"
+        write_html(report, path)
+        page, seen = _open(browser, path)
+        try:
+            sideways, broken = page.evaluate(SIDEWAYS), page.evaluate(BROKEN_NAMES)
+            page.screenshot(path=str(tmp_path / f"{name}.png"), full_page=True)
+        finally:
+            page.close()
+        problems += [f"{name}: scrolls sideways at 1280 px: {s}" for s in sideways]
+        problems += [f"{name}: check name broken across lines: {b}" for b in broken]
+        assert seen["errors"] == []
+    assert not problems, "\n".join(problems)
