@@ -193,7 +193,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _describe_signature(fn: Callable[..., Any], signature: inspect.Signature | None) -> str:
+def describe_signature(fn: Callable[..., Any], signature: inspect.Signature | None = None) -> str:
+    """``name(params)`` of ``fn`` (its own signature when none is given)."""
+    if signature is None:
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            signature = None
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
     return f"{name}{signature}" if signature is not None else f"{name}(...) (its signature cannot be inspected)"
 
@@ -232,7 +238,7 @@ class BoundCall:
             self.signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):
             self.signature = None
-        self.signature_text = _describe_signature(fn, self.signature)
+        self.signature_text = describe_signature(fn, self.signature)
         self._params = params
         self._bound = parse_bindings(bindings)
         self._resolve(params, outputs, self._bound)

@@ -28,6 +28,28 @@ from m2po_oracle.oracle.batch import Batch
 
 #: Starting a worker imports torch and the implementation: allow for that separately.
 STARTUP_TIMEOUT_S = 180.0
+#: A port compiled with torch.compile compiles on its first call in each worker (tens of
+#: seconds on a CPU): that call may take this long, or the per-call timeout if longer.
+FIRST_COMPILED_CALL_S = 300.0
+#: Setting it to 1 makes torch.compile a no-op: the port runs eagerly.
+EAGER_ENV = "TORCHDYNAMO_DISABLE"
+
+
+def compiled(fn: Any) -> bool:
+    """Whether ``fn`` (or the port an adapter wraps) is compiled with torch.compile and will
+    compile on its first call (not under TORCHDYNAMO_DISABLE=1)."""
+    if os.environ.get(EAGER_ENV) == "1":
+        return False
+    seen = 0
+    while fn is not None and seen < 8:
+        if hasattr(fn, "_torchdynamo_orig_callable") or type(fn).__name__ == "OptimizedModule":
+            return True
+        call = getattr(fn, "bound_call", None)
+        fn = call.fn if call is not None else getattr(fn, "__wrapped__", None)
+        seen += 1
+    return False
+
+
 _context: Any = None
 
 
@@ -59,7 +81,7 @@ def _serve(
     except Exception as error:  # reported to the parent as a load failure
         connection.send(("load_error", str(error)))
         return
-    connection.send(("ready", None))
+    connection.send(("ready", compiled(fn)))
     # Output written below Python (C extensions, os.write) goes to a file we read per call.
     native = _NativeOutput() if capture else None
     while True:
@@ -137,6 +159,9 @@ class Isolated:
         self.crashes = 0
         self._process: Any = None
         self._connection: Any = None
+        #: The worker's port compiles on its first call: that call's limit is raised.
+        self.compiled = False
+        self._first_call = False
 
     def start(self) -> None:
         """Start the worker and wait until it has loaded the implementation.
@@ -166,6 +191,7 @@ class Isolated:
             self._kill(process)
             raise ImplementationLoadError(detail)
         self._process, self._connection = process, parent
+        self.compiled = self._first_call = bool(detail)
 
     def measure(self, batch: Batch, *, dtype: str = "float64", device: str = "cpu") -> Measurement:
         reply, problem = self._call(("measure", batch.to_dict(), dtype, device))
@@ -188,9 +214,11 @@ class Isolated:
         if self._process is None:
             self.start()
         started = time.monotonic()
+        limit = max(self.timeout_s, FIRST_COMPILED_CALL_S) if self._first_call else self.timeout_s
+        self._first_call = False
         try:
             self._connection.send(request)
-            if self._connection.poll(self.timeout_s):
+            if self._connection.poll(limit):
                 _, payload = self._connection.recv()
                 return payload, None
             timed_out = True
@@ -199,7 +227,8 @@ class Isolated:
         if timed_out:
             self.timeouts += 1
             self._restart()
-            return None, Finding("timeout", f"no result within the per-call timeout of {self.timeout_s:g} s (worker killed)")
+            eager = f"; it is compiled with torch.compile: {EAGER_ENV}=1 runs it eagerly" if self.compiled else ""
+            return None, Finding("timeout", f"no result within the per-call timeout of {limit:g} s (worker killed){eager}")
         self.crashes += 1
         self._process.join(5)
         code = self._process.exitcode

@@ -155,8 +155,14 @@ def _replay(args: argparse.Namespace, runner, console: Console) -> int:
         say_error("replay: give exactly one of SOURCE or --batch")
         return EXIT_UNUSABLE
     path = Path(text)
+    what = "SOURCE" if args.source is not None else "--batch"
+    if not text.lstrip().startswith("{") and not path.is_file():
+        # Not JSON, so a path: say it is missing rather than fail to parse the name as JSON.
+        found = "is a folder, not a file" if path.is_dir() else "no such file"
+        say_error(f"{what}: {text}: {found} (expected a compare report's JSON, a batch's JSON, or the path to one)")
+        return EXIT_UNUSABLE
     try:
-        if not text.lstrip().startswith("{") and path.is_file():
+        if not text.lstrip().startswith("{"):
             text = path.read_text()
         data = json.loads(text)
         # A step runner whose input is not a batch (the trainer) replays its own input records.

@@ -30,6 +30,11 @@ def say_error(message: str) -> None:
     Console(stderr=True).print(f"error: {message}", highlight=False, markup=False, soft_wrap=True)
 
 
+def say_note(message: str) -> None:
+    """Something the user should know before the run's result (on stderr: the report stays clean)."""
+    Console(stderr=True).print(f"note: {message}", highlight=False, markup=False, soft_wrap=True)
+
+
 def print_capture(console: Console, record: dict[str, Any]) -> None:
     capture = record.get("capture")
     if capture:
@@ -193,12 +198,13 @@ def _counterexample_text(c: dict[str, Any], unexplained: set[str]) -> str:
 
     checks = c.get("checks") or [c["check"]]
     cause = f"{c['cause']}: " if c.get("cause") else "unexplained: " if c["check"] in unexplained else ""
-    return format_mismatches(
+    text = format_mismatches(
         [mismatch_from_json(m) for m in c["mismatches"]],
         batch=Batch.from_dict(c["batch"]),
         where=f"(minimal batch for {cause}{', '.join(checks)})",
         replay=c["replay"],
     )
+    return text + (f"\nnot minimal for certain: {c['shrink_stopped']}" if c.get("shrink_stopped") else "")
 
 
 def print_report(console: Console, record: dict[str, Any], impl: str, every_line: bool = False) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from m2po_oracle.adapters import ADAPTERS, adapt
-from m2po_oracle.call.isolation import InProcess, Isolated
+from m2po_oracle.call.isolation import EAGER_ENV, FIRST_COMPILED_CALL_S, InProcess, Isolated, compiled
 from m2po_oracle.call.loss_function import LossFunctionRunner
 from m2po_oracle.call.resolve import (
     is_trainer_spec,
@@ -24,6 +24,7 @@ from m2po_oracle.call.resolve import (
     load_implementation,
 )
 from m2po_oracle.call.runner import RunOptions
+from m2po_oracle.cli.console import say_note
 from m2po_oracle.errors import LoadError, UsageError
 
 if TYPE_CHECKING:
@@ -113,6 +114,11 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Loss
     from m2po_oracle.trainer.controls import TRAINER_IMPLEMENTATIONS
 
     fn = adapt(load_implementation(spec, also_known=list(TRAINER_IMPLEMENTATIONS)), options.adapter, options.bind)
+    if compiled(fn):
+        say_note(
+            f"{spec} is compiled with torch.compile: it compiles on its first call in each worker (tens of seconds on a CPU), "
+            f"which may take up to {max(options.timeout, FIRST_COMPILED_CALL_S):g} s; {EAGER_ENV}=1 runs it eagerly, and faster here"
+        )
     call = getattr(fn, "bound_call", None)
     described = call.describe_call() if call is not None else None
     if options.in_process:

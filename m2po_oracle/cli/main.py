@@ -8,8 +8,12 @@ error; 130 interrupted (``m2po_oracle.errors`` holds them).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 
 from rich.console import Console
 
@@ -42,4 +46,32 @@ def main(argv: list[str] | None = None) -> int:
         "bench": lambda: bench(args, console),
         "audit": lambda: audit(args, console),
     }
-    return commands.get(args.command, lambda: run_or_replay(args, console))()
+    with hypothesis_storage():
+        return commands.get(args.command, lambda: run_or_replay(args, console))()
+
+
+@contextlib.contextmanager
+def hypothesis_storage() -> Iterator[None]:
+    """Hypothesis keeps a cache (``.hypothesis/``) in the working directory: a command run
+    in the user's project would leave it there. The run's cache lives in a scratch folder
+    instead, removed at the end; the examples a user keeps go where
+    ``--hypothesis-database`` says, and ``HYPOTHESIS_STORAGE_DIRECTORY`` still chooses."""
+    if os.environ.get(STORAGE_ENV):
+        yield
+        return
+    from hypothesis import configuration
+
+    # Hypothesis reads the variable once per process: its setter makes a second run (a test
+    # that calls main() again) use its own folder, not the first run's removed one.
+    home = getattr(configuration, "set_hypothesis_home_dir", lambda directory: None)
+    with tempfile.TemporaryDirectory(prefix="m2po-oracle-hypothesis-") as scratch:
+        os.environ[STORAGE_ENV] = scratch
+        home(scratch)
+        try:
+            yield
+        finally:
+            os.environ.pop(STORAGE_ENV, None)
+            home(None)
+
+
+STORAGE_ENV = "HYPOTHESIS_STORAGE_DIRECTORY"

@@ -21,9 +21,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import os
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -239,6 +241,14 @@ def captured_output(capture: bool = True) -> Iterator[io.StringIO]:
         yield buffer
 
 
+#: The toolkit's own folder: its frames in a port's traceback only hide where the port failed.
+TOOLKIT = str(Path(__file__).resolve().parents[1])
+
+
 def _exception_text(error: BaseException) -> str:
-    frames = traceback.format_exception(type(error), error, error.__traceback__, limit=-3)
-    return "".join(frames).rstrip()
+    """The port's failure as a traceback of the port's own frames (the last three): the
+    toolkit's frame that called it says nothing about the port."""
+    trace = traceback.TracebackException.from_exception(error)
+    frames = [f for f in trace.stack if not str(Path(f.filename).resolve()).startswith(TOOLKIT + os.sep)]
+    trace.stack = traceback.StackSummary.from_list(frames[-3:])
+    return "".join(trace.format()).rstrip() if frames else "".join(trace.format_exception_only()).rstrip()
