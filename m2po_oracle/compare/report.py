@@ -169,6 +169,7 @@ class Counterexample:
     cause: str | None = None  # the explanation it demonstrates ("a + b"), None for an unexplained check
     checks: tuple[str, ...] = ()  # every failing check it demonstrates
     example: Any = None  # the example as generated (a batch with its drawn padding, or a trainer case)
+    shrink_stopped: str | None = None  # why shrinking stopped before it tried every smaller batch
 
 
 @dataclass
@@ -297,6 +298,7 @@ class CompareReport:
                     **counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype),
                     "cause": c.cause,
                     "checks": list(c.checks or (c.check,)),
+                    "shrink_stopped": c.shrink_stopped,
                     **({"ranks": list(c.ranks)} if c.ranks else {}),
                     **({"trainer_case": c.case} if c.case else {}),
                 }

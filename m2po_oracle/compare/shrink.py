@@ -4,11 +4,13 @@ check fails" (and, for a cause, "it shows alone") as the goal, which Hypothesis 
 from __future__ import annotations
 
 import random
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 from hypothesis import find
 from hypothesis.errors import Flaky, NoSuchExample, Unsatisfiable
 
@@ -17,6 +19,7 @@ from m2po_oracle.compare.database import search_settings
 from m2po_oracle.compare.report import CompareReport, Counterexample
 from m2po_oracle.explain.evidence import Observation
 from m2po_oracle.judge.battery import BatteryOutcome
+from m2po_oracle.oracle.batch import Batch
 
 
 def battery_of(runner: Runner, example: Any, checks: tuple[str, ...] | None) -> BatteryOutcome:
@@ -79,10 +82,10 @@ def counterexamples_of(
             found.append(counterexample_of(runner, first.name, *prior, cause, checks))
             continue
         shows = shows_alone(report, alone, checks, supplied, keep_inferred(runner)) if alone else None
-        example, outcome = shrink_to_minimal(runner, set(checks), first.first_failure, strategy, shows, checks_run)
+        example, outcome, stopped = shrink_to_minimal(runner, set(checks), first.first_failure, strategy, shows, checks_run)
         shrunk_outcomes.append((example, outcome))
         check = next((c for c in checks if c in outcome.failed_checks), first.name)
-        found.append(counterexample_of(runner, check, example, outcome, cause, checks))
+        found.append(replace(counterexample_of(runner, check, example, outcome, cause, checks), shrink_stopped=stopped))
     return found
 
 
@@ -144,9 +147,10 @@ def shrink_to_minimal(
     strategy: Any,
     shows: Callable[[BatteryOutcome], bool] | None = None,
     checks_run: tuple[str, ...] | None = None,
-) -> tuple[Any, BatteryOutcome]:
+) -> tuple[Any, BatteryOutcome, str | None]:
     """Replay the same search with "one of these checks fails" (and, given ``shows``, "the
-    cause shows alone") as the goal; Hypothesis shrinks it."""
+    cause shows alone") as the goal; Hypothesis shrinks it, and a batch is then reduced
+    (:func:`reduce_batch`). The example, its outcome, and why the reduction stopped early (None: it did not)."""
 
     def search(goal: Callable[[BatteryOutcome], bool]) -> Any:
         options = runner.options
@@ -159,11 +163,128 @@ def shrink_to_minimal(
                 random=random.Random(options.seed),
             )
 
-    example = fallback
+    example, stopped = fallback, None
     for goal in ([shows] if shows is not None else []) + [lambda outcome: bool(checks & set(outcome.failed_checks))]:
         try:
             example = search(goal)
-            break
         except (NoSuchExample, Unsatisfiable, Flaky):  # no example shows it alone, or a flaky check did not fail again
             continue
-    return example, battery_of(runner, example, checks_run)
+        if isinstance(example, Batch):
+            # Hypothesis shrinks the draws, not the batch: a 4x2 draw may be its simplest
+            # while one row of two tokens shows the same failure.
+            example, stopped = reduce_batch(example, _holding(goal, runner, checks_run))
+        break
+    return example, battery_of(runner, example, checks_run), stopped
+
+
+def _holding(goal: Callable[[BatteryOutcome], bool], runner: Runner, checks_run: tuple[str, ...] | None) -> Callable[[Batch], bool]:
+    """Whether a batch still reaches ``goal`` under the runner's battery."""
+    return lambda batch: goal(battery_of(runner, batch, checks_run))
+
+
+#: The calls a reduction of one counterexample may spend, and its time, before it stops and says so.
+REDUCTION_CALLS = 400
+REDUCTION_SECONDS = 60.0
+
+
+def reduce_batch(
+    batch: Batch, holds: Callable[[Batch], bool], calls: int = REDUCTION_CALLS, seconds: float = REDUCTION_SECONDS
+) -> tuple[Batch, str | None]:
+    """The smallest batch found from ``batch`` on which ``holds`` still does: fewest rows,
+    then fewest tokens, then the simplest values (a small integer, then one, two or three
+    binary digits) and the simplest tau. None, or why it stopped before it could try
+    every step (its budget of calls or time)."""
+    started, spent = time.perf_counter(), 0
+
+    def still(candidate: Batch) -> bool:
+        nonlocal spent
+        if spent >= calls or time.perf_counter() - started > seconds:
+            raise _Spent
+        spent += 1
+        try:
+            return bool(holds(candidate))
+        except Exception:  # a candidate the port or a check cannot take shows nothing
+            return False
+
+    try:
+        # Simpler values can free a row or a token that was needed before: again until a
+        # whole pass changes nothing.
+        changed = True
+        while changed:
+            before = batch
+            if batch.shape[0] > 1:  # Algorithm 1 selects over the whole batch: one row may hold every token
+                row = lambda a: a.reshape(1, -1)  # noqa: E731
+                flat = Batch(row(batch.logp), row(batch.behavior_logp), row(batch.advantages), row(batch.valid), batch.tau)
+                if still(flat):
+                    batch = flat
+            for axis in (0, 1):  # rows, then tokens
+                if axis == 1:
+                    # A token made padding, then each row's valid tokens moved to its front:
+                    # the columns left empty go with the next step.
+                    for index in zip(*np.nonzero(batch.valid)):
+                        valid = batch.valid.copy()
+                        valid[index] = False
+                        if valid.any() and still(candidate := replace(batch, valid=valid)):
+                            batch = candidate
+                    packed = _packed(batch)
+                    if packed is not None and still(packed):
+                        batch = packed
+                position = batch.shape[axis] - 1
+                while position >= 0 and batch.shape[axis] > 1:
+                    smaller = _without(batch, axis, position)
+                    if smaller.valid.any() and still(smaller):
+                        batch = smaller
+                    position = min(position - 1, batch.shape[axis] - 1)
+            for name in ("advantages", "logp", "behavior_logp"):
+                for index in zip(*np.nonzero(np.ones(batch.shape, dtype=bool))):
+                    for value in _simpler(float(getattr(batch, name)[index])):
+                        array = getattr(batch, name).copy()
+                        array[index] = value
+                        candidate = replace(batch, **{name: array})
+                        if still(candidate):
+                            batch = candidate
+                            break
+            for tau in _simpler(batch.tau, nonnegative=True):
+                candidate = replace(batch, tau=tau)
+                if still(candidate):
+                    batch = candidate
+                    break
+            changed = batch is not before
+    except _Spent:
+        return batch, f"the reduction stopped after {spent} calls ({time.perf_counter() - started:.0f} s): a smaller batch may show it too"
+    return batch, None
+
+
+class _Spent(Exception):
+    """The reduction's budget is spent."""
+
+
+def _packed(batch: Batch) -> Batch | None:
+    """Each row's valid tokens first, in their order, its padding after (None: already so)."""
+    order = np.argsort(~batch.valid, axis=1, kind="stable")
+    if np.array_equal(order, np.broadcast_to(np.arange(batch.shape[1]), batch.shape)):
+        return None
+    take = lambda a: np.take_along_axis(a, order, axis=1)  # noqa: E731
+    return Batch(take(batch.logp), take(batch.behavior_logp), take(batch.advantages), take(batch.valid), batch.tau)
+
+
+def _without(batch: Batch, axis: int, position: int) -> Batch:
+    keep = [k for k in range(batch.shape[axis]) if k != position]
+    take = (lambda a: a[keep, :]) if axis == 0 else (lambda a: a[:, keep])
+    return Batch(take(batch.logp), take(batch.behavior_logp), take(batch.advantages), take(batch.valid), batch.tau)
+
+
+def _simpler(value: float, nonnegative: bool = False) -> list[float]:
+    """Values simpler than ``value`` (fewer digits), simplest first, each closer than the
+    last; none when ``value`` is already among them. NaN and inf stay what they are."""
+    if not np.isfinite(value):
+        return []
+    found: list[float] = []
+    for step in (1.0, 0.5, 0.25, 0.125):
+        candidates = [0.0, float(np.round(value / step) * step)] if step == 1.0 else [float(np.round(value / step) * step)]
+        for candidate in candidates:
+            if candidate == value:
+                return found
+            if candidate not in found and not (nonnegative and candidate < 0):
+                found.append(candidate)
+    return found

@@ -356,9 +356,11 @@ def compare_values(
         expected=exp,
         details=(
             f"greatest absolute difference {float(difference.ravel()[worst])!r}{at} (allowed {float(allowed.ravel()[worst])!r})",
-            f"greatest relative difference {rel!r}{at} (rtol {tol.rtol}, atol {tol.atol}, scale {scale!r}"
+            # The bound is atol + rtol * max(|expected|, floor) + the dtype's own error: said as such,
+            # so that no word of it reads as the loss's own scale.
+            f"greatest relative difference {rel!r}{at} (allowed: atol {tol.atol} + rtol {tol.rtol} x max(|expected|, {scale!r})"
             + (
-                f", dtype rounding of exp(d) {float(np.broadcast_to(allowance, difference.shape).ravel()[worst])!r})"
+                f" + the dtype's rounding of exp(d) {float(np.broadcast_to(allowance, difference.shape).ravel()[worst])!r})"
                 if np.any(allowance)
                 else ")"
             ),

@@ -125,6 +125,11 @@ FIELDS: tuple[Declared, ...] = (
     Field("counterexamples[].check", "string", "the check it was shrunk for"),
     Field("counterexamples[].cause", "string or null", "the deviations it demonstrates (`a + b`); null for an unexplained check"),
     Field("counterexamples[].checks", "array of string", "every failing check it shows"),
+    Field(
+        "counterexamples[].shrink_stopped",
+        "string or null",
+        "why shrinking stopped before it tried every smaller batch (its budget of calls or time); null when it did not",
+    ),
     Field("counterexamples[].summary", "string", "its first mismatch in one line"),
     Field("counterexamples[].replay", "string", "the command that replays it"),
     Field("counterexamples[].batch", "object", "the batch the implementation received"),

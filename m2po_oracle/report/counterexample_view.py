@@ -145,6 +145,7 @@ def counterexample_view(
         "checks": [c for c in as_names(raw.get("checks")) if c != check] if "checks" in raw else [],
         "summary": as_text(raw.get("summary")),
         "replay": as_text(raw.get("replay")),
+        "shrink_stopped": as_text(raw.get("shrink_stopped")) if raw.get("shrink_stopped") else None,
         "shape": " \u00d7 ".join(fmt(s) for s in shape) if shape else "\u2014",
         "tau": fmt(as_mapping(raw.get("batch")).get("tau", as_mapping(raw.get("removal_curve")).get("tau"))),
         "mismatches": mismatches,

@@ -62,3 +62,16 @@ def test_a_pass_on_a_handful_of_examples_says_so_beside_the_verdict():
     assert "thinly exercised" in out.getvalue() and thin[0] in out.getvalue()
     assert 'id="thinly-exercised"' in render_html(short)
     assert not thinly_exercised(long["checks"]) and 'id="thinly-exercised"' not in render_html(long)
+
+
+def test_a_counterexample_the_shrinker_left_early_says_so_in_both_renderers():
+    from m2po_oracle.report.html import render_html
+
+    report = run_compare(partial(planted, deviation=variant("strict_stop").deviation), "strict", examples=40)
+    record = json.loads(json.dumps(report.to_json()))
+    assert [c["shrink_stopped"] for c in record["counterexamples"]] == [None] * len(record["counterexamples"])
+    assert "not minimal for certain" not in _printed(lambda console, r: print_report(console, r, "strict"), record)
+    stopped = "the reduction stopped after 400 calls (60 s): a smaller batch may show it too"
+    record["counterexamples"][0]["shrink_stopped"] = stopped
+    assert f"not minimal for certain: {stopped}" in _printed(lambda console, r: print_report(console, r, "strict"), record)
+    assert f"Not minimal for certain: {stopped}." in render_html(record)
