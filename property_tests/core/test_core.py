@@ -358,3 +358,28 @@ def test_writing_into_an_input_before_the_backward_never_changes_the_gradient(ar
             assert "modified by an inplace operation" in str(error), error
         else:
             assert torch.equal(grad, expected), "the backward used the input as written after the forward"
+
+
+def test_a_ratio_beyond_float32_is_inf_there_and_algorithm_1_in_float64():
+    # The project's decision (docs/explanation/algorithm.md §2, Overflow): exp(d) unguarded in the
+    # input's dtype. d = 100 on a kept token outside the trust region (A < 0).
+
+    batch = Batch(np.array([[0.0, -0.1]]), np.array([[-100.0, -0.2]]), np.array([[-1.0, 1.0]]), np.ones((1, 2), dtype=bool), 0.04)
+    expected = oracle.m2po(batch)
+    assert expected.keep.all() and np.isfinite(expected.loss)
+    for dtype, finite in ((torch.float64, True), (torch.float32, False)):
+        logp = torch.tensor(batch.logp, dtype=dtype, requires_grad=True)
+        out = m2po_loss(
+            logp,
+            torch.tensor(batch.behavior_logp, dtype=dtype),
+            torch.tensor(batch.advantages, dtype=dtype),
+            torch.ones(1, 2, dtype=torch.bool),
+            tau=0.04,
+        )
+        out.loss.backward()
+        assert out.keep.all()
+        if finite:
+            assert out.loss.item() == pytest.approx(expected.loss, rel=1e-12)
+        else:
+            assert out.loss.item() == float("inf") and logp.grad[0, 0].item() == float("inf")
+            assert torch.isfinite(logp.grad[0, 1])  # only the overflowing token's gradient
