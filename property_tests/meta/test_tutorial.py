@@ -21,8 +21,9 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 TUTORIAL = ROOT / "docs" / "tutorial"
-#: The lessons in the order a reader follows them (reading-the-report reads the run of the first).
-LESSONS = ("first-check.md", "replaying.md")
+#: The lessons in the order a reader follows them (reading-the-report reads the run of the
+#: first), and the worked examples of the diagnosis and equivalence pages, which run the same port.
+LESSONS = ("first-check.md", "replaying.md", "../explanation/diagnosis.md", "../explanation/equivalence.md")
 FENCE = re.compile(r"^```(\w*)\s*$")
 
 
