@@ -187,6 +187,20 @@ def map_metric_name(key: Any) -> str | None:
     return base if base in METRIC_NAMES else None
 
 
+def logged_metrics(logged: Mapping) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Our metrics among what a port logged (a call's return, a training run's log), each
+    under our name (:func:`map_metric_name`, the first key that means it), and the key each
+    was read from. The one reading of a logged metric: ``compare --adapter`` and the audit
+    judge the same keys."""
+    found: dict[str, Any] = {}
+    keys: dict[str, Any] = {}
+    for key, value in logged.items():
+        name = map_metric_name(key)
+        if name is not None and name not in found and _is_number(value):
+            found[name], keys[name] = value, key
+    return found, keys
+
+
 def _is_number(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.numel() == 1
@@ -481,11 +495,8 @@ class BoundCall:
         sources: dict[str, str] = {}
         if "metrics" in self._outputs:
             logged, at = self._logged(returned)
-            for key, value in logged.items():
-                name = map_metric_name(key)
-                if name is not None and name not in found and _is_number(value):
-                    found[name] = value
-                    sources[name] = _path_text((*at, key))
+            found, keys = logged_metrics(logged)
+            sources = {name: _path_text((*at, key)) for name, key in keys.items()}
         for name in METRIC_NAMES:
             if name in self._outputs:
                 found[name] = self.read(returned, name)

@@ -251,7 +251,8 @@ def metrics_check(step: AuditStep, expected: Any) -> AuditCheck:
                 continue
             compared.add(name)
             value, want = r.metrics[name], getattr(expected, name)
-            where = f"{name} of {r.where}"
+            logged_as = f" (logged as {r.metric_sources[name]})" if name in r.metric_sources else ""
+            where = f"{name}{logged_as} of {r.where}"
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 found.append(equivalence.Mismatch("audit.metrics", f"{where}: {value!r} is not a number"))
             elif name in COUNT_FIELDS:
@@ -262,11 +263,21 @@ def metrics_check(step: AuditStep, expected: Any) -> AuditCheck:
                 if m:
                     found.append(m)
     if not compared:
-        return AuditCheck("audit.metrics", "not run", "no captured metric is named like ours (m2_before, m2_after, masked_fraction, ...)")
+        return AuditCheck(
+            "audit.metrics",
+            "not run",
+            "no captured metric is named like ours (m2_before, m2_after, masked_fraction, ...) or under a name ports log them by "
+            "(m2po/masked_fraction, M2, m2po_m2_after, ...)",
+        )
     if found:
         said = _logged_as(step, compared)
         return AuditCheck("audit.metrics", "fail", "".join(f"{what}; " for what in said) + _fmt(found))
-    return AuditCheck("audit.metrics", "pass", f"{', '.join(sorted(compared))} equal the optimizer batch's in every record")
+    read = sorted({f"{name} as {r.metric_sources[name]}" for r in step.records for name in compared if name in r.metric_sources})
+    return AuditCheck(
+        "audit.metrics",
+        "pass",
+        f"{', '.join(sorted(compared))} equal the optimizer batch's in every record" + (f" (read {', '.join(read)})" if read else ""),
+    )
 
 
 #: Logged M2 and fractions, judged per region: a port may log them per micro-batch and still

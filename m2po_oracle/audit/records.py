@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from m2po_oracle.adapters.binding import METRIC_NAMES, logged_metrics
 from m2po_oracle.capture import reader
 from m2po_oracle.distributed.topology import RankCoords, Topology
 from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
@@ -139,6 +140,7 @@ class MicroBatch:
     dtype: str
     rows: slice = field(default_factory=lambda: slice(0, 0))
     columns: np.ndarray | slice = field(default_factory=lambda: slice(0, 0))
+    metric_sources: dict[str, str] = field(default_factory=dict)  # our name -> the logged key it was read from, where not ours
 
     @property
     def where(self) -> str:
@@ -168,6 +170,12 @@ def _record(record: dict[str, Any], info: reader.RecordInfo, coords: RankCoords)
             raise reader.CaptureError(path, f"{name} has shape {list(value.shape)}, logp {list(shape)}")
         optional[name] = None if value is None else _rows(value)
     dtype = str(record["logp"].dtype).removeprefix("torch.")
+    # A metric under our name is judged as logged (a non-number is a finding); one logged
+    # under a port's own name (m2po/masked_fraction, actor/m2po_M2) is read as compare
+    # --adapter reads it, and the report says under which key.
+    logged = dict(record["metrics"])
+    exact = {name: value for name, value in logged.items() if name in METRIC_NAMES}
+    aliased, keys = logged_metrics({k: v for k, v in logged.items() if k not in exact})
     return MicroBatch(
         info.rank,
         coords,
@@ -182,8 +190,9 @@ def _record(record: dict[str, Any], info: reader.RecordInfo, coords: RankCoords)
         optional["grad"],
         float(record["loss"]),
         float(record["tau"]),
-        dict(record["metrics"]),
+        {**aliased, **exact},
         dtype,
+        metric_sources={name: str(key) for name, key in keys.items() if name not in exact},
     )
 
 

@@ -49,6 +49,8 @@ def _simulate(
     topology: str = "dp=2,cp=1,tp=1",
     watch: bool = True,
     metrics: bool = True,
+    logged_as: dict[str, str] | None = None,
+    logged_wrong: str | None = None,
 ) -> None:
     """A pure-DP optimizer step per ``steps`` in one process: the global selection over the
     assembled batch, each micro-batch's loss with the global N, its gradient watched."""
@@ -71,6 +73,9 @@ def _simulate(
                 if metrics
                 else {"lr": 1e-6}
             )
+            if logged_wrong is not None and step == bug_step:
+                logged[logged_wrong] = logged[logged_wrong] * 0.5 + 0.01
+            logged = {(logged_as or {}).get(k, k): v for k, v in logged.items()}
             if step == bug_step and bug == "per_micro_batch_mask":
                 own = select_tokens(logp0, behavior, advantages, mask, tau=TAU)
                 keep = own.keep
@@ -246,3 +251,22 @@ def test_the_html_report_escapes_what_the_capture_says() -> None:
     }
     html = render_audit_html(report)
     assert "<script>" not in html and "&lt;script&gt;" in html
+
+
+#: How real ports log our metrics (the key names their trainers use).
+PORT_NAMES = {"masked_fraction": "m2po/masked_fraction", "m2_before": "actor/m2po_M2", "m2_after": "m2po/m2_after"}
+
+
+def test_metrics_logged_under_a_port_s_own_names_are_judged_as_compare_judges_them(tmp_path: Path) -> None:
+    _simulate(tmp_path / "cap", logged_as=PORT_NAMES)
+    status, report = run_audit(tmp_path / "cap", tmp_path)
+    assert status == 0, report
+    for step in report["steps"]:
+        (metrics,) = [c for c in step["checks"] if c["name"] == "audit.metrics"]
+        assert metrics["status"] == "pass", metrics
+        assert "read m2_after as m2po/m2_after, m2_before as actor/m2po_M2, masked_fraction as m2po/masked_fraction" in metrics["summary"]
+    # A wrong value under a port's name fails, and says which key it was read from.
+    _simulate(tmp_path / "bad", logged_as=PORT_NAMES, logged_wrong="masked_fraction")
+    status, report = run_audit(tmp_path / "bad", tmp_path / "bad-report")
+    (metrics,) = [c for c in report["steps"][1]["checks"] if c["name"] == "audit.metrics"]
+    assert metrics["status"] == "fail" and "masked_fraction (logged as m2po/masked_fraction) of rank" in metrics["summary"], metrics
