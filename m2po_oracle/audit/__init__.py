@@ -38,7 +38,8 @@ Checks per step (loss, gradient and metrics are judged on the mask the run chose
   ``-(1/N) keep exp(d) A`` on that record's tokens; "not run" when none was captured;
 - ``audit.metrics``: every captured metric named like ours (``m2_before``, ``m2_after``,
   ``masked_fraction``, ``trust_region_fraction``, ``valid_count``, ``trust_region_count``,
-  ``kept_trust_region_count``) equals the optimizer batch's, on every rank; where not, the
+  ``kept_trust_region_count``, or logged under a name ports use for one of them, as
+  ``compare --adapter`` reads it: ``m2po/masked_fraction``, ``M2``) equals the optimizer batch's, on every rank; where not, the
   summary says what they are where the files show it (a record's own or its DP rank's valid
   count, cp x N, M2 of each micro-batch, DP rank or CP shard alone); "not run" when none is
   logged;
