@@ -12,6 +12,7 @@ from transformers import TrainerCallback
 
 from m2po_oracle.core.loss import loss_from_selection, select_micro_batches
 from m2po_oracle.trainer.grpo import selection_metrics, stochastic_layers
+from m2po_oracle.trainer.guard import option
 
 
 class GradScale(torch.autograd.Function):
@@ -41,11 +42,6 @@ def dp_group(accelerator: Any) -> Any:
 
         return dist.group.WORLD
     return None
-
-
-def option(args: Any, name: str, default: Any = None) -> Any:
-    """A trainer option by name, ``default`` where this framework version has none."""
-    return getattr(args, name, default)
 
 
 def check_window_fits_the_generation_batch(args: Any) -> None:

@@ -57,12 +57,21 @@ from m2po_oracle.integrations.hf_window import (
     dp_group,
     micro_batch_share,
     open_window,
-    option,
     record_micro_batch,
     summed_over_ranks,
     token_advantages,
 )
 from m2po_oracle.trainer.grpo import M2POKLWarning
+from m2po_oracle.trainer.guard import (
+    NO_ENTROPY_MASK,
+    TOKEN_LEVEL_RATIOS,
+    Refusal,
+    dapo_normaliser,
+    full_distribution,
+    no_liger,
+    option,
+    refuse,
+)
 
 #: The metrics M2POSwiftGRPOTrainer adds to ms-swift's logs, once per optimizer batch (as the TRL integration's).
 #: The file ``--external_plugins`` takes. It sits in a folder of its own because ms-swift puts a
@@ -106,74 +115,67 @@ def tau_from_environment(environ: Any = None) -> float:
     return tau
 
 
+#: The ms-swift settings under which the step would not compute Algorithm 1's objective, in the order they are checked.
+SWIFT_REFUSALS: tuple[Refusal, ...] = (
+    dapo_normaliser("ms-swift's window-normalised 'dapo'", "pass --loss_type dapo"),
+    TOKEN_LEVEL_RATIOS,
+    Refusal(
+        "rollout_importance_sampling_mode",
+        lambda a: option(a, "rollout_importance_sampling_mode", None) is not None,
+        lambda a: (
+            f"rollout_importance_sampling_mode: an extra rollout importance-sampling correction "
+            f"({option(a, 'rollout_importance_sampling_mode')!r}) on top of M2PO corrects the same ratio twice; "
+            "M2PO's ratio is already taken against the behaviour log-probs (leave it unset)"
+        ),
+    ),
+    NO_ENTROPY_MASK,
+    Refusal(
+        "off_policy_sequence_mask_delta",
+        lambda a: option(a, "off_policy_sequence_mask_delta", None) is not None,
+        lambda a: (
+            f"off_policy_sequence_mask_delta: an off-policy sequence mask (got "
+            f"{option(a, 'off_policy_sequence_mask_delta')}) drops sequences Algorithm 1 keeps; M2PO's mask is its only "
+            "mask (leave it unset)"
+        ),
+    ),
+    Refusal(
+        "overlong_filter",
+        lambda a: bool(option(a, "overlong_filter", False)),
+        lambda a: (
+            "overlong_filter: dropping truncated completions from the loss is a mask Algorithm 1 does not have, and it "
+            "would change N (set it to False)"
+        ),
+    ),
+    no_liger("ms-swift"),
+    Refusal(
+        "async_generate",
+        lambda a: bool(option(a, "async_generate", False)),
+        lambda a: (
+            "async_generate: completions sampled asynchronously come from weights older than those ms-swift computes "
+            "old_per_token_logps with, so the behaviour log-probs would not be the sampler's (set it to False)"
+        ),
+    ),
+    Refusal(
+        "sdar_loss_coef",
+        lambda a: (option(a, "sdar_loss_coef", 0.0) or 0.0) > 0,
+        lambda a: (
+            f"sdar_loss_coef: a distillation term (got {option(a, 'sdar_loss_coef')}) is added to the loss; Algorithm 1 "
+            "has none (set it to 0)"
+        ),
+    ),
+    full_distribution("top_p", 1.0, "ms-swift"),
+    full_distribution("repetition_penalty", 1.0, "ms-swift"),
+    full_distribution("top_k", -1, "ms-swift", also_neutral=(0,), fix=" (set it to -1)"),
+)
+
+
 def check_m2po_args(args: Any, *, world_size: int = 1, sequence_parallel_size: int = 1, collective: bool = False) -> None:
     """Refuse, naming the ms-swift option, every setting under which the step would not compute
     Algorithm 1's objective; warn for ``beta != 0``. ``collective``: the trainer selects once
     across the data-parallel group (:class:`M2POSwiftGRPOTrainer` does), without which more
     than one process is refused."""
     check_window_fits_the_generation_batch(args)
-    loss_type = option(args, "loss_type", "dapo")
-    if loss_type != "dapo":
-        raise ValueError(
-            f"loss_type: M2PO divides the masked sum by N, the optimizer batch's valid tokens before masking (ms-swift's "
-            f"window-normalised 'dapo'); loss_type={loss_type!r} asks for another normaliser that M2PO would ignore "
-            "(pass --loss_type dapo)"
-        )
-    if option(args, "importance_sampling_level", "token") != "token":
-        raise ValueError(
-            f"importance_sampling_level: M2PO is defined on token-level ratios; got "
-            f"{option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)"
-        )
-    if option(args, "rollout_importance_sampling_mode", None) is not None:
-        raise ValueError(
-            f"rollout_importance_sampling_mode: an extra rollout importance-sampling correction "
-            f"({option(args, 'rollout_importance_sampling_mode')!r}) on top of M2PO corrects the same ratio twice; "
-            "M2PO's ratio is already taken against the behaviour log-probs (leave it unset)"
-        )
-    if option(args, "top_entropy_quantile", 1.0) < 1.0:
-        raise ValueError(
-            f"top_entropy_quantile: an entropy mask (got {option(args, 'top_entropy_quantile')}) drops tokens Algorithm 1 "
-            "keeps; M2PO's mask is its only mask (set it to 1.0)"
-        )
-    if option(args, "off_policy_sequence_mask_delta", None) is not None:
-        raise ValueError(
-            f"off_policy_sequence_mask_delta: an off-policy sequence mask (got "
-            f"{option(args, 'off_policy_sequence_mask_delta')}) drops sequences Algorithm 1 keeps; M2PO's mask is its only "
-            "mask (leave it unset)"
-        )
-    if option(args, "overlong_filter", False):
-        raise ValueError(
-            "overlong_filter: dropping truncated completions from the loss is a mask Algorithm 1 does not have, and it "
-            "would change N (set it to False)"
-        )
-    if option(args, "use_liger_kernel", False):
-        raise ValueError(
-            "use_liger_kernel: Liger's fused GRPO loss computes ms-swift's clipped objective, not M2PO's; it would bypass "
-            "the M2PO loss (set it to False)"
-        )
-    if option(args, "async_generate", False):
-        raise ValueError(
-            "async_generate: completions sampled asynchronously come from weights older than those ms-swift computes "
-            "old_per_token_logps with, so the behaviour log-probs would not be the sampler's (set it to False)"
-        )
-    if (option(args, "sdar_loss_coef", 0.0) or 0.0) > 0:
-        raise ValueError(
-            f"sdar_loss_coef: a distillation term (got {option(args, 'sdar_loss_coef')}) is added to the loss; Algorithm 1 "
-            "has none (set it to 0)"
-        )
-    for name, neutral in (("top_p", 1.0), ("repetition_penalty", 1.0)):
-        value = option(args, name, neutral)
-        if value is not None and value != neutral:
-            raise ValueError(
-                f"{name}: the sampler must draw from the full distribution (got {name}={value!r}); ms-swift's recomputed "
-                "behaviour log-probs apply only the temperature, so they would not be the sampler's"
-            )
-    top_k = option(args, "top_k", -1)
-    if top_k not in (None, -1, 0):
-        raise ValueError(
-            f"top_k: the sampler must draw from the full distribution (got top_k={top_k!r}); ms-swift's recomputed behaviour "
-            "log-probs apply only the temperature, so they would not be the sampler's (set it to -1)"
-        )
+    refuse(args, SWIFT_REFUSALS)
     if world_size > 1 and not collective:
         raise ValueError(
             f"nproc_per_node: without a selection across the data-parallel group, each of the {world_size} processes would "

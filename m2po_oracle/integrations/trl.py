@@ -43,12 +43,21 @@ from m2po_oracle.integrations.hf_window import (
     dp_group,
     micro_batch_share,
     open_window,
-    option,
     record_micro_batch,
     summed_over_ranks,
     token_advantages,
 )
 from m2po_oracle.trainer.grpo import M2POKLWarning
+from m2po_oracle.trainer.guard import (
+    NO_ENTROPY_MASK,
+    TOKEN_LEVEL_RATIOS,
+    Refusal,
+    dapo_normaliser,
+    full_distribution,
+    no_liger,
+    option,
+    refuse,
+)
 
 if TYPE_CHECKING:
     from trl import GRPOConfig
@@ -68,63 +77,55 @@ class TRLFaults:
     kl_k1_estimator: bool = False  # the KL term uses k1, logp - ref_logp, instead of TRL's k3
 
 
+#: The GRPOConfig settings under which TRL's step would not compute Algorithm 1's objective, in the order they are checked.
+TRL_REFUSALS: tuple[Refusal, ...] = (
+    dapo_normaliser("TRL's 'dapo' normaliser, its default", "set 'dapo'"),
+    TOKEN_LEVEL_RATIOS,
+    Refusal(
+        "vllm_importance_sampling_correction",
+        lambda a: bool(option(a, "use_vllm", False) and option(a, "vllm_importance_sampling_correction", False)),
+        lambda a: (
+            "vllm_importance_sampling_correction: an extra rollout importance-sampling correction on top of M2PO corrects the "
+            "same ratio twice; M2PO's ratio is already taken against the engine's log-probs (set it to False)"
+        ),
+    ),
+    Refusal(
+        "use_transformers_continuous_batching",
+        lambda a: bool(option(a, "use_transformers_continuous_batching", False)),
+        lambda a: (
+            "use_transformers_continuous_batching: this generation path returns no log-probs of the sampled tokens and casts the "
+            "model it samples with; M2PO fails closed rather than trust log-probs it cannot check (use regular generation)"
+        ),
+    ),
+    NO_ENTROPY_MASK,
+    Refusal(
+        "off_policy_mask_threshold",
+        lambda a: option(a, "off_policy_mask_threshold", None) is not None,
+        lambda a: (
+            f"off_policy_mask_threshold: an off-policy sequence mask (got {option(a, 'off_policy_mask_threshold')}) drops "
+            "sequences Algorithm 1 keeps; M2PO's mask is its only mask (set it to None)"
+        ),
+    ),
+    Refusal(
+        "entropy_coef",
+        lambda a: bool(option(a, "entropy_coef", 0.0) or option(a, "use_adaptive_entropy", False)),
+        lambda a: (
+            f"entropy_coef: an entropy bonus (entropy_coef={option(a, 'entropy_coef')}) adds a term Algorithm 1 does not have (set it to 0)"
+        ),
+    ),
+    no_liger("TRL", ("use_liger_kernel", "use_liger_loss")),
+    full_distribution("top_p", 1.0, "TRL"),
+    full_distribution("top_k", 0, "TRL"),
+    full_distribution("repetition_penalty", 1.0, "TRL"),
+    full_distribution("min_p", None, "TRL"),
+)
+
+
 def check_m2po_args(args: Any) -> None:
     """Refuse, naming the option, every GRPOConfig setting under which TRL's step would not
     compute Algorithm 1's objective; warn for ``beta != 0``."""
     check_window_fits_the_generation_batch(args)
-    loss_type = option(args, "loss_type", "dapo")
-    if loss_type != "dapo":
-        raise ValueError(
-            f"loss_type: M2PO divides the masked sum by N, the optimizer batch's valid tokens before masking (TRL's 'dapo' "
-            f"normaliser, its default); loss_type={loss_type!r} asks for another normaliser that M2PO would ignore (set 'dapo')"
-        )
-    if option(args, "importance_sampling_level", "token") != "token":
-        raise ValueError(
-            f"importance_sampling_level: M2PO is defined on token-level ratios; got "
-            f"{option(args, 'importance_sampling_level')!r} (sequence-level IS would change the objective)"
-        )
-    if option(args, "use_vllm", False) and option(args, "vllm_importance_sampling_correction", False):
-        raise ValueError(
-            "vllm_importance_sampling_correction: an extra rollout importance-sampling correction on top of M2PO corrects the "
-            "same ratio twice; M2PO's ratio is already taken against the engine's log-probs (set it to False)"
-        )
-    if option(args, "use_transformers_continuous_batching", False):
-        raise ValueError(
-            "use_transformers_continuous_batching: this generation path returns no log-probs of the sampled tokens and casts the "
-            "model it samples with; M2PO fails closed rather than trust log-probs it cannot check (use regular generation)"
-        )
-    if option(args, "top_entropy_quantile", 1.0) < 1.0:
-        raise ValueError(
-            f"top_entropy_quantile: an entropy mask (got {option(args, 'top_entropy_quantile')}) drops tokens Algorithm 1 keeps; "
-            "M2PO's mask is its only mask (set it to 1.0)"
-        )
-    if option(args, "off_policy_mask_threshold", None) is not None:
-        raise ValueError(
-            f"off_policy_mask_threshold: an off-policy sequence mask (got {option(args, 'off_policy_mask_threshold')}) drops "
-            "sequences Algorithm 1 keeps; M2PO's mask is its only mask (set it to None)"
-        )
-    if option(args, "entropy_coef", 0.0) or option(args, "use_adaptive_entropy", False):
-        raise ValueError(
-            f"entropy_coef: an entropy bonus (entropy_coef={option(args, 'entropy_coef')}) adds a term Algorithm 1 does not have "
-            "(set it to 0)"
-        )
-    if option(args, "use_liger_kernel", False) or option(args, "use_liger_loss", False):
-        raise ValueError(
-            "use_liger_kernel: Liger's fused GRPO loss computes TRL's clipped objective, not M2PO's; it would bypass the "
-            "M2PO loss (set it to False)"
-        )
-    for name, neutral in (("top_p", 1.0), ("top_k", 0), ("repetition_penalty", 1.0)):
-        value = option(args, name, neutral)
-        if value is not None and value != neutral and not (name == "top_k" and value in (None, 0)):
-            raise ValueError(
-                f"{name}: the sampler must draw from the full distribution (got {name}={value!r}); TRL's recomputed behaviour "
-                "log-probs apply only the temperature, so they would not be the sampler's"
-            )
-    if option(args, "min_p", None) is not None:
-        raise ValueError(
-            f"min_p: the sampler must draw from the full distribution (got min_p={option(args, 'min_p')!r}); TRL's recomputed "
-            "behaviour log-probs apply only the temperature, so they would not be the sampler's"
-        )
+    refuse(args, TRL_REFUSALS)
     beta = float(option(args, "beta", 0.0) or 0.0)
     if beta != 0:
         warnings.warn(

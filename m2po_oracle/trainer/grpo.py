@@ -32,6 +32,7 @@ import torch
 
 from m2po_oracle.core.loss import loss_from_selection, select_micro_batches
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
+from m2po_oracle.trainer.guard import TOKEN_LEVEL_RATIOS, refuse
 
 #: Token ids of the toy vocabulary.
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -337,11 +338,7 @@ def check_training_setup(config: TrainerConfig, policy: Any, rollout: Rollout, *
                 "behavior_logp: the deployment-backed rollout returned no log-probs of the sampled tokens; M2PO fails closed "
                 "rather than fall back to log-probs recomputed by the trainer"
             )
-    if config.importance_sampling_level != "token":
-        raise ValueError(
-            f"importance_sampling_level: M2PO is defined on token-level ratios; got {config.importance_sampling_level!r} "
-            "(sequence-level IS would change the objective)"
-        )
+    refuse(config, (TOKEN_LEVEL_RATIOS,))
     if config.rollout_importance_sampling_mode is not None:
         raise ValueError(
             f"rollout_importance_sampling_mode: an extra rollout-IS correction ({config.rollout_importance_sampling_mode!r}) "
