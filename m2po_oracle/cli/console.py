@@ -146,7 +146,9 @@ def print_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
     for residual in diagnosis.get("residuals", []):
         features = (
             ", ".join(
-                f"{f['feature']} {f['residual']}/{f['of']} (vs {f['explained']}/{f['explained_of']} explained)"
+                f"{f['feature']} {f['residual']}/{f['of']}"
+                # Beside nothing explained, a count "where explained" is 0/0: said only where there is a comparison.
+                + (f" (vs {f['explained']}/{f['explained_of']} explained)" if f.get("explained_of") else "")
                 for f in residual.get("features", [])
             )
             or "no feature of the list"

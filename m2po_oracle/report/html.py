@@ -430,6 +430,7 @@ def _diagnosis(raw: Any, checks: Sequence[tuple[str, str]] = ()) -> dict[str, An
                         "of": fmt(f.get("of")),
                         "explained": fmt(f.get("explained")),
                         "explained_of": fmt(f.get("explained_of")),
+                        "compared": bool(f.get("explained_of")),  # some reproduced example to compare with
                         "description": as_text(f.get("description")),
                     }
                     for f in map(as_mapping, as_list(r.get("features")))

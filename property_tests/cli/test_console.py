@@ -75,3 +75,20 @@ def test_a_counterexample_the_shrinker_left_early_says_so_in_both_renderers():
     record["counterexamples"][0]["shrink_stopped"] = stopped
     assert f"not minimal for certain: {stopped}" in _printed(lambda console, r: print_report(console, r, "strict"), record)
     assert f"Not minimal for certain: {stopped}." in render_html(record)
+
+
+def test_a_residual_beside_nothing_explained_shows_no_empty_comparison():
+    from m2po_oracle.report.html import render_html
+
+    report = run_compare(partial(planted, deviation=variant("strict_stop").deviation), "strict", examples=40)
+    record = json.loads(json.dumps(report.to_json()))
+    feature = {"feature": "cut", "residual": 80, "of": 117, "explained": 0, "explained_of": 0, "description": "a cut"}
+    residual = {"checks": ["metrics.m2_before"], "unexplained": True, "count": 117, "contradicted": 0, "features": [feature]}
+    residual.update(shared=[], float32_fits=0, explanation=[], counterexample=None)
+    record["diagnosis"]["residuals"] = [residual]
+    text = _printed(lambda console, r: print_report(console, r, "strict"), record)
+    assert "features: cut 80/117" in text and "0/0" not in text
+    assert "where explained" not in render_html(record)
+    residual["features"] = [{**feature, "explained": 3, "explained_of": 40}]
+    assert "cut 80/117 (vs 3/40 explained)" in _printed(lambda console, r: print_report(console, r, "strict"), record)
+    assert "where explained" in render_html(record)
