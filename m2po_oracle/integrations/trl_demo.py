@@ -56,27 +56,11 @@ def tokenizer() -> Any:
 
 
 def tiny_llama(seed: int) -> Any:
-    """A random-weight two-layer Llama (float32, eager attention, no dropout)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The trainer step's random-weight two-layer Llama (float32, eager attention, no
+    dropout) over this demo's vocabulary, in training mode as a Trainer receives it."""
+    from m2po_oracle.trainer.grpo import tiny_llama as step_llama
 
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config)
+    return step_llama(seed, vocab_size=VOCAB_SIZE).train()
 
 
 def prompts(count: int, seed: int) -> Any:
