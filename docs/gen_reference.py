@@ -408,11 +408,11 @@ def controls_page() -> str:
         for c in load("controls.trainer")
     ]
     trl = [
-        (code(f"trainer:trl:{n}"), cell(c["description"]), code(c["diagnosed_as"]), ", ".join(code(k) for k in c["caught_by"]))
+        (code(f"trainer:trl:{n}"), cell(c.description), code(c.variant), ", ".join(code(k) for k in c.caught_by))
         for n, c in load("controls.trl").items()
     ]
     swift = [
-        (code(f"trainer:swift:{n}"), cell(c["description"]), code(c["diagnosed_as"]), ", ".join(code(k) for k in c["caught_by"]))
+        (code(f"trainer:swift:{n}"), cell(c.description), code(c.variant), ", ".join(code(k) for k in c.caught_by))
         for n, c in load("controls.swift").items()
     ]
     header = ("control", "planted bug", "diagnosed as", "caught by", "`--quick` examples")

@@ -49,36 +49,10 @@ from typing import Any
 
 import torch
 
+from m2po_oracle.trainer.controls import TrainerControl, integrated_controls
+
 #: The planted bugs ``trainer:swift:NAME`` runs, with what must catch them and name them.
-SWIFT_CONTROLS: dict[str, dict[str, Any]] = {
-    "per_micro_batch_mask": {
-        "description": "the mask is selected within each micro-batch ms-swift hands _compute_loss_and_metrics",
-        "caught_by": ("trainer.accumulation",),
-        "diagnosed_as": "per_micro_batch_mask",
-    },
-    "per_micro_batch_denominator": {
-        "description": "each micro-batch divides by its own valid count, then by the accumulation steps",
-        "caught_by": ("trainer.accumulation", "gradient"),
-        "diagnosed_as": "per_micro_batch_denominator",
-    },
-    "current_policy_as_behavior": {
-        "description": "the prepass's log-probs (the current policy) are used as behaviour log-probs",
-        "caught_by": ("trainer.behavior_logp",),
-        "diagnosed_as": "current_policy_as_behavior",
-    },
-    "optimizer_step_per_micro_batch": {
-        "description": "the wrapped optimizer steps after every micro-batch, past accelerate's accumulation guard",
-        "caught_by": ("trainer.optimizer_step",),
-        "diagnosed_as": "optimizer_step_per_micro_batch",
-    },
-    # Its steps run with a KL term (beta), without which the bug cannot show.
-    "kl_k1_estimator": {
-        "description": "the KL term uses the k1 estimator logp - ref_logp instead of ms-swift's k3",
-        "caught_by": ("trainer.kl_term",),
-        "diagnosed_as": "kl_k1_estimator",
-        "beta": 0.1,
-    },
-}
+SWIFT_CONTROLS: dict[str, TrainerControl] = {c.name: c for c in integrated_controls("ms-swift", "_compute_loss_and_metrics")}
 
 #: The dtype ms-swift's step computes in, and why: what ``--dtype`` must be (and what a run
 #: without ``--dtype`` takes).
@@ -433,5 +407,5 @@ def swift_trainer(control: str | None = None) -> Any:
         return SwiftStep(policy, config, fault=control, **options)
 
     make.computes_in, make.computes_in_why = SWIFT_COMPUTE_DTYPE, SWIFT_COMPUTE_DTYPE_WHY  # type: ignore[attr-defined]
-    make.kl_coefficient = SWIFT_CONTROLS[control].get("beta", 0.0) if control else 0.0  # type: ignore[attr-defined]
+    make.kl_coefficient = SWIFT_CONTROLS[control].beta if control else 0.0  # type: ignore[attr-defined]
     return make

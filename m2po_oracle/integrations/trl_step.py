@@ -46,37 +46,10 @@ from m2po_oracle.integrations.hf_step import (
 )
 from m2po_oracle.integrations.hf_window import METRIC_PREFIX
 from m2po_oracle.integrations.trl import M2POGRPOTrainer, TRLFaults
+from m2po_oracle.trainer.controls import TrainerControl, integrated_controls
 
 #: The planted bugs ``trainer:trl:NAME`` runs, with what must catch them and name them.
-TRL_CONTROLS: dict[str, dict[str, Any]] = {
-    "per_micro_batch_mask": {
-        "description": "the mask is selected within each micro-batch TRL hands _compute_loss",
-        "caught_by": ("trainer.accumulation",),
-        "diagnosed_as": "per_micro_batch_mask",
-    },
-    "per_micro_batch_denominator": {
-        "description": "each micro-batch divides by its own valid count, then by the accumulation steps",
-        "caught_by": ("trainer.accumulation", "gradient"),
-        "diagnosed_as": "per_micro_batch_denominator",
-    },
-    "current_policy_as_behavior": {
-        "description": "the prepass's log-probs (the current policy) are used as behaviour log-probs",
-        "caught_by": ("trainer.behavior_logp",),
-        "diagnosed_as": "current_policy_as_behavior",
-    },
-    "optimizer_step_per_micro_batch": {
-        "description": "the wrapped optimizer steps after every micro-batch, past accelerate's accumulation guard",
-        "caught_by": ("trainer.optimizer_step",),
-        "diagnosed_as": "optimizer_step_per_micro_batch",
-    },
-    # Its steps run with a KL term (beta), without which the bug cannot show.
-    "kl_k1_estimator": {
-        "description": "the KL term uses the k1 estimator logp - ref_logp instead of TRL's k3",
-        "caught_by": ("trainer.kl_term",),
-        "diagnosed_as": "kl_k1_estimator",
-        "beta": 0.1,
-    },
-}
+TRL_CONTROLS: dict[str, TrainerControl] = {c.name: c for c in integrated_controls("TRL", "_compute_loss")}
 
 
 def _reward(completions: list[Any], completion_ids: list[list[int]], **_: Any) -> list[float]:
@@ -251,11 +224,11 @@ def trl_trainer(control: str | None = None) -> Any:
     control's steps run with (``kl_coefficient``)."""
     if control is not None and control not in TRL_CONTROLS:
         raise ValueError(f"control: unknown TRL control {control!r}; known: {', '.join(TRL_CONTROLS)}")
-    faults = TRLFaults(**{control: True}) if control else TRLFaults()
+    faults = TRLFaults(**{name: bool(on) for name, on in TRL_CONTROLS[control].faults.items()}) if control else TRLFaults()
 
     def make(policy: Any, config: Any, **options: Any) -> TRLStep:
         return TRLStep(policy, config, faults=faults, **options)
 
     make.computes_in, make.computes_in_why = TRL_COMPUTE_DTYPE, TRL_COMPUTE_DTYPE_WHY  # type: ignore[attr-defined]  # mypy: a function takes no new attributes (read back by getattr)
-    make.kl_coefficient = TRL_CONTROLS[control].get("beta", 0.0) if control else 0.0  # type: ignore[attr-defined]  # as above
+    make.kl_coefficient = TRL_CONTROLS[control].beta if control else 0.0  # type: ignore[attr-defined]  # as above
     return make

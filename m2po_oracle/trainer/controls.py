@@ -87,5 +87,47 @@ TRAINER_CONTROLS: tuple[TrainerControl, ...] = (
     ),
 )
 CONTROLS_BY_NAME = {c.name: c for c in TRAINER_CONTROLS}
+
+
+def integrated_controls(framework: str, loss_hook: str) -> tuple[TrainerControl, ...]:
+    """The planted bugs of M2PO in a framework's own trainer (``trainer:FRAMEWORK:NAME``), in the
+    framework's words: ``loss_hook``, the method that hands the loss one micro-batch. Each sets
+    the integration's fault of its name; a KL bug's steps run with a KL term, without which it
+    cannot show."""
+    return (
+        TrainerControl(
+            "per_micro_batch_mask",
+            f"the mask is selected within each micro-batch {framework} hands {loss_hook}",
+            {"per_micro_batch_mask": True},
+            ("trainer.accumulation",),
+        ),
+        TrainerControl(
+            "per_micro_batch_denominator",
+            "each micro-batch divides by its own valid count, then by the accumulation steps",
+            {"per_micro_batch_denominator": True},
+            ("trainer.accumulation", "gradient"),
+        ),
+        TrainerControl(
+            "current_policy_as_behavior",
+            "the prepass's log-probs (the current policy) are used as behaviour log-probs",
+            {"current_policy_as_behavior": True},
+            ("trainer.behavior_logp",),
+        ),
+        TrainerControl(
+            "optimizer_step_per_micro_batch",
+            "the wrapped optimizer steps after every micro-batch, past accelerate's accumulation guard",
+            {"optimizer_step_per_micro_batch": True},
+            ("trainer.optimizer_step",),
+        ),
+        TrainerControl(
+            "kl_k1_estimator",
+            f"the KL term uses the k1 estimator logp - ref_logp instead of {framework}'s k3",
+            {"kl_k1_estimator": True},
+            ("trainer.kl_term",),
+            beta=0.1,
+        ),
+    )
+
+
 #: Built-in names of whole training steps: the trainer and its planted controls.
 TRAINER_IMPLEMENTATIONS: tuple[str, ...] = ("trainer", *tuple(f"trainer:{c.name}" for c in TRAINER_CONTROLS))

@@ -262,9 +262,9 @@ def test_each_swift_control_is_caught_by_its_check_and_named_by_the_diagnosis(co
         assert "trainer.accumulation" in outcome.checked and outcome.case["trainer"]["split"] == [2, 2], outcome.case["trainer"]
         return
     expected = SWIFT_CONTROLS[control]
-    assert set(expected["caught_by"]) <= failed, f"{control}: expected {expected['caught_by']} to fail, failed: {sorted(failed)}"
-    assert outcome.evidenced == (expected["diagnosed_as"],), (
-        f"{control}: expected the diagnosis to name {expected['diagnosed_as']!r} "
+    assert set(expected.caught_by) <= failed, f"{control}: expected {expected.caught_by} to fail, failed: {sorted(failed)}"
+    assert outcome.evidenced == (expected.variant,), (
+        f"{control}: expected the diagnosis to name {expected.variant!r} "
         f"alone; consistent: {outcome.explained_by}, evidenced: {outcome.evidenced}"
     )
 
@@ -275,7 +275,7 @@ def test_swift_with_a_kl_term_passes_the_kl_check_that_its_k1_control_fails():
     from m2po_oracle.trainer.runner import TrainerRunner
 
     # The control's own run (k1, caught and named) is test_each_swift_control_is_caught_...[kl_k1_estimator].
-    assert SWIFT_CONTROLS["kl_k1_estimator"]["beta"] == 0.1 and "trainer.kl_term" in SWIFT_CONTROLS["kl_k1_estimator"]["caught_by"]
+    assert SWIFT_CONTROLS["kl_k1_estimator"].beta == 0.1 and "trainer.kl_term" in SWIFT_CONTROLS["kl_k1_estimator"].caught_by
     runner = TrainerRunner(trainer=swift_trainer(), spec="trainer:swift", beta=0.1)
     outcome = runner.run_battery(TrainerCase.from_dict(SCOPED_CASE))
     assert runner.options.dtype == "float32" and "trainer.kl_term" in outcome.checked

@@ -47,10 +47,11 @@ def test_the_swift_controls_plant_trls_faults_and_read_without_ms_swift():
 
     assert list(SWIFT_CONTROLS) == list(TRL_CONTROLS)
     for name, control in SWIFT_CONTROLS.items():
-        assert (control["caught_by"], control["diagnosed_as"], control.get("beta")) == (
-            TRL_CONTROLS[name]["caught_by"],
-            TRL_CONTROLS[name]["diagnosed_as"],
-            TRL_CONTROLS[name].get("beta"),
+        assert (control.caught_by, control.variant, control.beta, control.faults) == (
+            TRL_CONTROLS[name].caught_by,
+            TRL_CONTROLS[name].variant,
+            TRL_CONTROLS[name].beta,
+            TRL_CONTROLS[name].faults,
         ), name
 
 

@@ -228,8 +228,8 @@ def test_each_trl_control_is_caught_by_its_check_and_named_by_the_diagnosis(cont
         assert not failed, [m.summary for m in outcome.mismatches]
         return
     expected = TRL_CONTROLS[control]
-    assert set(expected["caught_by"]) <= failed, (control, failed)
-    assert outcome.evidenced == (expected["diagnosed_as"],), (control, outcome.explained_by, outcome.evidenced)
+    assert set(expected.caught_by) <= failed, (control, failed)
+    assert outcome.evidenced == (expected.variant,), (control, outcome.explained_by, outcome.evidenced)
 
 
 def test_trl_with_a_kl_term_passes_the_kl_check_that_its_k1_control_fails():
@@ -238,7 +238,7 @@ def test_trl_with_a_kl_term_passes_the_kl_check_that_its_k1_control_fails():
     from m2po_oracle.trainer.runner import TrainerRunner
 
     # The control's own run (k1, caught and named) is test_each_trl_control_is_caught_...[kl_k1_estimator].
-    assert TRL_CONTROLS["kl_k1_estimator"]["beta"] == 0.1 and "trainer.kl_term" in TRL_CONTROLS["kl_k1_estimator"]["caught_by"]
+    assert TRL_CONTROLS["kl_k1_estimator"].beta == 0.1 and "trainer.kl_term" in TRL_CONTROLS["kl_k1_estimator"].caught_by
     runner = TrainerRunner(trainer=trl_trainer(), spec="trainer:trl", beta=0.1)
     outcome = runner.run_battery(TrainerCase.from_dict(SCOPED_CASE))
     assert runner.options.dtype == "float32" and "trainer.kl_term" in outcome.checked
