@@ -23,7 +23,7 @@ from m2po_oracle.compare.report import CompareReport
 from m2po_oracle.compare.shrink import battery_of, counterexamples_of, keep_inferred
 from m2po_oracle.explain.deviations import Accepted
 from m2po_oracle.explain.diagnosis import diagnose
-from m2po_oracle.explain.evidence import Observation
+from m2po_oracle.explain.evidence import Examples, Observation, Reading, RunnerFacts
 from m2po_oracle.explain.record import Diagnosis, Finding
 from m2po_oracle.judge.battery import DRAWN_PADDING, BatteryOutcome
 from m2po_oracle.judge.checks import BEHAVIOURAL_CHECKS
@@ -289,22 +289,23 @@ def diagnose_failures(runner: Runner, report: CompareReport, evidence: Evidence,
     padding = "padding_immunity" in report.failing_checks
     observations = evidence.failing + evidence.passing if evidence.failing or padding else []
     report.diagnosis = diagnose(
-        observations,
-        report.failing_checks,
-        dtype=report.dtype,
+        Examples(
+            tuple(observations),
+            tuple(report.failing_checks),
+            held_out=tuple(evidence.more_failing + evidence.more_passing) if evidence.failing else (),
+            call_failure_taus=tuple(evidence.call_failure_taus),
+        ),
+        Reading(report.dtype, report.compute_dtype, supplied, keep_inferred(runner)),
         divergent=bool(report.failing_checks),
-        compute_dtype=report.compute_dtype,
-        supplied=supplied,
-        prefer=frozenset(a.deviation for a in report.accepted),
-        step_explanations={c: names for c, names in evidence.step_by_check.items() if names},
-        step_descriptions=runner.variant_descriptions,
-        step_source=runner.variant_source,
+        runner=RunnerFacts(
+            {c: names for c, names in evidence.step_by_check.items() if names},
+            dict(runner.variant_descriptions or {}),
+            runner.variant_source,
+            runner.replay_command,
+            leak_probe(runner) if padding else None,
+        ),
         findings=evidence.findings(),
-        beyond_sample=(evidence.more_failing + evidence.more_passing) if evidence.failing else (),
-        replay=runner.replay_command,
-        call_failure_taus=evidence.call_failure_taus,
-        leaks_alone=leak_probe(runner) if padding else None,
-        keep_inferred=keep_inferred(runner),
+        prefer=frozenset(a.deviation for a in report.accepted),
     )
 
 

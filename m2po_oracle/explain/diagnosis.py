@@ -30,9 +30,8 @@ the loss, or the gradient at any position, NaN/inf (:func:`padding_leak`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import fields, replace
-from typing import Any
 
 from m2po_oracle.explain.deviations import (
     ALGORITHM_1,
@@ -42,7 +41,7 @@ from m2po_oracle.explain.deviations import (
     loss_effects,
     variant,
 )
-from m2po_oracle.explain.evidence import Judge, Observation, in_order, merge
+from m2po_oracle.explain.evidence import Examples, Judge, Reading, RunnerFacts, in_order, merge
 from m2po_oracle.explain.explanation import Explanation, search
 from m2po_oracle.explain.padding import (
     PaddingLeak,
@@ -64,53 +63,41 @@ from m2po_oracle.explain.shares import (
     share_text,
 )
 from m2po_oracle.judge.checks import result_field
-from m2po_oracle.oracle.batch import Batch
 
 #: The deviations whose every failure is the rounding of a narrower dtype, and the option that accepts it.
 PRECISION_OPTIONS = {"float32_selection": "--compute-dtype float32", "float32_metrics": "--compute-dtype float32"}
 
 
-# --- values a port picks itself, fitted from the data ------------------------------------
+#: A runner that knows nothing beyond its single examples.
+RUNNER_FACTS = RunnerFacts()
 
 
 def diagnose(
-    observations: Iterable[Observation],
-    failed_checks: Iterable[str],
+    examples: Examples,
+    reading: Reading,
     *,
-    dtype: str,
     divergent: bool,
-    compute_dtype: str | None = None,
-    supplied: frozenset[str] | None = None,
-    step_explanations: dict[str, set[str]] | None = None,
-    step_descriptions: dict[str, str] | None = None,
-    step_source: str = "",
+    runner: RunnerFacts = RUNNER_FACTS,
     findings: Sequence[Finding] = (),
     prefer: frozenset[str] = frozenset(),
-    beyond_sample: Iterable[Observation] = (),
-    replay: Any = None,
-    call_failure_taus: Sequence[float] = (),
-    leaks_alone: Callable[[Batch], bool | None] | None = None,
-    keep_inferred: bool = False,
 ) -> Diagnosis:
-    """The diagnosis of a run (its JSON schema in ``report``).
-
-    The search runs on ``observations``; the shares count those and ``beyond_sample`` (the
-    examples beyond the search's sample: the failing ones a name must reproduce, the passing
-    ones it must not contradict). ``step_explanations`` maps a failing check
-    to the step-level variants (distributed, trainer) that reproduce every failing step of
-    it; they explain it ahead of a single-batch deviation. ``replay(example)`` gives the
-    command that replays a residual's counterexample; ``leaks_alone`` (see :func:`padding_leak`)
-    tells which input a padding leak comes through; ``keep_inferred``: the adapter read the
-    port's mask from its zero gradients."""
-    observations = list(observations)
-    sample = len(observations)
-    observations += list(beyond_sample)
-    failed = list(dict.fromkeys(failed_checks))
+    """The diagnosis of a run (its JSON schema in ``report``): the search runs on
+    ``examples.sample``, the shares count it and ``examples.held_out``; ``runner``'s step
+    variants explain a check ahead of a single-batch deviation; ``prefer``: the deviations
+    the user accepts, listed first among explanations the examples cannot tell apart."""
+    dtype, compute_dtype, supplied = reading.dtype, reading.compute_dtype, reading.supplied
+    step_explanations, step_descriptions, step_source = runner.step_explanations, runner.step_descriptions, runner.step_source
+    replay, leaks_alone, call_failure_taus = runner.replay, runner.leaks_alone, examples.call_failure_taus
+    observations = list(examples.sample) + list(examples.held_out)
+    sample = len(examples.sample)
+    failed = list(dict.fromkeys(examples.failed_checks))
     # examples_searched: the sample the search and the leads ran on; examples_compared: every
     # observation the shares count (the sample and the failing examples beyond it).
     if not divergent:
         return Diagnosis("not_needed", examples_compared=len(observations), examples_searched=sample, findings=tuple(findings))
-    judge = Judge(observations, dtype=dtype, compute_dtype=compute_dtype, supplied=supplied, sample=sample, keep_inferred=keep_inferred)
+    judge = Judge(
+        observations, dtype=dtype, compute_dtype=compute_dtype, supplied=supplied, sample=sample, keep_inferred=reading.keep_inferred
+    )
     output_variants = [v.name for v in VARIANTS if v.name != "algorithm_1" and not v.is_behavioural]
     explanation = search(judge, output_variants) if observations else Explanation((), 0, 0)
     if explanation.alternatives:
@@ -149,9 +136,9 @@ def diagnose(
             behavioural = ["fails_at_zero_budget"]  # every call that raised had tau == 0, and only such calls raised
         name = result_field(check)
         if check == "padding_immunity":
-            reading = padding_reader(judge, explanation.components)
-            if reading:  # the explanation reproduces the port under every padding it changed with
-                by_check[check] = reading
+            reads = padding_reader(judge, explanation.components)
+            if reads:  # the explanation reproduces the port under every padding it changed with
+                by_check[check] = reads
                 continue
             leak = padding_leak(judge.observations, leaks_alone)
             if leak is None:

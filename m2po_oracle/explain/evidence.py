@@ -50,6 +50,45 @@ class Observation:
     example: Any = None  # the runner's input that produced it (its replay command), when it is not the batch
 
 
+@dataclass(frozen=True)
+class Examples:
+    """What a run observed, as a diagnosis weighs it: the search's ``sample``, the examples
+    ``held_out`` beyond it (the shares count them: failing ones a name must reproduce, passing
+    ones it must not contradict), the checks that failed, and the budget of each call that
+    raised or returned nothing."""
+
+    sample: tuple[Observation, ...]
+    failed_checks: tuple[str, ...]
+    held_out: tuple[Observation, ...] = ()
+    call_failure_taus: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How the port's results are read: the dtypes it was judged at, the fields it computes
+    itself (None: every field it returns; an adapter builds the rest), and whether its mask
+    was inferred from its zero gradients."""
+
+    dtype: str
+    compute_dtype: str | None = None
+    supplied: frozenset[str] | None = None
+    keep_inferred: bool = False
+
+
+@dataclass(frozen=True)
+class RunnerFacts:
+    """What the runner knows beyond single examples: the step-level variants (distributed,
+    trainer) that reproduce every failing step of a check, with their descriptions and source;
+    the command that replays an example; and, for batches, whether a batch padded in one input
+    alone makes the port's result NaN/inf (:func:`~m2po_oracle.explain.padding.padding_leak`)."""
+
+    step_explanations: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    step_descriptions: dict[str, str] = dataclasses.field(default_factory=dict)
+    step_source: str = ""
+    replay: Any = None
+    leaks_alone: Any = None
+
+
 def merge(names: Iterable[str]) -> Deviation | None:
     """The deviation of several variants at once (None: two set one knob differently)."""
     return _merged(frozenset(names))

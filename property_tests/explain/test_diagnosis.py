@@ -313,7 +313,9 @@ def test_the_search_s_sample_and_the_examples_the_shares_count_are_told_apart():
     ]
     observations = [evidence.Observation(b, variants.m2po(b, variant("one_extra_removed").deviation)) for b in batches]
     d = diagnosis.diagnose(
-        observations[:4], ["selection.minimal"], dtype="float64", divergent=True, beyond_sample=observations[4:]
+        evidence.Examples(tuple(observations[:4]), ("selection.minimal",), held_out=tuple(observations[4:])),
+        evidence.Reading("float64"),
+        divergent=True,
     ).to_json()
     assert (d["examples_searched"], d["examples_compared"]) == (4, 7)
     report = run_compare(partial(planted, deviation=variant("one_extra_removed").deviation), "extra", examples=40, shrink=False)

@@ -233,5 +233,6 @@ def test_a_hard_clamp_in_the_loss_only_is_one_name():
     failed = sorted({c for o in observations for c in o.failed})
     assert "gradient" in failed and not any(c.startswith("metrics.") for c in failed), failed  # the metrics see the raw d
     # Half the examples searched, half held out: the name must hold on both.
-    d = diagnosis.diagnose(observations[::2], failed, dtype="float64", divergent=True, beyond_sample=observations[1::2]).to_json()
+    examples = evidence.Examples(tuple(observations[::2]), tuple(failed), held_out=tuple(observations[1::2]))
+    d = diagnosis.diagnose(examples, evidence.Reading("float64"), divergent=True).to_json()
     assert d["components"] == ["loss_hard_clamped_log_ratio"] and not d["unexplained"], d["summary"]
