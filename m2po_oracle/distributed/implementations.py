@@ -178,41 +178,48 @@ def cp_shard_counts(logp, behavior_logp, advantages, mask, *, tau: float, parall
     return {"loss": loss, "keep": selection.keep, "valid_count": n}
 
 
-#: Built-in distributed implementations by name, with the check that must catch each control.
+@dataclass(frozen=True)
+class DistributedControl:
+    """A planted distributed bug: its implementation, the check that must catch it, and the
+    topology it shows on (a CP bug needs cp > 1, a DP bug dp > 1)."""
+
+    name: str  # "control:NAME", as --impl takes it
+    fn: Any
+    caught_by: str
+    topology: str
+
+
+DISTRIBUTED_CONTROL_RECORDS: tuple[DistributedControl, ...] = (
+    # N and the counts double on most batches; replicas diverge only when the cut falls
+    # between a token's two copies (the two-rank worked example of algorithm.md §1, tested on its own).
+    DistributedControl("control:dp_cp_group_double_count", dp_cp_group_double_count, "distributed.metrics", "dp=2,cp=2,tp=1"),
+    DistributedControl("control:local_shard_selection", local_shard_selection, "distributed.global_selection", "dp=2,cp=2,tp=1"),
+    DistributedControl("control:local_denominator", local_denominator, "distributed.shard_gradient", "dp=1,cp=2,tp=2"),
+    DistributedControl(
+        "control:per_rank_selection_global_n", per_rank_selection_global_n, "distributed.global_selection", "dp=2,cp=1,tp=1"
+    ),
+    DistributedControl(
+        "control:per_cp_chunk_selection_global_n",
+        per_cp_chunk_selection_global_n,
+        "distributed.replica_masks_identical",
+        "dp=1,cp=2,tp=1",
+    ),
+    DistributedControl("control:kept_count_denominator", kept_count_denominator, "distributed.shard_gradient", "dp=2,cp=1,tp=1"),
+    # With dp=1 it coincides with local_denominator.
+    DistributedControl("control:cp_shard_counts", cp_shard_counts, "distributed.metrics", "dp=2,cp=2,tp=1"),
+)
+
+#: Built-in distributed implementations by name: the core, every control, and the ones the
+#: collective fail-closed probes (distributed.validation) catch rather than a check.
 DISTRIBUTED_BUILTINS: dict[str, Any] = {
     "core": core_distributed,
-    "control:dp_cp_group_double_count": dp_cp_group_double_count,
-    "control:local_shard_selection": local_shard_selection,
-    "control:local_denominator": local_denominator,
-    "control:per_rank_selection_global_n": per_rank_selection_global_n,
-    "control:per_cp_chunk_selection_global_n": per_cp_chunk_selection_global_n,
-    "control:kept_count_denominator": kept_count_denominator,
-    "control:cp_shard_counts": cp_shard_counts,
-    # Caught by the collective fail-closed probes (distributed.validation), not by a check.
+    **{c.name: c.fn for c in DISTRIBUTED_CONTROL_RECORDS},
     "control:locally_validated_core": locally_validated_core,
     "core:micro_batches": micro_batched_core,
 }
-DISTRIBUTED_CONTROLS: dict[str, str] = {
-    # N and the counts double on most batches; replicas diverge only when the cut falls
-    # between a token's two copies (the two-rank worked example of algorithm.md §1, tested on its own).
-    "control:dp_cp_group_double_count": "distributed.metrics",
-    "control:local_shard_selection": "distributed.global_selection",
-    "control:local_denominator": "distributed.shard_gradient",
-    "control:per_rank_selection_global_n": "distributed.global_selection",
-    "control:per_cp_chunk_selection_global_n": "distributed.replica_masks_identical",
-    "control:kept_count_denominator": "distributed.shard_gradient",
-    "control:cp_shard_counts": "distributed.metrics",
-}
-#: The topology each control shows on (a CP bug needs cp > 1, a DP bug dp > 1).
-CONTROL_TOPOLOGIES: dict[str, str] = {
-    "control:dp_cp_group_double_count": "dp=2,cp=2,tp=1",
-    "control:local_shard_selection": "dp=2,cp=2,tp=1",
-    "control:local_denominator": "dp=1,cp=2,tp=2",
-    "control:per_rank_selection_global_n": "dp=2,cp=1,tp=1",
-    "control:per_cp_chunk_selection_global_n": "dp=1,cp=2,tp=1",
-    "control:kept_count_denominator": "dp=2,cp=1,tp=1",
-    "control:cp_shard_counts": "dp=2,cp=2,tp=1",  # with dp=1 it coincides with local_denominator
-}
+#: The check that must catch each control, and the topology each shows on (views of the records).
+DISTRIBUTED_CONTROLS: dict[str, str] = {c.name: c.caught_by for c in DISTRIBUTED_CONTROL_RECORDS}
+CONTROL_TOPOLOGIES: dict[str, str] = {c.name: c.topology for c in DISTRIBUTED_CONTROL_RECORDS}
 
 
 @functools.cache
