@@ -86,6 +86,16 @@ def test_the_tutorial_page_shows_its_port(site):
     assert not missing, f"the built tutorial page lacks the port's source: {missing} (is its --8<-- include intact?)"
 
 
+def test_the_worked_example_reads_as_six_steps(site):
+    # A paragraph after a table in a list item needs the item's indentation: with less, the
+    # list ends at the table and the last steps read as one run-on paragraph.
+    built = (site / "explanation" / "diagnosis" / "index.html").read_text(encoding="utf-8")
+    example = built[built.index('id="a-worked-example"') : built.index('id="the-rule-in-one-paragraph"')]
+    steps = re.search(r"<ol>(.*?)</ol>", example, re.S)
+    assert steps is not None and steps.group(1).count("<li>") == 6, "the worked example's steps are not one list of six"
+    assert "5. <strong>" not in example
+
+
 def test_no_built_page_shows_a_marker(site):
     shown = [f"{p.relative_to(site)}: {line}" for p in sorted(site.rglob("*.html")) for _, line in snippet_markers(page_text(p))]
     assert not shown, "built pages show a snippet marker instead of what it includes:\n" + "\n".join(shown)
