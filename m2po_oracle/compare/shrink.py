@@ -201,10 +201,9 @@ def reduce_batch(
         if spent >= calls or time.perf_counter() - started > seconds:
             raise _Spent
         spent += 1
-        try:
-            return bool(holds(candidate))
-        except Exception:  # a candidate the port or a check cannot take shows nothing
-            return False
+        # A port's failure on a candidate is a finding in its outcome; an error here is the
+        # toolkit's own, and is not swallowed (as in the search).
+        return bool(holds(candidate))
 
     try:
         # Simpler values can free a row or a token that was needed before: again until a

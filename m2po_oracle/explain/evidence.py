@@ -232,7 +232,8 @@ class Judge:
             expected = variants.evaluate_with_mask(batch, actual.keep, dev)
             # Most deviations compute the very same values as another on a given example (a
             # clamp that does not bind, a denominator equal on it): each distinct set is judged once.
-            outcome = (i, actual.keep.tobytes(), dev.metrics_dtype, dev.loss_dtype, *_values_of(expected))
+            # The port's own values are fixed per example (its mask is not compared here).
+            outcome = (i, dev.metrics_dtype, dev.loss_dtype, *_values_of(expected))
             if outcome in self._judged_values:
                 self._values[(value_key, i)] = self._judged_values[outcome]
                 return {**self._values[(value_key, i)], **found}

@@ -91,13 +91,13 @@ def test_a_reduction_that_runs_out_of_calls_says_so():
     assert whole.shape == (1, 1) and stopped is None
 
 
-def test_a_candidate_the_goal_cannot_take_is_no_reduction():
+def test_an_error_of_the_tool_during_the_reduction_is_not_swallowed():
     big = _batch(2, 1)
 
-    def refuses_one_row(batch: Batch) -> bool:
+    def broken_on_one_row(batch: Batch) -> bool:
         if batch.shape[0] < 2:
-            raise ValueError("needs two rows")
+            raise RuntimeError("a bug in the battery")
         return True
 
-    small, stopped = reduce_batch(big, refuses_one_row)
-    assert small.shape == (2, 1) and stopped is None
+    with pytest.raises(RuntimeError, match="a bug in the battery"):
+        reduce_batch(big, broken_on_one_row)
