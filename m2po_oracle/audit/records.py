@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from msgspec import UNSET, UnsetType
 
 from m2po_oracle.adapters.binding import METRIC_NAMES, logged_metrics
 from m2po_oracle.capture import reader
@@ -16,7 +17,7 @@ from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
 from m2po_oracle.explain.step_deviations import described
 from m2po_oracle.judge.checks import AUDIT_CHECKS
 from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.oracle.encoding import number
+from m2po_oracle.oracle.encoding import to_builtins
 
 SCHEMA = "m2po-oracle/audit/1"
 
@@ -39,9 +40,6 @@ class AuditCheck:
     status: str  # "pass", "fail", "not run"
     summary: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "summary": self.summary}
-
 
 @dataclass
 class StepAudit:
@@ -50,27 +48,13 @@ class StepAudit:
     checks: list[AuditCheck] = field(default_factory=list)
     diagnosis: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
-    counterexample: dict[str, Any] | None = None
+    counterexample: dict[str, Any] | UnsetType = UNSET  # the worst step's only
     alternatives: dict[str, list[str]] = field(default_factory=dict)  # diagnosis name -> names identical on this step
     observations: list[str] = field(default_factory=list)  # what the files show that no deviation name says
 
     @property
     def failing(self) -> list[str]:
         return [c.name for c in self.checks if c.status == "fail"]
-
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "step": self.step,
-            "verdict": self.verdict,
-            "checks": [c.to_json() for c in self.checks],
-            "diagnosis": list(self.diagnosis),
-            "alternatives": dict(self.alternatives),
-            "observations": list(self.observations),
-            "metrics": {k: number(v) for k, v in self.metrics.items()},
-        }
-        if self.counterexample is not None:
-            out["counterexample"] = self.counterexample
-        return out
 
 
 @dataclass
@@ -113,7 +97,7 @@ class AuditReport:
                 "problems": list(self.problems),
                 "refused": self.refused,
             },
-            "steps": [s.to_json() for s in self.steps],
+            "steps": [to_builtins(s) for s in self.steps],
             "worst_step": self.worst_step,
             "descriptions": {name: DESCRIPTIONS[name] for name in named if name in DESCRIPTIONS},
         }

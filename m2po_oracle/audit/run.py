@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from msgspec import UNSET
+
 from m2po_oracle.audit.checks import (
     LogpBounds,
     always_silent_parameters,
@@ -119,7 +121,7 @@ def _attach_counterexample(
 ) -> None:
     """The worst step so far gets the token table; the one it displaces loses its table."""
     if displaced is not None:
-        displaced.counterexample = None
+        displaced.counterexample = UNSET
     try:
         audit.counterexample = step_counterexample(step, audit, directory, noted, silent_always)
     except Exception as error:

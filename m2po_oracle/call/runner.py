@@ -140,9 +140,6 @@ class CaptureUse:
     directory: str
     steps: int
 
-    def to_json(self) -> dict[str, Any]:
-        return {"directory": self.directory, "steps": self.steps}
-
 
 @dataclass(frozen=True)
 class AdapterUse:
@@ -157,18 +154,6 @@ class AdapterUse:
     bindings: tuple[str, ...]
     call: str | None  # the call made, as the port sees it
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "signature": self.signature,
-            "checked": list(self.checked),
-            "supplies": list(self.supplies),
-            "builds": dict(self.builds),
-            "not_run": dict(self.not_run),
-            "bindings": list(self.bindings),
-            "call": self.call,
-        }
-
 
 @dataclass(frozen=True)
 class TopologyUse:
@@ -178,9 +163,6 @@ class TopologyUse:
     cp: int
     tp: int
     backend: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "backend": self.backend}
 
 
 @dataclass(frozen=True)
@@ -222,9 +204,6 @@ class CapturedOutput:
         if room > 0:
             self.first_lines.extend(first_lines[:room])
         self.lines += lines
-
-    def to_json(self) -> dict[str, Any]:
-        return {"lines": self.lines, "first_lines": list(self.first_lines)}
 
 
 @runtime_checkable

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from m2po_oracle.cli import options
-from m2po_oracle.oracle.encoding import write_json
+from m2po_oracle.oracle.encoding import to_builtins, write_json
 
 if TYPE_CHECKING:
     from _pytest._code.code import TerminalRepr  # what Item.repr_failure returns; pytest does not export it
@@ -182,7 +182,7 @@ class _SharedRun:
 
     def _shared(self) -> dict[str, Any]:
         run_id = self.config.workerinput.get("testrunuid", "run")  # type: ignore[attr-defined]  # pytest-xdist sets it on a worker's config; pytest's Config does not declare it
-        accept = [a.to_json() for a in self.project.accept] + [self.project.strict]
+        accept = [to_builtins(a) for a in self.project.accept] + [self.project.strict]
         key = hashlib.sha256(
             json.dumps([self.spec, {k: str(v) for k, v in self.values.items()}, accept], sort_keys=True).encode()
         ).hexdigest()[:16]

@@ -24,7 +24,7 @@ from m2po_oracle.judge.coverage import CoverageTally, failure_rate_upper
 from m2po_oracle.judge.equivalence import TOLERANCES, Mismatch, selection_bounds
 from m2po_oracle.judge.validation import ProbeResult
 from m2po_oracle.oracle.batch import Batch
-from m2po_oracle.oracle.encoding import number
+from m2po_oracle.oracle.encoding import number, to_builtins
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 
 SCHEMA = "m2po-oracle/compare/1"
@@ -306,19 +306,19 @@ class CompareReport:
             ],
             "diagnosis": self.diagnosis.to_json(),
             "accepted": [
-                {**a.to_json(), "shown": bool(self.accepted_shown[a.deviation]), "checks": self.accepted_shown[a.deviation]}
+                {**to_builtins(a), "shown": bool(self.accepted_shown[a.deviation]), "checks": self.accepted_shown[a.deviation]}
                 for a in self.accepted
             ],
             "strict_accept": self.strict_accept,
             "validation": {
                 "strict": self.strict_validation,
                 "not_run": self.validation_not_run,
-                "probes": [p.to_json() for p in self.validation],
+                "probes": [to_builtins(p) for p in self.validation],
             },
             "implementation_output": self.output,
-            **({"topology": self.topology.to_json(), "collectives_per_step": self.collectives} if self.topology else {}),
+            **({"topology": to_builtins(self.topology), "collectives_per_step": self.collectives} if self.topology else {}),
             **({"adapter": self._adapter_json(self.adapter)} if self.adapter else {}),
-            **({"capture": self.capture.to_json()} if self.capture else {}),
+            **({"capture": to_builtins(self.capture)} if self.capture else {}),
             "tolerances": tolerances_json(),
             "environment": environment(),
         }
@@ -327,7 +327,7 @@ class CompareReport:
         """The adapter as described, with what this run observed: ``metrics_read`` (each
         metric of ours the port returned, and where), and ``supplies`` narrowed to the
         metrics it returned (the family may return more than this port does)."""
-        adapter = used.to_json()
+        adapter = to_builtins(used)
         metrics = set(METRIC_FIELDS + COUNT_FIELDS)
         adapter["supplies"] = [f for f in used.supplies if f not in metrics or f in self.metric_sources]
         adapter["metrics_read"] = dict(sorted(self.metric_sources.items()))

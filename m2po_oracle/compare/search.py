@@ -15,6 +15,7 @@ from m2po_oracle.compare.explore import Exploration, explore_and_judge
 from m2po_oracle.compare.report import CheckTally, CompareReport
 from m2po_oracle.judge.battery import BatteryOutcome
 from m2po_oracle.judge.contract import Implementation
+from m2po_oracle.oracle.encoding import to_builtins
 
 
 def in_process_runner(fn: Implementation, impl: str, **option_values: Any) -> Runner:
@@ -102,7 +103,7 @@ def run_compare(
     except KeyboardInterrupt:
         report.interrupted = True
         report.validation_not_run = report.validation_not_run or "the run was interrupted"
-    report.output = runner.output.to_json()
+    report.output = to_builtins(runner.output)
     if options.capture:  # after every step the run took: exploration, shrinking, the counterexamples' replays
         report.capture = runner.describe().capture
     report.duration_s = time.perf_counter() - started

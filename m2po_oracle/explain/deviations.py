@@ -549,6 +549,3 @@ class Accepted:
     deviation: str
     reason: str
     link: str = ""
-
-    def to_json(self) -> dict[str, str]:
-        return {"deviation": self.deviation, "reason": self.reason, "link": self.link}

@@ -189,7 +189,7 @@ def diagnose(
                 f"every one of the {len(call_failure_taus)} calls that raised had tau == 0"
                 if known.behaviour_check == "call"
                 else (
-                    leak.text() if leak is not None else "NaN/inf padding made the loss or gradient NaN/inf (check padding_immunity failed)"
+                    leak.text if leak is not None else "NaN/inf padding made the loss or gradient NaN/inf (check padding_immunity failed)"
                 )
                 if known.behaviour_check == "padding_immunity"
                 else f"check {known.behaviour_check} failed"

@@ -4,8 +4,7 @@ comes in (``PaddingLeak``), measured from the padding probes alone."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,14 +38,18 @@ class PaddingLeak:
     fill: str  # the padding probe that showed it first on the smallest such batch
     where: str  # "loss", "valid token" or "padding position"
     index: tuple[int, ...] | None
-    value: float
+    value: str  # the non-finite value, as Python writes it ("nan", "inf")
     examples: int  # the observations on which some padding probe made the result NaN/inf
     inputs: tuple[str, ...] | None  # the inputs whose padding alone does it (None: not probed)
+    text: str = field(init=False)  # the finding in one sentence
 
-    def text(self) -> str:
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text", self._sentence())
+
+    def _sentence(self) -> str:
         what = "the loss" if self.where == "loss" else f"the gradient at {self.where} {self.index}"
         padding = f"with {self.fill}" if " " in self.fill else f"with padding set to {self.fill}"
-        text = f"{padding}, {what} is {self.value!r} where the zero-padded run is finite (on {self.examples} example(s))"
+        text = f"{padding}, {what} is {self.value} where the zero-padded run is finite (on {self.examples} example(s))"
         if self.inputs is not None:
             text += "; " + (
                 f"NaN padding in {self.inputs[0]} alone does it"
@@ -56,17 +59,6 @@ class PaddingLeak:
                 else "no one input's NaN padding alone does it"
             )
         return text
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "fill": self.fill,
-            "where": self.where,
-            "index": list(self.index) if self.index is not None else None,
-            "value": repr(self.value),
-            "examples": self.examples,
-            "inputs": list(self.inputs) if self.inputs is not None else None,
-            "text": self.text(),
-        }
 
 
 def padding_leak(observations: Sequence[Observation], leaks_alone: Callable[[Batch], bool | None] | None = None) -> PaddingLeak | None:
@@ -91,7 +83,7 @@ def padding_leak(observations: Sequence[Observation], leaks_alone: Callable[[Bat
         answers = {name: leaks_alone(nan_padding_only_in(probe.batch, name)) for name in PADDED_INPUTS}
         if None not in answers.values():
             inputs = tuple(name for name, leaks in answers.items() if leaks)
-    return PaddingLeak(probe.fill, where, index, value, len(leaking), inputs)
+    return PaddingLeak(probe.fill, where, index, repr(value), len(leaking), inputs)
 
 
 def nan_padding_only_in(batch: Batch, name: str) -> Batch:

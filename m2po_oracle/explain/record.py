@@ -8,12 +8,14 @@ are spelled here once.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from msgspec import UNSET, UnsetType
+
 from m2po_oracle.explain.padding import PaddingLeak
 from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.oracle.encoding import to_builtins
 
 #: The statuses of a diagnosis that names something or says that nothing known does.
 EXPLAINING = ("matched", "mostly_explained", "partly_explained", "no_known_variant")
@@ -31,17 +33,6 @@ class Share:
     components: tuple[str, ...]  # the deviations it is explained by
     held_out: HeldOut | None = None  # the same counts on the examples the search did not choose on
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "explained": self.explained,
-            "failing": self.failing,
-            "contradicted": self.contradicted,
-            "of": self.of,
-            "share": self.share,
-            "components": list(self.components),
-            "held_out": self.held_out.to_json() if self.held_out is not None else None,
-        }
-
 
 @dataclass(frozen=True)
 class HeldOut:
@@ -51,9 +42,6 @@ class HeldOut:
     explained: int
     failing: int
     contradicted: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"explained": self.explained, "failing": self.failing, "contradicted": self.contradicted}
 
 
 @dataclass(frozen=True)
@@ -67,16 +55,6 @@ class Feature:
     explained_of: int
     description: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "feature": self.feature,
-            "residual": self.residual,
-            "of": self.of,
-            "explained": self.explained,
-            "explained_of": self.explained_of,
-            "description": self.description,
-        }
-
 
 @dataclass(frozen=True)
 class ResidualExample:
@@ -85,9 +63,6 @@ class ResidualExample:
     batch: Batch
     difference: str
     replay: str | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"batch": json.loads(self.batch.to_json()), "difference": self.difference, "replay": self.replay}
 
 
 @dataclass(frozen=True)
@@ -104,49 +79,24 @@ class Residual:
     explanation: tuple[str, ...]  # what it is measured against (): Algorithm 1
     counterexample: ResidualExample
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "checks": list(self.checks),
-            "unexplained": self.unexplained,
-            "count": self.count,
-            "contradicted": self.contradicted,
-            "features": [f.to_json() for f in self.features],
-            "shared": list(self.shared),
-            "float32_fits": self.float32_fits,
-            "explanation": list(self.explanation),
-            "counterexample": self.counterexample.to_json(),
-        }
-
 
 @dataclass(frozen=True)
 class Match:
     """A deviation named, with what reproduces it. ``unobserved`` is None for a step-level
-    deviation (distributed, trainer), whose effects are all observed by its step."""
+    deviation (distributed, trainer), whose effects are all observed by its step: not written."""
 
     variant: str
     description: str
     source: str
     evidence: str
     checks: tuple[str, ...]
-    unobserved: tuple[str, ...] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "variant": self.variant,
-            "description": self.description,
-            "source": self.source,
-            "evidence": self.evidence,
-            "checks": list(self.checks),
-        }
-        if self.unobserved is not None:
-            out["unobserved"] = list(self.unobserved)
-        return out
+    unobserved: tuple[str, ...] | UnsetType = UNSET
 
 
 @dataclass(frozen=True)
 class Lead:
     """A lead for an unexplained check: the explanation's own share on ``check`` below the
-    naming rule, or (``check`` None) a single deviation that agrees on some divergent examples."""
+    naming rule, or (``check`` UNSET) a single deviation that agrees on some divergent examples."""
 
     variant: str
     description: str
@@ -154,20 +104,7 @@ class Lead:
     agreed: int
     of: int
     first_difference: str
-    check: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "variant": self.variant,
-            "description": self.description,
-            "source": self.source,
-            "agreed": self.agreed,
-            "of": self.of,
-        }
-        if self.check is not None:
-            out["check"] = self.check
-        out["first_difference"] = self.first_difference
-        return out
+    check: str | UnsetType = UNSET
 
 
 @dataclass(frozen=True)
@@ -178,9 +115,6 @@ class Hint:
     text: str
     option: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {"checks": list(self.checks), "text": self.text, "option": self.option}
-
 
 @dataclass(frozen=True)
 class Finding:
@@ -189,9 +123,6 @@ class Finding:
     kind: str
     checks: tuple[str, ...]
     summary: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "checks": list(self.checks), "summary": self.summary}
 
 
 @dataclass(frozen=True)
@@ -213,7 +144,7 @@ class Diagnosis:
     unexplained: tuple[str, ...] = ()
     matches: tuple[Match, ...] = ()
     alternatives: tuple[tuple[str, ...], ...] = ()
-    alternatives_reason: str | None = None  # set where a search ran on a divergent run
+    alternatives_reason: str | UnsetType = UNSET  # set where a search ran on a divergent run
     closest: tuple[Lead, ...] = ()
     findings: tuple[Finding, ...] = ()
     hints: tuple[Hint, ...] = ()
@@ -230,30 +161,10 @@ class Diagnosis:
         return tuple(sorted(check for check, share in self.shares.items() if share.share < 1))
 
     def to_json(self) -> dict[str, Any]:
-        if self.status == "not_run":
-            return {
-                "status": self.status,
-                "examples_compared": self.examples_compared,
-                "matches": [m.to_json() for m in self.matches],
-                "closest": [c.to_json() for c in self.closest],
-            }
-        out: dict[str, Any] = {
-            "status": self.status,
-            "examples_compared": self.examples_compared,
-            "examples_searched": self.examples_searched,
-            "components": list(self.components),
-            "by_check": {check: list(names) for check, names in self.by_check.items()},
-            "shares": {check: share.to_json() for check, share in self.shares.items()},
-            "residuals": [r.to_json() for r in self.residuals],
-            "unexplained": list(self.unexplained),
-            "matches": [m.to_json() for m in self.matches],
-            "alternatives": [list(a) for a in self.alternatives],
-            "closest": [c.to_json() for c in self.closest],
-            "findings": [f.to_json() for f in self.findings],
-            "hints": [h.to_json() for h in self.hints],
-            "summary": self.summary,
-            "padding_leak": self.padding_leak.to_json() if self.padding_leak is not None else None,
-        }
-        if self.alternatives_reason is not None:
-            out["alternatives_reason"] = self.alternatives_reason
-        return out
+        """Its JSON, derived from the declaration; one that did not run says only what it has."""
+        out = to_builtins(self)
+        return {key: out[key] for key in NOT_RUN_KEYS} if self.status == "not_run" else out
+
+
+#: What a diagnosis that did not run writes.
+NOT_RUN_KEYS = ("status", "examples_compared", "matches", "closest")

@@ -102,15 +102,6 @@ class ProbeResult:
         of the values carrying that argument): neither a refusal nor an acceptance."""
         return self.status != "not run"
 
-    def to_json(self) -> dict[str, str]:
-        return {
-            "probe": self.probe,
-            "description": self.description,
-            "status": self.status,
-            "expected": self.expected,
-            "message": self.message,
-        }
-
 
 def probe(name: str) -> Probe:
     for p in PROBES:

@@ -9,12 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from m2po_oracle.oracle.encoding import number
-
-
-def _float_list(array: np.ndarray) -> list:
-    """Nested lists with non-finite values spelled as strings, so JSON stays standard."""
-    return [[number(float(v)) for v in row] for row in array.tolist()]
+from m2po_oracle.oracle.encoding import to_builtins
 
 
 def _decode(rows: list) -> np.ndarray:
@@ -55,19 +50,15 @@ class Batch:
             raise ValueError(f"Batch.valid: expected a bool array, got {self.valid.dtype}")
         if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not math.isfinite(self.tau) or self.tau < 0:
             raise ValueError(f"Batch.tau: expected a finite number >= 0, got {self.tau!r}")
+        object.__setattr__(self, "tau", float(self.tau))  # one spelling in JSON: 0.0, never 0
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.logp.shape
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "logp": _float_list(self.logp),
-            "behavior_logp": _float_list(self.behavior_logp),
-            "advantages": _float_list(self.advantages),
-            "valid": self.valid.astype(int).tolist(),
-            "tau": float(self.tau),
-        }
+        """Its JSON form (``valid`` as 0/1), derived from the declaration."""
+        return to_builtins(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))

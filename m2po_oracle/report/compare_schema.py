@@ -366,10 +366,9 @@ FIELDS: tuple[Declared, ...] = (
             "value": "the NaN/inf value, as Python writes it",
             "examples": "examples on which some padding made the result NaN/inf",
             "inputs": "the inputs whose NaN padding alone does it; null: not probed",
+            "text": "the evidence in one sentence",
         },
-        types={"value": "string"},
     ),
-    Field("diagnosis.padding_leak.text", "string", "the evidence in one sentence"),
     Field("accepted", "array of object", "the deviations the project accepts (`accept`, `--accept`)"),
     FromDataclass(
         "accepted[]",
