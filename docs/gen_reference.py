@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import inspect
 import io
+import json
 import os
 import re
 import sys
@@ -69,7 +70,8 @@ SOURCES: dict[str, str] = {
     "equivalence.formats": "m2po_oracle.judge.equivalence:FORMATS",
     "equivalence.tolerance_class": "m2po_oracle.judge.equivalence:Tolerance",
     # the JSON records, key path by key path
-    "json.schemas": "m2po_oracle.report.schema:SCHEMAS",
+    "json.records": "m2po_oracle.records:RECORDS",
+    "json.schema": "m2po_oracle.records:json_schema",
 }
 
 #: The public modules whose docstrings make the API page (mkdocstrings reads them at build time).
@@ -524,32 +526,87 @@ def tolerances_page() -> str:
 
 
 def json_page() -> str:
-    """Every JSON record's key paths, one section per schema, from their declarations."""
+    """Every JSON record's key paths, one section per record, from its published schema."""
     out = [
         HEADER,
         "# JSON records\n\n",
-        "Every JSON file the toolkit writes, key by key, from the declarations in `m2po_oracle.report.schema` "
-        "(`property_tests/report/test_json_schema.py` holds them to what real runs write). Reading one from a "
-        "script: [the JSON report](../how-to/json-report.md).\n\n",
+        "Every JSON file the toolkit writes, key by key, from the typed declarations in `m2po_oracle.records` "
+        "(`property_tests/report/test_records.py` holds them to what real runs write). Each has a published JSON Schema "
+        "(draft 2020-12) beside this page, which a script can validate a file against. Reading one from a script: "
+        "[the JSON report](../how-to/json-report.md).\n\n",
         "A key is a path: `a.b` is the key `b` of the object `a`, `a[]` every item of the list `a`, and `a{}` every "
         "value of the map `a`, an object whose keys are data (check names, deviation names, ...; the meaning says "
-        "what they are). *When* says which records have the key (on a list or a map: which have items in it); "
-        "blank, every record has it wherever its parent is. A type is `string`, `integer`, `number`, `boolean`, "
-        "`null`, `object`, `any`, `array of T` or `map of T`, alternatives joined by `or` (`array of integer or "
-        "null`: a list of integers, or null).\n\n",
+        "what they are). *When* says which records have the key; blank, every record has it wherever its parent is. "
+        "A type is `string`, `integer`, `number`, `boolean`, `null`, `object`, one of listed values, `array of T` or "
+        '`map of T`, alternatives joined by `or`. A non-finite number is written as a string (`"nan"`, `"inf"`, '
+        '`"-inf"`; a capture\'s manifest: `"NaN"`, `"Infinity"`, `"-Infinity"`).\n\n',
     ]
-    for schema in load("json.schemas").values():
-        fields = schema.fields()
-        rows = [(code(f.path), cell(f.type), cell(f"{f.meaning}; keys: {f.keys}" if f.keys else f.meaning), cell(f.when)) for f in fields]
-        strings = ", ".join(code(f'"{s}"') for s in schema.non_finite)
-        non_finite = f" A non-finite number is one of the strings {strings}." if strings else ""
+    for record in load("json.records").values():
+        schema = load("json.schema")(record.name)
+        rows = list(_key_paths(schema, schema["$defs"], "", schema))
         out.append(
-            f"## {schema.name}: `{schema.id}` {{#{schema.name}}}\n\n"
-            f"{cell(schema.about)} Written by {cell(schema.writer)}.{non_finite} {len(fields)} key paths.\n\n"
+            f"## {record.name}: `{record.id}` {{#{record.name}}}\n\n"
+            f"{cell(record.about)} Written by {cell(record.writer)}. Its schema: "
+            f"[`{record.name}.schema.json`](schemas/{record.name}.schema.json). {len(rows)} key paths.\n\n"
             + table(("key", "type", "meaning", "when"), rows)
             + "\n"
         )
     return "".join(out)
+
+
+def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    return defs[node["$ref"].rsplit("/", 1)[1]] if "$ref" in node else node
+
+
+def _type_words(node: dict[str, Any], defs: dict[str, Any]) -> str:
+    """A schema node in the page's words: ``array of integer or null``."""
+    if "anyOf" in node:
+        words = [_type_words(n, defs) for n in node["anyOf"]]
+        words = [w for w in words if not (w == "non-finite" and "number" in words)]  # a number may be non-finite
+        return " or ".join(dict.fromkeys(w for w in words if w != "null")) + (" or null" if "null" in words else "")
+    node = _resolve(node, defs)
+    if "enum" in node or "const" in node:
+        values = node.get("enum", [node.get("const")])
+        return (
+            "non-finite"
+            if set(values) <= {"nan", "inf", "-inf", "NaN", "Infinity", "-Infinity"}
+            else "one of " + ", ".join(map(str, values))
+        )
+    kind = node.get("type", "any")
+    if kind == "array":
+        return "array of " + _type_words(node.get("items", {}), defs)
+    if kind == "object" and "properties" not in node and isinstance(node.get("additionalProperties"), dict):
+        return "map of " + _type_words(node["additionalProperties"], defs)
+    return str(kind)
+
+
+def _children(node: dict[str, Any], defs: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
+    """The containers below a node that hold keys of their own, with their paths."""
+    found = []
+    for option in node.get("anyOf", [node]):
+        option = _resolve(option, defs)
+        if option.get("type") == "array":
+            found += _children(option.get("items", {}), defs, path + "[]")
+        elif "properties" in option:
+            found.append((path, option))
+        elif isinstance(option.get("additionalProperties"), dict):
+            found += _children(option["additionalProperties"], defs, path + "{}")
+    return found
+
+
+def _key_paths(node: dict[str, Any], defs: dict[str, Any], path: str, root: dict[str, Any]) -> Any:
+    for at, declared in _children(node, defs, path):
+        for key, value in declared["properties"].items():
+            here = f"{at}.{key}" if at else key
+            meaning = value.get("description", "")
+            keys = value.get("x-keys")
+            yield (
+                code(here),
+                cell(_type_words(value, defs)),
+                cell(f"{meaning}; keys: {keys}" if keys else meaning),
+                cell(value.get("x-when", "")),
+            )
+            yield from _key_paths(value, defs, here, root)
 
 
 # --- api.md --------------------------------------------------------------------------------------
@@ -573,18 +630,23 @@ PAGES: dict[str, Callable[[], str]] = {
 
 
 def render() -> dict[str, str]:
-    """Every reference page's text, by file name (deterministic: fixed terminal width)."""
+    """Every reference page's text, by file name (deterministic: fixed terminal width), and each
+    record's published JSON Schema (``schemas/NAME.schema.json``)."""
     os.environ["COLUMNS"] = "100"  # argparse wraps what it formats at the terminal's width
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     with contextlib.redirect_stdout(io.StringIO()):
-        return {name: make().rstrip("\n") + "\n" for name, make in PAGES.items()}
+        pages = {name: make().rstrip("\n") + "\n" for name, make in PAGES.items()}
+    for name in load("json.records"):
+        pages[f"schemas/{name}.schema.json"] = json.dumps(load("json.schema")(name), indent=2) + "\n"
+    return pages
 
 
 def write(directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in render().items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_text(text, encoding="utf-8")
         written.append(directory / name)
     return written
@@ -594,14 +656,21 @@ def stale(generated: Path, committed: Path) -> list[str]:
     """The pages of ``committed`` that differ from those written into ``generated``, are missing,
     or are not generated at all, each with why."""
     found = []
-    for page in sorted(generated.glob("*.md")):
-        mine = committed / page.name
+    pages = ("*.md", "schemas/*.json")
+    for page in sorted(p for pattern in pages for p in generated.glob(pattern)):
+        name = page.relative_to(generated)
+        mine = committed / name
         if not mine.exists():
-            found.append(f"{page.name} (missing)")
+            found.append(f"{name} (missing)")
         elif mine.read_text(encoding="utf-8") != page.read_text(encoding="utf-8"):
-            found.append(f"{page.name} (differs from what the code gives)")
-    names = {p.name for p in generated.glob("*.md")}
-    found += [f"{p.name} (not generated: remove it)" for p in sorted(committed.glob("*.md")) if p.name not in names]
+            found.append(f"{name} (differs from what the code gives)")
+    names = {p.relative_to(generated) for pattern in pages for p in generated.glob(pattern)}
+    found += [
+        f"{p.relative_to(committed)} (not generated: remove it)"
+        for pattern in pages
+        for p in sorted(committed.glob(pattern))
+        if p.relative_to(committed) not in names
+    ]
     return found
 
 

@@ -18,9 +18,7 @@ from m2po_oracle.explain.step_deviations import described
 from m2po_oracle.judge.checks import AUDIT_CHECKS
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.encoding import to_builtins
-
-SCHEMA = "m2po-oracle/audit/1"
-
+from m2po_oracle.records.audit import SCHEMA
 
 CHECK_NAMES = tuple(AUDIT_CHECKS)
 

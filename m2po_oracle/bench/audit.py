@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from m2po_oracle.oracle.encoding import write_json
+from m2po_oracle.records.bench import AUDIT_SCHEMA as SCHEMA
 
-SCHEMA = "m2po-oracle/bench-audit/1"
 DEFAULT_TOKENS = 1 << 24
 DP, MICRO_BATCHES, WIDTH, TAU = 4, 2, 4096, 0.04
 TARGET_S, TARGET_BYTES = 30.0, 4 << 30

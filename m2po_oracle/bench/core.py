@@ -46,8 +46,8 @@ from m2po_oracle.core import fused
 from m2po_oracle.core.fast_selection import BUCKETS, DIGIT_BITS, kept_candidates
 from m2po_oracle.core.loss import m2po_loss
 from m2po_oracle.core.scratch import CPU_CHUNK
+from m2po_oracle.records.bench import SCHEMA
 
-SCHEMA = "m2po-oracle/bench/4"
 METHODS = ("sort", "radix", "floor", "forward", "unfused", "passes")
 #: Rows of the benchmark batch (tokens / ROWS per row), as a training step's sequences.
 ROWS = 256

@@ -26,8 +26,8 @@ from m2po_oracle.judge.validation import ProbeResult
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.encoding import number, to_builtins
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
+from m2po_oracle.records.compare import SCHEMA
 
-SCHEMA = "m2po-oracle/compare/1"
 #: Counterexamples are shrunk and small; a fallback batch is cut to this many tokens.
 MAX_TOKENS = 512
 

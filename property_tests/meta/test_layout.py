@@ -15,7 +15,7 @@ PACKAGE = Path(m2po_oracle.__file__).parent
 #: The rooms, lowest floor first; a room imports only rooms of a lower floor.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors", "oracle", "capture"),  # Algorithm 1 and the records (torch-free); the vendorable recorder
-    ("core", "strategies"),  # the production loss; batches for property tests
+    ("core", "strategies", "records"),  # the production loss; batches for property tests; the JSON records declared
     ("judge",),  # judging one example: checks, tolerances, equivalence, contract, probes
     ("adapters", "explain"),  # other signatures; explaining a failure: deviations, variants, diagnosis
     ("call",),  # calling an implementation: runner, resolve, isolation, controls

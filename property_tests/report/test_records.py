@@ -1,29 +1,33 @@
-"""The JSON records' declarations (m2po_oracle.report.schema) are what real runs write.
+"""The JSON records' typed declarations (m2po_oracle.records) and their published
+schemas are what real runs write.
 
 Small real runs of the command line, in this process, write every record the toolkit has:
 compare (a correct core, a port that cannot be loaded, a negative control that yields
 counterexamples and a diagnosis, an adapted port, a distributed step, a training step with
 --capture), the audit of that capture and of a capture with a planted bug, the capture's
-manifests, and both benches. Each key path they write must be declared with its type; each
-path declared must be written by one of them, or say in ``when`` (on itself or a parent)
-which records have it.
+manifests, and both benches. Each must validate against the schema file published under
+docs/reference/schemas/ (closed records: an undeclared key fails; a key declared without
+``when`` is required) and load as its typed record.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import re
+import typing
 from pathlib import Path
 
+import jsonschema
 import pytest
 
+from m2po_oracle.capture import recorder
 from m2po_oracle.cli.main import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
-from m2po_oracle.report.fields import Field, FromDataclass, Schema, parent_of
-from m2po_oracle.report.schema import SCHEMAS, schema_of
+from m2po_oracle.records import RECORDS, capture, json_schema, load, record_of
 
 # The distributed run starts a world of processes: keep this module's runs on one worker.
 pytestmark = pytest.mark.xdist_group("json_schema")
+
+PUBLISHED = Path(__file__).resolve().parents[2] / "docs" / "reference" / "schemas"
+
 
 #: A mask-only port (Algorithm 1's own selection): the adapter's fields of the report.
 PORT = """
@@ -107,29 +111,19 @@ def _strict(path: Path) -> object:
 @pytest.fixture(scope="module")
 def records(runs) -> dict[str, list[dict]]:
     """Every record the runs wrote, by schema name."""
-    out: dict[str, list[dict]] = {name: [] for name in SCHEMAS}
+    out: dict[str, list[dict]] = {name: [] for name in RECORDS}
     for _, paths in runs.values():
         for path in paths:
             record = _strict(path)
-            out[schema_of(record).name].append(record)
+            out[record_of(record).name].append(record)
     return out
 
 
-def unwritten(schema: Schema, records: list[dict]) -> list[str]:
-    """The paths ``schema`` declares that no record has, and neither it nor a parent says when."""
-    written = {path for record in records for path in schema.paths(record)}
-    fields = schema.fields()
-    conditional = {f.path for f in fields if f.when}
-
-    def said(path: str) -> bool:
-        """Whether the path or a field it is under has a ``when``."""
-        while path:
-            if path in conditional:
-                return True
-            path = re.sub(r"(\[\]|\{\})+$", "", parent_of(path))
-        return False
-
-    return [f.path for f in fields if f.path not in written and not said(f.path)]
+def problems(record: dict) -> list[str]:
+    """What the published schema says is wrong with ``record``, each at its key path."""
+    schema = json.loads((PUBLISHED / f"{record_of(record).name}.schema.json").read_text())
+    found = jsonschema.Draft202012Validator(schema).iter_errors(record)
+    return sorted(f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message[:160]}" for e in found)
 
 
 def test_the_runs_did_what_they_are_here_for(runs, records):
@@ -147,57 +141,46 @@ def test_the_runs_did_what_they_are_here_for(runs, records):
         "bench": EXIT_EQUIVALENT,
         "bench_audit": EXIT_EQUIVALENT,
     }
-    assert all(records[name] for name in SCHEMAS), {name: len(found) for name, found in records.items()}
+    assert all(records[name] for name in RECORDS), {name: len(found) for name, found in records.items()}
 
 
-def test_every_key_path_a_run_writes_is_declared_with_its_type(records):
-    found = [
-        f"{name}: {problem}"
-        for name, schema_records in records.items()
-        for record in schema_records
-        for problem in SCHEMAS[name].problems(record)
-    ]
-    assert not found, "the JSON records and m2po_oracle/report/schema.py disagree:\n" + "\n".join(sorted(set(found)))
+def test_every_record_a_run_writes_validates_against_its_published_schema(records):
+    found = [f"{name}: {problem}" for name, written in records.items() for record in written for problem in problems(record)]
+    assert not found, "the JSON records and m2po_oracle/records disagree:\n" + "\n".join(sorted(set(found)))
 
 
-def test_every_declared_path_is_written_by_a_run_or_says_when(records):
-    found = {name: unwritten(schema, records[name]) for name, schema in SCHEMAS.items()}
-    found = {name: paths for name, paths in found.items() if paths}
-    assert not found, f"declared in m2po_oracle/report/schema.py, written by none of these runs and without a `when`: {found}"
+def test_every_record_a_run_writes_loads_as_its_typed_record(records):
+    for name, written in records.items():
+        for record in written:
+            assert isinstance(load(record), RECORDS[name].type)
 
 
-def test_a_key_the_builder_adds_without_declaring_it_fails(tmp_path, monkeypatch, records):
+def test_the_published_schemas_are_the_declarations():
+    for name in RECORDS:
+        assert json.loads((PUBLISHED / f"{name}.schema.json").read_text()) == json_schema(name), (
+            f"regenerate: python docs/gen_reference.py ({name})"
+        )
+    assert capture.SCHEMA == recorder.SCHEMA == typing.get_args(capture.SchemaId)[0]
+
+
+def test_an_undeclared_key_a_wrong_type_and_a_missing_key_fail(tmp_path, monkeypatch, records):
     from m2po_oracle.compare.report import CompareReport
 
     to_json = CompareReport.to_json
     monkeypatch.setattr(CompareReport, "to_json", lambda self: {**to_json(self), "typed_by_hand": 1})
     status, report = _compare(tmp_path, "planted", "--impl", "core", "--examples", "2", "--in-process", "--skip-validation")
     assert status == EXIT_EQUIVALENT
-    assert SCHEMAS["compare"].problems(_strict(report)) == ["typed_by_hand: not declared"]
+    assert problems(_strict(report)) == ["(root): Additional properties are not allowed ('typed_by_hand' was unexpected)"]
 
     record = json.loads(json.dumps(records["compare"][0]))
-    record["checks"][0]["status"] = 1
+    record["checks"][0]["status"] = "passed"
     del record["environment"]["torch"]
     record["coverage"]["families"]["new_family"] = 2  # a map's keys are data: any key is declared
-    assert SCHEMAS["compare"].problems(record) == [
-        "checks[].status: declared string, found 1",
-        "environment.torch: missing (declared with no condition, `when`)",
+    assert problems(record) == [
+        "checks.0.status: 'passed' is not one of ['fail', 'not run', 'pass']",
+        "environment: 'torch' is a required property",
     ]
-
-
-def test_a_declared_path_no_run_writes_is_found(records):
-    schema = SCHEMAS["audit"]
-    planted = dataclasses.replace(schema, declared=(*schema.declared, Field("steps[].typed_by_hand", "string", "?")))
-    assert unwritten(planted, records["audit"]) == ["steps[].typed_by_hand"]
-    explained = dataclasses.replace(schema, declared=(*schema.declared, Field("steps[].typed_by_hand", "string", "?", when="never")))
-    assert unwritten(explained, records["audit"]) == []
-
-
-def test_a_dataclass_field_without_a_meaning_is_refused():
-    source = "m2po_oracle.explain.deviations:Accepted"
-    with pytest.raises(ValueError, match=r"fields without a meaning: \['link'\]"):
-        FromDataclass("accepted[]", source, {"deviation": "its name", "reason": "why"}).fields()
-    with pytest.raises(ValueError, match=r"no field of the dataclass: \['url'\]"):
-        FromDataclass("accepted[]", source, {"deviation": "a", "reason": "b", "link": "c", "url": "d"}).fields()
-    with pytest.raises(ValueError, match="is not declared as an object"):
-        Schema("x", "m2po_oracle.audit.records:SCHEMA", "", "", (), (Field("a", "string", "?"), Field("a.b", "string", "?"))).fields()
+    with pytest.raises(ValueError, match=r"m2po-oracle/compare/1: .*status"):
+        load(record)
+    with pytest.raises(ValueError, match="no record of this toolkit"):
+        load({"schema": "m2po-oracle/compare/0"})
