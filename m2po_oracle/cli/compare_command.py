@@ -16,6 +16,8 @@ from m2po_oracle.errors import (
     EXIT_EQUIVALENT,
     EXIT_INTERRUPTED,
     EXIT_UNUSABLE,
+    LoadError,
+    UsageError,
 )
 from m2po_oracle.oracle.encoding import write_json
 
@@ -26,7 +28,6 @@ def run_or_replay(args: argparse.Namespace, console: Console) -> int:
     from m2po_oracle.cli.config import load_config
     from m2po_oracle.cli.launch import open_runner
     from m2po_oracle.distributed.world import WorldError
-    from m2po_oracle.errors import LoadError, UsageError
 
     try:
         project = load_config()
@@ -94,7 +95,6 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
 
     from m2po_oracle.cli.config import exploration_from
     from m2po_oracle.compare.search import run_compare
-    from m2po_oracle.errors import UsageError
 
     try:
         exploration = exploration_from(args.values, args.project, tuple(runner.checks))

@@ -9,7 +9,7 @@ from rich.markup import escape
 
 from m2po_oracle.explain.diagnosis import ALIKE
 from m2po_oracle.explain.record import EXPLAINING
-from m2po_oracle.judge.coverage import THINLY_EXERCISED, thinly_exercised
+from m2po_oracle.judge.coverage import THINLY_EXERCISED, rate_text, thinly_exercised
 
 
 def metric_sources_text(sources: dict[str, str]) -> str:
@@ -212,8 +212,6 @@ def _counterexample_text(c: dict[str, Any], unexplained: set[str]) -> str:
 def print_report(console: Console, record: dict[str, Any], impl: str, every_line: bool = False) -> None:
     """The whole console report of a compare run, from its JSON record."""
     from rich.table import Table
-
-    from m2po_oracle.judge.coverage import rate_text
 
     say = _say(console)
     options, unit = record["options"], record["example_unit"]

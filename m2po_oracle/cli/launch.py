@@ -23,7 +23,7 @@ from m2po_oracle.call.resolve import (
     load_attribute,
     load_implementation,
 )
-from m2po_oracle.call.runner import RunOptions
+from m2po_oracle.call.runner import RunOptions, check_device
 from m2po_oracle.cli.console import say_note
 from m2po_oracle.errors import LoadError, UsageError
 
@@ -64,8 +64,6 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Loss
 
     Raises :class:`~m2po_oracle.call.resolve.LoadError` when ``spec`` cannot be loaded and
     :class:`UsageError` for an option the runner cannot honour."""
-    from m2po_oracle.call.runner import check_device
-
     check_device(options.device)
     if options.adapter is not None and options.adapter not in ADAPTERS:
         import difflib

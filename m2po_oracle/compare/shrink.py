@@ -17,7 +17,7 @@ from hypothesis.errors import Flaky, NoSuchExample, Unsatisfiable
 from m2po_oracle.call.runner import Runner
 from m2po_oracle.compare.database import search_settings
 from m2po_oracle.compare.report import CompareReport, Counterexample
-from m2po_oracle.explain.evidence import Observation
+from m2po_oracle.explain.evidence import Judge, Observation, merge
 from m2po_oracle.judge.battery import BatteryOutcome
 from m2po_oracle.oracle.batch import Batch
 
@@ -101,8 +101,6 @@ def shows_alone(
     report: CompareReport, names: tuple[str, ...], checks: tuple[str, ...], supplied: frozenset[str] | None, keep_inferred: bool = False
 ) -> Callable[[BatteryOutcome], bool]:
     """Whether an outcome fails one of ``checks`` and these deviations alone reproduce it."""
-    from m2po_oracle.explain.evidence import Judge, merge
-
     dev = merge(names)
 
     def shows(outcome: BatteryOutcome) -> bool:

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.distributed.topology import Topology, cp_token_indices, dp_row_slices
+from m2po_oracle.distributed.topology import RankCoords, Topology, cp_token_indices, dp_row_slices
 from m2po_oracle.distributed.world import RankContext, RankOutcome
-from m2po_oracle.judge.contract import Finding, Measurement
+from m2po_oracle.judge.contract import Finding, Measurement, normalise_result, to_tensors
 from m2po_oracle.judge.equivalence import Mismatch, check_selection, compare_values, same_up_to_ties, tolerance, valid_m2
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
@@ -56,7 +56,6 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
     A capture that cannot be written is returned as ``capture_error`` (the parent stops the
     run), never raised: raising would read as the implementation failing."""
     from m2po_oracle.distributed.implementations import ParallelState, load_distributed_implementation
-    from m2po_oracle.judge.contract import normalise_result, to_tensors
 
     spec, dtype = payload["spec"], payload["dtype"]
     batch = Batch.from_dict(payload["batch"])
@@ -145,8 +144,6 @@ def _as_one_rank(ctx: RankContext, fn: Any, batch: Batch, dtype: str) -> M2PORes
     """``fn`` on the whole optimizer batch as a dp=1, cp=1, tp=1 world (its groups: this
     rank alone): the reference of ``distributed.split_invariance``; the error text if it raised."""
     from m2po_oracle.distributed.implementations import ParallelState
-    from m2po_oracle.distributed.topology import RankCoords
-    from m2po_oracle.judge.contract import normalise_result, to_tensors
 
     alone = ctx.groups["self"]
     try:
