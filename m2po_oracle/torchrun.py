@@ -20,7 +20,7 @@ from pathlib import Path
 
 from m2po_oracle.call.runner import RunOptions
 from m2po_oracle.cli import options
-from m2po_oracle.cli.launch import open_runner
+from m2po_oracle.cli.launch import open_runner, run_options
 from m2po_oracle.compare.search import run_compare
 from m2po_oracle.distributed.torchrun_runner import TorchrunRunner, serve
 from m2po_oracle.distributed.world import make_context
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if rank == 0:
         values = {name: getattr(args, name) for name in TORCHRUN_OPTIONS}
-        runner = open_runner(args.impl, options.run_options(values), torchrun=context)
+        runner = open_runner(args.impl, run_options(values), torchrun=context)
         assert isinstance(runner, TorchrunRunner)  # torchrun= with the required --topology
         try:
             report = run_compare(runner)
