@@ -20,8 +20,12 @@ from pathlib import Path
 
 from m2po_oracle.call.runner import RunOptions
 from m2po_oracle.cli import options
+from m2po_oracle.cli.launch import open_runner, run_options
+from m2po_oracle.compare.search import run_compare
 from m2po_oracle.distributed.torchrun_runner import TorchrunRunner, serve
+from m2po_oracle.distributed.world import make_context
 from m2po_oracle.oracle.encoding import write_json
+from m2po_oracle.report.html import write_html
 
 #: The compare options torchrun takes (the backend follows CUDA; the world is torchrun's).
 TORCHRUN_OPTIONS = ("examples", "seed", "dtype", "compute_dtype", "tau", "timeout", "topology", "strict_validation", "capture")
@@ -30,8 +34,6 @@ TORCHRUN_OPTIONS = ("examples", "seed", "dtype", "compute_dtype", "tau", "timeou
 def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
-
-    from m2po_oracle.distributed.world import make_context
 
     parser = argparse.ArgumentParser(prog="python -m m2po_oracle.torchrun")
     parser.add_argument("--impl", required=True)
@@ -56,11 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     context = make_context(rank, args.topology, backend, device)
     status = 0
     if rank == 0:
-        from m2po_oracle.cli.launch import open_runner
-        from m2po_oracle.compare.search import run_compare
-
         values = {name: getattr(args, name) for name in TORCHRUN_OPTIONS}
-        runner = open_runner(args.impl, options.run_options(values), torchrun=context)
+        runner = open_runner(args.impl, run_options(values), torchrun=context)
         assert isinstance(runner, TorchrunRunner)  # torchrun= with the required --topology
         try:
             report = run_compare(runner)
@@ -70,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json(record, args.json)
         if args.html:
-            from m2po_oracle.report.html import write_html
-
             write_html(record, args.html)
         failing = [c["name"] for c in record["checks"] if c["status"] == "fail"]
         print(

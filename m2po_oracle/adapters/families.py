@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from m2po_oracle.adapters.binding import METRIC_NAMES, PORT_DEFAULT, BoundCall, Config, Output, Param, bound_metric_names
+from m2po_oracle.core.loss import loss_from_selection, select_tokens
 from m2po_oracle.errors import UnreadableReturn
 from m2po_oracle.judge.checks import CHECKS, DISTRIBUTED_CHECKS, result_field
 from m2po_oracle.judge.contract import Implementation
@@ -115,8 +116,6 @@ def _as_keep(value: Any, shape: tuple[int, ...], what: str) -> torch.Tensor:
 def _reference_keep(logp: torch.Tensor, behavior_logp: Any, advantages: Any, mask: torch.Tensor, tau: Any) -> torch.Tensor:
     """Algorithm 1's mask (the core's); on input the core refuses (a validation probe), the
     loss mask, so that the port still meets the invalid input and its own answer counts."""
-    from m2po_oracle.core.loss import select_tokens
-
     try:
         return select_tokens(logp.detach(), behavior_logp, advantages, mask, tau=tau).keep
     except (ValueError, TypeError):
@@ -126,8 +125,6 @@ def _reference_keep(logp: torch.Tensor, behavior_logp: Any, advantages: Any, mas
 def _objective(
     logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor
 ) -> torch.Tensor:
-    from m2po_oracle.core.loss import loss_from_selection
-
     condition = _condition(mask)
     try:
         return loss_from_selection(logp, behavior_logp, advantages, keep & condition, condition.sum())

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from m2po_oracle.adapters import adapt
 from m2po_oracle.call.planted import planted
 from m2po_oracle.explain.deviations import Deviation, combine, variant
 
@@ -35,8 +36,6 @@ class NegativeControl:
         if self.adapter is None:
             object.__setattr__(self, "fn", partial(planted, deviation=self.deviation))
         else:
-            from m2po_oracle.adapters import adapt
-
             object.__setattr__(self, "fn", adapt(_SHAPES[self.adapter](self.deviation), self.adapter))
 
 

@@ -22,8 +22,11 @@ import tempfile
 import time
 from typing import Any
 
+from m2po_oracle.adapters import adapt
+from m2po_oracle.call.resolve import load_implementation
 from m2po_oracle.errors import LoadError as ImplementationLoadError  # one load error, whichever way it is called
 from m2po_oracle.judge.contract import Finding, Implementation, Measurement, measure, rounded_batch, with_output
+from m2po_oracle.judge.validation import ProbeResult, probe, run_probe
 from m2po_oracle.oracle.batch import Batch
 
 #: Starting a worker imports torch and the implementation: allow for that separately.
@@ -73,9 +76,6 @@ def _serve(
     # stops this worker; a traceback from here would only clutter the terminal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        from m2po_oracle.adapters import adapt
-        from m2po_oracle.call.resolve import load_implementation
-
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             fn = adapt(load_implementation(spec), adapter, bindings)
     except Exception as error:  # reported to the parent as a load failure
@@ -93,8 +93,6 @@ def _serve(
             return
         kind, payload, dtype, device = request
         if kind == "probe":
-            from m2po_oracle.judge.validation import run_probe
-
             connection.send(("result", run_probe(fn, payload, dtype=dtype, device=device, rejecting=rejecting)))
         else:
             measurement = measure(fn, Batch.from_dict(payload), dtype=dtype, device=device, capture=capture)
@@ -130,8 +128,6 @@ class InProcess:
         return measure(self.fn, batch, dtype=dtype, device=device, capture=self.capture)
 
     def probe(self, name: str, *, dtype: str = "float64", device: str = "cpu") -> Any:
-        from m2po_oracle.judge.validation import run_probe
-
         return run_probe(self.fn, name, dtype=dtype, device=device, rejecting=self.rejecting)
 
 
@@ -201,8 +197,6 @@ class Isolated:
 
     def probe(self, name: str, *, dtype: str = "float64", device: str = "cpu") -> Any:
         """One validation probe (``validation.run_probe``) in the worker."""
-        from m2po_oracle.judge.validation import ProbeResult, probe
-
         reply, problem = self._call(("probe", name, dtype, device))
         if problem is None:
             return reply

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from hypothesis import strategies as st
 
 from m2po_oracle import strategies
+from m2po_oracle.adapters import ADAPTERS
 from m2po_oracle.call.isolation import InProcess, Isolated
 from m2po_oracle.call.runner import (
     CAPTURE_NEEDS_A_STEP,
@@ -86,7 +87,6 @@ class LossFunctionRunner:
         construction decides), each with why; empty without an adapter."""
         if not self.options.adapter:
             return {}
-        from m2po_oracle.adapters import ADAPTERS
 
         return ADAPTERS[self.options.adapter].not_run(self.options.bind)
 
@@ -119,7 +119,6 @@ class LossFunctionRunner:
     def describe(self) -> RunDescription:
         if not self.options.adapter:
             return RunDescription()
-        from m2po_oracle.adapters import ADAPTERS
 
         adapter = ADAPTERS[self.options.adapter]
         bindings = self.options.bind

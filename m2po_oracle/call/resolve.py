@@ -24,6 +24,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from m2po_oracle.call import controls
+from m2po_oracle.core.loss import m2po_loss
 from m2po_oracle.errors import LoadError
 from m2po_oracle.judge.contract import Implementation
 
@@ -49,9 +51,6 @@ def _registered() -> dict[str, Any]:
 
 def builtin_implementations() -> dict[str, Implementation]:
     """Implementations shipped with the toolkit: the core and every negative control."""
-    from m2po_oracle.call import controls
-    from m2po_oracle.core.loss import m2po_loss
-
     found: dict[str, Implementation] = {"core": m2po_loss}
     found.update({f"control:{c.name}": c.fn for c in controls.NEGATIVE_CONTROLS + controls.COMPOSITE_CONTROLS})
     return found

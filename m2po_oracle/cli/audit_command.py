@@ -7,15 +7,15 @@ from typing import Any
 
 from rich.console import Console
 
+from m2po_oracle.audit import audit_capture
 from m2po_oracle.cli.console import say_error
 from m2po_oracle.errors import EXIT_UNUSABLE
 from m2po_oracle.oracle.encoding import write_json
+from m2po_oracle.report.audit_html import write_audit_html
 
 
 def audit(args: argparse.Namespace, console: Console) -> int:
     """audit DIR: per step verdict, failing checks and diagnosis; exit 0 / 1 / 2 as compare."""
-    from m2po_oracle.audit import audit_capture
-
     report = audit_capture(
         args.directory, steps=set(args.step) if args.step else None, rollout_atol=args.rollout_atol, policy_atol=args.policy_atol
     )
@@ -28,8 +28,6 @@ def audit(args: argparse.Namespace, console: Console) -> int:
     if args.json is not None:
         write_json(record, args.json)
     if args.html is not None:
-        from m2po_oracle.report.audit_html import write_audit_html
-
         write_audit_html(record, args.html)
     return report.exit_status
 

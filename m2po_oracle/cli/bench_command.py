@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import argparse
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
+from m2po_oracle.bench.audit import main_audit
+from m2po_oracle.bench.core import run_bench, run_bench_across
 from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
 from m2po_oracle.oracle.encoding import write_json
+from m2po_oracle.report.bench_html import write_bench_html
 
 
 def bench(args: argparse.Namespace, console: Console) -> int:
     if args.audit:
-        from m2po_oracle.bench.audit import main_audit
-
         return main_audit(args, console)
-    import torch
-
-    from m2po_oracle.bench.core import run_bench
-    from m2po_oracle.report.bench_html import write_bench_html
-
     try:
         exponents = list(range(12, 25, 2)) if args.scaling else [int(x) for x in args.sizes.split(",")]
     except ValueError:
@@ -95,8 +92,6 @@ def bench(args: argparse.Namespace, console: Console) -> int:
     console.print(forward)
     console.print(f"fused CPU passes: {record['environment']['fused_passes']}", highlight=False, soft_wrap=True)
     if args.ranks:
-        from m2po_oracle.bench.core import run_bench_across
-
         across = run_bench_across(args.ranks, 1 << max(exponents), repeats=args.repeats)
         record["across_ranks"] = across
         sent = {name: sum(v["bytes"] for v in t.values()) for name, t in across["traffic_rank0"].items()}

@@ -6,12 +6,11 @@ from rich.console import Console
 from rich.table import Table
 
 from m2po_oracle.errors import EXIT_EQUIVALENT
+from m2po_oracle.judge.checks import ALL_CHECKS, AUDIT_CHECKS, CHECKS, DISTRIBUTED_CHECKS
 
 
 def list_checks(console: Console) -> int:
     """Every check of the battery, with what runs it and what it asserts."""
-    from m2po_oracle.judge.checks import ALL_CHECKS, AUDIT_CHECKS, CHECKS, DISTRIBUTED_CHECKS
-
     table = Table("check", "runs for", "asserts")
     for name, description in ALL_CHECKS.items():
         runs_for = (
@@ -33,9 +32,7 @@ def list_checks(console: Console) -> int:
 def list_adapters(console: Console) -> int:
     """Every adapter (``--adapter NAME``): the port's signature, the roles ``--bind`` moves,
     what is read back, which checks it can run and which it cannot (with why)."""
-    from m2po_oracle.adapters import ADAPTERS
-    from m2po_oracle.adapters.binding import METRIC_ALIASES, METRIC_PREFIXES
-    from m2po_oracle.judge.checks import CHECKS
+    from m2po_oracle.adapters import ADAPTERS, binding  # torch: here, so that ``checks`` stays a quick listing
 
     say = lambda text="": console.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
     selection = [c for c in CHECKS if c.startswith("selection.")]
@@ -65,8 +62,8 @@ def list_adapters(console: Console) -> int:
         say(f"  metrics:    {adapter.maps}")
         say(f"  seen in:    {adapter.seen_in}")
     say()
-    prefixes = ", ".join(repr(p) for p in METRIC_PREFIXES)
-    aliases = ", ".join(f"{k} -> {v}" for k, v in METRIC_ALIASES.items())
+    prefixes = ", ".join(repr(p) for p in binding.METRIC_PREFIXES)
+    aliases = ", ".join(f"{k} -> {v}" for k, v in binding.METRIC_ALIASES.items())
     say(
         f"Metric names mapped from a returned mapping: our names (m2_before, m2_after, masked_fraction, trust_region_fraction, valid_count, "
         f"trust_region_count, kept_trust_region_count) after any 'prefix/' and {prefixes}; {aliases}. Other keys are not read."

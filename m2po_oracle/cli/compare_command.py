@@ -9,25 +9,29 @@ from pathlib import Path
 
 from rich.console import Console
 
+from m2po_oracle.call.runner import CaptureFailed
 from m2po_oracle.cli import options
+from m2po_oracle.cli.config import exploration_from, load_config
 from m2po_oracle.cli.console import print_quiet, print_report, say_error
+from m2po_oracle.cli.launch import open_runner, run_options
+from m2po_oracle.compare.report import load_error_report
+from m2po_oracle.compare.search import run_compare
+from m2po_oracle.distributed.world import WorldError
 from m2po_oracle.errors import (
     EXIT_DIVERGENT,
     EXIT_EQUIVALENT,
     EXIT_INTERRUPTED,
     EXIT_UNUSABLE,
+    LoadError,
+    UsageError,
 )
+from m2po_oracle.judge.equivalence import format_mismatches
 from m2po_oracle.oracle.encoding import write_json
+from m2po_oracle.report.html import write_html
 
 
 def run_or_replay(args: argparse.Namespace, console: Console) -> int:
     """compare or replay: open the runner, run, report; load errors and Ctrl-C still report."""
-    from m2po_oracle.call.runner import CaptureFailed
-    from m2po_oracle.cli.config import load_config
-    from m2po_oracle.cli.launch import open_runner
-    from m2po_oracle.distributed.world import WorldError
-    from m2po_oracle.errors import LoadError, UsageError
-
     try:
         project = load_config()
         given = {o.name: getattr(args, o.name, None) for o in options.COMPARE_OPTIONS + options.RUN_SETTINGS if hasattr(args, o.name)}
@@ -43,14 +47,14 @@ def run_or_replay(args: argparse.Namespace, console: Console) -> int:
             raise UsageError('--impl: required (or impl = "module:function" under [tool.m2po-oracle] in pyproject.toml)')
         if args.command != "compare":  # capture = DIR in pyproject.toml is for compare: a replay must not refuse or add to it
             args.values.pop("capture", None)
-        run_options = options.run_options({k: v for k, v in args.values.items() if k in {o.name for o in options.COMPARE_OPTIONS}})
+        runner_options = run_options({k: v for k, v in args.values.items() if k in {o.name for o in options.COMPARE_OPTIONS}})
         with console.status(f"loading {args.impl}"):  # shown from the start: imports and world start-up can take seconds
-            runner = open_runner(args.impl, run_options)
+            runner = open_runner(args.impl, runner_options)
     except UsageError as error:
         say_error(str(error))
         return EXIT_UNUSABLE
     except LoadError as error:
-        return _load_failed(args, error, run_options, console)
+        return _load_failed(args, error, runner_options, console)
     except ValueError as error:  # e.g. an unusable --device
         say_error(str(error))
         return EXIT_UNUSABLE
@@ -60,7 +64,7 @@ def run_or_replay(args: argparse.Namespace, console: Console) -> int:
                 with console.status(f"starting {args.impl}"):
                     runner.start()
             except LoadError as error:  # raised where the worker loads the implementation
-                return _load_failed(args, error, run_options, console)
+                return _load_failed(args, error, runner_options, console)
             return _compare(args, runner, console) if args.command == "compare" else _replay(args, runner, console)
     except WorldError as error:
         say_error(f"the world of {args.topology} could not run: {error}")
@@ -73,13 +77,11 @@ def run_or_replay(args: argparse.Namespace, console: Console) -> int:
         return EXIT_INTERRUPTED
 
 
-def _load_failed(args: argparse.Namespace, error: Exception, run_options, console: Console) -> int:
+def _load_failed(args: argparse.Namespace, error: Exception, runner_options, console: Console) -> int:
     """A load error: said on stderr, and written as an unusable report when asked."""
     say_error(str(error))
     if args.command == "compare":
-        from m2po_oracle.compare.report import load_error_report
-
-        _write_reports(args, load_error_report(args.impl, str(error), run_options).to_json(), console)
+        _write_reports(args, load_error_report(args.impl, str(error), runner_options).to_json(), console)
     return EXIT_UNUSABLE
 
 
@@ -91,10 +93,6 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
         TextColumn,
         TimeElapsedColumn,
     )
-
-    from m2po_oracle.cli.config import exploration_from
-    from m2po_oracle.compare.search import run_compare
-    from m2po_oracle.errors import UsageError
 
     try:
         exploration = exploration_from(args.values, args.project, tuple(runner.checks))
@@ -140,16 +138,12 @@ def _write_reports(args: argparse.Namespace, record: dict, console: Console, qui
         if not quiet:
             console.print(f"JSON report: {args.json}")
     if getattr(args, "html", None) is not None:
-        from m2po_oracle.report.html import write_html
-
         write_html(record, args.html)
         if not quiet:
             console.print(f"HTML report: {args.html}")
 
 
 def _replay(args: argparse.Namespace, runner, console: Console) -> int:
-    from m2po_oracle.judge.equivalence import format_mismatches
-
     text = args.source if args.source is not None else args.batch
     if text is None or (args.source is not None and args.batch is not None):
         say_error("replay: give exactly one of SOURCE or --batch")

@@ -25,7 +25,8 @@ from typing import Any
 
 from m2po_oracle.cli.options import COMPARE_OPTIONS, RUN_SETTINGS, Option
 from m2po_oracle.errors import UsageError
-from m2po_oracle.explain.deviations import Accepted
+from m2po_oracle.explain.deviations import VARIANTS, Accepted
+from m2po_oracle.explain.step_deviations import STEP_DEVIATIONS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -175,9 +176,6 @@ def validate_deviation(where: str, name: str) -> str:
 
 def known_deviations() -> list[str]:
     """Every name the diagnosis can give: the single-batch deviations, then the step's (distributed, trainer, audit)."""
-    from m2po_oracle.explain.deviations import VARIANTS
-    from m2po_oracle.explain.step_deviations import STEP_DEVIATIONS
-
     names = [v.name for v in VARIANTS if v.name != "algorithm_1"]
     return names + [d.name for d in STEP_DEVIATIONS if d.name not in names]
 

@@ -7,9 +7,12 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from m2po_oracle.compare.report import mismatch_from_json
 from m2po_oracle.explain.diagnosis import ALIKE
 from m2po_oracle.explain.record import EXPLAINING
-from m2po_oracle.judge.coverage import THINLY_EXERCISED, thinly_exercised
+from m2po_oracle.judge.coverage import THINLY_EXERCISED, rate_text, thinly_exercised
+from m2po_oracle.judge.equivalence import format_mismatches
+from m2po_oracle.oracle.batch import Batch
 
 
 def metric_sources_text(sources: dict[str, str]) -> str:
@@ -194,10 +197,6 @@ def _say(console: Console) -> Any:
 
 
 def _counterexample_text(c: dict[str, Any], unexplained: set[str]) -> str:
-    from m2po_oracle.compare.report import mismatch_from_json
-    from m2po_oracle.judge.equivalence import format_mismatches
-    from m2po_oracle.oracle.batch import Batch
-
     checks = c.get("checks") or [c["check"]]
     cause = f"{c['cause']}: " if c.get("cause") else "unexplained: " if c["check"] in unexplained else ""
     text = format_mismatches(
@@ -212,8 +211,6 @@ def _counterexample_text(c: dict[str, Any], unexplained: set[str]) -> str:
 def print_report(console: Console, record: dict[str, Any], impl: str, every_line: bool = False) -> None:
     """The whole console report of a compare run, from its JSON record."""
     from rich.table import Table
-
-    from m2po_oracle.judge.coverage import rate_text
 
     say = _say(console)
     options, unit = record["options"], record["example_unit"]

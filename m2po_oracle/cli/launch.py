@@ -13,7 +13,7 @@ Each runner refuses the options it cannot honour (:class:`~m2po_oracle.call.runn
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from m2po_oracle.adapters import ADAPTERS, adapt
 from m2po_oracle.call.isolation import EAGER_ENV, FIRST_COMPILED_CALL_S, InProcess, Isolated, compiled
@@ -23,13 +23,15 @@ from m2po_oracle.call.resolve import (
     load_attribute,
     load_implementation,
 )
-from m2po_oracle.call.runner import RunOptions
+from m2po_oracle.call.runner import RunOptions, check_device
 from m2po_oracle.cli.console import say_note
+from m2po_oracle.cli.options import COMPARE_OPTIONS, Option
+from m2po_oracle.distributed.implementations import load_distributed_implementation
+from m2po_oracle.distributed.runner import DistributedRunner
+from m2po_oracle.distributed.torchrun_runner import TorchrunRunner
 from m2po_oracle.errors import LoadError, UsageError
-
-if TYPE_CHECKING:
-    from m2po_oracle.distributed.runner import DistributedRunner
-    from m2po_oracle.trainer.runner import TrainerRunner
+from m2po_oracle.trainer.controls import TRAINER_IMPLEMENTATIONS
+from m2po_oracle.trainer.runner import TrainerRunner
 
 #: Production trainers behind the trainer contract, by name (``trainer:NAME[:CONTROL]``): a
 #: factory taking the control's name. Named as strings: the integrations room sits above.
@@ -56,6 +58,20 @@ def is_installed(distribution: str) -> bool:
     return True
 
 
+def run_options(values: dict[str, Any]) -> RunOptions:
+    """``runner.RunOptions`` from parsed values keyed by option name (unset: None/False):
+    what :func:`open_runner` takes."""
+    return RunOptions.from_values({o.name: _value(o, values.get(o.name)) for o in COMPARE_OPTIONS})
+
+
+def _value(option: Option, value: Any) -> Any:
+    # A repeatable option arrives as a list (None when never given): a tuple keeps the
+    # options hashable and comparable.
+    if option.repeat:
+        return tuple(value) if value else None
+    return value
+
+
 def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> LossFunctionRunner | DistributedRunner | TrainerRunner:
     """The runner for ``spec`` under ``options`` (not started: ``start()`` or use ``with``).
 
@@ -64,8 +80,6 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Loss
 
     Raises :class:`~m2po_oracle.call.resolve.LoadError` when ``spec`` cannot be loaded and
     :class:`UsageError` for an option the runner cannot honour."""
-    from m2po_oracle.call.runner import check_device
-
     check_device(options.device)
     if options.adapter is not None and options.adapter not in ADAPTERS:
         import difflib
@@ -74,22 +88,13 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Loss
         hint = f"; closest matches: {', '.join(close)}" if close else ""
         raise UsageError(f"adapter: expected one of {', '.join(ADAPTERS)} (m2po-oracle adapters lists them), got {options.adapter!r}{hint}")
     if options.topology is not None:
-        from m2po_oracle.distributed.implementations import (
-            load_distributed_implementation,
-        )
-        from m2po_oracle.distributed.runner import DistributedRunner
-
         # A fast error with closest matches, and a wrong binding refused, before any rank starts.
         distributed_adapter = options.adapter is not None and ADAPTERS[options.adapter].distributed
         load_distributed_implementation(spec, (options.adapter, tuple(options.bind)) if distributed_adapter else None)
         if torchrun is not None:
-            from m2po_oracle.distributed.torchrun_runner import TorchrunRunner
-
             return TorchrunRunner(torchrun, spec, options)
         return DistributedRunner(spec, options.topology, backend=options.backend, timeout_s=options.timeout, options=options)
     if is_trainer_spec(spec):
-        from m2po_oracle.trainer.runner import TrainerRunner
-
         rest = spec.partition(":")[2]
         integration, _, control = rest.partition(":")
         if integration in INTEGRATED_TRAINERS:  # trainer:trl, trainer:trl:CONTROL: a production trainer behind the contract
@@ -111,7 +116,6 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Loss
     capture = not options.show_output
     # Here first, also for an isolated run: a fast error with closest matches, and a wrong
     # binding refused before any worker starts (naming the port's signature).
-    from m2po_oracle.trainer.controls import TRAINER_IMPLEMENTATIONS
 
     fn = adapt(load_implementation(spec, also_known=list(TRAINER_IMPLEMENTATIONS)), options.adapter, options.bind)
     if compiled(fn):

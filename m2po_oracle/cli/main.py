@@ -1,13 +1,15 @@
 """``m2po-oracle``: check an M2PO implementation against Algorithm 1.
 
 Each subcommand is a module of this room (``compare_command`` also runs ``replay``); this one
-parses the command line and hands it to the subcommand. Exit status: 0 no divergence found;
+parses the command line and hands it to the subcommand, imported only then: ``--help``, a
+usage error and ``checks`` load neither torch nor NumPy. Exit status: 0 no divergence found;
 1 divergence found; 2 the implementation could not be loaded or called at all, or a usage
 error; 130 interrupted (``m2po_oracle.errors`` holds them).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -17,12 +19,7 @@ from collections.abc import Iterator
 
 from rich.console import Console
 
-from m2po_oracle.cli.audit_command import audit
-from m2po_oracle.cli.bench_command import bench
-from m2po_oracle.cli.catalogue import list_adapters, list_checks
-from m2po_oracle.cli.compare_command import run_or_replay
 from m2po_oracle.cli.parser import build_parser
-from m2po_oracle.cli.selftest_command import selftest
 from m2po_oracle.errors import (
     EXIT_DIVERGENT,
     EXIT_EQUIVALENT,
@@ -39,15 +36,32 @@ def main(argv: list[str] | None = None) -> int:
     args.started = started
     # Off a terminal (CI logs, pipes) rich would wrap at 80 columns: tables and messages keep their lines.
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 200)
-    commands = {
-        "checks": lambda: list_checks(console),
-        "adapters": lambda: list_adapters(console),
-        "selftest": lambda: selftest(args, console),
-        "bench": lambda: bench(args, console),
-        "audit": lambda: audit(args, console),
-    }
     with hypothesis_storage():
-        return commands.get(args.command, lambda: run_or_replay(args, console))()
+        return run_command(args, console)
+
+
+def run_command(args: argparse.Namespace, console: Console) -> int:
+    """The subcommand ``args.command``, its module imported here: most subcommands import
+    torch (seconds), which the others, and ``--help``, never wait for."""
+    if args.command in ("checks", "adapters"):
+        from m2po_oracle.cli import catalogue
+
+        return catalogue.list_checks(console) if args.command == "checks" else catalogue.list_adapters(console)
+    if args.command == "selftest":
+        from m2po_oracle.cli.selftest_command import selftest
+
+        return selftest(args, console)
+    if args.command == "bench":
+        from m2po_oracle.cli.bench_command import bench
+
+        return bench(args, console)
+    if args.command == "audit":
+        from m2po_oracle.cli.audit_command import audit
+
+        return audit(args, console)
+    from m2po_oracle.cli.compare_command import run_or_replay
+
+    return run_or_replay(args, console)  # compare and replay
 
 
 @contextlib.contextmanager

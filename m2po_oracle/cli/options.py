@@ -162,21 +162,6 @@ RUN_SETTINGS: tuple[Option, ...] = (
 )
 
 
-def run_options(values: dict[str, Any]) -> Any:
-    """``runner.RunOptions`` from parsed values keyed by option name (unset: None/False)."""
-    from m2po_oracle.call.runner import RunOptions
-
-    return RunOptions.from_values({o.name: _value(o, values.get(o.name)) for o in COMPARE_OPTIONS})
-
-
-def _value(option: Option, value: Any) -> Any:
-    # A repeatable option arrives as a list (None when never given): a tuple keeps the
-    # options hashable and comparable.
-    if option.repeat:
-        return tuple(value) if value else None
-    return value
-
-
 def add_to_pytest(group: Any, options: tuple[Option, ...] = COMPARE_OPTIONS, prefix: str = "m2po") -> None:
     """Register the same options as ``--m2po-NAME`` on a pytest option group."""
     for option in options:

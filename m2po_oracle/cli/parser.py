@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from m2po_oracle import __version__
 from m2po_oracle.cli import options
 from m2po_oracle.errors import EXIT_UNUSABLE
 
@@ -50,8 +51,6 @@ example:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from m2po_oracle import __version__
-
     parser = Parser(prog="m2po-oracle", description="Check an M2PO implementation against the Algorithm 1 oracle.")
     parser.add_argument("--version", action="version", version=f"m2po-oracle {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)

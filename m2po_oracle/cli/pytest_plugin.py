@@ -21,6 +21,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from m2po_oracle.cli import options
+from m2po_oracle.cli.config import ProjectConfig, exploration_from, load_config
+from m2po_oracle.errors import LoadError, UsageError
+from m2po_oracle.judge.checks import CHECKS
+from m2po_oracle.judge.equivalence import format_mismatches
 from m2po_oracle.oracle.encoding import to_builtins, write_json
 
 if TYPE_CHECKING:
@@ -46,9 +50,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _project(config: pytest.Config) -> Any:
     """``[tool.m2po-oracle]`` of the project pytest runs in (its rootdir's pyproject.toml)."""
-    from m2po_oracle.cli.config import load_config
-    from m2po_oracle.errors import UsageError
-
     try:
         return load_config(Path(config.rootpath))
     except UsageError as error:
@@ -63,15 +64,12 @@ def _option_values(config: pytest.Config, project: Any) -> dict[str, Any]:
 def item_outcomes(spec: str, values: dict[str, Any], project: Any = None, reports: dict[str, Path] | None = None) -> dict[str, Any]:
     """Run the battery once and reduce it to what each item reports: JSON-ready, so that
     xdist workers can share it. ``{"error": str}`` when the run could not start."""
-    from m2po_oracle.cli.config import ProjectConfig, exploration_from
-    from m2po_oracle.cli.launch import open_runner
+    from m2po_oracle.cli.launch import open_runner, run_options
     from m2po_oracle.compare.search import run_compare
-    from m2po_oracle.errors import LoadError, UsageError
-    from m2po_oracle.judge.equivalence import format_mismatches
 
     project = project or ProjectConfig()
     try:
-        runner = open_runner(spec, options.run_options({k: v for k, v in values.items() if k in {o.name for o in options.COMPARE_OPTIONS}}))
+        runner = open_runner(spec, run_options({k: v for k, v in values.items() if k in {o.name for o in options.COMPARE_OPTIONS}}))
         with runner:
             runner.start()
             report = run_compare(runner, exploration=exploration_from(values, project, tuple(runner.checks)))
@@ -237,18 +235,15 @@ def _declared_checks(spec: str, values: dict[str, Any], project: Any) -> tuple[s
     """The checks the runner for ``spec`` declares, narrowed by --checks, and one item per
     accepted deviation (the single-process battery's if it cannot be opened: every item then
     reports why)."""
-    from m2po_oracle.cli.launch import open_runner
+    from m2po_oracle.cli.launch import open_runner, run_options
     from m2po_oracle.compare.search import select_checks
-    from m2po_oracle.judge.checks import CHECKS
 
     accepted = tuple(f"accept:{a.deviation}" for a in project.accept) + tuple(
         f"accept:{n}" for n in values.get("accept") or () if n not in {a.deviation for a in project.accept}
     )
     try:
         declared = tuple(
-            open_runner(
-                spec, options.run_options({k: v for k, v in values.items() if k in {o.name for o in options.COMPARE_OPTIONS}})
-            ).checks
+            open_runner(spec, run_options({k: v for k, v in values.items() if k in {o.name for o in options.COMPARE_OPTIONS}})).checks
         )
     except Exception:  # reported by every item when the run cannot start
         return tuple(CHECKS) + accepted

@@ -22,6 +22,12 @@ from m2po_oracle.call.controls import (
 )
 from m2po_oracle.call.runner import Runner
 from m2po_oracle.compare.search import in_process_runner, run_compare
+from m2po_oracle.distributed.diagnosis import DESCRIPTIONS
+from m2po_oracle.distributed.implementations import CONTROL_TOPOLOGIES
+from m2po_oracle.distributed.runner import DistributedRunner
+from m2po_oracle.distributed.topology import Topology
+from m2po_oracle.trainer.controls import TRAINER_CONTROLS
+from m2po_oracle.trainer.runner import TrainerRunner
 
 
 @dataclass(frozen=True)
@@ -75,11 +81,6 @@ class SelftestRow:
 
 
 def _distributed_targets() -> list[SelftestTarget]:
-    from m2po_oracle.distributed.diagnosis import DESCRIPTIONS
-    from m2po_oracle.distributed.implementations import CONTROL_TOPOLOGIES
-    from m2po_oracle.distributed.runner import DistributedRunner
-    from m2po_oracle.distributed.topology import Topology
-
     return [
         SelftestTarget(
             f"distributed:{spec}",
@@ -94,9 +95,6 @@ def _distributed_targets() -> list[SelftestTarget]:
 
 
 def _trainer_targets() -> list[SelftestTarget]:
-    from m2po_oracle.trainer.controls import TRAINER_CONTROLS
-    from m2po_oracle.trainer.runner import TrainerRunner
-
     return [
         # mypy cannot type a lambda with defaulted parameters as Callable[[], Runner]
         SelftestTarget(f"trainer:{c.name}", c.description, c.variant, lambda c=c: TrainerRunner(c.name), shrink=False)  # type: ignore[misc]

@@ -9,12 +9,11 @@ from rich.console import Console
 from rich.table import Table
 
 from m2po_oracle.cli.console import say_error
+from m2po_oracle.cli.selftest import run_selftest, select_controls, spread
 from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
 
 
 def selftest(args: argparse.Namespace, console: Console) -> int:
-    from m2po_oracle.cli.selftest import run_selftest, select_controls, spread
-
     try:
         controls = select_controls(args.only.split(",") if args.only else None, trainer=args.trainer, distributed=args.distributed)
     except ValueError as error:

@@ -15,7 +15,7 @@ import numpy as np
 from hypothesis import find
 from hypothesis.errors import NoSuchExample, Unsatisfiable
 
-from m2po_oracle import strategies
+from m2po_oracle import oracle, strategies
 from m2po_oracle.call.loss_function import batch_strategy
 from m2po_oracle.call.runner import Runner
 from m2po_oracle.compare.database import ExampleDatabase, search_settings
@@ -175,7 +175,6 @@ def _finite_on_valid(batch: Batch, result: M2POResult) -> bool:
     grad_finite = result.grad is None or bool(np.all(np.isfinite(result.grad[batch.valid])))
     if np.isfinite(result.loss) and grad_finite:
         return True
-    from m2po_oracle import oracle
 
     expected = oracle.evaluate_with_mask(batch, result.keep)
     assert expected.grad is not None  # the oracle's result always has its gradient

@@ -10,9 +10,12 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
+from m2po_oracle.call.isolation import InProcess
+from m2po_oracle.call.loss_function import LossFunctionRunner
 from m2po_oracle.call.runner import Runner, RunOptions
 from m2po_oracle.compare.explore import Exploration, explore_and_judge
 from m2po_oracle.compare.report import CheckTally, CompareReport
+from m2po_oracle.errors import UsageError
 from m2po_oracle.judge.battery import BatteryOutcome
 from m2po_oracle.judge.contract import Implementation
 from m2po_oracle.oracle.encoding import to_builtins
@@ -20,9 +23,6 @@ from m2po_oracle.oracle.encoding import to_builtins
 
 def in_process_runner(fn: Implementation, impl: str, **option_values: Any) -> Runner:
     """A runner calling the loss function ``fn`` in this process (tests, notebooks)."""
-    from m2po_oracle.call.isolation import InProcess
-    from m2po_oracle.call.loss_function import LossFunctionRunner
-
     options = RunOptions.from_values({k: v for k, v in option_values.items() if v is not None})
     return LossFunctionRunner(
         impl,
@@ -35,8 +35,6 @@ def select_checks(available: tuple[str, ...] | list[str], patterns: str | None) 
     """The checks matching comma-separated glob ``patterns`` ("selection.*,loss"); a pattern
     matching none of them is a usage error naming what there is."""
     import fnmatch
-
-    from m2po_oracle.errors import UsageError
 
     if not patterns:
         return None

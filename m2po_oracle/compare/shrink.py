@@ -14,10 +14,12 @@ import numpy as np
 from hypothesis import find
 from hypothesis.errors import Flaky, NoSuchExample, Unsatisfiable
 
+from m2po_oracle.adapters import ADAPTERS
 from m2po_oracle.call.runner import Runner
 from m2po_oracle.compare.database import search_settings
 from m2po_oracle.compare.report import CompareReport, Counterexample
-from m2po_oracle.explain.evidence import Observation
+from m2po_oracle.explain.deviations import VARIANTS
+from m2po_oracle.explain.evidence import Judge, Observation, merge
 from m2po_oracle.judge.battery import BatteryOutcome
 from m2po_oracle.oracle.batch import Batch
 
@@ -61,8 +63,6 @@ def counterexamples_of(
     """One counterexample per distinct cause: each explained group of checks is shrunk on
     examples where its deviations alone reproduce the port (when any does), every other
     failing check on its own."""
-    from m2po_oracle.explain.deviations import VARIANTS
-
     value_variants = {v.name for v in VARIANTS if not v.is_behavioural} | {
         n for names in report.diagnosis.by_check.values() for n in names if "(" in n
     }  # fitted values of known ones
@@ -91,8 +91,6 @@ def counterexamples_of(
 
 def keep_inferred(runner: Runner) -> bool:
     """Whether the runner's adapter reads the port's mask from its zero gradients."""
-    from m2po_oracle.adapters import ADAPTERS
-
     adapter = runner.describe().adapter
     return adapter is not None and adapter.name in ADAPTERS and ADAPTERS[adapter.name].keep_inferred
 
@@ -101,8 +99,6 @@ def shows_alone(
     report: CompareReport, names: tuple[str, ...], checks: tuple[str, ...], supplied: frozenset[str] | None, keep_inferred: bool = False
 ) -> Callable[[BatteryOutcome], bool]:
     """Whether an outcome fails one of ``checks`` and these deviations alone reproduce it."""
-    from m2po_oracle.explain.evidence import Judge, merge
-
     dev = merge(names)
 
     def shows(outcome: BatteryOutcome) -> bool:

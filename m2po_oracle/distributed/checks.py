@@ -30,11 +30,15 @@ from typing import Any
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.distributed.topology import Topology, cp_token_indices, dp_row_slices
+from m2po_oracle.capture.recorder import Recorder
+from m2po_oracle.distributed.diagnosis import diagnose_step
+from m2po_oracle.distributed.implementations import ParallelState, load_distributed_implementation
+from m2po_oracle.distributed.topology import RankCoords, Topology, cp_token_indices, dp_row_slices
 from m2po_oracle.distributed.world import RankContext, RankOutcome
-from m2po_oracle.judge.contract import Finding, Measurement
+from m2po_oracle.judge.contract import Finding, Measurement, normalise_result, to_tensors
 from m2po_oracle.judge.equivalence import Mismatch, check_selection, compare_values, same_up_to_ties, tolerance, valid_m2
 from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.oracle.encoding import number
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
 
 
@@ -55,9 +59,6 @@ def rank_step(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
 
     A capture that cannot be written is returned as ``capture_error`` (the parent stops the
     run), never raised: raising would read as the implementation failing."""
-    from m2po_oracle.distributed.implementations import ParallelState, load_distributed_implementation
-    from m2po_oracle.judge.contract import normalise_result, to_tensors
-
     spec, dtype = payload["spec"], payload["dtype"]
     batch = Batch.from_dict(payload["batch"])
     rows = dp_row_slices(batch.shape[0], ctx.topology.dp)[ctx.coords.dp]
@@ -107,8 +108,6 @@ _RANK_RECORDERS: dict[str, Any] = {}
 def _rank_recorder(ctx: RankContext, directory: str) -> Any:
     recorder = _RANK_RECORDERS.get(directory)
     if recorder is None:
-        from m2po_oracle.capture.recorder import Recorder
-
         # resume=True: a world restarted after a failed step continues the manifests its ranks
         # wrote (the parent refused a directory that held a capture before the run began).
         recorder = Recorder(directory, rank=ctx.rank, world_size=ctx.topology.world_size, topology=str(ctx.topology), resume=True)
@@ -144,10 +143,6 @@ def _record_shard(recorder: Any, step: int, parallel: Any, tensors: dict[str, An
 def _as_one_rank(ctx: RankContext, fn: Any, batch: Batch, dtype: str) -> M2POResult | str:
     """``fn`` on the whole optimizer batch as a dp=1, cp=1, tp=1 world (its groups: this
     rank alone): the reference of ``distributed.split_invariance``; the error text if it raised."""
-    from m2po_oracle.distributed.implementations import ParallelState
-    from m2po_oracle.distributed.topology import RankCoords
-    from m2po_oracle.judge.contract import normalise_result, to_tensors
-
     alone = ctx.groups["self"]
     try:
         with ctx.counter.excluded():
@@ -243,8 +238,6 @@ class DistributedStep:
     explained_by: list[dict[str, Any]] = field(default_factory=list)  # distributed variants reproducing it
 
     def ranks_json(self) -> list[dict[str, Any]]:
-        from m2po_oracle.oracle.encoding import number
-
         out = []
         for o in self.outcomes:
             value = o.value or {}
@@ -374,8 +367,6 @@ def check_step(
     metrics = {name: getattr(results[0], name) for name in METRIC_FIELDS + COUNT_FIELDS}
     step.result = M2POResult(loss=loss, keep=keep, grad=grad, **metrics)
     if step.mismatches:
-        from m2po_oracle.distributed.diagnosis import diagnose_step
-
         step.explained_by = diagnose_step(batch, topology, outcomes, dtype)
     return step
 

@@ -20,12 +20,16 @@ from typing import Any
 
 import torch
 
+from m2po_oracle.adapters import adapt
+from m2po_oracle.call.resolve import load_attribute
+
 # The fail-closed control re-enacts the core's old order of steps, so it needs the core's own steps.
 from m2po_oracle.core.agreement import validate_across_ranks
 from m2po_oracle.core.inputs import check_group, selection_inputs, validate_inputs
 from m2po_oracle.core.loss import loss_from_selection, select_micro_batches, select_tokens
 from m2po_oracle.core.selection import select_across
 from m2po_oracle.distributed.topology import RankCoords, Topology, cp_token_indices
+from m2po_oracle.errors import LoadError
 
 
 @dataclass(frozen=True)
@@ -230,15 +234,10 @@ def load_distributed_implementation(spec: str, adapter: tuple[str, tuple[str, ..
     ``adapter``: (name, bindings) of a distributed adapter (``--adapter group``) that turns
     the loaded port into the ``parallel=`` contract."""
     if adapter is not None:
-        from m2po_oracle.adapters import adapt
-
         return adapt(load_distributed_implementation(spec), adapter[0], adapter[1])
     if spec in DISTRIBUTED_BUILTINS:
         return DISTRIBUTED_BUILTINS[spec]
     import difflib
-
-    from m2po_oracle.call.resolve import load_attribute
-    from m2po_oracle.errors import LoadError
 
     if ":" not in spec or spec.startswith("control:"):
         close = difflib.get_close_matches(spec, DISTRIBUTED_BUILTINS, n=3, cutoff=0.5)

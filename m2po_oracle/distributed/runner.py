@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 from hypothesis import strategies as st
 
 from m2po_oracle import strategies
+from m2po_oracle.adapters import ADAPTERS
 from m2po_oracle.call.loss_function import batch_strategy
 from m2po_oracle.call.runner import (
     AdapterUse,
@@ -26,7 +27,9 @@ from m2po_oracle.call.runner import (
 )
 from m2po_oracle.distributed.checks import DistributedStep, as_measurement, check_step, pad_for_cp, rank_step
 from m2po_oracle.distributed.diagnosis import DESCRIPTIONS
+from m2po_oracle.distributed.implementations import load_distributed_implementation
 from m2po_oracle.distributed.topology import Topology
+from m2po_oracle.distributed.validation import run_collective_probes
 from m2po_oracle.distributed.world import RankOutcome, World, WorldError
 from m2po_oracle.errors import UsageError
 from m2po_oracle.judge.battery import BatteryOutcome, replay_command
@@ -93,7 +96,6 @@ class DistributedRunner:
         world: Any = None,
     ) -> None:
         self.options = options or RunOptions(topology=topology, backend=backend, timeout=timeout_s)
-        from m2po_oracle.adapters import ADAPTERS
 
         # A distributed adapter (a port taking group=) is honoured, with its bindings; the
         # others wrap single-process signatures.
@@ -169,8 +171,6 @@ class DistributedRunner:
         )
 
     def validation(self) -> list[ProbeResult]:
-        from m2po_oracle.distributed.validation import run_collective_probes
-
         return run_collective_probes(self.world, self.spec, dtype=self.options.dtype, adapter=self._adapter_payload)
 
     def replay_command(self, example: Batch) -> str:
@@ -195,8 +195,6 @@ class DistributedRunner:
         t = self.topology
         adapter = None
         if self._adapter_payload:
-            from m2po_oracle.distributed.implementations import load_distributed_implementation
-
             a, bindings = self.adapter, self.options.bind
             assert a is not None  # an adapter payload is made from an adapter only
             call = load_distributed_implementation(

@@ -11,6 +11,7 @@ from typing import Any
 
 from m2po_oracle.call.runner import RunOptions
 from m2po_oracle.distributed.runner import DistributedRunner
+from m2po_oracle.distributed.world import RankOutcome, WorldError
 
 
 class TorchrunRunner(DistributedRunner):
@@ -40,8 +41,6 @@ class _TorchrunWorld:
         assert outcomes is not None  # None answers the stop request only
         failed = sorted((o for o in outcomes if o.error), key=lambda o: o.rank)
         if failed:
-            from m2po_oracle.distributed.world import WorldError
-
             raise WorldError(f"running {getattr(handler, '__name__', handler)!r} failed on {len(failed)} ranks", outcomes)
         return outcomes
 
@@ -62,8 +61,6 @@ def serve(context: Any, request: Any) -> list[Any] | None:
     import traceback
 
     import torch.distributed as dist
-
-    from m2po_oracle.distributed.world import RankOutcome
 
     box = [request]
     dist.broadcast_object_list(box, src=0)

@@ -13,6 +13,7 @@ from m2po_oracle.explain.deviations import (
 )
 from m2po_oracle.explain.evidence import Judge, merge
 from m2po_oracle.explain.record import Feature, HeldOut, Residual, ResidualExample, Share
+from m2po_oracle.judge import coverage
 from m2po_oracle.judge.checks import result_field
 
 #: The naming rule. A set of deviations is named for a failing check only when it is
@@ -134,8 +135,6 @@ def residuals_of(judge: Judge, left: dict[str, Left], compute_dtype: str, replay
     holds where the explanation reproduces the check), and the smallest as a counterexample
     with its replay command. ``unexplained``: checks nothing names, whose failing examples
     are characterised all the same."""
-    from m2po_oracle.judge import coverage
-
     groups: dict[tuple[int, ...], list[str]] = {}
     for check, what in left.items():
         if what.residual:

@@ -13,7 +13,7 @@ import torch
 from transformers import TrainerCallback
 
 from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX
-from m2po_oracle.trainer.grpo import BOS_ID, EOS_ID, PAD_ID
+from m2po_oracle.trainer.grpo import BOS_ID, EOS_ID, PAD_ID, StepRecord
 
 #: The learning-rate schedule and optimizer settings both steps pin (the HF Trainer's
 #: ``adamw_torch`` with its defaults, no weight decay, a constant rate, no clipping): what
@@ -93,8 +93,6 @@ def step_record(
     """The step's :class:`~m2po_oracle.trainer.grpo.StepRecord` from its captured micro-batches
     (in row order), each widened to the rollout's width (a framework pads a micro-batch to its
     longest row); ``logged``: the log entry holding the selection's metrics."""
-    from m2po_oracle.trainer.grpo import StepRecord
-
     if sum(int(r["mask"].shape[0]) for r in records) != rollout.rows:
         raise RuntimeError(
             f"step record: the capture holds {sum(int(r['mask'].shape[0]) for r in records)} rows in "

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
 
+from m2po_oracle.capture.recorder import Recorder
 from m2po_oracle.integrations.hf_window import (
     NoteParameterGradients,
     Window,
@@ -251,8 +252,6 @@ class M2POSwiftGRPOTrainer(GRPOTrainer):
         if self._capture_directory is None:
             return None
         if self._recorder is None:
-            from m2po_oracle.capture.recorder import Recorder
-
             world = self.accelerator.num_processes
             self._recorder = Recorder(
                 self._capture_directory,

@@ -49,7 +49,19 @@ from typing import Any
 
 import torch
 
+from m2po_oracle.capture import load_capture
+from m2po_oracle.integrations.hf_step import (
+    KeepGradients,
+    adamw,
+    as_text,
+    case_tokenizer,
+    equal_split,
+    quiet,
+    share_of_multiples_of_three,
+    step_record,
+)
 from m2po_oracle.trainer.controls import TrainerControl, integrated_controls
+from m2po_oracle.trainer.grpo import EOS_ID
 
 #: The planted bugs ``trainer:swift:NAME`` runs, with what must catch them and name them.
 SWIFT_CONTROLS: dict[str, TrainerControl] = {c.name: c for c in integrated_controls("ms-swift", "_compute_loss_and_metrics")}
@@ -74,8 +86,6 @@ def _register() -> None:
     from swift.rewards import ORM, orms
     from swift.template import TemplateMeta, register_template
 
-    from m2po_oracle.integrations.hf_step import share_of_multiples_of_three
-
     register_template(TemplateMeta(TEMPLATE, prefix=[], prompt=["{{QUERY}}"], chat_sep=None, suffix=[]), exist_ok=True)
 
     class CaseReward(ORM):
@@ -93,9 +103,7 @@ def _case_trainer_class() -> Any:
     """:class:`CaseRolloutTrainer`, defined once ms-swift is importable."""
     from swift.infer_engine.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo
 
-    from m2po_oracle.integrations.hf_step import as_text
     from m2po_oracle.integrations.swift import M2POSwiftGRPOTrainer
-    from m2po_oracle.trainer.grpo import EOS_ID
 
     class CaseRolloutTrainer(M2POSwiftGRPOTrainer):
         """The M2PO trainer whose engine answers each request with the case's completion of
@@ -243,8 +251,6 @@ class SwiftStep:
         self.fault = fault
 
     def make_optimizer(self, parameters: Any) -> torch.optim.Optimizer:
-        from m2po_oracle.integrations.hf_step import adamw
-
         # The HF Trainer's "adamw_torch" with its defaults (betas 0.9/0.999, eps 1e-8, no weight decay).
         return adamw(parameters, self.config.lr)
 
@@ -315,9 +321,6 @@ class SwiftStep:
 
     def step(self, rollout: Any, split: Any = None) -> Any:
         from swift.pipelines.train.rlhf import SwiftRLHF
-
-        from m2po_oracle.capture import load_capture
-        from m2po_oracle.integrations.hf_step import KeepGradients, as_text, case_tokenizer, equal_split, quiet, step_record
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("MODELSCOPE_OFFLINE", "1")

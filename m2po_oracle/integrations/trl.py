@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from trl import GRPOTrainer
 
+from m2po_oracle.capture.recorder import Recorder
 from m2po_oracle.integrations.hf_window import (
     NoteParameterGradients,
     Window,
@@ -220,8 +221,6 @@ class M2POGRPOTrainer(GRPOTrainer):
         if self._capture_directory is None:
             return None
         if self._recorder is None:
-            from m2po_oracle.capture.recorder import Recorder
-
             world = self.accelerator.num_processes
             self._recorder = Recorder(
                 self._capture_directory,

@@ -29,6 +29,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from m2po_oracle.integrations.demo import DemoKnobs
+from m2po_oracle.integrations.trl import M2POGRPOTrainer, TRLFaults
+from m2po_oracle.trainer.grpo import tiny_llama as step_llama
 
 #: Token ids of the toy vocabulary (as the seed trainer's).
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -58,8 +60,6 @@ def tokenizer() -> Any:
 def tiny_llama(seed: int) -> Any:
     """The trainer step's random-weight two-layer Llama (float32, eager attention, no
     dropout) over this demo's vocabulary, in training mode as a Trainer receives it."""
-    from m2po_oracle.trainer.grpo import tiny_llama as step_llama
-
     return step_llama(seed, vocab_size=VOCAB_SIZE).train()
 
 
@@ -118,8 +118,6 @@ def build_trainer(
     setup: DemoSetup, output_dir: str, *, capture: str | None = None, faults: Any = None, model: Any = None, **overrides: Any
 ) -> Any:
     """An ``M2POGRPOTrainer`` over the toy model, tokenizer, prompts and reward."""
-    from m2po_oracle.integrations.trl import M2POGRPOTrainer
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     dataset = prompts(setup.prompts_per_generation * max(setup.steps, 1) * 4, setup.seed)
     return M2POGRPOTrainer(
@@ -162,8 +160,6 @@ def _save_inputs(trainer: Any, directory: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from m2po_oracle.integrations.trl import TRLFaults
-
     parser = argparse.ArgumentParser(prog="python -m m2po_oracle.integrations.trl_demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--capture", required=True, help="directory to record every micro-batch in (for m2po-oracle audit)")
     parser.add_argument("--steps", type=int, default=DemoSetup.steps, help="optimizer steps (default %(default)s)")

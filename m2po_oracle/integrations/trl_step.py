@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from m2po_oracle.capture import load_capture
 from m2po_oracle.integrations.hf_step import (
     KeepGradients,
     adamw,
@@ -148,8 +149,6 @@ class TRLStep:
 
     def step(self, rollout: Any, split: Any = None) -> Any:
         from datasets import Dataset
-
-        from m2po_oracle.capture import load_capture
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -15,6 +15,7 @@ from m2po_oracle.explain.step_deviations import described
 from m2po_oracle.judge.equivalence import compare_values, same_up_to_ties, tolerance, valid_m2
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.trainer.checks import ROLLOUT_LOGP_DTYPE, compare_params, logp_check
+from m2po_oracle.trainer.grpo import stochastic_layers
 from m2po_oracle.trainer.run import TrainerStep, optimizer_replay
 
 
@@ -79,8 +80,6 @@ def _test_current_policy_as_behavior(step: TrainerStep) -> tuple[bool, bool]:
 
 
 def _test_stochastic_forward(step: TrainerStep) -> tuple[bool, bool]:
-    from m2po_oracle.trainer.grpo import stochastic_layers
-
     differs = logp_check("diagnosis", "logp", step.batch.logp, step.current_logp, step.batch.valid, step.dtype) is not None
     reproduces = differs and bool(stochastic_layers(step.policy_before))
     return reproduces, reproduces

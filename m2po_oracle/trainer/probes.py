@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from m2po_oracle.judge.validation import ProbeResult, is_rejection
 from m2po_oracle.trainer.cases import TrainerCase
+from m2po_oracle.trainer.grpo import M2POKLWarning, TrainerConfig
 from m2po_oracle.trainer.run import STEP_LR, TrainerFactory, builtin_trainer, setup_case
 
 
@@ -68,9 +70,6 @@ def run_trainer_probe(
 ) -> Any:
     """One step of the trainer under ``probe``'s setup; never raises because of the trainer."""
     import warnings
-
-    from m2po_oracle.judge.validation import ProbeResult, is_rejection
-    from m2po_oracle.trainer.grpo import M2POKLWarning, TrainerConfig
 
     versions, samplers, rollout = setup_case(
         PROBE_CASE, dtype=dtype, dropout=probe.model_dropout, device=device, backend=probe.backend, record_logp=probe.record_logp

@@ -15,8 +15,20 @@ import torch
 from m2po_oracle import oracle
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
+from m2po_oracle.strategies import cut_budget
 from m2po_oracle.trainer.cases import TrainerCase
 from m2po_oracle.trainer.controls import TrainerControl
+from m2po_oracle.trainer.grpo import (
+    GRPOTrainer,
+    M2POKLWarning,
+    TrainerConfig,
+    TrainerFaults,
+    behaviour_logp_of,
+    group_advantages,
+    make_policy_versions,
+    sample_rollout,
+    token_logp,
+)
 
 #: The trainer's model dtypes (``--dtype``).
 TRAINER_DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -121,8 +133,6 @@ TrainerFactory = Callable[..., Any]
 
 
 def builtin_trainer(faults: dict[str, Any] | None) -> TrainerFactory:
-    from m2po_oracle.trainer.grpo import GRPOTrainer, TrainerFaults
-
     planted = TrainerFaults(**(faults or {}))
     return lambda policy, config, **options: GRPOTrainer(policy, config, faults=planted, **options)
 
@@ -131,8 +141,6 @@ def setup_case(
     case: TrainerCase, *, dtype: str = "float64", dropout: float = 0.0, device: str = "cpu", backend: str = "hf", record_logp: bool = True
 ) -> tuple[list[Any], list[Any], Any]:
     """(policy versions oldest first, the sampling worker per prompt, the rollout) of ``case``."""
-    from m2po_oracle.trainer.grpo import make_policy_versions, sample_rollout
-
     if dtype not in TRAINER_DTYPES:
         raise ValueError(f"dtype: the trainer runs its model in one of {sorted(TRAINER_DTYPES)}, got {dtype!r}")
     versions = make_policy_versions(
@@ -171,8 +179,6 @@ def run_case(
     With ``recorder`` (an ``m2po_oracle.capture.Recorder``; the built-in trainer only) the
     step is recorded as optimizer step ``step_index`` (``GRPOTrainer.step``); the same step
     rerun as one micro-batch, the reference of ``trainer.accumulation``, is not."""
-    from m2po_oracle.trainer.grpo import M2POKLWarning, TrainerConfig
-
     beta = control.beta if control is not None and control.beta else beta
     make_trainer = make_trainer or builtin_trainer(control.faults if control else None)
     versions, samplers, rollout = setup_case(case, dtype=dtype, dropout=control.model_dropout if control else 0.0, device=device)
@@ -213,9 +219,6 @@ def tau_cutting_inside(cut: int, policy: Any, rollout: Any) -> float:
     """The budget at which Algorithm 1 removes ``cut`` of the step's trust-region tokens
     (at most all but one), computed as the trainer's mask prepass sees the step: the
     policy's deterministic log-probs, the recorded behaviour log-probs, GRPO advantages."""
-    from m2po_oracle.strategies import cut_budget
-    from m2po_oracle.trainer.grpo import group_advantages
-
     logp = _recomputed_logp(policy, rollout)
     valid = rollout.valid.cpu().numpy()
     d = oracle.log_ratio(logp, rollout.behavior_logp.to(torch.float64).cpu().numpy(), valid)
@@ -289,15 +292,11 @@ def result_of_step(record: Any) -> M2POResult:
 
 def _recomputed_logp(models: Any, rollout: Any) -> np.ndarray:
     """Log-probs of the rollout's tokens under ``models`` (one, or one per prompt), deterministically."""
-    from m2po_oracle.trainer.grpo import behaviour_logp_of
-
     return behaviour_logp_of(models, rollout).to(torch.float64).cpu().numpy()
 
 
 def _pullback(model: Any, rollout: Any, token_grad: np.ndarray, rows: slice | None = None) -> dict[str, torch.Tensor]:
     """Parameter gradients of sum(token_grad * logp) through a deterministic forward of ``model``."""
-    from m2po_oracle.trainer.grpo import token_logp
-
     rows = rows or slice(0, rollout.rows)
     params = dict(model.named_parameters())
     if rows.stop == rows.start:

@@ -37,6 +37,7 @@ from m2po_oracle.call.runner import (
     RunOptions,
     refuse_unhonoured,
 )
+from m2po_oracle.capture.recorder import Recorder
 from m2po_oracle.errors import LoadError, UsageError
 from m2po_oracle.judge.battery import BatteryOutcome, replay_command
 from m2po_oracle.judge.contract import Finding, Measurement
@@ -148,8 +149,6 @@ class TrainerRunner:
         if self.capture is None:
             return None
         if self._recorder is None:
-            from m2po_oracle.capture.recorder import Recorder
-
             try:
                 self._recorder = _Recording(Recorder(self.capture.directory, rank=0, world_size=1, topology=TRAINER_TOPOLOGY))
             except (OSError, ValueError) as error:
