@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rich.console import Console
@@ -13,6 +14,7 @@ from m2po_oracle.explain.record import EXPLAINING
 from m2po_oracle.judge.coverage import THINLY_EXERCISED, rate_text, thinly_exercised
 from m2po_oracle.judge.equivalence import format_mismatches
 from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.report.values import as_float
 
 
 def metric_sources_text(sources: dict[str, str]) -> str:
@@ -63,9 +65,9 @@ VERDICT_COLOURS = {
 def print_verdict(console: Console, record: dict[str, Any]) -> None:
     thin = thinly_exercised(record.get("checks", []))
     note = f" (thinly exercised, a pass on fewer than {THINLY_EXERCISED} examples: {', '.join(thin)})" if thin else ""
-    console.print(
-        f"verdict: [bold {VERDICT_COLOURS[record['verdict']]}]{record['verdict']}[/] in {record['duration_s']:.1f} s{escape(note)}"
-    )
+    verdict, seconds = record["verdict"], as_float(record.get("duration_s"))
+    took = f"{seconds:.1f} s" if seconds is not None and math.isfinite(seconds) else f"{record.get('duration_s')} s"
+    console.print(f"verdict: [bold {VERDICT_COLOURS.get(verdict, 'yellow')}]{verdict}[/] in {took}{escape(note)}")
 
 
 def print_accepted(console: Console, record: dict[str, Any]) -> None:
@@ -196,12 +198,21 @@ def _say(console: Console) -> Any:
     return lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
+def _batch(data: dict[str, Any]) -> Batch | None:
+    """The counterexample's batch, or None where the report's is no batch (ragged, empty): the
+    console still prints the mismatches and the replay."""
+    try:
+        return Batch.from_dict(data)
+    except (ValueError, TypeError):
+        return None
+
+
 def _counterexample_text(c: dict[str, Any], unexplained: set[str]) -> str:
     checks = c.get("checks") or [c["check"]]
     cause = f"{c['cause']}: " if c.get("cause") else "unexplained: " if c["check"] in unexplained else ""
     text = format_mismatches(
         [mismatch_from_json(m) for m in c["mismatches"]],
-        batch=Batch.from_dict(c["batch"]),
+        batch=_batch(c["batch"]),
         where=f"(minimal batch for {cause}{', '.join(checks)})",
         replay=c["replay"],
     )

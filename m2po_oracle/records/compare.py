@@ -4,7 +4,7 @@ m2po_oracle.torchrun``'s), key by key: the HTML report is rendered from it and n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from msgspec import UNSET, UnsetType
 
@@ -30,7 +30,7 @@ class CompareRecord:
     options: Annotated[Options, doc("the options the run ran with")]
     examples: Annotated[int, doc("examples tried")]
     example_unit: Annotated[str, doc("what one example is: `batches`, or `steps` for the trainer")]
-    duration_s: Annotated[Number, doc("wall time in seconds")]
+    duration_s: Annotated[float, doc("wall time in seconds")]
     stopped_early: Annotated[
         str | None,
         doc("why exploration ended before the examples requested (timeouts, a process dying on every call, --max-failures); else null"),
@@ -296,8 +296,8 @@ class Mismatch:
     summary: Annotated[str, doc("what differs, in one line")]
     field: Annotated[str, doc("the result field compared (`loss`, `grad`, `keep`, a metric); empty where none")]
     index: Annotated[tuple[int, ...] | None, doc("the token compared, where one is")]
-    actual: Annotated[Any, doc("the implementation's value")]
-    expected: Annotated[Any, doc("Algorithm 1's")]
+    actual: Annotated[float | bool | str | None, doc("the implementation's value (a non-finite one as a string)")]
+    expected: Annotated[float | bool | str | None, doc("Algorithm 1's")]
     details: Annotated[tuple[str, ...], doc("more lines (a traceback, the values around it)")]
 
 
@@ -342,7 +342,7 @@ class Coverage:
     ]
     feature_descriptions: Annotated[dict[str, str], doc("when each feature holds", keys="a feature")]
     exercised_when: Annotated[dict[str, str], doc("the examples that exercise each check of the run", keys="a check's name")]
-    confidence: Annotated[Number, doc("the confidence of `checks[].failure_rate_upper_95`")]
+    confidence: Annotated[float, doc("the confidence of `checks[].failure_rate_upper_95`")]
     bound: Annotated[str, doc("what that bound is")]
 
 
@@ -363,7 +363,7 @@ class Check:
         ),
     ]
     failure_rate_upper_95: Annotated[
-        Number | None,
+        float | None,
         doc(
             "one-sided 95% Clopper-Pearson upper bound on the failure rate over the exercised examples, `beta.ppf(0.95, failures + 1, exercised - failures)`, 1.0 when every one failed; null when none was exercised"
         ),

@@ -72,9 +72,11 @@ def removal_curve(raw: Any) -> dict[str, Any]:
     if n == 0:
         return info
 
-    # (removed, P_k) pairs; values may be None (missing), nan or +-inf.
+    # (removed, P_k) pairs; values may be None (missing), nan or +-inf. Only the means the
+    # report carries (a truncated curve's first removals have none): a count of candidates,
+    # however large, costs nothing more.
     points = []
-    for r in range(n):
+    for r in range(max(0, n - len(means)), n):
         k = n - r
         value = as_float(means[k - 1]) if k - 1 < len(means) else None
         points.append((r, k, value))
@@ -120,8 +122,11 @@ def removal_curve(raw: Any) -> dict[str, Any]:
                 break
             y_ticks.append((tick, _tick_label(tick)))
 
+    # A span of subnormal values halves to zero: draw it flat rather than divide by it.
+    span = (hi / 2 - lo / 2) or 1.0
+
     def y_scaled(v: float) -> float:
-        return _MT + _PH - (v / 2 - lo / 2) / (hi / 2 - lo / 2) * _PH
+        return _MT + _PH - (v / 2 - lo / 2) / span * _PH
 
     def y_of(value: float | None) -> tuple[float | None, str]:
         """SVG y of a data value, clamped to the plot, with why it was clamped."""

@@ -1,5 +1,5 @@
 """The JSON records' typed declarations (m2po_oracle.records) and their published
-schemas are what real runs write.
+schemas are what real runs write, and the renderers render any record the declarations allow.
 
 Small real runs of the command line, in this process, write every record the toolkit has:
 compare (a correct core, a port that cannot be loaded, a negative control that yields
@@ -12,16 +12,30 @@ docs/reference/schemas/ (closed records: an undeclared key fails; a key declared
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
+import types
 import typing
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from msgspec import UNSET, UnsetType
+from rich.console import Console
 
 from m2po_oracle.capture import recorder
+from m2po_oracle.cli.console import print_report
 from m2po_oracle.cli.main import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE, main
+from m2po_oracle.oracle.encoding import to_builtins
 from m2po_oracle.records import RECORDS, capture, json_schema, load, record_of
+from m2po_oracle.records.audit import AuditRecord
+from m2po_oracle.records.compare import CompareRecord
+from m2po_oracle.report.audit_html import render_audit_html
+from m2po_oracle.report.html import render_html
 
 # The distributed run starts a world of processes: keep this module's runs on one worker.
 pytestmark = pytest.mark.xdist_group("json_schema")
@@ -184,3 +198,49 @@ def test_an_undeclared_key_a_wrong_type_and_a_missing_key_fail(tmp_path, monkeyp
         load(record)
     with pytest.raises(ValueError, match="no record of this toolkit"):
         load({"schema": "m2po-oracle/compare/0"})
+
+
+def drawn(kind: Any) -> st.SearchStrategy[Any]:
+    """Any value of a record's declared type, every list and map at most two long (the records
+    nest deeply: Hypothesis' own ``from_type`` draws trees too large to shrink)."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is UnsetType:
+        return st.just(UNSET)
+    if origin is typing.Annotated:
+        return drawn(args[0])
+    if origin is typing.Literal:
+        return st.sampled_from(args)
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of([drawn(a) for a in args])
+    if origin is tuple:
+        return st.lists(drawn(args[0]), max_size=2).map(tuple)
+    if origin is dict:
+        return st.dictionaries(st.text(max_size=6), drawn(args[1]), max_size=2)
+    if dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind, include_extras=True)
+        return st.builds(kind, **{f.name: drawn(hints[f.name]) for f in dataclasses.fields(kind)})
+    simple = {
+        str: st.text(max_size=12),
+        int: st.integers(-(2**53), 2**53),
+        float: st.floats(allow_nan=False, allow_infinity=False),
+        bool: st.booleans(),
+        type(None): st.none(),
+    }
+    return simple[kind]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(drawn(CompareRecord))
+def test_the_console_and_the_page_render_any_compare_record_the_schema_allows(record):
+    data = to_builtins(record)
+    assert problems(data) == []
+    print_report(Console(file=io.StringIO(), width=120), data, data["implementation"])
+    assert "<html" in render_html(data)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(drawn(AuditRecord))
+def test_the_audit_page_renders_any_audit_record_the_schema_allows(record):
+    data = to_builtins(record)
+    assert problems(data) == []
+    assert "<html" in render_audit_html(data)
