@@ -18,10 +18,14 @@ from typing import Any
 import torch
 
 from m2po_oracle.adapters.binding import METRIC_NAMES, PORT_DEFAULT, BoundCall, Config, Output, Param, bound_metric_names
+from m2po_oracle.capture.watch_reading import ALIASES
 from m2po_oracle.core.loss import loss_from_selection, select_tokens
 from m2po_oracle.errors import UnreadableReturn
 from m2po_oracle.judge.checks import CHECKS, DISTRIBUTED_CHECKS, result_field
 from m2po_oracle.judge.contract import Implementation
+
+#: The budget's names, as ``capture.watch`` reads them: a port reads the one it knows.
+BUDGET_NAMES: tuple[str, ...] = ALIASES["tau"]
 
 
 @dataclass(frozen=True)
@@ -246,7 +250,7 @@ def policy_loss_config(tau: float) -> Config:
     """The config object handed to a policy-loss function: the budget under the names ports
     use, at the top level and in a nested ``policy_loss`` (verl's ``config.policy_loss``),
     both readable as attributes, with ``.get`` and with ``[]``."""
-    budget = {"tau": tau, "m2_threshold": tau, "m2po_tau": tau, "m2_budget": tau, "M2_budget": tau}
+    budget = dict.fromkeys(BUDGET_NAMES, tau)
     return Config(
         **budget,
         clip_ratio=0.2,
@@ -336,7 +340,6 @@ _MAPPED = "the keys of the returned metrics mapping that name ours (mapped as li
 _INFERRED = {
     "selection.keep_only_valid": "the mask is inferred from the gradient on valid tokens only (padding's gradient is judged by 'gradient')"
 }
-_BUDGET_NAMES = "tau, m2_threshold, m2po_tau, m2_budget, M2_budget"
 
 ADAPTERS: dict[str, Adapter] = {
     a.name: a
@@ -427,7 +430,7 @@ ADAPTERS: dict[str, Adapter] = {
             unobservable=_INFERRED,
             keep_inferred=True,
             maps=_MAPPED,
-            seen_in=f"verl's policy-loss registry; config carries the budget as {_BUDGET_NAMES}, at the top and in config.policy_loss",
+            seen_in=f"verl's policy-loss registry; config carries the budget as {', '.join(BUDGET_NAMES)}, at the top and in config.policy_loss",
         ),
         Adapter(
             "verl_release",

@@ -37,7 +37,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "log_ratio": ("log_ratio", "log_ratios", "logratio"),
     "advantages": ("advantages", "advantage"),
     "mask": ("mask", "completion_mask", "loss_mask", "response_mask", "valid_mask"),
-    "tau": ("tau", "m2_threshold", "m2po_tau", "threshold"),
+    # The one table of the budget's names: the adapters' policy-loss config carries it under each.
+    "tau": ("tau", "budget", "m2_threshold", "m2po_tau", "m2_budget", "M2_budget", "threshold"),
     "keep": ("keep", "m2po_mask", "keep_mask"),
 }
 REQUIRED = ("logp", "behavior_logp", "advantages", "mask", "tau", "keep")
