@@ -3,8 +3,12 @@ the one way an adapter fails after the port returned: its return could not be re
 
 The first two are ValueErrors whose message names the argument (or the spec) and what was
 expected; the CLI exits 2 on either, and writes the report of a load error when asked.
-The exit statuses of every command (compare, replay, audit, bench, selftest) are here too.
+The exit statuses of every command (compare, replay, audit, bench, selftest) are here too,
+and the one rule by which a refused name suggests the closest known ones.
 """
+
+import difflib
+from collections.abc import Iterable
 
 #: No divergence found (equivalent, or every failure an accepted deviation).
 EXIT_EQUIVALENT = 0
@@ -28,3 +32,11 @@ class UnreadableReturn(TypeError):
     """The port returned, but not what its adapter reads back (a type, a shape, a place in
     the return): a finding about the port's result, and never its refusal of an input, so a
     validation probe that ends here counts as accepted, not rejected."""
+
+
+def closest(name: str, known: Iterable[str], *, otherwise: str = "") -> str:
+    """The one closest-match rule of every refusal of a name: ``"; closest matches: a, b"``
+    (at most three, by ``difflib``'s ratio of at least 0.5), else ``otherwise`` (say where
+    the names are listed, or list them)."""
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.5)
+    return f"; closest matches: {', '.join(close)}" if close else otherwise

@@ -13,7 +13,6 @@ names a module defines itself (not the ones it merely imports).
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.util
 import os
@@ -26,18 +25,12 @@ from typing import Any
 
 from m2po_oracle.call import controls
 from m2po_oracle.core.loss import m2po_loss
-from m2po_oracle.errors import LoadError
-from m2po_oracle.judge.contract import Implementation
+from m2po_oracle.errors import LoadError, closest
+from m2po_oracle.judge.contract import Implementation, parse_impl
 
 ENTRY_POINT_GROUP = "m2po_oracle.implementations"
 #: Set to 1 to ignore implementations registered by other installed packages.
 NO_PLUGINS_ENV = "M2PO_ORACLE_NO_PLUGINS"
-#: Built-in names of whole training steps, resolved to runners by :mod:`m2po_oracle.cli.launch`.
-TRAINER_PREFIX = "trainer"
-
-
-def is_trainer_spec(spec: str) -> bool:
-    return spec == TRAINER_PREFIX or spec.startswith(TRAINER_PREFIX + ":")
 
 
 def _registered() -> dict[str, Any]:
@@ -65,12 +58,11 @@ def known_names(also_known: Sequence[str] = ()) -> list[str]:
 def load_implementation(spec: str, *, also_known: Sequence[str] = ()) -> Implementation:
     """The loss-function callable ``spec`` names (:class:`LoadError` otherwise); an unknown
     name is refused with the closest of the known names and ``also_known``."""
-    if not isinstance(spec, str) or not spec:
-        raise LoadError(f"impl: expected a non-empty string, got {spec!r}")
+    parsed = parse_impl(spec)
     builtins = builtin_implementations()
     if spec in builtins:
         return builtins[spec]
-    if is_trainer_spec(spec):
+    if parsed.kind == "trainer":
         raise LoadError(f"impl: {spec!r} is a whole training step, not a loss function; open it with m2po_oracle.cli.launch.open_runner")
     registered = _registered()
     if spec in registered:
@@ -83,10 +75,9 @@ def load_implementation(spec: str, *, also_known: Sequence[str] = ()) -> Impleme
         if not callable(fn):
             raise LoadError(f"impl: the registered implementation {spec!r} is a {type(fn).__name__}, not a callable")
         return fn
-    if ":" not in spec or spec.startswith("control:"):  # "control:" is the built-in namespace
+    if parsed.kind == "name":
         names = known_names(also_known)
-        close = difflib.get_close_matches(spec, names, n=3, cutoff=0.5)
-        hint = f"; closest matches: {', '.join(close)}" if close else f"; built-in names: {', '.join(sorted(names))}"
+        hint = closest(spec, names, otherwise=f"; built-in names: {', '.join(sorted(names))}")
         raise LoadError(f"impl: unknown implementation {spec!r} (expected a built-in name, module:function or file.py:function){hint}")
     return load_attribute(spec)
 
@@ -137,9 +128,7 @@ def load_attribute(spec: str) -> Any:
     module = load_module(target)
     fn = getattr(module, attribute, None)
     if fn is None:
-        close = difflib.get_close_matches(attribute, defined_names(module), n=3, cutoff=0.5)
-        hint = f"; closest matches: {', '.join(close)}" if close else ""
-        raise LoadError(f"impl: {target!r} has no attribute {attribute!r}{hint}")
+        raise LoadError(f"impl: {target!r} has no attribute {attribute!r}{closest(attribute, defined_names(module))}")
     if not callable(fn):
         raise LoadError(f"impl: {spec!r} is a {type(fn).__name__}, not a callable")
     return fn

@@ -17,14 +17,13 @@ An unknown key, a wrong type or an unknown deviation is a usage error naming the
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from m2po_oracle.cli.options import COMPARE_OPTIONS, RUN_SETTINGS, Option
-from m2po_oracle.errors import UsageError
+from m2po_oracle.errors import UsageError, closest
 from m2po_oracle.explain.deviations import VARIANTS, Accepted
 from m2po_oracle.explain.step_deviations import STEP_DEVIATIONS
 
@@ -104,8 +103,7 @@ def parse_section(section: Any, path: Path | None = None) -> ProjectConfig:
         elif key in _OPTIONS:
             values[key] = _option_value(where, raw_key, _OPTIONS[key], value)
         else:
-            close = difflib.get_close_matches(key, known, n=3)
-            hint = f"; closest: {', '.join(close)}" if close else f"; known: {', '.join(known)}"
+            hint = closest(key, known, otherwise=f"; known: {', '.join(known)}")
             raise UsageError(f"{where}: unknown key {raw_key!r}{hint}")
     return ProjectConfig(path=path, impl=impl, values=values, reports=reports, accept=accept, strict=strict)
 
@@ -166,11 +164,8 @@ def validate_deviation(where: str, name: str) -> str:
     """``name`` if the diagnosis can name it (a known variant, step variants included)."""
     known = known_deviations()
     if name not in known:
-        close = difflib.get_close_matches(name, known, n=3)
-        raise UsageError(
-            f"{where}: unknown deviation {name!r}"
-            + (f"; closest: {', '.join(close)}" if close else "; see m2po_oracle.explain.deviations.VARIANTS")
-        )
+        hint = closest(name, known, otherwise="; see m2po_oracle.explain.deviations.VARIANTS")
+        raise UsageError(f"{where}: unknown deviation {name!r}{hint}")
     return name
 
 

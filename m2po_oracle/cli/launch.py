@@ -18,18 +18,15 @@ from typing import Any
 from m2po_oracle.adapters import ADAPTERS, adapt
 from m2po_oracle.call.isolation import EAGER_ENV, FIRST_COMPILED_CALL_S, InProcess, Isolated, compiled
 from m2po_oracle.call.loss_function import LossFunctionRunner
-from m2po_oracle.call.resolve import (
-    is_trainer_spec,
-    load_attribute,
-    load_implementation,
-)
+from m2po_oracle.call.resolve import load_attribute, load_implementation
 from m2po_oracle.call.runner import RunOptions, check_device
 from m2po_oracle.cli.console import say_note
 from m2po_oracle.cli.options import COMPARE_OPTIONS, Option
 from m2po_oracle.distributed.implementations import load_distributed_implementation
 from m2po_oracle.distributed.runner import DistributedRunner
 from m2po_oracle.distributed.torchrun_runner import TorchrunRunner
-from m2po_oracle.errors import LoadError, UsageError
+from m2po_oracle.errors import LoadError, UsageError, closest
+from m2po_oracle.judge.contract import parse_impl
 from m2po_oracle.trainer.controls import TRAINER_IMPLEMENTATIONS
 from m2po_oracle.trainer.runner import TrainerRunner
 
@@ -82,10 +79,7 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Loss
     :class:`UsageError` for an option the runner cannot honour."""
     check_device(options.device)
     if options.adapter is not None and options.adapter not in ADAPTERS:
-        import difflib
-
-        close = difflib.get_close_matches(options.adapter, ADAPTERS, n=3, cutoff=0.5)
-        hint = f"; closest matches: {', '.join(close)}" if close else ""
+        hint = closest(options.adapter, ADAPTERS)
         raise UsageError(f"adapter: expected one of {', '.join(ADAPTERS)} (m2po-oracle adapters lists them), got {options.adapter!r}{hint}")
     if options.topology is not None:
         # A fast error with closest matches, and a wrong binding refused, before any rank starts.
@@ -94,8 +88,9 @@ def open_runner(spec: str, options: RunOptions, *, torchrun: Any = None) -> Loss
         if torchrun is not None:
             return TorchrunRunner(torchrun, spec, options)
         return DistributedRunner(spec, options.topology, backend=options.backend, timeout_s=options.timeout, options=options)
-    if is_trainer_spec(spec):
-        rest = spec.partition(":")[2]
+    parsed = parse_impl(spec)
+    if parsed.kind == "trainer":
+        rest = parsed.rest
         integration, _, control = rest.partition(":")
         if integration in INTEGRATED_TRAINERS:  # trainer:trl, trainer:trl:CONTROL: a production trainer behind the contract
             distribution, what, install = INTEGRATED_REQUIRES[integration]

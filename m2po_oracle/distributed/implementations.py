@@ -29,7 +29,8 @@ from m2po_oracle.core.inputs import check_group, selection_inputs, validate_inpu
 from m2po_oracle.core.loss import loss_from_selection, select_micro_batches, select_tokens
 from m2po_oracle.core.selection import select_across
 from m2po_oracle.distributed.topology import RankCoords, Topology, cp_token_indices
-from m2po_oracle.errors import LoadError
+from m2po_oracle.errors import LoadError, closest
+from m2po_oracle.judge.contract import parse_impl
 
 
 @dataclass(frozen=True)
@@ -237,12 +238,9 @@ def load_distributed_implementation(spec: str, adapter: tuple[str, tuple[str, ..
         return adapt(load_distributed_implementation(spec), adapter[0], adapter[1])
     if spec in DISTRIBUTED_BUILTINS:
         return DISTRIBUTED_BUILTINS[spec]
-    import difflib
-
-    if ":" not in spec or spec.startswith("control:"):
-        close = difflib.get_close_matches(spec, DISTRIBUTED_BUILTINS, n=3, cutoff=0.5)
-        hint = f"closest matches: {', '.join(close)}" if close else f"built-in distributed names: {', '.join(DISTRIBUTED_BUILTINS)}"
+    if parse_impl(spec).kind != "attribute":
+        hint = closest(spec, DISTRIBUTED_BUILTINS, otherwise=f"; built-in distributed names: {', '.join(DISTRIBUTED_BUILTINS)}")
         raise LoadError(
-            f"impl: unknown distributed implementation {spec!r} (expected a built-in name or module:function taking parallel=); {hint}"
+            f"impl: unknown distributed implementation {spec!r} (expected a built-in name or module:function taking parallel=){hint}"
         )
     return load_attribute(spec)

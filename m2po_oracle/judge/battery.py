@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from m2po_oracle import oracle
-from m2po_oracle.judge.contract import Implementation, Measurement, measure, with_printed
+from m2po_oracle.judge.contract import Implementation, Measurement, measure, parse_impl, with_printed
 from m2po_oracle.judge.equivalence import (
     Mismatch,
     Tolerance,
@@ -257,9 +257,9 @@ def replay_command(
 def _portable(impl: str) -> str:
     """``file.py:function`` with the file made absolute, so that the replay runs from any
     directory (a report is read, and its command pasted, elsewhere than the run's)."""
-    target, separator, name = impl.rpartition(":")
-    if separator and target.endswith(".py") and not os.path.isabs(target) and os.path.isfile(target):
-        return f"{os.path.abspath(target)}:{name}"
+    spec = parse_impl(impl)
+    if spec.kind == "attribute" and spec.target.endswith(".py") and not os.path.isabs(spec.target) and os.path.isfile(spec.target):
+        return f"{os.path.abspath(spec.target)}:{spec.attribute}"
     return impl
 
 

@@ -26,11 +26,12 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
+from m2po_oracle.errors import LoadError
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, METRIC_SOURCES, M2POResult
 
@@ -252,3 +253,37 @@ def _exception_text(error: BaseException) -> str:
     frames = [f for f in trace.stack if not str(Path(f.filename).resolve()).startswith(TOOLKIT + os.sep)]
     trace.stack = traceback.StackSummary.from_list(frames[-3:])
     return "".join(trace.format()).rstrip() if frames else "".join(trace.format_exception_only()).rstrip()
+
+
+# --- the implementation's name -------------------------------------------------------------
+
+#: Whole training steps are named ``trainer``, ``trainer:...`` (runners, opened by the CLI).
+TRAINER_PREFIX = "trainer"
+
+
+@dataclass(frozen=True)
+class ImplSpec:
+    """``--impl`` read once: what kind of thing it names, and its parts.
+
+    ``kind``: ``name`` (a built-in, ``control:NAME`` or a registered name), ``trainer`` (a
+    whole training step: ``trainer``, ``trainer:NAME[:CONTROL]``, ``trainer:module:Class``;
+    ``rest`` is what follows ``trainer:``), or ``attribute`` (``package.module:name`` or
+    ``path/file.py:name``: ``target`` and ``attribute``)."""
+
+    text: str
+    kind: Literal["name", "trainer", "attribute"]
+    target: str = ""
+    attribute: str = ""
+    rest: str = ""
+
+
+def parse_impl(spec: str) -> ImplSpec:
+    """``spec`` as an :class:`ImplSpec`; a :class:`LoadError` for one that is no string."""
+    if not isinstance(spec, str) or not spec:
+        raise LoadError(f"impl: expected a non-empty string, got {spec!r}")
+    if spec == TRAINER_PREFIX or spec.startswith(TRAINER_PREFIX + ":"):
+        return ImplSpec(spec, "trainer", rest=spec.partition(":")[2])
+    if ":" not in spec or spec.startswith("control:"):  # "control:" is the built-in namespace
+        return ImplSpec(spec, "name")
+    target, _, attribute = spec.rpartition(":")
+    return ImplSpec(spec, "attribute", target=target, attribute=attribute)

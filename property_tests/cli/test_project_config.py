@@ -26,11 +26,11 @@ def _project(tmp_path, monkeypatch, section: str) -> None:
 @pytest.mark.parametrize(
     ("section", "named"),
     [
-        ({"exmaples": 10}, "unknown key 'exmaples'; closest: examples"),
+        ({"exmaples": 10}, "unknown key 'exmaples'; closest matches: examples"),
         ({"examples": "many"}, "examples: expected a positive integer"),
         ({"dtype": "float8"}, "dtype: expected one of"),
         ({"in-process": "yes"}, "in-process: expected true or false"),
-        ({"accept": [{"deviation": "clamped_log_rati"}]}, "unknown deviation 'clamped_log_rati'; closest: clamped_log_ratio"),
+        ({"accept": [{"deviation": "clamped_log_rati"}]}, "unknown deviation 'clamped_log_rati'; closest matches: clamped_log_ratio"),
         ({"accept": [{"deviation": DEVIATION, "why": "x"}]}, "unknown key(s) ['why']"),
         ({"accept": "clamped_log_ratio"}, "accept: expected a list of tables"),
         ({"bind": 3}, "bind: expected a list of"),

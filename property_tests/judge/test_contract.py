@@ -11,8 +11,9 @@ import torch
 
 from m2po_oracle.call.resolve import load_implementation
 from m2po_oracle.core.loss import m2po_loss
+from m2po_oracle.errors import LoadError
 from m2po_oracle.judge.battery import run_battery
-from m2po_oracle.judge.contract import measure
+from m2po_oracle.judge.contract import measure, parse_impl
 from m2po_oracle.oracle.batch import Batch
 
 BATCH = Batch(
@@ -141,3 +142,25 @@ def test_load_errors_name_the_argument_and_what_was_expected(spec, message):
     with pytest.raises(ValueError, match="impl: ") as info:
         load_implementation(spec)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "spec, kind, parts",
+    [
+        ("core", "name", ("", "", "")),
+        ("control:strict_stop", "name", ("", "", "")),
+        ("trainer", "trainer", ("", "", "")),
+        ("trainer:trl:kl_k1_estimator", "trainer", ("", "", "trl:kl_k1_estimator")),
+        ("trainer:pkg.mod:Step", "trainer", ("", "", "pkg.mod:Step")),
+        ("pkg.losses:m2po", "attribute", ("pkg.losses", "m2po", "")),
+        ("C:/ports/port.py:m2po", "attribute", ("C:/ports/port.py", "m2po", "")),
+    ],
+)
+def test_an_impl_spec_is_read_once_into_its_kind_and_parts(spec, kind, parts):
+    parsed = parse_impl(spec)
+    assert (parsed.kind, (parsed.target, parsed.attribute, parsed.rest)) == (kind, parts)
+
+
+def test_an_impl_spec_that_is_no_string_is_refused():
+    with pytest.raises(LoadError, match="impl: expected a non-empty string"):
+        parse_impl("")

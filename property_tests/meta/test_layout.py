@@ -100,7 +100,7 @@ def test_the_cycle_finder_sees_a_planted_circle():
 
 def test_the_contract_holds_only_the_contract():
     imports = import_graph()["m2po_oracle.judge.contract"]
-    assert imports <= {"m2po_oracle.oracle.batch", "m2po_oracle.oracle.record"}, imports
+    assert imports <= {"m2po_oracle.errors", "m2po_oracle.oracle.batch", "m2po_oracle.oracle.record"}, imports
 
 
 def room(module: str) -> str:
