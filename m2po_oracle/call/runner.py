@@ -11,10 +11,11 @@ An option a runner cannot honour is a :class:`UsageError` (exit 2), never droppe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
+from m2po_oracle.call.options import RunOptions as RunOptions
 from m2po_oracle.errors import UsageError
 from m2po_oracle.judge.contract import OUTPUT_LINES_KEPT
 
@@ -23,52 +24,6 @@ if TYPE_CHECKING:
 
     from m2po_oracle.judge.battery import BatteryOutcome
     from m2po_oracle.judge.validation import ProbeResult
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Every option of a compare run (``options.COMPARE_OPTIONS``), with ``given``: the
-    names the user set explicitly, which the runner must honour or refuse."""
-
-    examples: int = 500
-    seed: int = 0
-    dtype: str = "float64"
-    compute_dtype: str | None = None
-    tau: float | None = None
-    device: str = "cpu"
-    timeout: float = 60.0
-    adapter: str | None = None
-    bind: tuple[str, ...] = ()  # the adapter's KEY=VALUE bindings (--bind), in the order given
-    topology: Any = None  # a distributed.topology.Topology (dp, cp, tp)
-    backend: str = "gloo"
-    strict_validation: bool = False
-    in_process: bool = False
-    show_output: bool = False
-    validation_errors: str | None = None  # comma-separated exception names that also count as a deliberate refusal
-    capture: str | None = None  # a directory for a capture (m2po_oracle.capture) of every step run (trainer, distributed)
-    given: frozenset[str] = field(default_factory=frozenset)
-
-    @classmethod
-    def from_values(cls, values: dict[str, Any]) -> RunOptions:
-        """Options from parsed flags where ``None`` (or ``False`` for a switch) means "not
-        given": those take the defaults above and are not in ``given``."""
-        names = {f.name for f in fields(cls)} - {"given"}
-        unknown = set(values) - names
-        if unknown:
-            raise UsageError(f"options: unknown option(s) {sorted(unknown)}; known: {sorted(names)}")
-        given = {name for name, value in values.items() if value is not None and value is not False}
-        return cls(**{name: values[name] for name in given}, given=frozenset(given))
-
-    @property
-    def effective_compute_dtype(self) -> str:
-        return self.compute_dtype or self.dtype
-
-    @property
-    def rejecting(self) -> tuple[str, ...]:
-        return tuple(n.strip() for n in (self.validation_errors or "").split(",") if n.strip())
-
-    def but(self, **changes: Any) -> RunOptions:
-        return replace(self, **changes)
 
 
 #: Options every runner honours: they shape the search, not the call.

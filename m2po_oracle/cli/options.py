@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from m2po_oracle.call.options import run_defaults
+
 DTYPE_CHOICES = ("float64", "float32", "bfloat16", "float16")
 
 
@@ -23,6 +25,14 @@ class Option:
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def help_text(self) -> str:
+        """The help, with the run's default where it has one (``call.options.RunOptions``)."""
+        default = RUN_DEFAULTS.get(self.name)
+        if default is None or default is False or default == ():
+            return self.help
+        return f"{self.help} (default {default:g})" if isinstance(default, float) else f"{self.help} (default {default})"
 
 
 def positive_int(text: str) -> int:
@@ -64,13 +74,16 @@ def nonnegative_seconds(text: str) -> float:
     return value
 
 
-# Defaults live in ``runner.RunOptions``; a flag's default here is None (False for a
+#: Each option's default, from its one home (the help states it).
+RUN_DEFAULTS = run_defaults()
+
+# Defaults live in ``call.options.RunOptions``; a flag's default here is None (False for a
 # switch) so that a runner can tell a given option, which it must honour or refuse, from
 # one left alone.
 COMPARE_OPTIONS: tuple[Option, ...] = (
-    Option("examples", "number of generated batches (training steps for the trainer) to try (default 500)", positive_int),
-    Option("seed", "seed of the batch generator: same seed, same batches (default 0)", int),
-    Option("dtype", "dtype of the input tensors given to the implementation (default float64)", str, None, DTYPE_CHOICES),
+    Option("examples", "number of generated batches (training steps for the trainer) to try", positive_int),
+    Option("seed", "seed of the batch generator: same seed, same batches", int),
+    Option("dtype", "dtype of the input tensors given to the implementation", str, None, DTYPE_CHOICES),
     Option(
         "compute_dtype",
         "dtype the implementation computes its selection in (sets the rounding band; default: --dtype)",
@@ -79,10 +92,10 @@ COMPARE_OPTIONS: tuple[Option, ...] = (
         DTYPE_CHOICES,
     ),
     Option("tau", "use this budget for every batch instead of drawing it", nonnegative_seconds),
-    Option("device", "torch device for the input tensors (default cpu)", str),
+    Option("device", "torch device for the input tensors", str),
     Option(
         "timeout",
-        "per-call timeout in seconds; the implementation runs in a worker process and a call past it is a finding (default 60)",
+        "per-call timeout in seconds; the implementation runs in a worker process and a call past it is a finding",
         _positive_seconds,
     ),
     # No argparse choices: the names live in the adapter table (m2po_oracle.adapters), and
@@ -102,7 +115,7 @@ COMPARE_OPTIONS: tuple[Option, ...] = (
         repeat=True,
     ),
     Option("topology", "run distributed: ranks as dp=N,cp=N,tp=N (Megatron order); the implementation takes parallel=", _topology),
-    Option("backend", "collective backend of a distributed run (default gloo)", str, None, ("gloo", "nccl")),
+    Option("backend", "collective backend of a distributed run", str, None, ("gloo", "nccl")),
     Option(
         "strict_validation",
         "count silently accepted invalid input (see 'validation' in the report) as a divergence",
@@ -168,19 +181,25 @@ def add_to_pytest(group: Any, options: tuple[Option, ...] = COMPARE_OPTIONS, pre
         flag = f"--{prefix}-{option.name.replace('_', '-')}"
         dest = f"{prefix}_{option.name}"
         if option.switch:
-            group.addoption(flag, dest=dest, action="store_true", default=False, help=option.help)
+            group.addoption(flag, dest=dest, action="store_true", default=False, help=option.help_text)
         elif option.repeat:
-            group.addoption(flag, dest=dest, action="append", type=option.type, default=None, help=option.help)
+            group.addoption(flag, dest=dest, action="append", type=option.type, default=None, help=option.help_text)
         else:
             group.addoption(
-                flag, dest=dest, type=option.type, default=option.default, choices=option.choices, metavar=option.metavar, help=option.help
+                flag,
+                dest=dest,
+                type=option.type,
+                default=option.default,
+                choices=option.choices,
+                metavar=option.metavar,
+                help=option.help_text,
             )
 
 
 def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...] = COMPARE_OPTIONS) -> None:
     for option in options:
         if option.switch:
-            parser.add_argument(option.flag, dest=option.name, action="store_true", help=option.help)
+            parser.add_argument(option.flag, dest=option.name, action="store_true", help=option.help_text)
         elif option.repeat:
             parser.add_argument(
                 option.flag,
@@ -189,7 +208,7 @@ def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...]
                 type=option.type,
                 default=None,
                 metavar="NAME" if option.name == "accept" else "KEY=VALUE",
-                help=option.help,
+                help=option.help_text,
             )
         else:
             parser.add_argument(
@@ -199,5 +218,5 @@ def add_to_argparse(parser: argparse.ArgumentParser, options: tuple[Option, ...]
                 default=option.default,
                 choices=option.choices,
                 metavar=option.metavar,
-                help=option.help,
+                help=option.help_text,
             )
