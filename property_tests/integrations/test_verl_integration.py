@@ -264,6 +264,22 @@ def test_every_other_registered_verl_loss_is_refused_by_the_m2po_worker_naming_l
             check_m2po_config(_actor(policy_loss={"loss_mode": name}))
 
 
+def test_verls_vanilla_loss_is_judged_divergent_and_named_ppo_clip(tmp_path):
+    """verl's registered vanilla loss through the policy-loss adapter: the M2PO checks fail it and
+    the diagnosis names PPO's clip (verl's losses aggregate with config.global_batch_info, which
+    the adapter's config carries)."""
+    from m2po_oracle.cli.main import main
+
+    path = tmp_path / "vanilla.json"
+    spec = "verl.trainer.ppo.core_algos:compute_policy_loss_vanilla"
+    # Eight examples, unshrunk and without the invalid-input probes: the verdict and its name are what is asked.
+    argv = ["compare", "--impl", spec, "--adapter", "policy_loss", "--in-process", "--examples", "8", "--no-shrink", "--skip-validation"]
+    assert main([*argv, "--json", str(path)]) == 1
+    data = json.loads(path.read_text())
+    assert data["verdict"] == "divergent", (data["verdict"], data["load_error"])
+    assert "ppo_clip_still_applied" in data["diagnosis"]["components"], data["diagnosis"]
+
+
 def test_the_worker_is_what_verls_actor_worker_builds():
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
