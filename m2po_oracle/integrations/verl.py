@@ -93,6 +93,7 @@ class VerlFaults:
     current_policy_as_behavior: bool = False  # verl's recomputed old_log_probs (the current policy) as behaviour log-probs
     optimizer_step_per_micro_batch: bool = False  # optimizer.step() between micro-batches
     kl_k1_estimator: bool = False  # the KL-in-loss term with kl_loss_type=k1 instead of low_var_kl (k3)
+    kept_count_denominator: bool = False  # the mini-batch's kept count in place of verl's batch_num_tokens (N)
 
 
 #: verl's options under which the update would not compute Algorithm 1's objective, in the order they are checked.
@@ -229,6 +230,9 @@ def compute_policy_loss_m2po(
         )
     if mini_batch.faults.per_micro_batch_denominator:
         info["batch_num_tokens"] = int(mask.sum()) * mini_batch.micro_batches
+    if mini_batch.faults.kept_count_denominator:  # every valid token but the masked trust-region ones
+        selection = mini_batch.selection
+        info["batch_num_tokens"] = n - int(selection.trust_region_count - selection.kept_trust_region_count)
     # Padding-safe: off the mask the log-ratio is 0 and A is 0 before exp and the product.
     log_ratio = torch.where(keep, log_prob - old_log_prob.detach(), torch.zeros_like(log_prob))
     terms = torch.where(keep, -advantages.detach().to(log_prob.dtype) * torch.exp(log_ratio), torch.zeros_like(log_prob))

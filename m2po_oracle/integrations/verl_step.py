@@ -51,7 +51,16 @@ VERL_CONTROLS: dict[str, TrainerControl] = {
     c.name: replace(c, description="the optimizer steps between micro-batches of a mini-batch, before verl's own step at its end")
     if c.name == "optimizer_step_per_micro_batch"
     else c
-    for c in integrated_controls("verl", "ppo_loss")
+    for c in (
+        *integrated_controls("verl", "ppo_loss"),
+        # A port that reads agg_loss's token-mean as "mean over the tokens that count" hands it the kept tokens.
+        TrainerControl(
+            "kept_count_denominator",
+            "agg_loss's batch_num_tokens is the mini-batch's kept count instead of verl's valid-token count N",
+            {"kept_count_denominator": True},
+            ("loss", "gradient"),
+        ),
+    )
 }
 #: The verl release the CPU glue below is written against.
 VERL_VERSION = "0.9.1"

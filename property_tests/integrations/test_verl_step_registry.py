@@ -40,13 +40,15 @@ def test_trainer_verl_without_verl_is_a_usage_error_saying_how_to_install_it(spe
 
 
 def test_the_verl_controls_plant_the_other_integrations_faults_and_read_without_verl():
-    assert list(VERL_CONTROLS) == list(SWIFT_CONTROLS)
-    for name, control in VERL_CONTROLS.items():
+    # ms-swift's controls, then verl's own: the kept count handed to agg_loss as its token count.
+    assert list(VERL_CONTROLS) == [*SWIFT_CONTROLS, "kept_count_denominator"]
+    assert VERL_CONTROLS["kept_count_denominator"].variant == "kept_count_denominator"
+    for name, control in SWIFT_CONTROLS.items():
         assert (control.caught_by, control.variant, control.beta, control.faults) == (
-            SWIFT_CONTROLS[name].caught_by,
-            SWIFT_CONTROLS[name].variant,
-            SWIFT_CONTROLS[name].beta,
-            SWIFT_CONTROLS[name].faults,
+            VERL_CONTROLS[name].caught_by,
+            VERL_CONTROLS[name].variant,
+            VERL_CONTROLS[name].beta,
+            VERL_CONTROLS[name].faults,
         ), name
 
 
