@@ -279,6 +279,8 @@ def m2po_ppo_loss(inner: Any, config: Any, model_output: Any, data: Any, dp_grou
             tau=mini_batch.tau,
             metrics=selection_metrics(selection_view),
             selection_logp=data.get("m2po_prepass", None),
+            # The sampler's own log-probs beside the behaviour log-probs the loss used: the audit compares them.
+            rollout_logp=torch.where(pending["mask"], data["rollout_log_probs"].to(pending["logp"].dtype), torch.nan),
         )
         recorder.watch_gradient(pending["logp"])
     mini_batch.pending = {}

@@ -280,78 +280,121 @@ class VerlStep:
             )
 
     def step(self, rollout: Any, split: Any = None) -> Any:
-        from verl.utils import tensordict_utils as tu
-        from verl.workers.config import ActorConfig
-
         from m2po_oracle.capture import load_capture
         from m2po_oracle.integrations.hf_step import equal_split, step_record
-        from m2po_oracle.integrations.verl import M2POPolicyLossConfig, TrainingWorker
-        from m2po_oracle.trainer.grpo import behaviour_logp_of, token_logp
+        from m2po_oracle.trainer.grpo import behaviour_logp_of
 
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._refuse_unmapped()
-        use_cpu_platform()
         rows = rollout.rows
-        parts = tuple(split) if split is not None else (rows,)
-        k = equal_split(rows, len(parts))
+        k = equal_split(rows, len(tuple(split)) if split is not None else 1)
         policy, config = self.policy, self.config
-        if next(policy.parameters()).dtype != torch.float32:
-            raise ValueError(f"dtype: trainer:verl runs its policy in float32; got {next(policy.parameters()).dtype}")
         with torch.no_grad():
-            current = token_logp(policy.eval(), rollout.prompt_ids, rollout.completion_ids)
             reference = behaviour_logp_of(self.reference, rollout) if config.beta else None
         params_before = {n: p.detach().cpu().clone() for n, p in policy.named_parameters()}
         grads: dict[str, torch.Tensor] = {}
         with tempfile.TemporaryDirectory(prefix="m2po-verl-step-") as tmp:
             capture = Path(tmp) / "capture"
-            actor_config = ActorConfig(
-                strategy="fsdp",
-                rollout_n=rollout.group_size,
-                ppo_mini_batch_size=rows // rollout.group_size,
-                ppo_micro_batch_size_per_gpu=rows // k,
-                use_dynamic_bsz=False,
-                loss_agg_mode="token-mean",
-                policy_loss=M2POPolicyLossConfig(tau=float(config.tau), capture=str(capture)),
-                use_torch_compile=False,
-                use_kl_loss=bool(config.beta),
-                kl_loss_coef=float(config.beta),
-                kl_loss_type="k1" if self.fault == "kl_k1_estimator" else "low_var_kl",
-                entropy_coeff=0.0,
+            logged = run_update(
+                policy,
+                rollout,
+                tau=config.tau,
+                lr=config.lr,
+                micro_batch_size=rows // k,
+                beta=config.beta,
+                reference_logp=reference,
+                fault=self.fault,
+                capture=capture,
+                grads=grads,
+                rollout_is=config.rollout_importance_sampling_mode is not None,
             )
-            engine, engine_config, model_config = _engine(policy, config.lr, rows // k)
-            optimizer_step = engine.optimizer_step
-
-            def keep_gradients() -> Any:  # what the optimizer steps with, after every earlier hook
-                for name, p in policy.named_parameters():
-                    if p.grad is not None:
-                        grads[name] = p.grad.detach().cpu().clone()
-                return optimizer_step()
-
-            engine.optimizer_step = keep_gradients
-            worker = _worker(engine, engine_config, model_config, actor_config, self.fault)
-            data = _batch(rollout, rollout.behavior_logp, current, reference, config.rollout_importance_sampling_mode is not None)
-            tu.assign_non_tensor(
-                data,
-                temperature=1.0,
-                calculate_entropy=False,
-                global_batch_size=rows,
-                mini_batch_size=rows,
-                epochs=1,
-                seed=0,
-                dataloader_kwargs={"shuffle": False},
-                compute_loss=True,
-            )
-            policy.train()
-            try:
-                train_mini_batch = getattr(TrainingWorker.train_mini_batch, "__wrapped__", TrainingWorker.train_mini_batch)
-                output = train_mini_batch(worker, data)
-            finally:
-                policy.eval()
-            logged = {name: _scalar(value) for name, value in tu.get(output, "metrics").items() if name.startswith("m2po/")}
             records = [record for _, record in load_capture(capture).records(step=0)]
         return step_record(
             records, rollout, logged=logged, grads=grads, policy=policy, params_before=params_before, split=(rows // k,) * k, tau=config.tau
         )
+
+
+def run_update(
+    policy: Any,
+    rollout: Any,
+    *,
+    tau: float,
+    lr: float,
+    micro_batch_size: int,
+    mini_batch_size: int | None = None,
+    epochs: int = 1,
+    beta: float = 0.0,
+    reference_logp: torch.Tensor | None = None,
+    fault: str | None = None,
+    capture: Any = None,
+    grads: dict[str, torch.Tensor] | None = None,
+    rollout_is: bool = False,
+) -> dict[str, float]:
+    """verl's actor update of ``policy`` (in place) on ``rollout`` with M2PO: ``train_mini_batch``
+    over mini-batches of ``mini_batch_size`` rows (default: all, one optimizer step) for
+    ``epochs``, in micro-batches of ``micro_batch_size`` rows. ``capture``: a directory every
+    micro-batch is recorded in; ``grads``: filled with the parameters' gradients right before
+    the (last) optimizer step. Returns the logged M2PO metrics (averaged over the update's
+    mini-batches, as verl logs them)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import ActorConfig
+
+    from m2po_oracle.integrations.verl import M2POPolicyLossConfig, TrainingWorker
+    from m2po_oracle.trainer.grpo import token_logp
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    use_cpu_platform()
+    rows = rollout.rows
+    mini_batch_size = mini_batch_size or rows
+    if next(policy.parameters()).dtype != torch.float32:
+        raise ValueError(f"dtype: trainer:verl runs its policy in float32; got {next(policy.parameters()).dtype}")
+    with torch.no_grad():  # verl's old_log_probs: the actor's recompute before the update
+        current = token_logp(policy.eval(), rollout.prompt_ids, rollout.completion_ids)
+    actor_config = ActorConfig(
+        strategy="fsdp",
+        rollout_n=rollout.group_size,
+        ppo_mini_batch_size=max(mini_batch_size // rollout.group_size, 1),
+        ppo_micro_batch_size_per_gpu=micro_batch_size,
+        ppo_epochs=epochs,
+        use_dynamic_bsz=False,
+        loss_agg_mode="token-mean",
+        policy_loss=M2POPolicyLossConfig(tau=float(tau), capture=None if capture is None else str(capture)),
+        use_torch_compile=False,
+        use_kl_loss=bool(beta),
+        kl_loss_coef=float(beta),
+        kl_loss_type="k1" if fault == "kl_k1_estimator" else "low_var_kl",
+        entropy_coeff=0.0,
+    )
+    engine, engine_config, model_config = _engine(policy, lr, micro_batch_size)
+    if grads is not None:
+        optimizer_step = engine.optimizer_step
+
+        def keep_gradients() -> Any:  # what the optimizer steps with, after every earlier hook
+            for name, p in policy.named_parameters():
+                if p.grad is not None:
+                    grads[name] = p.grad.detach().cpu().clone()
+            return optimizer_step()
+
+        engine.optimizer_step = keep_gradients
+    worker = _worker(engine, engine_config, model_config, actor_config, fault)
+    data = _batch(rollout, rollout.behavior_logp, current, reference_logp, rollout_is)
+    tu.assign_non_tensor(
+        data,
+        temperature=1.0,
+        calculate_entropy=False,
+        global_batch_size=mini_batch_size,
+        mini_batch_size=mini_batch_size,
+        epochs=epochs,
+        seed=0,
+        dataloader_kwargs={"shuffle": False},
+        compute_loss=True,
+    )
+    policy.train()
+    try:
+        train_mini_batch = getattr(TrainingWorker.train_mini_batch, "__wrapped__", TrainingWorker.train_mini_batch)
+        output = train_mini_batch(worker, data)
+    finally:
+        policy.eval()
+    return {name: _scalar(value) for name, value in tu.get(output, "metrics").items() if name.startswith("m2po/")}
 
 
 def _scalar(value: Any) -> float:
