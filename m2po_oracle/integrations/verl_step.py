@@ -46,11 +46,15 @@ import torch
 
 from m2po_oracle.trainer.controls import TrainerControl, integrated_controls
 
+#: Where verl's words differ from the other integrations' (its old_log_probs, its own optimizer step).
+_IN_VERLS_WORDS = {
+    "current_policy_as_behavior": "verl's recomputed old_log_probs (the current policy) are used as behaviour log-probs, "
+    "not the rollout's rollout_log_probs",
+    "optimizer_step_per_micro_batch": "the optimizer steps between micro-batches of a mini-batch, before verl's own step at its end",
+}
 #: The planted bugs ``trainer:verl:NAME`` runs, with what must catch them and name them.
 VERL_CONTROLS: dict[str, TrainerControl] = {
-    c.name: replace(c, description="the optimizer steps between micro-batches of a mini-batch, before verl's own step at its end")
-    if c.name == "optimizer_step_per_micro_batch"
-    else c
+    c.name: replace(c, description=_IN_VERLS_WORDS.get(c.name, c.description))
     for c in (
         *integrated_controls("verl", "ppo_loss"),
         # A port that reads agg_loss's token-mean as "mean over the tokens that count" hands it the kept tokens.
