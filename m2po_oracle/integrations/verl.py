@@ -50,7 +50,7 @@ from verl.workers.config.actor import PolicyLossConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from m2po_oracle.core.loss import select_micro_batches
-from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX
+from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX, summed_over_ranks
 from m2po_oracle.trainer.grpo import M2POKLWarning, selection_metrics, stochastic_layers
 from m2po_oracle.trainer.guard import Refusal, option, refuse
 
@@ -233,11 +233,18 @@ def compute_policy_loss_m2po(
     if mini_batch.faults.kept_count_denominator:  # every valid token but the masked trust-region ones
         selection = mini_batch.selection
         info["batch_num_tokens"] = n - int(selection.trust_region_count - selection.kept_trust_region_count)
+    # verl scales each rank's token-mean by dp_size because FSDP averages the ranks' gradients; the
+    # factor goes between the model and the recorded log-probs instead (identity forward, times
+    # dp_size backward), so that a capture holds d loss / d logp of the whole objective.
+    dp_size = int(info.get("dp_size") or 1)
+    logp = summed_over_ranks(log_prob, dp_size)
+    info["dp_size"] = 1
     # Padding-safe: off the mask the log-ratio is 0 and A is 0 before exp and the product.
-    log_ratio = torch.where(keep, log_prob - old_log_prob.detach(), torch.zeros_like(log_prob))
-    terms = torch.where(keep, -advantages.detach().to(log_prob.dtype) * torch.exp(log_ratio), torch.zeros_like(log_prob))
-    loss = agg_loss(loss_mat=terms, loss_mask=mask, loss_agg_mode=loss_agg_mode, **info)
-    mini_batch.pending = dict(logp=log_prob, behavior_logp=old_log_prob.detach(), advantages=advantages.detach(), mask=mask, keep=keep)
+    log_ratio = torch.where(keep, logp - old_log_prob.detach(), torch.zeros_like(logp))
+    terms = torch.where(keep, -advantages.detach().to(logp.dtype) * torch.exp(log_ratio), torch.zeros_like(logp))
+    share = agg_loss(loss_mat=terms, loss_mask=mask, loss_agg_mode=loss_agg_mode, **info)
+    loss = share + (dp_size - 1) * share.detach()  # verl's value (dp_size x the share); the gradient went through logp
+    mini_batch.pending = dict(logp=logp, behavior_logp=old_log_prob.detach(), advantages=advantages.detach(), mask=mask, keep=keep)
     metrics: dict[str, Any] = {}
     if not mini_batch.faults.per_micro_batch_mask:  # a per-micro-batch selection has no one set of metrics
         # Every micro-batch reports the mini-batch's own numbers: verl's mean over micro-batches is exact.
@@ -275,7 +282,8 @@ def m2po_ppo_loss(inner: Any, config: Any, model_output: Any, data: Any, dp_grou
             advantages=pending["advantages"],
             mask=pending["mask"],
             keep=pending["keep"],
-            loss=float(loss.detach()),
+            # The rank's share of the objective (verl's loss carries the dp_size factor FSDP's average undoes).
+            loss=float(loss.detach()) / int(config.global_batch_info.get("dp_size") or 1),
             tau=mini_batch.tau,
             metrics=selection_metrics(selection_view),
             selection_logp=data.get("m2po_prepass", None),

@@ -11,6 +11,11 @@ every optimizer step after the first trains on completions an older policy sampl
     python -m m2po_oracle.integrations.verl_demo --capture runs/verl
     m2po-oracle audit runs/verl
 
+Data parallel, two processes on gloo (each trains on its half of the rows; one selection
+across both per mini-batch; the gradients averaged as FSDP's reduce-scatter would)::
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m m2po_oracle.integrations.verl_demo --capture runs/verl-dp2
+
 ``--fault NAME`` plants one of the integration's bugs (``VerlFaults``), for the audit to catch.
 """
 
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: The sampling workers' lag behind the policy, one per prompt (in optimizer steps).
 LAGS = (1, 3, 2, 3)
@@ -62,6 +67,18 @@ def run(demo: VerlDemo, capture: str, fault: str | None = None) -> dict[str, flo
         max_new_tokens=demo.max_new_tokens,
         seed=demo.seed,
     )
+    rank, world = _rank_and_world()
+    if world > 1:  # each data-parallel rank trains on its share of the rows, as verl's dispatch hands them out
+        share = rollout.rows // world
+        rows = slice(rank * share, (rank + 1) * share)
+        rollout = replace(
+            rollout,
+            prompt_ids=rollout.prompt_ids[rows],
+            completion_ids=rollout.completion_ids[rows],
+            valid=rollout.valid[rows],
+            behavior_logp=None if rollout.behavior_logp is None else rollout.behavior_logp[rows],
+            rewards=rollout.rewards[rows],
+        )
     return run_update(
         versions[-1],
         rollout,
@@ -73,6 +90,13 @@ def run(demo: VerlDemo, capture: str, fault: str | None = None) -> dict[str, flo
         fault=fault,
         capture=capture,
     )
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """This process's place in torchrun's world (its world started by the step's platform glue)."""
+    import os
+
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     shown = ", ".join(f"{name} {value:.4g}" for name, value in sorted(logged.items()))
-    print(f"verl {demo.steps} optimizer step(s), recorded in {args.capture}: {shown}")
+    rank, world = _rank_and_world()
+    print(f"verl {demo.steps} optimizer step(s), rank {rank} of {world}, recorded in {args.capture}: {shown}")
     return 0
 
 

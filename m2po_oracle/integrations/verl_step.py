@@ -162,14 +162,44 @@ def use_cpu_platform() -> None:
 
 
 def _start_world() -> None:
+    """A gloo world: torchrun's (its environment names a world size) or one of this process alone."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            raise RuntimeError(f"trainer:verl runs one process; this one is in a world of {dist.get_world_size()}")
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")  # torchrun's rendezvous (env://)
         return
     store = Path(tempfile.mkdtemp(prefix="m2po-verl-world-")) / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+
+
+def _one_process() -> None:
+    import torch.distributed as dist
+
+    if dist.get_world_size() != 1:
+        raise RuntimeError(f"trainer:verl runs one process; this one is in a world of {dist.get_world_size()}")
+
+
+def _average_gradients_after_backward(engine: Any) -> None:
+    """What FSDP's reduce-scatter does to the plain module the harness sets: once a mini-batch's
+    micro-batches have run backward, each parameter's gradient averaged over the data-parallel
+    group (verl's token-mean scales every rank's share by the group's size, so the average is the
+    whole mini-batch's gradient), before anything reads it for the step."""
+    import torch.distributed as dist
+
+    forward_backward = engine.forward_backward_batch
+    group = engine.get_data_parallel_group()
+
+    def forward_backward_batch(data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        output = forward_backward(data, loss_function, forward_only=forward_only)
+        if not forward_only:
+            for p in engine.module.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
+        return output
+
+    engine.forward_backward_batch = forward_backward_batch
 
 
 # --- the step -------------------------------------------------------------------------------------
@@ -289,6 +319,8 @@ class VerlStep:
         from m2po_oracle.trainer.grpo import behaviour_logp_of
 
         self._refuse_unmapped()
+        use_cpu_platform()
+        _one_process()
         rows = rollout.rows
         k = equal_split(rows, len(tuple(split)) if split is not None else 1)
         policy, config = self.policy, self.config
@@ -333,8 +365,9 @@ def run_update(
     grads: dict[str, torch.Tensor] | None = None,
     rollout_is: bool = False,
 ) -> dict[str, float]:
-    """verl's actor update of ``policy`` (in place) on ``rollout`` with M2PO: ``train_mini_batch``
-    over mini-batches of ``mini_batch_size`` rows (default: all, one optimizer step) for
+    """verl's actor update of ``policy`` (in place) on ``rollout`` (this rank's rows, under
+    torchrun) with M2PO: ``train_mini_batch`` over mini-batches of ``mini_batch_size`` rows of
+    the whole data-parallel group (default: all, one optimizer step) for
     ``epochs``, in micro-batches of ``micro_batch_size`` rows. ``capture``: a directory every
     micro-batch is recorded in; ``grads``: filled with the parameters' gradients right before
     the (last) optimizer step. Returns the logged M2PO metrics (averaged over the update's
@@ -348,7 +381,7 @@ def run_update(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     use_cpu_platform()
     rows = rollout.rows
-    mini_batch_size = mini_batch_size or rows
+    mini_batch_size = mini_batch_size or rows * torch.distributed.get_world_size()
     if next(policy.parameters()).dtype != torch.float32:
         raise ValueError(f"dtype: trainer:verl runs its policy in float32; got {next(policy.parameters()).dtype}")
     with torch.no_grad():  # verl's old_log_probs: the actor's recompute before the update
@@ -369,6 +402,8 @@ def run_update(
         entropy_coeff=0.0,
     )
     engine, engine_config, model_config = _engine(policy, lr, micro_batch_size)
+    if engine.get_data_parallel_size() > 1:
+        _average_gradients_after_backward(engine)
     if grads is not None:
         optimizer_step = engine.optimizer_step
 
