@@ -61,6 +61,7 @@ SOURCES: dict[str, str] = {
     "controls.trainer": "m2po_oracle.trainer.controls:TRAINER_CONTROLS",
     "controls.trl": "m2po_oracle.integrations.trl_step:TRL_CONTROLS",
     "controls.swift": "m2po_oracle.integrations.swift_step:SWIFT_CONTROLS",
+    "controls.verl": "m2po_oracle.integrations.verl_step:VERL_CONTROLS",
     # the adapters, as `m2po-oracle adapters` lists them
     "adapters.all": "m2po_oracle.adapters:ADAPTERS",
     "cli.adapters_listing": "m2po_oracle.cli.catalogue:list_adapters",
@@ -417,6 +418,10 @@ def controls_page() -> str:
         (code(f"trainer:swift:{n}"), cell(c.description), code(c.variant), ", ".join(code(k) for k in c.caught_by))
         for n, c in load("controls.swift").items()
     ]
+    verl = [
+        (code(f"trainer:verl:{n}"), cell(c.description), code(c.variant), ", ".join(code(k) for k in c.caught_by))
+        for n, c in load("controls.verl").items()
+    ]
     header = ("control", "planted bug", "diagnosed as", "caught by", "`--quick` examples")
     return "".join(
         [
@@ -445,6 +450,10 @@ def controls_page() -> str:
             f"## ms-swift's step ({len(swift)})\n\n`m2po-oracle compare --impl NAME` (the `swift` extra, in its own environment: "
             "[ms-swift](../how-to/swift.md)).\n\n",
             table(("control", "planted bug", "diagnosed as", "caught by"), swift),
+            "\n",
+            f"## verl's update ({len(verl)})\n\n`m2po-oracle compare --impl NAME` (the `verl` extra, in its own environment: "
+            "[verl](../how-to/verl.md)).\n\n",
+            table(("control", "planted bug", "diagnosed as", "caught by"), verl),
         ]
     )
 

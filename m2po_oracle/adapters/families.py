@@ -258,6 +258,9 @@ def policy_loss_config(tau: float) -> Config:
         clip_ratio_high=0.2,
         clip_ratio_c=3.0,
         loss_agg_mode="token-mean",
+        # verl 0.9.1's registered losses aggregate with agg_loss(**config.global_batch_info); empty
+        # (ActorConfig's default) it divides by the call's own valid tokens: one call, one batch.
+        global_batch_info={},
         policy_loss=Config(loss_mode="m2po", **budget),
     )
 

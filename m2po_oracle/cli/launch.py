@@ -32,7 +32,11 @@ from m2po_oracle.trainer.runner import TrainerRunner
 
 #: Production trainers behind the trainer contract, by name (``trainer:NAME[:CONTROL]``): a
 #: factory taking the control's name. Named as strings: the integrations room sits above.
-INTEGRATED_TRAINERS = {"trl": "m2po_oracle.integrations.trl_step:trl_trainer", "swift": "m2po_oracle.integrations.swift_step:swift_trainer"}
+INTEGRATED_TRAINERS = {
+    "trl": "m2po_oracle.integrations.trl_step:trl_trainer",
+    "swift": "m2po_oracle.integrations.swift_step:swift_trainer",
+    "verl": "m2po_oracle.integrations.verl_step:verl_trainer",
+}
 #: What each needs installed: (the distribution, what it is, how to install it).
 INTEGRATED_REQUIRES = {
     "trl": ("trl", "the trl package", "pip install -c constraints.txt -e '.[trl]'"),
@@ -41,6 +45,11 @@ INTEGRATED_REQUIRES = {
         "ms-swift 4.6, which is not installed in this environment (it needs trl<1 and transformers<5.20, so it lives "
         "in an environment of its own)",
         "python3 -m venv .venv-swift && .venv-swift/bin/pip install -e '.[swift]' -c constraints-swift.txt",
+    ),
+    "verl": (
+        "verl",
+        "verl 0.9.1, which is not installed in this environment (it needs transformers<5.11, so it lives in an environment of its own)",
+        "python3 -m venv .venv-verl && .venv-verl/bin/pip install -e '.[verl]' -c constraints-verl.txt",
     ),
 }
 

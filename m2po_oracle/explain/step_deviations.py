@@ -72,6 +72,7 @@ STEP_DEVIATIONS: tuple[StepDeviation, ...] = (
         "kept_count_denominator",
         {
             "distributed": "the optimizer batch's mask, but the loss divided by the global kept count instead of N",
+            "trainer": "the optimizer batch's mask, but the loss divided by its kept count instead of N, its valid tokens before masking",
             "audit": "the loss divided by the optimizer batch's kept count instead of its valid count N",
         },
     ),

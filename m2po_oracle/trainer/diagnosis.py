@@ -54,6 +54,21 @@ def _test_per_micro_batch_denominator(step: TrainerStep) -> tuple[bool, bool]:
     return close(step.m2po_result.grad, predicted), not close(correct, predicted)
 
 
+def _test_kept_count_denominator(step: TrainerStep) -> tuple[bool, bool]:
+    """The step's loss and gradient are Algorithm 1's on its own mask times N / kept: the
+    masked sum divided by the kept valid tokens instead of all N (distinct once a token is masked)."""
+    keep, batch = step.record.keep.numpy(), step.batch
+    n, kept = int(batch.valid.sum()), int((keep & batch.valid).sum())
+    if kept == 0:
+        return False, False
+    on_mask = oracle.evaluate_with_mask(batch, keep)
+    assert on_mask.grad is not None  # the oracle's result always has its gradient
+    predicted = on_mask.grad * (n / kept)
+    tol = tolerance(step.dtype, "gradient")
+    close = lambda a, b: compare_values("diagnosis", "grad", a, b, tol, scale=float(np.abs(b).max(initial=0)) * tol.rtol) is None  # noqa: E731
+    return close(step.m2po_result.grad, predicted), not close(on_mask.grad, predicted)
+
+
 def _test_kl_k1_estimator(step: TrainerStep) -> tuple[bool, bool]:
     """The step's loss and gradient are Algorithm 1's plus beta times k1, mean(logp - ref)
     over N, whose gradient is 1 / N on every valid token."""
@@ -126,6 +141,7 @@ class TrainerVariant:
 
 
 _TESTS: dict[str, Callable[[TrainerStep], tuple[bool, bool]]] = {
+    "kept_count_denominator": _test_kept_count_denominator,
     "per_micro_batch_mask": _test_per_micro_batch_mask,
     "per_micro_batch_denominator": _test_per_micro_batch_denominator,
     "current_policy_as_behavior": _test_current_policy_as_behavior,
