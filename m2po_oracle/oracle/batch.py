@@ -50,15 +50,15 @@ class Batch:
             raise ValueError(f"Batch.valid: expected a bool array, got {self.valid.dtype}")
         if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not math.isfinite(self.tau) or self.tau < 0:
             raise ValueError(f"Batch.tau: expected a finite number >= 0, got {self.tau!r}")
-        object.__setattr__(self, "tau", float(self.tau))  # one spelling in JSON: 0.0, never 0
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.logp.shape
 
     def to_dict(self) -> dict[str, Any]:
-        """Its JSON form (``valid`` as 0/1), derived from the declaration."""
-        return to_builtins(self)
+        """Its JSON form (``valid`` as 0/1), derived from the declaration; tau as a float
+        (a batch may hold a numpy scalar or an int: the port is called with it as it is)."""
+        return {**to_builtins(self), "tau": float(self.tau)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
