@@ -94,6 +94,7 @@ class VerlFaults:
     optimizer_step_per_micro_batch: bool = False  # optimizer.step() between micro-batches
     kl_k1_estimator: bool = False  # the KL-in-loss term with kl_loss_type=k1 instead of low_var_kl (k3)
     kept_count_denominator: bool = False  # the mini-batch's kept count in place of verl's batch_num_tokens (N)
+    per_rank_selection: bool = False  # each data-parallel rank selects over its own rows, without the group
 
 
 #: verl's options under which the update would not compute Algorithm 1's objective, in the order they are checked.
@@ -223,7 +224,9 @@ def compute_policy_loss_m2po(
     mask = response_mask.bool()
     info = dict(config.global_batch_info)
     n = int(mini_batch.selection.valid_count)
-    if info.get("batch_num_tokens") is not None and int(info["batch_num_tokens"]) != n:
+    # A rank selecting alone counts its own rows (the fault keeps verl's global N in the loss).
+    alone = mini_batch.faults.per_rank_selection
+    if info.get("batch_num_tokens") is not None and int(info["batch_num_tokens"]) != n and not alone:
         raise RuntimeError(
             f"m2po: verl's batch_num_tokens ({info['batch_num_tokens']}) is not the selection's valid-token count ({n}); the "
             "loss mask verl counts is not the response mask M2PO selected over"
@@ -378,7 +381,8 @@ class M2POTrainingWorker(TrainingWorker):
         behaviour = torch.where(mask, behaviour, torch.zeros_like(behaviour)).to(prepass.dtype)
         advantages = data["advantages"].to(prepass.dtype)
         tau = self.m2po_tau
-        whole = select_micro_batches([(prepass, behaviour, advantages, mask)], tau=tau, group=self._m2po_group())[0]
+        group = None if faults.per_rank_selection else self._m2po_group()
+        whole = select_micro_batches([(prepass, behaviour, advantages, mask)], tau=tau, group=group)[0]
         rows = int(mask.shape[0])
         size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=rows) or rows)
         chunks = _row_chunks(rows, size)

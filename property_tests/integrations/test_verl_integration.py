@@ -259,6 +259,26 @@ def test_two_gloo_ranks_under_torchrun_select_once_over_the_dp_group_and_audit_e
     assert report.verdict == "equivalent", [(s.step, [(c.name, c.summary) for c in s.checks if c.status == "fail"]) for s in report.steps]
 
 
+def test_a_rank_selecting_alone_under_torchrun_is_caught_and_named_by_the_audit(tmp_path):
+    """The same two-rank run with each rank selecting over its own rows only: the audit fails
+    the selection on a step where the ranks alone keep another mask, and names the fault."""
+    import subprocess
+    import sys
+
+    from m2po_oracle.audit import audit_capture
+
+    capture = tmp_path / "alone"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "m2po_oracle.integrations.verl_demo", "--capture", str(capture), "--fault", "per_rank_selection"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = audit_capture(capture)
+    assert report.verdict == "divergent"
+    caught = [s for s in report.steps if any(c.name == "audit.selection" and c.status == "fail" for c in s.checks)]
+    assert caught, [(s.step, s.verdict) for s in report.steps]
+    assert all("per_rank_selection_global_n" in s.diagnosis for s in caught), [(s.step, s.diagnosis) for s in caught]
+
+
 # --- the budget, in verl's config system --------------------------------------------------------
 
 
