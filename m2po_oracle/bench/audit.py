@@ -38,6 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import m2po_oracle
+from m2po_oracle.capture.recorder import Recorder
+from m2po_oracle.core.loss import loss_from_selection, select_micro_batches, select_tokens
+from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
 from m2po_oracle.oracle.encoding import write_json
 from m2po_oracle.records.bench import AUDIT_SCHEMA as SCHEMA
 
@@ -80,8 +84,6 @@ def synthetic_step(tokens: int, *, seed: int = 0) -> dict[str, Any]:
     the correct ``keep`` per part and the optimizer batch's selection."""
     import torch
 
-    from m2po_oracle.core.loss import select_micro_batches
-
     rows, width = _layout(tokens)
     generator = torch.Generator().manual_seed(seed)
     parts = {}
@@ -107,7 +109,6 @@ def synthetic_step(tokens: int, *, seed: int = 0) -> dict[str, Any]:
 
 def _planted(step: dict[str, Any]) -> tuple[tuple[int, int], Any]:
     """The first micro-batch whose own selection differs from the optimizer batch's, and its keep."""
-    from m2po_oracle.core.loss import select_tokens
 
     for key in step["order"]:
         own = select_tokens(*step["parts"][key], tau=TAU).keep
@@ -118,9 +119,6 @@ def _planted(step: dict[str, Any]) -> tuple[tuple[int, int], Any]:
 
 def write_capture(directory: Path, step: dict[str, Any], *, bug: tuple[tuple[int, int], Any] | None = None) -> None:
     import torch
-
-    from m2po_oracle.capture.recorder import Recorder
-    from m2po_oracle.core.loss import loss_from_selection
 
     recorders = [Recorder(directory, rank=r, world_size=DP, topology=f"dp={DP},cp=1,tp=1") for r in range(DP)]
     for key in step["order"]:
@@ -157,7 +155,6 @@ def audit_in_subprocess(directory: Path, *, timeout_s: float = 3600.0) -> dict[s
     The child starts in the directory that holds this very ``m2po_oracle`` package (``-c``
     puts the working directory first on ``sys.path``), so it audits with the code the
     parent runs, whatever the caller's working directory."""
-    import m2po_oracle
 
     started = time.perf_counter()
     done = subprocess.run(
@@ -248,8 +245,6 @@ def _gib(value: float) -> str:
 def main_audit(args: Any, console: Any) -> int:
     """The ``bench --audit`` command: the table, the target as an observation, ``--json``."""
     from rich.table import Table
-
-    from m2po_oracle.errors import EXIT_DIVERGENT, EXIT_EQUIVALENT, EXIT_UNUSABLE
 
     table = Table(title="audit_capture of one synthetic optimizer step (dp=4 x 2 micro-batches, float32), each in a fresh process")
     for column in (

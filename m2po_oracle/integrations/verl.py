@@ -49,6 +49,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from verl.workers.config.actor import PolicyLossConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
+from m2po_oracle.capture.recorder import Recorder
 from m2po_oracle.core.loss import select_micro_batches
 from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX, summed_over_ranks
 from m2po_oracle.trainer.grpo import M2POKLWarning, selection_metrics, stochastic_layers
@@ -338,8 +339,6 @@ class M2POTrainingWorker(TrainingWorker):
         if policy_loss.capture is None:
             return None
         if self.m2po_recorder is None:
-            from m2po_oracle.capture.recorder import Recorder
-
             rank, world = self.engine.get_data_parallel_rank(), self.engine.get_data_parallel_size()
             self.m2po_recorder = Recorder(
                 policy_loss.capture, rank=rank, world_size=world, topology=f"dp={world},cp=1,tp=1", every=policy_loss.capture_every

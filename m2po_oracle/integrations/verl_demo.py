@@ -25,6 +25,10 @@ import argparse
 import sys
 from dataclasses import dataclass, replace
 
+from m2po_oracle.integrations.verl import faults_named
+from m2po_oracle.integrations.verl_step import run_update
+from m2po_oracle.trainer.grpo import make_policy_versions, sample_rollout
+
 #: The sampling workers' lag behind the policy, one per prompt (in optimizer steps).
 LAGS = (1, 3, 2, 3)
 
@@ -54,8 +58,6 @@ class VerlDemo:
 
 def run(demo: VerlDemo, capture: str, fault: str | None = None) -> dict[str, float]:
     """The demo's update, every micro-batch recorded in ``capture``; returns the logged M2PO metrics."""
-    from m2po_oracle.integrations.verl_step import run_update
-    from m2po_oracle.trainer.grpo import make_policy_versions, sample_rollout
 
     versions = make_policy_versions(demo.seed, steps=max(LAGS), lr=demo.staleness_lr)
     samplers = [versions[-1 - lag] for lag in LAGS[: demo.prompts]]
@@ -100,7 +102,6 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from m2po_oracle.integrations.verl import faults_named
 
     parser = argparse.ArgumentParser(prog="python -m m2po_oracle.integrations.verl_demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--capture", required=True, help="directory to record every micro-batch in (for m2po-oracle audit)")

@@ -44,7 +44,10 @@ from typing import Any
 
 import torch
 
+from m2po_oracle.capture import load_capture
+from m2po_oracle.integrations.hf_step import adamw, equal_split, step_record
 from m2po_oracle.trainer.controls import TrainerControl, integrated_controls
+from m2po_oracle.trainer.grpo import behaviour_logp_of, token_logp
 
 #: Where verl's words differ from the other integrations' (its old_log_probs, its own optimizer step).
 _IN_VERLS_WORDS = {
@@ -205,12 +208,10 @@ def _average_gradients_after_backward(engine: Any) -> None:
 # --- the step -------------------------------------------------------------------------------------
 
 
-def _engine(policy: Any, lr: float, micro_batch_size: int) -> Any:
+def build_engine(policy: Any, lr: float, micro_batch_size: int) -> Any:
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
-    from m2po_oracle.integrations.hf_step import adamw
 
     engine_config = FSDPEngineConfig(
         strategy="fsdp",
@@ -233,7 +234,7 @@ def _engine(policy: Any, lr: float, micro_batch_size: int) -> Any:
     return engine, engine_config, model_config
 
 
-def _worker(engine: Any, engine_config: Any, model_config: Any, actor_config: Any, fault: str | None) -> Any:
+def build_worker(engine: Any, engine_config: Any, model_config: Any, actor_config: Any, fault: str | None) -> Any:
     from verl.utils.profiler import DistProfiler
     from verl.workers.utils.losses import ppo_loss
 
@@ -294,7 +295,6 @@ class VerlStep:
         self.fault = fault
 
     def make_optimizer(self, parameters: Any) -> torch.optim.Optimizer:
-        from m2po_oracle.integrations.hf_step import adamw
 
         return adamw(parameters, self.config.lr)
 
@@ -314,9 +314,6 @@ class VerlStep:
             )
 
     def step(self, rollout: Any, split: Any = None) -> Any:
-        from m2po_oracle.capture import load_capture
-        from m2po_oracle.integrations.hf_step import equal_split, step_record
-        from m2po_oracle.trainer.grpo import behaviour_logp_of
 
         self._refuse_unmapped()
         use_cpu_platform()
@@ -376,7 +373,6 @@ def run_update(
     from verl.workers.config import ActorConfig
 
     from m2po_oracle.integrations.verl import M2POPolicyLossConfig, TrainingWorker
-    from m2po_oracle.trainer.grpo import token_logp
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     use_cpu_platform()
@@ -401,7 +397,7 @@ def run_update(
         kl_loss_type="k1" if fault == "kl_k1_estimator" else "low_var_kl",
         entropy_coeff=0.0,
     )
-    engine, engine_config, model_config = _engine(policy, lr, micro_batch_size)
+    engine, engine_config, model_config = build_engine(policy, lr, micro_batch_size)
     if engine.get_data_parallel_size() > 1:
         _average_gradients_after_backward(engine)
     if grads is not None:
@@ -414,7 +410,7 @@ def run_update(
             return optimizer_step()
 
         engine.optimizer_step = keep_gradients
-    worker = _worker(engine, engine_config, model_config, actor_config, fault)
+    worker = build_worker(engine, engine_config, model_config, actor_config, fault)
     data = _batch(rollout, rollout.behavior_logp, current, reference_logp, rollout_is)
     tu.assign_non_tensor(
         data,

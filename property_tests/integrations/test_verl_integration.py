@@ -357,13 +357,13 @@ def test_sequence_parallelism_and_other_engines_are_refused_and_a_k3_kl_term_war
 def test_an_objective_changing_option_stops_the_real_worker_before_any_update():
     from verl.workers.config import ActorConfig
 
-    from m2po_oracle.integrations.verl_step import _engine, _worker, use_cpu_platform
+    from m2po_oracle.integrations.verl_step import build_engine, build_worker, use_cpu_platform
     from m2po_oracle.trainer.grpo import tiny_llama
 
     use_cpu_platform()
     policy = tiny_llama(0)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    engine, engine_config, model_config = _engine(policy, 1e-2, 2)
+    engine, engine_config, model_config = build_engine(policy, 1e-2, 2)
     actor = ActorConfig(
         strategy="fsdp",
         rollout_n=2,
@@ -374,7 +374,7 @@ def test_an_objective_changing_option_stops_the_real_worker_before_any_update():
         use_torch_compile=False,
     )
     with pytest.raises(ValueError, match=r"^actor\.loss_agg_mode: .*'seq-mean-token-sum-norm'"):
-        _worker(engine, engine_config, model_config, actor, None)
+        build_worker(engine, engine_config, model_config, actor, None)
     assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())
 
 

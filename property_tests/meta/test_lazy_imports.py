@@ -25,13 +25,8 @@ _TORCH_FREE_CLI = "the command line's --help and its quick commands load no torc
 
 #: "file (under m2po_oracle/):function" (a method: Class.method) -> why its imports of the package are lazy.
 ALLOWED: dict[str, str] = {
-    # Listed as found, not needed: bench/audit.py and bench/core.py are left as they are by this list's
-    # first version; their callers (the bench command) load torch already, so each can move to the top.
-    "bench/audit.py:synthetic_step": "not needed (keeps bench/audit.py free of torch at import, which no caller needs)",
-    "bench/audit.py:_planted": "not needed (keeps bench/audit.py free of torch at import, which no caller needs)",
-    "bench/audit.py:write_capture": "not needed (keeps bench/audit.py free of torch at import, which no caller needs)",
-    "bench/audit.py:audit_in_subprocess": "not needed (the package itself, to find its folder)",
-    "bench/audit.py:main_audit": "not needed (errors is light)",
+    # Listed as found, not needed: bench/core.py's callers (the bench command) load torch already, so
+    # each can move to the top.
     "bench/core.py:bench_across_ranks": "not needed (bench/core.py loads torch and these modules' neighbours at its top)",
     "bench/core.py:run_bench_across": "not needed (the topology and the world are light)",
     "judge/coverage.py:_family": "strategies imports Hypothesis, which the console and the HTML report reading coverage never need",
@@ -46,6 +41,8 @@ ALLOWED: dict[str, str] = {
     "integrations/swift_step.py:_case_trainer_class": "integrations.swift imports ms-swift; swift_step's registry reads without it",
     "integrations/swift_demo.py:swift_arguments": "integrations.swift imports ms-swift; swift_demo's helpers work without it",
     "integrations/swift_demo.py:main": "integrations.swift imports ms-swift; swift_demo's helpers work without it",
+    "integrations/verl_step.py:build_worker": "integrations.verl imports verl; verl_step's registry reads without it",
+    "integrations/verl_step.py:run_update": "integrations.verl imports verl; verl_step's registry reads without it",
 }
 
 
