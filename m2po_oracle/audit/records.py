@@ -5,7 +5,7 @@ float64 rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from msgspec import UNSET, UnsetType
@@ -18,6 +18,7 @@ from m2po_oracle.explain.step_deviations import described
 from m2po_oracle.judge.checks import AUDIT_CHECKS
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.encoding import to_builtins
+from m2po_oracle.records import audit as rec
 from m2po_oracle.records.audit import SCHEMA
 
 CHECK_NAMES = tuple(AUDIT_CHECKS)
@@ -45,7 +46,7 @@ class StepAudit:
     verdict: str  # "equivalent", "divergent", "unusable"
     checks: list[AuditCheck] = field(default_factory=list)
     diagnosis: list[str] = field(default_factory=list)
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: rec.Metrics | None = None  # None: an unusable step, nothing computed
     counterexample: dict[str, Any] | UnsetType = UNSET  # the worst step's only
     alternatives: dict[str, list[str]] = field(default_factory=dict)  # diagnosis name -> names identical on this step
     observations: list[str] = field(default_factory=list)  # what the files show that no deviation name says
@@ -80,25 +81,42 @@ class AuditReport:
         divergent = [s for s in self.steps if s.verdict == "divergent"]
         return max(divergent, key=lambda s: (len(s.failing), -s.step)).step if divergent else None
 
-    def to_json(self) -> dict[str, Any]:
+    def record(self) -> rec.AuditRecord:
+        """The audit as its typed record (``m2po_oracle.records.audit``)."""
         named = sorted(
             {name for s in self.steps for name in s.diagnosis} | {n for s in self.steps for names in s.alternatives.values() for n in names}
         )
-        return {
-            "schema": SCHEMA,
-            "verdict": self.verdict,
-            "capture": {
-                "directory": self.directory,
-                "world_size": self.world_size,
-                "topology": self.topology,
-                "steps": [s.step for s in self.steps],
-                "problems": list(self.problems),
-                "refused": self.refused,
-            },
-            "steps": [to_builtins(s) for s in self.steps],
-            "worst_step": self.worst_step,
-            "descriptions": {name: DESCRIPTIONS[name] for name in named if name in DESCRIPTIONS},
-        }
+        return rec.AuditRecord(
+            schema=SCHEMA,
+            verdict=cast(Any, self.verdict),
+            capture=rec.Capture(
+                directory=self.directory,
+                world_size=self.world_size,
+                topology=self.topology,
+                steps=tuple(s.step for s in self.steps),
+                problems=tuple(self.problems),
+                refused=self.refused,
+            ),
+            steps=tuple(
+                rec.Step(
+                    step=s.step,
+                    verdict=cast(Any, s.verdict),
+                    checks=tuple(rec.Check(name=c.name, status=cast(Any, c.status), summary=c.summary) for c in s.checks),
+                    diagnosis=tuple(s.diagnosis),
+                    metrics=s.metrics,
+                    # Built as its JSON by the counterexample's own room (a table of tokens or values).
+                    counterexample=cast(rec.Counterexample, s.counterexample),
+                    alternatives={name: tuple(others) for name, others in s.alternatives.items()},
+                    observations=tuple(s.observations),
+                )
+                for s in self.steps
+            ),
+            worst_step=self.worst_step,
+            descriptions={name: DESCRIPTIONS[name] for name in named if name in DESCRIPTIONS},
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return cast(dict[str, Any], to_builtins(self.record()))
 
 
 @dataclass

@@ -27,6 +27,7 @@ from m2po_oracle.audit.reassembly import AuditStep, assemble
 from m2po_oracle.audit.records import CHECK_NAMES, AuditCheck, AuditReport, StepAudit, Unusable, records_of
 from m2po_oracle.capture import reader
 from m2po_oracle.distributed.topology import Topology
+from m2po_oracle.records.audit import Metrics
 
 
 def _audit_step(
@@ -34,12 +35,9 @@ def _audit_step(
 ) -> StepAudit:
     audit = StepAudit(step.step, "equivalent")
     algorithm = step.algorithm_1
-    audit.metrics = {
-        "m2_before": algorithm["m2_before"],
-        "m2_after": algorithm["m2_after"],
-        "masked_fraction": algorithm["masked_fraction"],
-        "tau": step.batch.tau,
-    }
+    audit.metrics = Metrics(
+        m2_before=algorithm["m2_before"], m2_after=algorithm["m2_after"], masked_fraction=algorithm["masked_fraction"], tau=step.batch.tau
+    )
     # M2 and the counts are the selection's: judged on the log-probs it saw (a prepass when recorded).
     audit.checks = [
         replicas_check(step),

@@ -104,10 +104,9 @@ def _compare(args: argparse.Namespace, runner, console: Console) -> int:
     ) as progress:
         task = progress.add_task(f"checking {args.impl}", total=runner.options.examples)
         report = run_compare(runner, on_example=lambda _: progress.advance(task), exploration=exploration, started=args.started)
-    record = report.to_json()
     chosen = runner.describe().dtype  # a trainer computing in one dtype, run without --dtype
-    if chosen is not None:
-        record["options"]["dtype_why"] = chosen.why
+    report.dtype_why = chosen.why if chosen is not None else None
+    record = report.to_json()
     if args.verbosity < 0:
         return _quiet_summary(args, report, record, console)
     if report.interrupted:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import platform
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
+import msgspec
 import numpy as np
+from msgspec import UNSET
 
 from m2po_oracle import __version__, oracle
 from m2po_oracle.call.runner import AdapterUse, CaptureUse, RunOptions, TopologyUse
@@ -26,26 +28,27 @@ from m2po_oracle.judge.validation import ProbeResult
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.encoding import number, to_builtins
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS, M2POResult
+from m2po_oracle.records import compare as rec
 from m2po_oracle.records.compare import SCHEMA
 
 #: Counterexamples are shrunk and small; a fallback batch is cut to this many tokens.
 MAX_TOKENS = 512
 
 
-def mismatch_json(m: Mismatch) -> dict[str, Any]:
-    return {
-        "check": m.check,
-        "summary": m.summary,
-        "field": m.field,
-        "index": list(m.index) if m.index is not None else None,
-        "actual": number(m.actual),
-        "expected": number(m.expected),
-        "details": list(m.details),
-    }
+def mismatch_record(m: Mismatch) -> rec.Mismatch:
+    return rec.Mismatch(
+        check=m.check,
+        summary=m.summary,
+        field=m.field,
+        index=tuple(m.index) if m.index is not None else None,
+        actual=number(m.actual),
+        expected=number(m.expected),
+        details=tuple(m.details),
+    )
 
 
 def mismatch_from_json(data: dict[str, Any]) -> Mismatch:
-    """A mismatch as :func:`mismatch_json` wrote it (non-finite values back to floats)."""
+    """A mismatch as :func:`mismatch_record` wrote it (non-finite values back to floats)."""
 
     def value(v: Any) -> Any:
         return float(v) if v in ("nan", "inf", "-inf") else v
@@ -62,8 +65,10 @@ def mismatch_from_json(data: dict[str, Any]) -> Mismatch:
     )
 
 
-def tolerances_json() -> list[dict[str, Any]]:
-    return [{"dtype": dtype, "quantity": quantity, "rtol": tol.rtol, "atol": tol.atol} for (dtype, quantity), tol in TOLERANCES.items()]
+def tolerance_records() -> tuple[rec.Tolerance, ...]:
+    return tuple(
+        rec.Tolerance(dtype=dtype, quantity=quantity, rtol=tol.rtol, atol=tol.atol) for (dtype, quantity), tol in TOLERANCES.items()
+    )
 
 
 def _fields(result: M2POResult | None) -> dict[str, Any]:
@@ -74,16 +79,15 @@ def _fields(result: M2POResult | None) -> dict[str, Any]:
     return out
 
 
-def counterexample_json(
-    check: str, batch: Batch, actual: M2POResult | None, mismatches: tuple[Mismatch, ...], replay: str, compute_dtype: str
-) -> dict[str, Any]:
+def counterexample_record(c: Counterexample, compute_dtype: str) -> rec.Counterexample:
     """One minimal counterexample with its token table and M2 removal curve.
 
-    ``batch`` is what the implementation received. Per token: ``expected_keep`` is
+    ``c.batch`` is what the implementation received. Per token: ``expected_keep`` is
     Algorithm 1's (literal loop), ``expected_grad`` the analytic gradient on the
     implementation's own mask (what the gradient check compares), ``actual_*`` the
     implementation's.
     """
+    batch, actual, mismatches = c.batch, c.actual, c.mismatches
     algorithm = oracle.m2po(batch)
     assert algorithm.grad is not None  # the oracle's result always has its gradient
     on_actual_mask = oracle.evaluate_with_mask(batch, actual.keep) if actual is not None else None
@@ -95,44 +99,48 @@ def counterexample_json(
         if flat >= MAX_TOKENS:
             break
         tokens.append(
-            {
-                "index": list(index),
-                "valid": bool(batch.valid[index]),
-                "log_ratio": number(d[index]) if batch.valid[index] else None,
-                "advantage": number(batch.advantages[index]),
-                "m2": number(m2[index]) if batch.valid[index] else None,
-                "trust_region": bool(trust[index]),
-                "expected_keep": bool(algorithm.keep[index]),
-                "actual_keep": bool(actual.keep[index]) if actual is not None else None,
-                "expected_grad": number(cast(np.ndarray, on_actual_mask.grad)[index])
+            rec.Token(
+                index=tuple(index),
+                valid=bool(batch.valid[index]),
+                log_ratio=number(d[index]) if batch.valid[index] else None,
+                advantage=number(batch.advantages[index]),
+                m2=number(m2[index]) if batch.valid[index] else None,
+                trust_region=bool(trust[index]),
+                expected_keep=bool(algorithm.keep[index]),
+                actual_keep=bool(actual.keep[index]) if actual is not None else None,
+                expected_grad=number(cast(np.ndarray, on_actual_mask.grad)[index])
                 if on_actual_mask is not None
                 else number(algorithm.grad[index]),  # the oracle's grad is set
-                "actual_grad": number(actual.grad[index]) if actual is not None and actual.grad is not None else None,
-            }
+                actual_grad=number(actual.grad[index]) if actual is not None and actual.grad is not None else None,
+            )
         )
     bounds = selection_bounds(batch, compute_dtype)
-    implementation_kept = int((actual.keep & trust).sum()) if actual is not None else None
-    return {
-        "check": check,
-        "summary": mismatches[0].summary if mismatches else "",
-        "replay": replay,
-        "batch": batch.to_dict(),
-        "shape": list(batch.shape),
-        "tokens": tokens,
-        "tokens_truncated": batch.logp.size > MAX_TOKENS,
-        "mismatches": [mismatch_json(m) for m in mismatches],
-        "expected": _fields(algorithm),
-        "expected_on_actual_mask": _fields(on_actual_mask),
-        "actual": _fields(actual),
-        "removal_curve": {
-            "tau": batch.tau,
-            "prefix_means": [number(v) for v in bounds.prefix_means[:MAX_TOKENS]],
-            "candidates": int(bounds.order.size),
-            "oracle_kept_min": bounds.k_min,
-            "oracle_kept_max": bounds.k_max,
-            "implementation_kept": implementation_kept,
-        },
-    }
+    return rec.Counterexample(
+        check=c.check,
+        cause=c.cause,
+        checks=tuple(c.checks or (c.check,)),
+        shrink_stopped=c.shrink_stopped,
+        summary=mismatches[0].summary if mismatches else "",
+        replay=c.replay,
+        batch=cast(rec.Batch, batch.to_dict()),
+        shape=tuple(batch.shape),
+        tokens=tuple(tokens),
+        tokens_truncated=batch.logp.size > MAX_TOKENS,
+        mismatches=tuple(mismatch_record(m) for m in mismatches),
+        expected=_fields(algorithm),
+        expected_on_actual_mask=_fields(on_actual_mask),
+        actual=_fields(actual),
+        removal_curve=rec.RemovalCurve(
+            tau=batch.tau,
+            prefix_means=tuple(number(v) for v in bounds.prefix_means[:MAX_TOKENS]),
+            candidates=int(bounds.order.size),
+            oracle_kept_min=bounds.k_min,
+            oracle_kept_max=bounds.k_max,
+            implementation_kept=int((actual.keep & trust).sum()) if actual is not None else None,
+        ),
+        ranks=cast(tuple[rec.Rank, ...], tuple(c.ranks)) if c.ranks else UNSET,
+        trainer_case=cast(rec.TrainerCase, c.case) if c.case else UNSET,
+    )
 
 
 @dataclass
@@ -202,6 +210,7 @@ class CompareReport:
     accepted: tuple[Accepted, ...] = ()  # deviations the project accepts ([tool.m2po-oracle] accept, --accept)
     strict_accept: bool = True  # an accepted deviation that no longer shows fails the run
     capture: CaptureUse | None = None  # --capture: what the run recorded for `m2po-oracle audit`
+    dtype_why: str | None = None  # why the runner chose the dtype itself (a trainer computing in one dtype, run without --dtype)
 
     @property
     def validation_warnings(self) -> list[ProbeResult]:
@@ -260,78 +269,90 @@ class CompareReport:
             "interrupted": 130,
         }[self.verdict]
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA,
-            "verdict": self.verdict,
-            "implementation": self.impl,
-            "options": {
-                "examples": self.examples_requested or self.examples,
-                "seed": self.seed,
-                "dtype": self.dtype,
-                "compute_dtype": self.compute_dtype,
-                "tau": self.tau,
-                "device": self.device,
-                "strict_validation": self.strict_validation,
-            },
-            "examples": self.examples,
-            "example_unit": self.example_unit,
-            "duration_s": round(self.duration_s, 3),
-            "stopped_early": self.stopped_early,
-            "load_error": self.load_error,
-            "checks": [
-                {
-                    "name": name,
-                    "description": ALL_CHECKS[name],
-                    "status": t.status,
-                    "failures": t.failures,
-                    "ran": t.ran,
-                    "first_failure_at": t.first_failure_at,
-                    "exercised": t.exercised,
-                    "failure_rate_upper_95": t.failure_rate_upper_95,
-                }
+    def record(self) -> rec.CompareRecord:
+        """The run as its typed record (``m2po_oracle.records.compare``)."""
+        return rec.CompareRecord(
+            schema=SCHEMA,
+            verdict=cast(Any, self.verdict),
+            implementation=self.impl,
+            options=rec.Options(
+                examples=self.examples_requested or self.examples,
+                seed=self.seed,
+                dtype=self.dtype,
+                compute_dtype=self.compute_dtype,
+                tau=self.tau,
+                device=self.device,
+                strict_validation=self.strict_validation,
+                dtype_why=self.dtype_why if self.dtype_why is not None else UNSET,
+            ),
+            examples=self.examples,
+            example_unit=self.example_unit,
+            duration_s=round(self.duration_s, 3),
+            stopped_early=self.stopped_early,
+            load_error=self.load_error,
+            checks=tuple(
+                rec.Check(
+                    name=name,
+                    description=ALL_CHECKS[name],
+                    status=cast(Any, t.status),
+                    failures=t.failures,
+                    ran=t.ran,
+                    first_failure_at=t.first_failure_at,
+                    exercised=t.exercised,
+                    failure_rate_upper_95=t.failure_rate_upper_95,
+                )
                 for name, t in self.tallies.items()
-            ],
-            "coverage": self.coverage.to_json(self.tallies),
-            "counterexamples": [
-                {
-                    **counterexample_json(c.check, c.batch, c.actual, c.mismatches, c.replay, self.compute_dtype),
-                    "cause": c.cause,
-                    "checks": list(c.checks or (c.check,)),
-                    "shrink_stopped": c.shrink_stopped,
-                    **({"ranks": list(c.ranks)} if c.ranks else {}),
-                    **({"trainer_case": c.case} if c.case else {}),
-                }
-                for c in self.counterexamples
-            ],
-            "diagnosis": self.diagnosis.to_json(),
-            "accepted": [
-                {**to_builtins(a), "shown": bool(self.accepted_shown[a.deviation]), "checks": self.accepted_shown[a.deviation]}
+            ),
+            coverage=self.coverage.record(self.tallies),
+            counterexamples=tuple(counterexample_record(c, self.compute_dtype) for c in self.counterexamples),
+            diagnosis=msgspec.convert(self.diagnosis.to_json(), rec.Diagnosis),
+            accepted=tuple(
+                rec.Accepted(
+                    deviation=a.deviation,
+                    reason=a.reason,
+                    link=a.link,
+                    shown=bool(self.accepted_shown[a.deviation]),
+                    checks=tuple(self.accepted_shown[a.deviation]),
+                )
                 for a in self.accepted
-            ],
-            "strict_accept": self.strict_accept,
-            "validation": {
-                "strict": self.strict_validation,
-                "not_run": self.validation_not_run,
-                "probes": [to_builtins(p) for p in self.validation],
-            },
-            "implementation_output": self.output,
-            **({"topology": to_builtins(self.topology), "collectives_per_step": self.collectives} if self.topology else {}),
-            **({"adapter": self._adapter_json(self.adapter)} if self.adapter else {}),
-            **({"capture": to_builtins(self.capture)} if self.capture else {}),
-            "tolerances": tolerances_json(),
-            "environment": environment(),
-        }
+            ),
+            strict_accept=self.strict_accept,
+            validation=rec.Validation(
+                strict=self.strict_validation,
+                not_run=self.validation_not_run,
+                probes=tuple(
+                    rec.Probe(probe=p.probe, description=p.description, status=cast(Any, p.status), message=p.message, expected=p.expected)
+                    for p in self.validation
+                ),
+            ),
+            implementation_output=msgspec.convert(self.output, rec.ImplementationOutput),
+            topology=rec.Topology(**asdict(self.topology)) if self.topology else UNSET,
+            collectives_per_step=cast(tuple[rec.CollectivesPerStep, ...], tuple(self.collectives)) if self.topology else UNSET,
+            adapter=self._adapter_record(self.adapter) if self.adapter else UNSET,
+            capture=rec.Capture(directory=self.capture.directory, steps=self.capture.steps) if self.capture else UNSET,
+            tolerances=tolerance_records(),
+            environment=environment(),
+        )
 
-    def _adapter_json(self, used: AdapterUse) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
+        return cast(dict[str, Any], to_builtins(self.record()))
+
+    def _adapter_record(self, used: AdapterUse) -> rec.Adapter:
         """The adapter as described, with what this run observed: ``metrics_read`` (each
         metric of ours the port returned, and where), and ``supplies`` narrowed to the
         metrics it returned (the family may return more than this port does)."""
-        adapter = to_builtins(used)
         metrics = set(METRIC_FIELDS + COUNT_FIELDS)
-        adapter["supplies"] = [f for f in used.supplies if f not in metrics or f in self.metric_sources]
-        adapter["metrics_read"] = dict(sorted(self.metric_sources.items()))
-        return adapter
+        return rec.Adapter(
+            name=used.name,
+            signature=used.signature,
+            checked=used.checked,
+            supplies=tuple(f for f in used.supplies if f not in metrics or f in self.metric_sources),
+            builds=dict(used.builds),
+            metrics_read=dict(sorted(self.metric_sources.items())),
+            not_run=dict(used.not_run),
+            bindings=used.bindings,
+            call=used.call,
+        )
 
 
 def _accepts(accepted: str, name: str) -> bool:
@@ -339,7 +360,7 @@ def _accepts(accepted: str, name: str) -> bool:
     return name == accepted or ("(" not in accepted and name.split("(", 1)[0] == accepted)
 
 
-def environment() -> dict[str, Any]:
+def environment() -> rec.Environment:
     import hypothesis
     import torch
 
@@ -347,15 +368,15 @@ def environment() -> dict[str, Any]:
         revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         revision = None
-    return {
-        "m2po_oracle": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "hypothesis": hypothesis.__version__,
-        "platform": platform.platform(),
-        "git_revision": revision,
-    }
+    return rec.Environment(
+        m2po_oracle=__version__,
+        python=platform.python_version(),
+        torch=str(torch.__version__),
+        numpy=np.__version__,
+        hypothesis=hypothesis.__version__,
+        platform=platform.platform(),
+        git_revision=revision,
+    )
 
 
 def load_error_report(spec: str, error: str, options: RunOptions) -> CompareReport:

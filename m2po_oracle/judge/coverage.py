@@ -37,11 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from msgspec import UNSET
 
 from m2po_oracle import oracle
 from m2po_oracle.judge.equivalence import selection_bounds
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import M2POResult
+from m2po_oracle.records.compare import Coverage
 
 #: The confidence of the reported bound.
 CONFIDENCE = 0.95
@@ -330,15 +332,15 @@ class CoverageTally:
             exercised.add("call")
         return frozenset(exercised)
 
-    def to_json(self, checks: Iterable[str] = ()) -> dict[str, Any]:
-        return {
-            "examples": self.examples,
-            "judged": self.judged,
-            **({"unmeasured": self.unmeasured} if self.unmeasured else {}),
-            "families": dict(sorted(self.families.items(), key=lambda item: (-item[1], item[0]))),
-            "features": dict(self.features),
-            "feature_descriptions": {name: rule.when for name, rule in FEATURES.items()},
-            "exercised_when": {name: (EXERCISED[name].when if name in EXERCISED else EVERY.when) for name in checks},
-            "confidence": CONFIDENCE,
-            "bound": "one-sided Clopper-Pearson upper bound on the per-example failure rate over the exercised examples",
-        }
+    def record(self, checks: Iterable[str] = ()) -> Coverage:
+        return Coverage(
+            examples=self.examples,
+            judged=self.judged,
+            unmeasured=self.unmeasured if self.unmeasured else UNSET,
+            families=dict(sorted(self.families.items(), key=lambda item: (-item[1], item[0]))),
+            features=dict(self.features),
+            feature_descriptions={name: rule.when for name, rule in FEATURES.items()},
+            exercised_when={name: (EXERCISED[name].when if name in EXERCISED else EVERY.when) for name in checks},
+            confidence=CONFIDENCE,
+            bound="one-sided Clopper-Pearson upper bound on the per-example failure rate over the exercised examples",
+        )

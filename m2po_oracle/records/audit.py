@@ -10,7 +10,7 @@ from msgspec import UNSET, UnsetType
 from m2po_oracle.records.declare import Number, doc
 
 SchemaId = Literal["m2po-oracle/audit/1"]
-SCHEMA: str = get_args(SchemaId)[0]
+SCHEMA: SchemaId = get_args(SchemaId)[0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +41,7 @@ class Step:
     verdict: Annotated[Literal["equivalent", "divergent", "unusable"], doc("`equivalent`, `divergent` or `unusable`")]
     checks: Annotated[tuple[Check, ...], doc("every audit check on it (see the checks reference)")]
     diagnosis: Annotated[tuple[str, ...], doc("the deviations the files reproduce (see the deviations reference)")]
-    metrics: Annotated[Metrics, doc("the optimizer batch's, as Algorithm 1 computes them")]
+    metrics: Annotated[Metrics | None, doc("the optimizer batch's, as Algorithm 1 computes them; null on an unusable step")]
     counterexample: Annotated[
         Counterexample | UnsetType,
         doc(

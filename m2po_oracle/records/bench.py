@@ -10,7 +10,7 @@ from msgspec import UNSET, UnsetType
 from m2po_oracle.records.declare import doc
 
 SchemaId = Literal["m2po-oracle/bench/4"]
-SCHEMA: str = get_args(SchemaId)[0]
+SCHEMA: SchemaId = get_args(SchemaId)[0]
 AuditSchemaId = Literal["m2po-oracle/bench-audit/1"]
 AUDIT_SCHEMA: str = get_args(AuditSchemaId)[0]
 

@@ -4,16 +4,16 @@ writes it beside the tensors, the audit reads it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from msgspec import UNSET, UnsetType
 
-from m2po_oracle.capture.recorder import SCHEMA as SCHEMA
 from m2po_oracle.records.declare import CaptureNumber, doc
 
-#: The recorder declares the id (the capture sits below this room); the manifest's type repeats
-#: it, and the records' test holds the two equal.
+#: The vendorable recorder declares the id too (it imports nothing of the package, and importing
+#: it here would load torch with every record); the records' test holds the two equal.
 SchemaId = Literal["m2po-oracle/capture/1"]
+SCHEMA: SchemaId = get_args(SchemaId)[0]
 
 
 @dataclass(frozen=True, kw_only=True)

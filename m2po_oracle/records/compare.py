@@ -12,7 +12,7 @@ from m2po_oracle.records.declare import Number, doc
 from m2po_oracle.records.diagnosis import Batch, Diagnosis
 
 SchemaId = Literal["m2po-oracle/compare/1"]
-SCHEMA: str = get_args(SchemaId)[0]
+SCHEMA: SchemaId = get_args(SchemaId)[0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +101,7 @@ class Adapter:
     metrics_read: Annotated[dict[str, str], doc("where in the port's return each metric was read", keys="a metric's name")]
     not_run: Annotated[dict[str, str], doc("the checks the adapter cannot run, each with why", keys="a check's name")]
     bindings: Annotated[tuple[str, ...], doc("the `--bind` texts")]
-    call: Annotated[str, doc("the call the port received")]
+    call: Annotated[str | None, doc("the call the port received; null before any call")]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,9 +52,10 @@ def _tie_swaps(tokens: list[dict[str, Any]]) -> int:
     tokens are kept (any choice among ties is admissible), those rows are marked as tie
     swaps, not differences; returns how many rows that is (0: a real difference, or none)."""
     swapped = [t for t in tokens if t["keep_differs"] and t["expected_keep"] != "\u2014" and t["actual_keep"] != "\u2014"]
-    gained = sorted(t["m2"] for t in swapped if t["actual_keep"] == "keep")
-    lost = sorted(t["m2"] for t in swapped if t["actual_keep"] == "removed")
-    if not gained or not all(isinstance(v, (int, float)) for v in gained + lost) or gained != lost:
+    gained = [t["m2"] for t in swapped if t["actual_keep"] == "keep"]
+    lost = [t["m2"] for t in swapped if t["actual_keep"] == "removed"]
+    # A record may hold a token without its M2 (null) or with "nan": no swap is read from those.
+    if not gained or not all(isinstance(v, (int, float)) and v == v for v in gained + lost) or sorted(gained) != sorted(lost):
         return 0
     for t in swapped:
         t["keep_differs"], t["tie_swap"] = False, True

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import strategies as st
+
+from m2po_oracle.oracle.encoding import to_builtins
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class TrainerCase:
             raise ValueError(f"split: expected non-negative row counts summing to prompts * group_size = {rows}, got {list(self.split)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "trainer_case", **asdict(self), "lags": list(self.lags), "split": list(self.split)}
+        return {"kind": "trainer_case", **to_builtins(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerCase:

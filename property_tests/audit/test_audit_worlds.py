@@ -22,6 +22,7 @@ from m2po_oracle.audit import DESCRIPTIONS, audit_capture
 from m2po_oracle.capture.recorder import Recorder
 from m2po_oracle.core.loss import loss_from_selection, select_tokens
 from m2po_oracle.distributed.topology import Topology, cp_token_indices, dp_row_slices
+from m2po_oracle.oracle.encoding import to_builtins
 
 TAU = 0.04
 
@@ -220,7 +221,7 @@ def test_a_correct_world_is_equivalent_with_every_check_run(tmp_path: Path, name
         tp = Topology.parse(world.topology).tp
         assert statuses.pop("audit.replicas_identical") == ("pass" if tp > 1 else "not run")
         assert set(statuses.values()) == {"pass"}, statuses
-        assert step.metrics["masked_fraction"] > 0, "the cut is exercised"
+        assert step.metrics is not None and step.metrics.masked_fraction > 0, "the cut is exercised"
 
 
 #: (planted bug, world, the check that must fail, the diagnosis that must be named)
@@ -246,9 +247,9 @@ def test_a_planted_bug_is_caught_by_its_check_and_named(tmp_path: Path, bug: str
     simulate(tmp_path, world, bug=bug)
     report = audit_capture(tmp_path)
     good, bad = report.steps
-    assert good.verdict == "equivalent", [c.to_json() for c in good.checks if c.status == "fail"]
-    assert bad.verdict == "divergent" and check in bad.failing, [c.to_json() for c in bad.checks]
-    assert bad.diagnosis == diagnosis, (bad.diagnosis, [c.to_json() for c in bad.checks if c.status == "fail"])
+    assert good.verdict == "equivalent", [to_builtins(c) for c in good.checks if c.status == "fail"]
+    assert bad.verdict == "divergent" and check in bad.failing, [to_builtins(c) for c in bad.checks]
+    assert bad.diagnosis == diagnosis, (bad.diagnosis, [to_builtins(c) for c in bad.checks if c.status == "fail"])
     table = report.to_json()["steps"][1]["counterexample"]
     from m2po_oracle.audit import TABLE_ORDER
 

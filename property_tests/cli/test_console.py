@@ -39,11 +39,12 @@ def test_the_console_report_reads_the_json_record_alone(tmp_path):
 
 
 def test_a_non_finite_value_reads_back_as_a_float():
-    from m2po_oracle.compare.report import mismatch_from_json, mismatch_json
+    from m2po_oracle.compare.report import mismatch_from_json, mismatch_record
     from m2po_oracle.judge.equivalence import Mismatch
+    from m2po_oracle.oracle.encoding import to_builtins
 
     m = Mismatch("loss", "loss differs", "loss", None, float("nan"), 1.5, ("d",))
-    back = mismatch_from_json(json.loads(json.dumps(mismatch_json(m))))
+    back = mismatch_from_json(json.loads(json.dumps(to_builtins(mismatch_record(m)))))
     assert repr(back.actual) == "nan" and back.expected == 1.5 and back.details == ("d",)
 
 

@@ -26,6 +26,7 @@ from m2po_oracle.judge.checks import CHECKS
 from m2po_oracle.judge.contract import Measurement
 from m2po_oracle.judge.coverage import EXERCISED, FEATURES, CoverageTally, Rule, failure_rate_upper, rate_text
 from m2po_oracle.oracle.batch import Batch
+from m2po_oracle.oracle.encoding import to_builtins
 from m2po_oracle.report.html import render_html
 
 
@@ -281,7 +282,7 @@ def test_step_outcomes_never_crash_the_count():
     )
     tally.add(object(), broken)  # whatever the facts make of it, it counts without raising
     assert tally.families == {"untagged": 1, "trainer_case": 1, "object": 1}
-    assert json.dumps(tally.to_json(["call", "trainer.optimizer_step"]))
+    assert json.dumps(to_builtins(tally.record(["call", "trainer.optimizer_step"])))
 
 
 SELECTION_CONTROLS = (

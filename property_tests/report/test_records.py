@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import shutil
 import types
 import typing
 from pathlib import Path
@@ -98,6 +99,11 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, list[Path]]]:
         out[name] = status, [report]
     out["capture"] = EXIT_EQUIVALENT, sorted(capture.glob("manifest.rank-*.json"))
     out["audit"] = main(["audit", str(capture), "--json", str(tmp / "audit.json")]), [tmp / "audit.json"]
+    # A capture with one unreadable file: its step is unusable, and its record says so too.
+    broken = tmp / "broken"
+    shutil.copytree(capture, broken)
+    next(broken.glob("step-000000/*.safetensors")).write_bytes(b"not a safetensors file")
+    out["broken_audit"] = main(["audit", str(broken), "--json", str(tmp / "broken.json")]), [tmp / "broken.json"]
     planted = _planted_capture(tmp / "planted")
     out["planted_audit"] = (
         main(["audit", str(planted), "--json", str(tmp / "planted.json")]),
@@ -152,10 +158,13 @@ def test_the_runs_did_what_they_are_here_for(runs, records):
         "capture": EXIT_EQUIVALENT,
         "audit": EXIT_DIVERGENT,
         "planted_audit": EXIT_DIVERGENT,
+        "broken_audit": EXIT_DIVERGENT,
         "bench": EXIT_EQUIVALENT,
         "bench_audit": EXIT_EQUIVALENT,
     }
     assert all(records[name] for name in RECORDS), {name: len(found) for name, found in records.items()}
+    steps = _strict(runs["broken_audit"][1][0])["steps"]
+    assert steps[0]["verdict"] == "unusable" and steps[0]["metrics"] is None
 
 
 def test_every_record_a_run_writes_validates_against_its_published_schema(records):
