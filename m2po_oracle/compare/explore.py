@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from hypothesis import find
 from hypothesis.errors import NoSuchExample, Unsatisfiable
 
 from m2po_oracle import oracle, strategies
 from m2po_oracle.call.loss_function import batch_strategy
 from m2po_oracle.call.runner import Runner
-from m2po_oracle.compare.database import ExampleDatabase, search_settings
+from m2po_oracle.compare.database import ExampleDatabase, search_settings, seeded_find
 from m2po_oracle.compare.report import CompareReport
 from m2po_oracle.compare.shrink import battery_of, counterexamples_of, keep_inferred
 from m2po_oracle.explain.deviations import Accepted
@@ -70,12 +69,7 @@ def stratified_start(tau: float | None, seed: int, most: int) -> list[Batch]:
 
         of_family = batch_strategy(tau, strategies.family(family))
         try:
-            find(
-                of_family,
-                record,
-                settings=search_settings(STRATIFIED_PER_FAMILY + 1, generate_only=True),
-                random=random.Random(f"{seed}:{k}"),
-            )
+            seeded_find(of_family, record, search_settings(STRATIFIED_PER_FAMILY + 1, generate_only=True), random.Random(f"{seed}:{k}"))
         except (NoSuchExample, Unsatisfiable):
             pass
         # Hypothesis draws the family's simplest example first; the free search draws simple
@@ -249,7 +243,7 @@ def explore_and_judge(
                     explore(example)
             remaining = options.examples - report.examples
             if remaining > 0:
-                find(strategy, explore, settings=search_settings(remaining), random=random.Random(options.seed))
+                seeded_find(strategy, explore, search_settings(remaining), random.Random(options.seed))
         except NoSuchExample:
             pass
         except StopExploring as stop:

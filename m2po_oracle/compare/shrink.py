@@ -11,12 +11,11 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-from hypothesis import find
 from hypothesis.errors import Flaky, NoSuchExample, Unsatisfiable
 
 from m2po_oracle.adapters import ADAPTERS
 from m2po_oracle.call.runner import Runner
-from m2po_oracle.compare.database import search_settings
+from m2po_oracle.compare.database import search_settings, seeded_find
 from m2po_oracle.compare.report import CompareReport, Counterexample
 from m2po_oracle.explain.deviations import VARIANTS
 from m2po_oracle.explain.evidence import Judge, Observation, merge
@@ -152,11 +151,11 @@ def shrink_to_minimal(
         options = runner.options
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return find(
+            return seeded_find(
                 strategy,
                 lambda example: goal(battery_of(runner, example, checks_run)),
-                settings=search_settings(options.examples),
-                random=random.Random(options.seed),
+                search_settings(options.examples),
+                random.Random(options.seed),
             )
 
     example, stopped = fallback, None

@@ -12,14 +12,13 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import find
 from hypothesis.errors import NoSuchExample
 from scipy.stats import beta
 
 from m2po_oracle import strategies
 from m2po_oracle.call.resolve import load_implementation
 from m2po_oracle.cli.main import EXIT_EQUIVALENT, main
-from m2po_oracle.compare.database import search_settings
+from m2po_oracle.compare.database import search_settings, seeded_find
 from m2po_oracle.judge import coverage
 from m2po_oracle.judge.battery import BatteryOutcome, run_battery
 from m2po_oracle.judge.checks import CHECKS
@@ -195,7 +194,7 @@ def _draw(strategy, n=25):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            find(strategy, lambda b: found.append(b) and False, settings=search_settings(n), random=random.Random(0))
+            seeded_find(strategy, lambda b: found.append(b) and False, search_settings(n), random.Random(0))
         except NoSuchExample:
             pass
     return found
@@ -316,7 +315,7 @@ def test_a_selection_check_fails_only_where_its_rule_holds(control):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            find(strategies.batches(), look, settings=search_settings(60), random=random.Random(0))
+            seeded_find(strategies.batches(), look, search_settings(60), random.Random(0))
         except NoSuchExample:
             pass
     assert failed and not outside, outside[:2]
