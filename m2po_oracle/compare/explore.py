@@ -112,6 +112,7 @@ class Evidence:
     step_by_check: dict[str, set[str]] = field(default_factory=dict)  # check -> step variants reproducing each of its failing steps
     non_finite: int = 0  # examples whose loss or gradient is not finite on valid, finite inputs
     non_finite_checks: set[str] = field(default_factory=set)
+    non_finite_empty: int = 0  # of those, batches without a valid token (the loss's N is 0)
 
     def keep(self, outcome: BatteryOutcome, example: Any = None) -> None:
         result = outcome.measurement.result
@@ -142,6 +143,7 @@ class Evidence:
             self.more_passing.append(observation)
         if not _finite_on_valid(outcome.batch, result):
             self.non_finite += 1
+            self.non_finite_empty += not outcome.batch.valid.any()
             self.non_finite_checks.update(n for n in outcome.failed_checks if n in ("loss", "gradient"))
 
     def keep_step(self, outcome: BatteryOutcome) -> None:
@@ -149,6 +151,14 @@ class Evidence:
         found = set(outcome.explained_by or ()) & set(outcome.explained_by if outcome.evidenced is None else outcome.evidenced)
         for check in outcome.failed_checks:
             self.step_by_check[check] = found if check not in self.step_by_check else self.step_by_check[check] & found
+
+    def _empty(self) -> str:
+        # "Finite on every valid token" holds vacuously where there is none: say how many of
+        # them that is, since there the port's NaN is a 0/0 where Algorithm 1's loss is 0.
+        if not self.non_finite_empty:
+            return ""
+        every = "every one of them" if self.non_finite_empty == self.non_finite else f"{self.non_finite_empty} of them"
+        return f"; {every} has no valid token at all (N = 0, where Algorithm 1's loss is 0)"
 
     def findings(self) -> list[Finding]:
         if not self.non_finite:
@@ -158,7 +168,7 @@ class Evidence:
                 "non_finite_result",
                 tuple(sorted(self.non_finite_checks)),
                 f"the loss or gradient is NaN or infinite on {self.non_finite} example(s) whose inputs are finite on every valid "
-                "token: a finding of its own (not a padding leak: padding is probed apart)",
+                "token: a finding of its own (not a padding leak: padding is probed apart)" + self._empty(),
             )
         ]
 

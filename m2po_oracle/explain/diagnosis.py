@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import fields, replace
 
+from msgspec import UNSET
+
 from m2po_oracle.explain.deviations import (
     ALGORITHM_1,
     LOSS_EFFECTS,
@@ -205,6 +207,7 @@ def diagnose(
         else:
             matches.append(Match(name, (step_descriptions or {}).get(name, ""), step_source, "reproduces every failing step", explained))
     partial = any(share.share < 1 for share in shares.values())
+    alternatives = explanation.alternatives + step_alternatives
     status = "no_known_variant" if not by_check else "partly_explained" if unexplained else "mostly_explained" if partial else "matched"
     return Diagnosis(
         status,
@@ -216,8 +219,9 @@ def diagnose(
         residuals=tuple(residuals),
         unexplained=tuple(unexplained),
         matches=tuple(matches),
-        alternatives=tuple(tuple(a) for a in explanation.alternatives + step_alternatives),
-        alternatives_reason=_why_alike(explanation, unseen_loss),
+        alternatives=tuple(tuple(a) for a in alternatives),
+        # Why equally small explanations stand side by side: only where some do.
+        alternatives_reason=_why_alike(explanation, unseen_loss) if alternatives else UNSET,
         # Leads only where a check is unexplained: beside a full or majority explanation, single
         # variants that each reproduce a few examples only distract from it and its residual.
         closest=tuple(_closest(judge, output_variants, set(components), closest_by_check)) if unexplained else (),

@@ -65,7 +65,9 @@ class Diagnosis:
         tuple[tuple[str, ...], ...] | UnsetType,
         doc("explanations as small as the chosen one", when="absent where the implementation could not be loaded"),
     ] = UNSET
-    alternatives_reason: Annotated[str | UnsetType, doc("why they stand side by side", when="a divergent run's diagnosis only")] = UNSET
+    alternatives_reason: Annotated[
+        str | UnsetType, doc("why they stand side by side", when="a divergent run's diagnosis with alternatives only")
+    ] = UNSET
     closest: Annotated[
         tuple[Closest, ...] | UnsetType,
         doc(

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
+from msgspec import UNSET
 
 from m2po_oracle import oracle, strategies
 from m2po_oracle.call.controls import COMPOSITE_CONTROLS, NEGATIVE_CONTROLS
@@ -116,6 +117,25 @@ def test_a_nan_result_on_valid_data_is_a_finding_not_a_padding_leak():
     assert [f["kind"] for f in d["findings"]] == ["non_finite_result"]
 
 
+def _zero_over_zero(logp, behavior_logp, advantages, mask, *, tau):
+    """Algorithm 1, but the loss is a sum over the valid count with no guard: NaN where no
+    token is valid (0/0), right everywhere else."""
+    out = m2po_loss(logp, behavior_logp, advantages, mask, tau=tau)
+    n = mask.sum()
+    return {"loss": out.loss * n / n if not n else out.loss, "keep": out.keep}
+
+
+def test_a_nan_where_no_token_is_valid_says_so():
+    """A NaN loss on a batch without a valid token is "finite on every valid token" only
+    vacuously: the finding says how many of them had none."""
+    empty = run_compare(_zero_over_zero, "0/0", examples=120, shrink=False).diagnosis.findings
+    (finding,) = empty
+    assert finding.kind == "non_finite_result" and "every one of them has no valid token at all (N = 0" in finding.summary, finding
+    (everywhere,) = run_compare(_nan_everywhere, "nan everywhere", examples=40, shrink=False).diagnosis.findings
+    # NaN on every batch: the empty ones are some of them, not all.
+    assert "every one of them" not in everywhere.summary, everywhere
+
+
 def _finite_padding_in_the_loss(logp, behavior_logp, advantages, mask, *, tau):
     """Algorithm 1, but finite padding adds its advantage to the loss (no NaN/inf ever
     comes out: the loss ignores non-finite padding)."""
@@ -198,7 +218,8 @@ def test_what_a_deviation_does_to_a_loss_the_adapter_built_is_not_claimed():
     whole = run_compare(partial(planted, deviation=variant("areal").deviation), "areal", examples=60, shrink=False).diagnosis
     (match,) = [m for m in whole.matches if m.variant == "areal"]
     assert match.unobserved == () and "not observed" not in match.evidence
-    assert whole.alternatives == () and whole.alternatives_reason == diagnosis.ALIKE
+    # No alternative: no reason for one (the record says nothing rather than "alike").
+    assert whole.alternatives == () and whole.alternatives_reason is UNSET and "alternatives_reason" not in whole.to_json()
     # Every knob said to act on the loss is one the judge compares the loss by.
     from m2po_oracle.explain.deviations import LOSS_EFFECTS
 
