@@ -196,7 +196,8 @@ def diagnose(
                 if known.behaviour_check == "padding_immunity"
                 else f"check {known.behaviour_check} failed"
                 if known.is_behavioural
-                else "reproduces " + "; ".join(f"{c} on {share_text(shares[c])}" for c in explained if c in shares)
+                else "reproduces "
+                + "; ".join(f"{c}{_together(name, shares[c])} on {share_text(shares[c])}" for c in explained if c in shares)
                 if counted
                 else f"reproduces the port under the padding probes ({', '.join(explained)})"
             )
@@ -234,6 +235,13 @@ def diagnose(
 
 #: Why equally small explanations stand side by side, unless something more precise holds.
 ALIKE = "the examples do not tell them apart"
+
+
+def _together(name: str, share: Share) -> str:
+    """A share counts what the check's whole explanation reproduces: where that is more than
+    this one deviation, its evidence says with which others, not as its own figure."""
+    others = [c for c in share.components if c != name]
+    return f" (together with {' + '.join(others)})" if others else ""
 
 
 def _why_alike(explanation: Explanation, unseen_loss: bool) -> str:

@@ -304,6 +304,13 @@ def test_components_that_only_act_together_are_found_with_the_values_the_port_pi
     ).diagnosis.to_json()
     assert d["status"] == "matched" and sorted(d["components"]) == sorted(JOINT), d["summary"]
     assert all(s["share"] == 1 for s in d["shares"].values())
+    # A check the floors explain only with the clip: the floors' evidence says so, not as its own figure.
+    for match in d["matches"]:
+        for check in match["checks"]:
+            others = [c for c in d["shares"][check]["components"] if c != match["variant"]]
+            said = f"{check} (together with {' + '.join(others)}) on " if others else f"{check} on "
+            assert said in match["evidence"], (match["variant"], match["evidence"])
+    assert any("together with" in m["evidence"] for m in d["matches"]), d["matches"]
 
 
 def test_without_fitting_the_floors_the_port_picked_are_not_named(monkeypatch):
