@@ -10,10 +10,12 @@ from typing import Any, cast
 
 import numpy as np
 
+from m2po_oracle import oracle
 from m2po_oracle.audit.reassembly import AuditStep, algorithm_1_of, scope_groups
 from m2po_oracle.audit.records import ROLLOUT_LOGP_DTYPE, AuditCheck, MicroBatch
 from m2po_oracle.capture import reader
 from m2po_oracle.judge import equivalence
+from m2po_oracle.judge.metric_averaging import METRIC_WEIGHTS, UnweightedMean, unweighted_mean_reproduces
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import COUNT_FIELDS, METRIC_FIELDS
 
@@ -293,6 +295,35 @@ REGION_WORDS = {
 }
 
 
+def micro_batch_metrics(step: AuditStep) -> UnweightedMean | None:
+    """Where every record logs its own micro-batch's metrics on the step's mask (Algorithm 1's
+    on the optimizer batch), and their mean with equal weight per micro-batch, which a trainer
+    averaging its micro-batches' logs (verl 0.9.1) logs, is not Algorithm 1's token-weighted
+    value: the two means, per metric. Else None (CP shards: not judged)."""
+    records = step.replica_set
+    names = [name for name in METRIC_WEIGHTS if any(name in r.metrics for r in step.records)]
+    if step.topology.cp > 1 or not names or not records:
+        return None
+    if equivalence.check_selection(step.selection_batch, step.keep, step.dtype):
+        return None  # the mask itself is not Algorithm 1's: no averaging explains the metrics
+    tol = equivalence.tolerance(step.dtype, "metric")
+    allowance = equivalence.m2_rounding(step.selection_batch, step.keep, step.dtype)
+
+    def close(name: str, actual: float, expected: float) -> bool:
+        return equivalence.compare_values("diagnosis", name, actual, expected, tol, allowance=allowance.get(name, 0.0)) is None
+
+    parts = [oracle.evaluate_with_mask(r.batch(r.logp if r.selection_logp is None else r.selection_logp), r.keep) for r in records]
+    for r, own in zip(records, parts):
+        for name in names:
+            value = r.metrics.get(name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not close(name, float(value), getattr(own, name)):
+                return None  # a record that does not log its own micro-batch's value
+    values = [{name: float(getattr(own, name)) for name in names} for own in parts]
+    counts = [{count: int(getattr(own, count)) for count in set(METRIC_WEIGHTS.values())} for own in parts]
+    logged = {name: math.fsum(float(r.metrics[name]) for r in records) / len(records) for name in names}
+    return unweighted_mean_reproduces(logged, values, counts, close)
+
+
 def _logged_as(step: AuditStep, compared: set[str]) -> list[str]:
     """What logged metrics that are not the optimizer batch's are instead, where the files show it:
     each region's own M2 (Algorithm 1 on a micro-batch, DP rank or CP shard alone) and a
@@ -310,6 +341,15 @@ def _logged_as(step: AuditStep, compared: set[str]) -> list[str]:
                 said.append(f"every logged valid_count is {words}, not the optimizer batch's N = {n}")
                 break
     names = [name for name in REGION_METRICS if name in compared]
+    averaged = micro_batch_metrics(step)
+    if averaged is not None:  # each record's own micro-batch's values on the right mask, not a selection of its own
+        said.append(
+            f"every record logs its own micro-batch's {', '.join(m.name for m in averaged.differing + averaged.agreeing)} on the "
+            "optimizer batch's mask: averaged with equal weight per micro-batch (as verl logs them) "
+            f"{', '.join(m.name for m in averaged.differing)} are not Algorithm 1's token-weighted values (the step's finding "
+            "gives both)"
+        )
+        return said
     scopes = logged_scopes(step) if names and not logged_globally(step, names) else []
     if scopes:
         whose, how = REGION_WORDS[scopes[0]]

@@ -19,10 +19,12 @@ from m2po_oracle.audit.checks import (
     logp_mismatch,
     logp_pairs,
     loss_mismatch_at,
+    micro_batch_metrics,
 )
 from m2po_oracle.audit.reassembly import AuditStep, scope_groups
 from m2po_oracle.audit.records import MicroBatch, StepAudit
 from m2po_oracle.judge import equivalence
+from m2po_oracle.judge.metric_averaging import NAME as METRIC_AVERAGING
 from m2po_oracle.oracle.batch import Batch
 
 
@@ -214,6 +216,8 @@ def diagnose_audit_step(
         found += _forward_deviation(step, bounds)
     if "audit.parameter_gradient" in failing:
         found.append("parameters_without_gradient")
+    if "audit.metrics" in failing and micro_batch_metrics(step) is not None:
+        found.append(METRIC_AVERAGING)  # the averaging of right values: never a selection or mask name
     return found
 
 
@@ -275,6 +279,10 @@ def observations(step: AuditStep, audit: StepAudit) -> list[str]:
     out = []
     if not audit.diagnosis:
         out.append(f"no known deviation explains it (failing: {', '.join(audit.failing)})")
+    if METRIC_AVERAGING in audit.diagnosis:
+        averaged = micro_batch_metrics(step)
+        if averaged is not None:
+            out.append(f"finding: {averaged.summary()}")
     if "audit.loss_sum" in audit.failing:
         whole, shares = implied_divisors(step)
         n = step.expected.valid_count

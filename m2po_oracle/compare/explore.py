@@ -26,6 +26,8 @@ from m2po_oracle.explain.evidence import Examples, Observation, Reading, RunnerF
 from m2po_oracle.explain.record import Diagnosis, Finding
 from m2po_oracle.judge.battery import DRAWN_PADDING, BatteryOutcome
 from m2po_oracle.judge.checks import BEHAVIOURAL_CHECKS
+from m2po_oracle.judge.metric_averaging import NAME as METRIC_AVERAGING
+from m2po_oracle.judge.metric_averaging import UnweightedMean
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import M2POResult
 
@@ -113,8 +115,13 @@ class Evidence:
     non_finite: int = 0  # examples whose loss or gradient is not finite on valid, finite inputs
     non_finite_checks: set[str] = field(default_factory=set)
     non_finite_empty: int = 0  # of those, batches without a valid token (the loss's N is 0)
+    # Steps whose logged metrics are their micro-batches' own values averaged unweighted, with the checks they failed.
+    averaged: list[tuple[UnweightedMean, tuple[str, ...]]] = field(default_factory=list)
 
     def keep(self, outcome: BatteryOutcome, example: Any = None) -> None:
+        if outcome.metric_averaging is not None:
+            checks = tuple(n for n in outcome.failed_checks if n.startswith("metrics."))
+            self.averaged.append((outcome.metric_averaging, checks))
         result = outcome.measurement.result
         if result is None:
             if "call" in outcome.failed_checks and isinstance(outcome.batch, Batch):
@@ -161,16 +168,28 @@ class Evidence:
         return f"; {every} has no valid token at all (N = 0, where Algorithm 1's loss is 0)"
 
     def findings(self) -> list[Finding]:
-        if not self.non_finite:
-            return []
-        return [
-            Finding(
-                "non_finite_result",
-                tuple(sorted(self.non_finite_checks)),
-                f"the loss or gradient is NaN or infinite on {self.non_finite} example(s) whose inputs are finite on every valid "
-                "token: a finding of its own (not a padding leak: padding is probed apart)" + self._empty(),
+        found = []
+        if self.non_finite:
+            found.append(
+                Finding(
+                    "non_finite_result",
+                    tuple(sorted(self.non_finite_checks)),
+                    f"the loss or gradient is NaN or infinite on {self.non_finite} example(s) whose inputs are finite on every "
+                    "valid token: a finding of its own (not a padding leak: padding is probed apart)" + self._empty(),
+                )
             )
-        ]
+        if self.averaged:
+            first, _ = self.averaged[0]
+            checks = sorted({c for _, cs in self.averaged for c in cs})
+            found.append(
+                Finding(
+                    METRIC_AVERAGING,
+                    tuple(checks),
+                    f"on {len(self.averaged)} step(s) the logged metrics are the micro-batches' own values averaged with equal "
+                    f"weight, not Algorithm 1's token-weighted ones; the first: {first.summary()}",
+                )
+            )
+        return found
 
 
 def _finite_on_valid(batch: Batch, result: M2POResult) -> bool:

@@ -118,7 +118,8 @@ class Hint:
 
 @dataclass(frozen=True)
 class Finding:
-    """Something the run showed beside the deviations (``kind``: ``non_finite_result``)."""
+    """Something the run showed beside the deviations (``kind``: ``non_finite_result``,
+    ``unweighted_micro_batch_metric_mean``)."""
 
     kind: str
     checks: tuple[str, ...]

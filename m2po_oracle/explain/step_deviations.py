@@ -131,6 +131,17 @@ STEP_DEVIATIONS: tuple[StepDeviation, ...] = (
         {"trainer": "the KL term uses the k1 estimator logp - ref_logp instead of k3, exp(ref - logp) - (ref - logp) - 1"},
     ),
     StepDeviation(
+        "unweighted_micro_batch_metric_mean",
+        {
+            "trainer": "the logged metrics are each micro-batch's own values on the optimizer batch's mask, averaged with equal "
+            "weight per micro-batch (as verl 0.9.1 averages what a policy loss returns): not Algorithm 1's token-weighted "
+            "value; the selection is right",
+            "audit": "each record logs its own micro-batch's metrics on the optimizer batch's mask (the selection is right); a "
+            "trainer that averages them with equal weight per micro-batch, as verl 0.9.1 does, logs a number other than "
+            "Algorithm 1's token-weighted one",
+        },
+    ),
+    StepDeviation(
         "per_rank_selection_local_n",
         {"audit": "each DP rank selects over its own rows without communication and divides by its own rows' valid count"},
     ),

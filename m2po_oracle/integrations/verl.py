@@ -52,7 +52,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 from m2po_oracle.capture.recorder import Recorder
 from m2po_oracle.core.loss import select_micro_batches
 from m2po_oracle.integrations.hf_window import LOGGED_METRICS, METRIC_PREFIX, summed_over_ranks
-from m2po_oracle.trainer.grpo import M2POKLWarning, selection_metrics, stochastic_layers
+from m2po_oracle.trainer.grpo import M2POKLWarning, micro_batch_metrics, selection_metrics, stochastic_layers
 from m2po_oracle.trainer.guard import Refusal, option, refuse
 
 #: The name the loss is registered under in verl's policy-loss registry (``policy_loss.loss_mode``).
@@ -96,6 +96,7 @@ class VerlFaults:
     kl_k1_estimator: bool = False  # the KL-in-loss term with kl_loss_type=k1 instead of low_var_kl (k3)
     kept_count_denominator: bool = False  # the mini-batch's kept count in place of verl's batch_num_tokens (N)
     per_rank_selection: bool = False  # each data-parallel rank selects over its own rows, without the group
+    micro_batch_metrics: bool = False  # each micro-batch returns its own micro-batch's metrics (the selection right); verl averages them
 
 
 #: verl's options under which the update would not compute Algorithm 1's objective, in the order they are checked.
@@ -184,6 +185,7 @@ class MiniBatch:
     recorder: Any = None
     calls: int = 0  # micro-batches whose loss ran so far
     pending: dict[str, Any] = field(default_factory=dict)  # the policy loss's inputs, for the record
+    pending_metrics: dict[str, Any] | None = None  # what the policy loss returned, where it is not the selection's
 
 
 _MINI_BATCH: contextvars.ContextVar[MiniBatch | None] = contextvars.ContextVar("m2po_verl_mini_batch", default=None)
@@ -250,7 +252,13 @@ def compute_policy_loss_m2po(
     loss = share + (dp_size - 1) * share.detach()  # verl's value (dp_size x the share); the gradient went through logp
     mini_batch.pending = dict(logp=logp, behavior_logp=old_log_prob.detach(), advantages=advantages.detach(), mask=mask, keep=keep)
     metrics: dict[str, Any] = {}
-    if not mini_batch.faults.per_micro_batch_mask:  # a per-micro-batch selection has no one set of metrics
+    if mini_batch.faults.micro_batch_metrics:
+        # A port's natural metrics: its own micro-batch's, on the right mask. verl averages what
+        # each micro-batch returns with equal weight (ppo_loss: Metric(aggregation=MEAN)).
+        own = micro_batch_metrics(log_prob.detach(), old_log_prob.detach(), advantages.detach(), mask, keep)
+        metrics = {METRIC_PREFIX + name: value for name, value in own.items()}
+        mini_batch.pending_metrics = metrics
+    elif not mini_batch.faults.per_micro_batch_mask:  # a per-micro-batch selection has no one set of metrics
         # Every micro-batch reports the mini-batch's own numbers: verl's mean over micro-batches is exact.
         for name, value in selection_metrics(mini_batch.selection).items():
             if name in LOGGED_METRICS:
@@ -289,13 +297,14 @@ def m2po_ppo_loss(inner: Any, config: Any, model_output: Any, data: Any, dp_grou
             # The rank's share of the objective (verl's loss carries the dp_size factor FSDP's average undoes).
             loss=float(loss.detach()) / int(config.global_batch_info.get("dp_size") or 1),
             tau=mini_batch.tau,
-            metrics=selection_metrics(selection_view),
+            # What the micro-batch's loss returned where it is its own (the planted port's), else the selection's.
+            metrics=selection_metrics(selection_view) if mini_batch.pending_metrics is None else mini_batch.pending_metrics,
             selection_logp=data.get("m2po_prepass", None),
             # The sampler's own log-probs beside the behaviour log-probs the loss used: the audit compares them.
             rollout_logp=torch.where(pending["mask"], data["rollout_log_probs"].to(pending["logp"].dtype), torch.nan),
         )
         recorder.watch_gradient(pending["logp"])
-    mini_batch.pending = {}
+    mini_batch.pending, mini_batch.pending_metrics = {}, None
     return loss, metrics
 
 

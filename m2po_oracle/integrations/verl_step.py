@@ -67,6 +67,17 @@ VERL_CONTROLS: dict[str, TrainerControl] = {
             {"kept_count_denominator": True},
             ("loss", "gradient"),
         ),
+        # A port's natural metrics: each micro-batch returns its own (on the right mask), which
+        # verl averages with equal weight per micro-batch. The selection, loss and gradient are
+        # right: the logged numbers are not Algorithm 1's, a finding named for the averaging.
+        TrainerControl(
+            "micro_batch_metrics",
+            "each micro-batch's policy loss returns its own micro-batch's M2PO metrics on the mini-batch's mask, which verl "
+            "averages with equal weight per micro-batch",
+            {"micro_batch_metrics": True},
+            ("metrics.masked_fraction",),
+            diagnosed_as="unweighted_micro_batch_metric_mean",
+        ),
     )
 }
 #: The verl release the CPU glue below is written against.

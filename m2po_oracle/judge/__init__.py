@@ -1,3 +1,4 @@
 """Judging one example: the checks, the tolerance policy, the equivalence comparator, the
-contract a loss function answers to, the battery, the invalid-input probes and the coverage
-of what an example could have caught."""
+contract a loss function answers to, the battery, the invalid-input probes, the coverage
+of what an example could have caught, and the reading of a logged metric as its
+micro-batches' values averaged with equal weight."""

@@ -27,6 +27,7 @@ from m2po_oracle.judge.equivalence import (
     tolerance,
     valid_m2,
 )
+from m2po_oracle.judge.metric_averaging import UnweightedMean
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.oracle.record import PaddingProbe
 
@@ -52,6 +53,9 @@ class BatteryOutcome:
     #: The padding probes the result changed under, for the diagnosis to tell a deviation
     #: that reads padding from a leak.
     padding_probes: tuple[PaddingProbe, ...] = ()
+    #: A step whose logged metrics are its micro-batches' own values averaged unweighted (a
+    #: finding beside its failing metric checks: the selection is right, the log is not Algorithm 1's).
+    metric_averaging: UnweightedMean | None = None
 
     @property
     def passed(self) -> bool:

@@ -79,7 +79,7 @@ class Diagnosis:
         tuple[Finding, ...] | UnsetType,
         doc(
             "findings beside the deviations",
-            when="absent where the implementation could not be loaded; items only where the loss or gradient is NaN/inf on inputs finite on every valid token",
+            when="absent where the implementation could not be loaded; items only where the loss or gradient is NaN/inf on inputs finite on every valid token, or where a training step's logged metrics are its micro-batches' own values averaged with equal weight",
         ),
     ] = UNSET
     hints: Annotated[
@@ -121,7 +121,7 @@ class Hint:
 class Finding:
     """`diagnosis.findings[]`"""
 
-    kind: Annotated[str, doc("`non_finite_result`")]
+    kind: Annotated[str, doc("`non_finite_result` or `unweighted_micro_batch_metric_mean`")]
     checks: Annotated[tuple[str, ...], doc("the checks it concerns")]
     summary: Annotated[str, doc("the finding in one line")]
 

@@ -12,7 +12,8 @@ import torch
 
 from m2po_oracle import oracle
 from m2po_oracle.explain.step_deviations import described
-from m2po_oracle.judge.equivalence import compare_values, same_up_to_ties, tolerance, valid_m2
+from m2po_oracle.judge.equivalence import check_selection, compare_values, m2_rounding, same_up_to_ties, tolerance, valid_m2
+from m2po_oracle.judge.metric_averaging import METRIC_WEIGHTS, UnweightedMean, unweighted_mean_reproduces
 from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.trainer.checks import ROLLOUT_LOGP_DTYPE, compare_params, logp_check
 from m2po_oracle.trainer.grpo import stochastic_layers
@@ -133,6 +134,41 @@ def _test_parameters_without_gradient(step: TrainerStep) -> tuple[bool, bool]:
     return bool(silent) and rest_right, bool(silent)
 
 
+def metric_averaging(step: TrainerStep) -> UnweightedMean | None:
+    """The step's logged metrics as the unweighted mean over its micro-batches of each one's
+    own metrics on the step's mask, where that, and not Algorithm 1's token-weighted value,
+    is what was logged and the mask is Algorithm 1's on the optimizer batch; else None."""
+    record, batch = step.record, step.batch
+    keep = record.keep.numpy()
+    if not record.metrics or check_selection(batch, keep, step.dtype):
+        return None  # nothing logged, or the mask itself is not Algorithm 1's: no averaging explains it
+    rows = _micro_rows(record.split)
+    parts = [oracle.evaluate_with_mask(_sub(batch, r), keep[r]) for r in rows]
+    tol = tolerance(step.dtype, "metric")
+    allowance = m2_rounding(batch, keep & batch.valid, step.dtype)
+
+    def close(name: str, actual: float, expected: float) -> bool:
+        return compare_values("diagnosis", name, actual, expected, tol, allowance=allowance.get(name, 0.0)) is None
+
+    # An empty micro-batch logs 0 where the trainer runs it (verl never makes one): the mean over
+    # every micro-batch, else over those with rows.
+    found = None
+    for chosen in (parts, [p for p, r in zip(parts, rows) if r.stop > r.start]):
+        counts = [{c: int(getattr(p, c)) for c in set(METRIC_WEIGHTS.values())} for p in chosen]
+        values = [{name: float(getattr(p, name)) for name in METRIC_WEIGHTS} for p in chosen]
+        found = unweighted_mean_reproduces(record.metrics, values, counts, close) if chosen else None
+        if found is not None:
+            break
+    return found
+
+
+def _test_unweighted_micro_batch_metric_mean(step: TrainerStep) -> tuple[bool, bool]:
+    """The logged metrics are the unweighted mean of the micro-batches' own values on a right
+    mask, and not Algorithm 1's (distinct: some logged value differs from the weighted one)."""
+    found = metric_averaging(step) is not None
+    return found, found
+
+
 @dataclass(frozen=True)
 class TrainerVariant:
     name: str
@@ -149,6 +185,7 @@ _TESTS: dict[str, Callable[[TrainerStep], tuple[bool, bool]]] = {
     "optimizer_step_per_micro_batch": _test_optimizer_step_per_micro_batch,
     "parameters_without_gradient": _test_parameters_without_gradient,
     "kl_k1_estimator": _test_kl_k1_estimator,
+    "unweighted_micro_batch_metric_mean": _test_unweighted_micro_batch_metric_mean,
 }
 #: The trainer's names, in the registry's order (:mod:`m2po_oracle.explain.step_deviations`), each with its test.
 TRAINER_VARIANTS: tuple[TrainerVariant, ...] = tuple(

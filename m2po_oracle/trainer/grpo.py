@@ -386,6 +386,26 @@ def selection_metrics(selection: Any) -> dict[str, float | int]:
     }
 
 
+def micro_batch_metrics(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor
+) -> dict[str, float]:
+    """M2PO's logged metrics over one micro-batch's tokens only, on the mask it was handed: what a
+    loss that sees one micro-batch computes (a port's natural metrics, planted by the controls
+    whose trainer averages them over micro-batches; Algorithm 1's are the optimizer batch's)."""
+    d = torch.where(mask, logp.double() - behavior_logp.double(), 0.0)
+    a = advantages.double()
+    trust = mask & (((a > 0) & (d > 0)) | ((a < 0) & (d < 0)))
+    kept_trust = trust & keep
+    m2 = d * d
+    valid, in_trust, kept = int(mask.sum()), int(trust.sum()), int(kept_trust.sum())
+    return {
+        "m2_before": float(m2[trust].sum()) / in_trust if in_trust else 0.0,
+        "m2_after": float(m2[kept_trust].sum()) / kept if kept else 0.0,
+        "masked_fraction": int((mask & ~keep).sum()) / valid if valid else 0.0,
+        "trust_region_fraction": in_trust / valid if valid else 0.0,
+    }
+
+
 class GRPOTrainer:
     """One GRPO + M2PO optimizer step per :meth:`step`; the policy is updated in place."""
 

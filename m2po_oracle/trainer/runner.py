@@ -46,7 +46,7 @@ from m2po_oracle.oracle.batch import Batch
 from m2po_oracle.trainer.cases import TrainerCase, trainer_cases
 from m2po_oracle.trainer.checks import CHECK_NAMES, check_trainer_step, trainer_checks_ran
 from m2po_oracle.trainer.controls import CONTROLS_BY_NAME
-from m2po_oracle.trainer.diagnosis import VARIANT_DESCRIPTIONS, explain
+from m2po_oracle.trainer.diagnosis import VARIANT_DESCRIPTIONS, explain, metric_averaging
 from m2po_oracle.trainer.probes import TRAINER_PROBES, run_trainer_probe
 from m2po_oracle.trainer.run import TRAINER_DTYPES, TrainerFactory, TrainerStep, run_case
 
@@ -193,6 +193,9 @@ class TrainerRunner:
                 case=case.to_dict(),
             )
         consistent, evidenced = explain(step) if mismatches else (None, None)
+        # A logged metric that is not Algorithm 1's may be the micro-batches' own values averaged
+        # unweighted: a finding beside the failing metric checks, with the weighted value.
+        averaged = metric_averaging(step) if any(m.check.startswith("metrics.") for m in mismatches) else None
         return BatteryOutcome(
             step.batch,
             Measurement(step.batch, dtype, step.m2po_result),
@@ -201,6 +204,7 @@ class TrainerRunner:
             evidenced=evidenced,
             case={**case.to_dict(), "trainer": _step_summary(step)},
             checked=trainer_checks_ran(step),
+            metric_averaging=averaged,
         )
 
     def replay_command(self, case: TrainerCase) -> str:

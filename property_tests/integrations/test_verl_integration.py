@@ -118,6 +118,23 @@ def test_each_verl_control_is_caught_by_its_check_and_named_by_the_diagnosis(con
     )
 
 
+def test_per_micro_batch_metrics_averaged_by_verl_are_a_finding_beside_the_weighted_value():
+    """Each micro-batch returns its own metrics on the right mask; verl's own averaging logs their
+    mean with equal weight. Only the metric checks fail; the finding holds verl's logged number
+    and Algorithm 1's token-weighted one, and no selection or mask deviation is named."""
+    outcome = _outcome("trainer:verl:micro_batch_metrics")
+    failed = {m.check for m in outcome.mismatches}
+    assert failed and all(check.startswith("metrics.") for check in failed), failed
+    assert outcome.evidenced == ("unweighted_micro_batch_metric_mean",), (outcome.explained_by, outcome.evidenced)
+    found = outcome.metric_averaging
+    assert found is not None and found.micro_batches == 2
+    masked = {m.name: m for m in found.differing}["masked_fraction"]
+    # The scoped case: 12 and 10 valid tokens, 2 and 1 masked; verl logs (2/12 + 1/10) / 2, Algorithm 1 3/22.
+    assert masked.counts == (12, 10) and masked.logged == pytest.approx((2 / 12 + 1 / 10) / 2, rel=1e-6), masked
+    assert masked.weighted == pytest.approx(3 / 22, rel=1e-12), masked
+    assert "masked_fraction logged 0.133333, token-weighted 0.136364" in found.summary(), found.summary()
+
+
 def test_verl_with_its_k3_kl_term_passes_the_kl_check_that_its_k1_control_fails():
     # The control's own run (kl_loss_type=k1, caught and named) is the parametrised test above.
     assert VERL_CONTROLS["kl_k1_estimator"].beta == 0.1 and "trainer.kl_term" in VERL_CONTROLS["kl_k1_estimator"].caught_by
@@ -188,6 +205,7 @@ AUDITED = {
     "current_policy_as_behavior": ("audit.behavior_logp", "current_policy_as_behavior"),
     "optimizer_step_per_micro_batch": ("audit.policy_logp", "optimizer_step_per_micro_batch"),
     "kept_count_denominator": ("audit.gradient", "kept_count_denominator"),
+    "micro_batch_metrics": ("audit.metrics", "unweighted_micro_batch_metric_mean"),
 }
 
 
@@ -204,6 +222,9 @@ def test_each_planted_bug_in_a_real_verl_update_is_caught_and_named_by_the_audit
     assert caught, f"{fault}: no step fails {check}: {[(s.step, s.verdict) for s in report.steps]}"
     assert any(s.diagnosis == [name] for s in caught), [(s.step, s.diagnosis) for s in caught]
     assert all(set(s.diagnosis) <= {name} for s in report.steps), [(s.step, s.diagnosis) for s in report.steps]
+    if fault == "micro_batch_metrics":  # right values averaged wrong: only the metrics fail, a finding says both means
+        assert all(s.failing == ["audit.metrics"] for s in caught), [(s.step, s.failing) for s in caught]
+        assert all(any(o.startswith("finding: ") and "token-weighted" in o for o in s.observations) for s in caught)
 
 
 def test_two_gloo_ranks_under_torchrun_select_once_over_the_dp_group_and_audit_equivalent(tmp_path):

@@ -40,9 +40,11 @@ def test_trainer_verl_without_verl_is_a_usage_error_saying_how_to_install_it(spe
 
 
 def test_the_verl_controls_plant_the_other_integrations_faults_and_read_without_verl():
-    # ms-swift's controls, then verl's own: the kept count handed to agg_loss as its token count.
-    assert list(VERL_CONTROLS) == [*SWIFT_CONTROLS, "kept_count_denominator"]
+    # ms-swift's controls, then verl's own: the kept count handed to agg_loss as its token count,
+    # and each micro-batch's own metrics, which verl averages with equal weight (named for the averaging).
+    assert list(VERL_CONTROLS) == [*SWIFT_CONTROLS, "kept_count_denominator", "micro_batch_metrics"]
     assert VERL_CONTROLS["kept_count_denominator"].variant == "kept_count_denominator"
+    assert VERL_CONTROLS["micro_batch_metrics"].variant == "unweighted_micro_batch_metric_mean"
     for name, control in SWIFT_CONTROLS.items():
         assert (control.caught_by, control.variant, control.beta, control.faults) == (
             VERL_CONTROLS[name].caught_by,
