@@ -465,8 +465,11 @@ def test_a_logged_count_never_names_a_denominator_the_loss_and_gradient_contradi
         statuses = _statuses(step)
         assert statuses["audit.loss_sum"] == statuses["audit.gradient"] == "pass", statuses  # the window's N: the loss is right
         assert not DENOMINATORS & set(step.diagnosis), (step.step, step.diagnosis, "named from a logged count alone")
-        # The scope is named where the mask shows it, and only there.
-        assert step.diagnosis == (["per_micro_batch_mask"] if statuses["audit.selection"] == "fail" else []), (
+        # The scope is named where the mask shows it, and only there; where the per-micro-batch
+        # masks are the global one, what is left is that each record logs its own micro-batch's
+        # metrics on that mask: named as the logs' averaging, never as a mask or a denominator.
+        expected = ["per_micro_batch_mask"] if statuses["audit.selection"] == "fail" else ["unweighted_micro_batch_metric_mean"]
+        assert step.diagnosis == expected, (
             step.step,
             step.diagnosis,
             statuses,
