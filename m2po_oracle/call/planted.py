@@ -164,8 +164,8 @@ def _clip_cap(d: torch.Tensor, sign_source: torch.Tensor, mask: torch.Tensor, ta
     c2 = cap_squared(values, tau, dev.selection_kind)
     c = torch.sqrt(c2)
     lo, hi = torch.exp(-c), torch.exp(c)
-    if dev.clip_bound_float32:
-        lo, hi = lo.float().to(dtype), hi.float().to(dtype)
+    if dev.clip_bound_float32:  # c as a Python float into torch's default dtype, then exp there
+        lo, hi = torch.exp(-c.float()).to(dtype), torch.exp(c.float()).to(dtype)
     if dev.clip_floors is not None:
         low, high = dev.clip_floors
         lo = torch.minimum(lo, torch.tensor(1 - low, dtype=dtype))

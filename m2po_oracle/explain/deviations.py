@@ -108,7 +108,7 @@ class Deviation:
     budget_scale: float = knob(1.0, selection=True, objective=True)  # the budget the selection compares with is tau * this
     clip_bound_float32: bool = knob(
         False, selection=True, objective=True
-    )  # clip kinds: the ratio range [exp(-c), exp(c)] rounded through float32
+    )  # clip kinds: the ratio range [exp(-c), exp(c)] computed in float32 from c rounded to float32
     ppo_clip: float | None = knob(
         None, objective=True, loss_effect="PPO's clip on kept tokens", mask_only=True, silences_kept=True
     )  # PPO's epsilon-clip still applied to kept tokens
@@ -456,7 +456,7 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     _variant(
         "clip_bound_float32",
-        "the clip range's bounds exp(-c), exp(c) rounded through float32",
+        "the clip range's bounds exp(-c), exp(c) computed in float32 (c rounded to float32, then exp)",
         CLIP,
         clip_bound_float32=True,
         acts_with=("authors_release_clip", "water_filling_clip"),

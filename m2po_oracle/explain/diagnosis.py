@@ -15,6 +15,9 @@ variant's ``acts_with``); a deviation whose value a port picks itself (floors, c
 epsilon, budget scale, margins) is fitted to the data and named with its value. It keeps
 the few combinations that reproduce the most (observation, field) pairs, until one
 reproduces every pair or nothing grows; deviations whose removal loses nothing are dropped.
+Where that explanation leaves held-out failing examples unreproduced (what the sample never
+showed), half of them join the sample for a second search, whose explanation stands only
+if it reproduces more of the examples still held out (:func:`second_search`).
 
 Coverage, not unanimity: real ports carry quirks on a few examples (a margin at an exact
 tie), so for every failing check the report states the share of its failing examples the
@@ -70,6 +73,11 @@ from m2po_oracle.judge.checks import result_field
 PRECISION_OPTIONS = {"float32_selection": "--compute-dtype float32", "float32_metrics": "--compute-dtype float32"}
 
 
+#: Held-out failing examples the sample's explanation leaves unreproduced before half of them
+#: join the sample for a second search (two: one moved in, one left to judge it on).
+WIDEN_AT_LEAST = 2
+
+
 #: A runner that knows nothing beyond its single examples.
 RUNNER_FACTS = RunnerFacts()
 
@@ -102,6 +110,8 @@ def diagnose(
     )
     output_variants = [v.name for v in VARIANTS if v.name != "algorithm_1" and not v.is_behavioural]
     explanation = search(judge, output_variants) if observations else Explanation((), 0, 0)
+    judge, explanation = second_search(judge, explanation, output_variants)
+    sample = len(judge.sample)
     if explanation.alternatives:
         # Of equally small explanations: one that also reproduces the port under the padding
         # probes (it reads padding, e.g. column 0's advantage) explains more than a leak; then
@@ -286,6 +296,44 @@ def _cover(explanations: dict[str, set[str]], order: list[str]) -> tuple[dict[st
         (n,) for n in everyone if n not in chosen and any(covers[n] == {c for c, v in choice.items() if v == m} for m in chosen)
     ]
     return choice, alternatives
+
+
+def unreproduced_held_out(judge: Judge, dev: Deviation) -> list[int]:
+    """The held-out examples (beyond the search's sample) with a failing check whose field
+    ``dev`` does not reproduce, in the order the run met them."""
+    left = []
+    for i in range(len(judge.observations)):
+        checked = {result_field(c) for c in judge.observations[i].failed} & judge.fields[i]
+        if judge.held_out(i) and checked & set(judge.differences(dev, i)):
+            left.append(i)
+    return left
+
+
+def _held_out_score(judge: Judge, dev: Deviation) -> int:
+    """The (observation, field) pairs beyond the search's sample that ``dev`` reproduces."""
+    held = [i for i in range(len(judge.observations)) if judge.held_out(i)]
+    return sum(len(judge.fields[i]) - len(judge.differences(dev, i)) for i in held)
+
+
+def second_search(judge: Judge, explanation: Explanation, candidates: Sequence[str]) -> tuple[Judge, Explanation]:
+    """A second search where the sample missed what the held-out examples show.
+
+    The sample holds the run's first failing examples; a deviation that acts only on inputs
+    met later (a float32 clip bound at a dyadic breakpoint) leaves held-out failing examples
+    unreproduced that no sample example resembles, and no search on the sample can name it.
+    Then every other such example (the first, third, ...) joins the sample and the search
+    runs again; the rest stay held out. The second explanation replaces the first only when
+    it reproduces more of the examples still held out, where neither was chosen: a deviation
+    fitted to the examples moved in, and to nothing beyond them, leaves the first standing."""
+    left = unreproduced_held_out(judge, merge(explanation.components) or ALGORITHM_1)
+    if len(left) < WIDEN_AT_LEAST:
+        return judge, explanation
+    wider = judge.widened(left[::2])
+    second = search(wider, candidates)
+    before = _held_out_score(wider, merge(explanation.components) or ALGORITHM_1)
+    if _held_out_score(wider, merge(second.components) or ALGORITHM_1) > before:
+        return wider, second
+    return judge, explanation
 
 
 def _responsible(judge: Judge, components: tuple[str, ...], field_name: str, reproduced: list[int]) -> list[str]:

@@ -3,6 +3,7 @@ and the ``Judge`` that says which fields a set of deviations reproduces on it.""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Iterable, Sequence
@@ -137,8 +138,8 @@ class Judge:
         self._unreadable: dict[tuple[tuple, int], np.ndarray] = {}
         self.dtype, self.compute_dtype, self.supplied = dtype, compute_dtype or dtype, supplied
         self.fields = [self._fields(o.result, supplied) for o in self.observations]
-        #: The search scores the first ``sample`` observations; shares count every one.
-        self.sample = range(len(self.observations) if sample is None else min(sample, len(self.observations)))
+        #: The search scores the first ``sample`` observations (and those :meth:`widened` adds); shares count every one.
+        self.sample: Sequence[int] = range(len(self.observations) if sample is None else min(sample, len(self.observations)))
         self.total = sum(len(self.fields[i]) for i in self.sample)
         self._order = list(self.sample)  # the order ``score`` asks the sample in
         self._differences: dict[tuple[Deviation, int], dict[str, str]] = {}
@@ -152,6 +153,25 @@ class Judge:
         present = {"keep", "loss"} | ({"grad"} if result.grad is not None else set())
         present |= {n for n in METRIC_FIELDS + COUNT_FIELDS if getattr(result, n) is not None}
         return frozenset(present if supplied is None else present & supplied)
+
+    def held_out(self, i: int) -> bool:
+        """Whether observation ``i`` lies beyond the search's sample."""
+        return i not in self._in_sample
+
+    @functools.cached_property
+    def _in_sample(self) -> frozenset[int]:
+        return frozenset(self.sample)
+
+    def widened(self, more: Sequence[int]) -> Judge:
+        """The same observations with ``more`` of the held-out ones in the search's sample
+        (appended: the sample keeps its order). What is memoised per observation is shared:
+        an observation keeps its index."""
+        wider = copy.copy(self)
+        wider.__dict__.pop("_in_sample", None)
+        wider.sample = (*self.sample, *(i for i in more if self.held_out(i)))
+        wider.total = sum(len(self.fields[i]) for i in wider.sample)
+        wider._order = list(wider.sample)
+        return wider
 
     def differences(self, dev: Deviation, i: int) -> dict[str, str]:
         """Field -> what differs first, for the fields ``dev`` does not reproduce on observation ``i``."""

@@ -91,10 +91,9 @@ def share_of(judge: Judge, dev: Deviation, field_name: str, check: str) -> Measu
         and field_name not in judge.differences(ALGORITHM_1, i)
     ]
     residual = sorted(set(failing) - set(reproduced)) + contradicted
-    beyond = judge.sample.stop
-    held_failing = [i for i in failing if i >= beyond]
+    held_failing = [i for i in failing if judge.held_out(i)]
     held_out = (
-        HeldOut(sum(1 for i in reproduced if i >= beyond), len(held_failing), sum(1 for i in contradicted if i >= beyond))
+        HeldOut(sum(1 for i in reproduced if judge.held_out(i)), len(held_failing), sum(1 for i in contradicted if judge.held_out(i)))
         if held_failing
         else None
     )

@@ -172,6 +172,15 @@ def cap_squared(v: np.ndarray, tau: float, kind: str) -> float | None:
     return (budget - float(prefix[k])) / (n - k)
 
 
+def float32_exp(x: float) -> float:
+    """exp(x) as a port computes it from a Python float in torch's default dtype
+    (``torch.exp(torch.tensor(x))``): x rounded to float32, then float32's exp of it, correctly
+    rounded. Rounding x first moves the bound by up to x * 2^-24 relative, more than rounding
+    exp(x) alone: the two can fall on either side of a token's ratio at the cap."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(np.exp(np.float64(np.float32(x)))))
+
+
 @dataclass(frozen=True)
 class ClipOutcome:
     keep: np.ndarray  # valid tokens whose gradient the clip does not zero
@@ -191,7 +200,7 @@ def clip_outcome(batch: Batch, dev: Deviation) -> ClipOutcome:
     # The same exp as the ratio's: at d == c exactly the token is on the bound, not beyond it.
     low, high = (0.0, dev.unconstrained_ratio_bound) if c2 is None else (float(np.exp(-np.sqrt(c2))), float(np.exp(np.sqrt(c2))))
     if dev.clip_bound_float32 and c2 is not None:
-        low, high = float(np.float32(low)), float(np.float32(high))
+        low, high = float32_exp(-math.sqrt(c2)), float32_exp(math.sqrt(c2))
     if dev.clip_floors is not None and c2 is not None:
         low, high = min(low, 1.0 - dev.clip_floors[0]), max(high, 1.0 + dev.clip_floors[1])
     a = np.where(batch.valid, batch.advantages, 0.0)

@@ -168,3 +168,112 @@ def test_scope_bugs_are_caught_within_50_examples_whatever_the_seed(fn):
         if report.verdict != "divergent":
             late[seed] = report.verdict
     assert not late, f"{fn.__name__}: passed 50 examples on seeds {sorted(late)}"
+
+
+def _clip_with_floors_and_float32_bound():
+    from m2po_oracle.explain.deviations import combine
+
+    return combine(["authors_release_clip", "clip_floors", "clip_bound_float32"])
+
+
+def _observed(batch, dev, quirk: float = 1.0):
+    """What a port with ``dev`` returns on ``batch`` (its loss times ``quirk``), and the checks it fails."""
+    from dataclasses import replace
+
+    from m2po_oracle.explain import evidence, variants
+    from m2po_oracle.judge.equivalence import compare_to_oracle
+
+    result = variants.m2po(batch, dev)
+    result = replace(result, loss=result.loss * quirk)
+    return evidence.Observation(batch, result, frozenset(m.check for m in compare_to_oracle(batch, result, "float64")))
+
+
+def _early_batches(count: int):
+    """Small log ratios: the budget's cap lies inside the floors, which decide the range."""
+    import numpy as np
+
+    from m2po_oracle.oracle.batch import Batch
+
+    rng = np.random.default_rng(0)
+    return [
+        Batch(rng.normal(0, 0.3, (2, 6)) - 1.0, np.full((2, 6), -1.0), rng.choice([-1.0, 1.0], (2, 6)), np.ones((2, 6), bool), 0.02)
+        for _ in range(count)
+    ]
+
+
+def _late_batches(count: int):
+    """One row, A = +1, d = [0.125, x, 2.0] with x in (0.41, 0.5): the cap c^2 = x^2 - 1e-12
+    lies beyond the 1.5 floor, and float32's exp of c rounded to float32 reaches over the
+    token at the cap, which float64's range clips (the float32 bound decides its gradient)."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from m2po_oracle.explain import variants
+    from m2po_oracle.oracle.batch import Batch
+
+    dev = _clip_with_floors_and_float32_bound()
+    wide = replace(dev, clip_bound_float32=False)
+    found = []
+    for k in range(410, 500):
+        logp = np.array([[-0.875, -1.0 + k / 1000, 1.0]])
+        v = np.sort(((logp + 1.0) ** 2).ravel())
+        tau = round((v[0] + 2 * v[1] + v.sum()) / 6, 2)  # S = 3 tau between g(1) and g(2): the cap is v_1's breakpoint
+        batch = Batch(logp, np.full((1, 3), -1.0), np.ones((1, 3)), np.ones((1, 3), bool), tau)
+        if variants.m2po(batch, dev).keep[0, 1] and not variants.m2po(batch, wide).keep[0, 1]:
+            found.append(batch)
+    assert len(found) >= count
+    return found[:count]
+
+
+def test_a_deviation_the_sample_never_shows_is_named_from_the_held_out_examples(monkeypatch):
+    """The sample is the run's first examples; a float32 clip bound shows only on batches met
+    later. The held-out failing examples the sample's explanation leaves unreproduced: half
+    join the sample for a second search, and the name must hold on the other half."""
+    from m2po_oracle.explain import diagnosis, evidence
+
+    dev = _clip_with_floors_and_float32_bound()
+    observations = [_observed(b, dev) for b in _early_batches(8) + _late_batches(6)]
+    failed = tuple(dict.fromkeys(c for o in observations for c in sorted(o.failed)))
+    examples = evidence.Examples(tuple(observations[:6]), failed, held_out=tuple(observations[6:]))
+    d = diagnosis.diagnose(examples, evidence.Reading("float64"), divergent=True)
+    assert {"authors_release_clip", "clip_floors", "clip_bound_float32"} <= set(d.components), d.summary
+    assert not d.unexplained and all(s.explained == s.failing for s in d.shares.values()), d.summary
+    held = d.shares["loss"].held_out
+    assert held is not None and held.explained == held.failing >= 3, "it holds on the late examples it was not chosen on"
+    # The planted bug: a search on the sample alone never sees the float32 bound, and its
+    # float64 range contradicts the late examples' selection, which is Algorithm 1's.
+    monkeypatch.setattr(diagnosis, "WIDEN_AT_LEAST", len(observations) + 1)
+    alone = diagnosis.diagnose(examples, evidence.Reading("float64"), divergent=True)
+    assert "clip_bound_float32" not in alone.components and {"loss", "selection.budget"} <= set(alone.unexplained), alone.summary
+
+
+def test_a_second_search_fitted_to_the_examples_it_moved_in_leaves_the_first_standing():
+    """Late failing examples of two kinds, alternating: rows of unequal length whose loss is
+    divided by rows x padded length (names the vocabulary has; on the early, full rows it is
+    N), then a loss off by a factor of its own (a quirk no name describes). The second search
+    names the divisor from the half it moved in; the other half does not have it, so the
+    sample's explanation and its held-out examples stand."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from m2po_oracle.explain import diagnosis, evidence
+    from m2po_oracle.explain.deviations import combine
+
+    dev = _clip_with_floors_and_float32_bound()
+    row_mean = combine(["authors_release_clip", "clip_floors", "clip_bound_float32", "seq_mean_token_sum_norm"])
+    valid = np.array([[True] * 6, [True] * 2 + [False] * 4])
+    ragged = [replace(b, valid=valid) for b in _early_batches(14)[8:]]
+    late = [_observed(b, row_mean) if k % 2 == 0 else _observed(b, dev, quirk=1.0 + 0.37 * (k + 1) ** 1.5) for k, b in enumerate(ragged)]
+    judge = evidence.Judge(
+        [_observed(b, dev) for b in _early_batches(8)] + late, dtype="float64", compute_dtype=None, supplied=None, sample=6
+    )
+    names = [v.name for v in VARIANTS if v.name != "algorithm_1" and not v.is_behavioural]
+    first = diagnosis.search(judge, names)
+    left = diagnosis.unreproduced_held_out(judge, evidence.merge(first.components))
+    assert left == list(range(8, 14)), "every late example is left unreproduced, the divisor's moved in"
+    fitted = diagnosis.search(judge.widened(left[::2]), names).components
+    assert {"padded_denominator", "seq_mean_token_sum_norm"} & set(fitted), f"the second search fits the moved half: {fitted}"
+    wider, second = diagnosis.second_search(judge, first, names)
+    assert wider is judge and second is first
