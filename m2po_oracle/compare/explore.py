@@ -8,7 +8,7 @@ import itertools
 import random
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -256,7 +256,7 @@ def explore_and_judge(
             raise StopExploring(
                 f"{health.timeouts} calls timed out (--timeout {options.timeout:g} s): every further call would likely wait it out too"
             )
-        if report.examples >= MAX_DEAD_CALLS and health.crashes >= report.examples:
+        if report.examples >= MAX_DEAD_CALLS and died_on_every_call(runner, report):
             raise StopExploring(f"the implementation's process died on each of the first {health.crashes} calls")
         return False
 
@@ -281,9 +281,15 @@ def explore_and_judge(
     hung = runner.health.timeouts >= MAX_TIMEOUTS
     supplied = supplied_fields(runner)
     diagnose_failures(runner, report, evidence, supplied)
+    # Shrinking waits out every timeout again, and where the process died on every call each
+    # smaller batch only dies too, in a fresh process each: the first failing example stands.
+    dead = died_on_every_call(runner, report)
     report.counterexamples = counterexamples_of(
-        runner, report, strategy, exploration.shrink and not runner.health.timeouts, supplied, checks
+        runner, report, strategy, exploration.shrink and not runner.health.timeouts and not dead, supplied, checks
     )
+    if dead and exploration.shrink:
+        why = "not shrunk: the implementation's process died on every call, so every smaller batch would only die too"
+        report.counterexamples = [replace(c, shrink_stopped=why) for c in report.counterexamples]
     if database:
         database.save(c.example for c in report.counterexamples)
     if exploration.skip_validation:
@@ -294,6 +300,11 @@ def explore_and_judge(
         report.validation_not_run = "no call returned a result, so a refusal of invalid input cannot be told from any other failure"
     else:
         report.validation = runner.validation()
+
+
+def died_on_every_call(runner: Runner, report: CompareReport) -> bool:
+    """Whether the implementation's process died on each call of the run (and it had some)."""
+    return bool(report.examples) and runner.health.crashes >= report.examples
 
 
 def supplied_fields(runner: Runner) -> frozenset[str] | None:
